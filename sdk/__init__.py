@@ -1,0 +1,1 @@
+"""hearthlm: embeddable async LLM inference."""
