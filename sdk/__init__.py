@@ -1,1 +1,17 @@
-"""hearthlm: embeddable async LLM inference."""
+"""hearthlm: embeddable async LLM inference.
+
+    async with Session.open("smollm2-135m-instruct") as s:
+        print((await s.generate("The capital of France is", max_tokens=16)).text)
+"""
+from hearthlm.runtime.errors import (BackendError, ContextLengthError, GGUFError, HearthError,
+                                     InvalidRequestError, ModelLoadError, ModelNotFoundError, QueueFull,
+                                     SessionClosedError, UnsupportedModelError)
+from hearthlm.runtime.sampling import SamplingParams
+from hearthlm.session import Session
+from hearthlm.types import Chunk, Completion
+
+__all__ = [
+    "Session", "SamplingParams", "Completion", "Chunk",
+    "HearthError", "ModelLoadError", "GGUFError", "UnsupportedModelError", "ModelNotFoundError",
+    "ContextLengthError", "InvalidRequestError", "QueueFull", "SessionClosedError", "BackendError",
+]

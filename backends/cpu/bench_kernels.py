@@ -1,0 +1,70 @@
+"""Benchmark of the CPU weight kernels: matvec G weights/s and 512-token matmul GFLOP/s per type.
+
+    python -m hearthlm.backends.cpu.bench_kernels [--types Q4_1,Q8_0] [--rows 8192] [--cols 2048]
+
+Random weights (quantized with gguf.quants, or random bytes with sane scales for K-quants).
+The default matvec matrix (8192 x 2048) is larger than the L2 caches, like a model's weights.
+"""
+
+import argparse
+import time
+
+import numpy as np
+from gguf import quants
+from gguf.constants import GGML_QUANT_SIZES
+from gguf.constants import GGMLQuantizationType as T
+
+from .matmul import matmul
+from .qtypes import pack_weight
+
+DEFAULT_TYPES = "F32,F16,BF16,Q8_0,Q4_0,Q4_1,Q5_0,Q5_1,Q2_K,Q3_K,Q4_K,Q5_K,Q6_K"
+_F16_FIELDS = {T.Q2_K: (80, 82), T.Q3_K: (108,), T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,)}
+
+
+def random_raw(qtype: T, n_rows: int, n_cols: int, rng) -> np.ndarray:
+    if qtype in _F16_FIELDS:
+        block, size = GGML_QUANT_SIZES[qtype]
+        raw = rng.integers(0, 256, size=(n_rows * n_cols // block, size), dtype=np.uint8)
+        for off in _F16_FIELDS[qtype]:
+            raw[:, off:off + 2] = rng.uniform(0.001, 0.02, raw.shape[0]).astype(np.float16).view(np.uint8).reshape(-1, 2)
+        return raw.reshape(n_rows, -1)
+    w = rng.standard_normal((n_rows, n_cols)).astype(np.float32)
+    return w.view(np.uint8) if qtype == T.F32 else quants.quantize(w, qtype).view(np.uint8).reshape(n_rows, -1)
+
+
+def best_time(fn, min_time=0.3, max_reps=200) -> float:
+    fn()  # warm: compile, caches
+    times, start = [], time.perf_counter()
+    while len(times) < max_reps and (time.perf_counter() - start < min_time or len(times) < 3):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--types", default=DEFAULT_TYPES)
+    ap.add_argument("--rows", type=int, default=8192)
+    ap.add_argument("--cols", type=int, default=2048)
+    ap.add_argument("--mm-rows", type=int, default=1536, help="rows of the 512-token matmul")
+    ap.add_argument("--tokens", type=int, default=512)
+    args = ap.parse_args()
+    rng = np.random.default_rng(0)
+    print(f"matvec {args.rows}x{args.cols}; matmul {args.mm_rows}x{args.cols} x {args.tokens} tokens")
+    print(f"{'type':6} {'matvec Gw/s':>12} {'ms':>8} {'matmul GFLOP/s':>15} {'ms':>8} {'MB':>7}")
+    for name in args.types.split(","):
+        qtype = T[name]
+        w = pack_weight(int(qtype), random_raw(qtype, args.rows, args.cols, rng), (args.rows, args.cols))
+        x1 = rng.standard_normal((1, args.cols)).astype(np.float32)
+        t_mv = best_time(lambda: matmul(w, x1))
+        wm = pack_weight(int(qtype), random_raw(qtype, args.mm_rows, args.cols, rng), (args.mm_rows, args.cols))
+        xm = rng.standard_normal((args.tokens, args.cols)).astype(np.float32)
+        t_mm = best_time(lambda: matmul(wm, xm), min_time=0.5, max_reps=20)
+        gw = args.rows * args.cols / t_mv / 1e9
+        gf = 2.0 * args.mm_rows * args.cols * args.tokens / t_mm / 1e9
+        print(f"{name:6} {gw:12.2f} {t_mv * 1e3:8.3f} {gf:15.1f} {t_mm * 1e3:8.2f} {w.nbytes / 1e6:7.1f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,76 @@
+"""Weight matmul and embedding lookup on the CPU: y = x @ W.T for every type in qtypes.
+
+Few tokens (decode): x is quantized to int8 blocks of 32 once per call (as ggml's q8_1:
+codes, a scale, and the block sums that absorb the weights' offsets), and each weight row
+is an integer dot product per sub-block. Many tokens (prefill): rows are dequantized a
+tile at a time and multiplied by BLAS, which wins once a tile is reused by enough tokens.
+"""
+
+import numpy as np
+
+from . import kernels as K
+from .qtypes import PackedWeight
+
+# from this many tokens on, dequantize + BLAS beats the integer kernels (bench_kernels.py)
+BLAS_MIN_TOKENS = 8
+TILE_ROWS = 256  # rows dequantized per BLAS call: big enough for BLAS, small enough for L2
+
+
+def matmul(w: PackedWeight, x: np.ndarray) -> np.ndarray:
+    """x (n_tokens, n_cols) float32 -> (n_tokens, n_rows) float32."""
+    n_rows, n_cols = w.shape
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    assert x.ndim == 2 and x.shape[1] == n_cols, (x.shape, w.shape)
+    if w.layout == "f32":
+        return x @ w.w.T
+    if x.shape[0] < BLAS_MIN_TOKENS:
+        return _matmul_int(w, x)
+    return _matmul_tiles(w, x)
+
+
+def get_rows(w: PackedWeight, ids: np.ndarray) -> np.ndarray:
+    """ids (n,) int32 -> (n, n_cols) float32: the embedding lookup."""
+    ids = np.ascontiguousarray(ids, dtype=np.int32).reshape(-1)
+    n_rows, n_cols = w.shape
+    if ids.size and (ids.min() < 0 or ids.max() >= n_rows):
+        raise IndexError(f"row id out of range 0..{n_rows - 1}")
+    if w.layout == "f32":
+        return w.w[ids]
+    out = np.empty((ids.size, w.n_pad), dtype=np.float32)  # (n, n_pad)
+    _dequant(w, ids, out)
+    return out[:, :n_cols] if w.n_pad != n_cols else out
+
+
+def _matmul_int(w: PackedWeight, x: np.ndarray) -> np.ndarray:
+    n_tok = x.shape[0]
+    xq, xd, xs = K.quantize_x(x, w.n_pad, w.sub)  # (n_tok, n_pad) int8, per-32 scales, per-sub sums
+    y = np.empty((n_tok, w.shape[0]), dtype=np.float32)  # (n_tokens, n_rows)
+    if w.layout == "nib":
+        kern = K.dot_nib32 if w.sub == 32 else K.dot_nib16
+    else:
+        kern = K.dot_i8_32 if w.sub == 32 else K.dot_i8_16
+    kern(w.qs, w.d, w.m, xq, xd, xs, y)
+    return y
+
+
+def _matmul_tiles(w: PackedWeight, x: np.ndarray) -> np.ndarray:
+    n_rows, n_cols = w.shape
+    n_tok = x.shape[0]
+    if w.n_pad != n_cols:
+        x = np.pad(x, ((0, 0), (0, w.n_pad - n_cols)))
+    xt = np.ascontiguousarray(x.T)  # (n_pad, n_tokens)
+    yt = np.empty((n_rows, n_tok), dtype=np.float32)  # (n_rows, n_tokens)
+    tile = np.empty((min(TILE_ROWS, n_rows), w.n_pad), dtype=np.float32)
+    for r0 in range(0, n_rows, TILE_ROWS):
+        r1 = min(r0 + TILE_ROWS, n_rows)
+        t = tile[: r1 - r0]
+        _dequant(w, np.arange(r0, r1, dtype=np.int32), t)
+        np.matmul(t, xt, out=yt[r0:r1])
+    return np.ascontiguousarray(yt.T)
+
+
+def _dequant(w: PackedWeight, rows: np.ndarray, out: np.ndarray) -> None:
+    if w.layout == "nib":
+        K.dequant_nib(w.qs, w.d, w.m, w.sub, rows, out)
+    else:
+        K.dequant_i8(w.qs, w.d, w.m, w.sub, rows, out)

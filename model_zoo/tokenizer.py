@@ -1,0 +1,359 @@
+"""Tokenizers built from GGUF metadata, matching llama.cpp's `src/llama-vocab.cpp`.
+
+Two vocab kinds: byte-level BPE (`gpt2`, on the `tokenizers` library, tokenizer_bpe.py) and
+SentencePiece-style (`llama`, llama.cpp's merge-by-score, tokenizer_spm.py). This file holds
+what they share, as llama.cpp does: token attributes, the special-token split that runs
+before either, BOS/EOS, the end-of-generation set, and detokenization.
+"""
+
+from __future__ import annotations
+
+import codecs
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from hearthlm.runtime.errors import ModelLoadError, UnsupportedModelError
+
+from .tokenizer_bpe import bpe_piece_bytes, build_bpe, pre_type
+from .tokenizer_spm import spm_encode
+
+# llama_token_attr bits, from GGUF tokenizer.ggml.token_type (llama_token_type).
+UNDEFINED, UNKNOWN, UNUSED, NORMAL, CONTROL, USER_DEFINED, BYTE = 0, 1, 2, 4, 8, 16, 32
+_TYPE_TO_ATTR = {1: NORMAL, 2: UNKNOWN, 3: CONTROL, 4: USER_DEFINED, 5: UNUSED, 6: BYTE}
+_SPECIAL = CONTROL | USER_DEFINED | UNKNOWN   # split out of the text before tokenizing
+
+# Texts llama.cpp treats as end-of-generation (load(): "maintain a list of tokens ...").
+_EOG_TEXTS = frozenset((
+    "<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>", "<|calls|>",
+    "<end_of_turn>", "<|endoftext|>", "</s>", "<|eom_id|>", "<EOT>", "_<EOT>", "[EOT]", "[EOS]",
+    "<|end_of_text|>", "<end_of_utterance>", "<eos>", "<turn|>", "<|tool_response>",
+    "<｜end▁of▁sentence｜>", "[e~["))
+# Texts that name a token when its id key is absent (llama.cpp's auto-detection).
+_AUTO = {
+    "eot": ("<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>",
+            "<|end_of_text|>", "<EOT>", "_<EOT>", "[EOT]", "<｜end▁of▁sentence｜>",
+            "<end_of_utterance>"),
+    "eom": ("<|eom_id|>",),
+    "fim_pre": ("<|fim_prefix|>", "<fim-prefix>", "<fim_prefix>", "<｜fim▁begin｜>", "<PRE>",
+                "▁<PRE>", "<|code_prefix|>", "<|prefix|>"),
+    "fim_suf": ("<|fim_suffix|>", "<fim-suffix>", "<fim_suffix>", "<｜fim▁hole｜>", "<SUF>",
+                "▁<SUF>", "<|code_suffix|>", "<|suffix|>"),
+    "fim_mid": ("<|fim_middle|>", "<fim-middle>", "<fim_middle>", "<｜fim▁end｜>", "<MID>",
+                "▁<MID>", "<|code_middle|>", "<|middle|>"),
+    "fim_pad": ("<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>", "[PAD]"),
+    "fim_rep": ("<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>"),
+    "fim_sep": ("<|file_sep|>",),
+}
+_SPACE = "\u2581"  # SentencePiece's escaped space
+
+
+def _ints(v: Any) -> list[int]:
+    return v.tolist() if hasattr(v, "tolist") else [int(x) for x in v]
+
+
+def _text(t: Any) -> str:
+    return t.decode("utf-8", "replace") if isinstance(t, (bytes, bytearray)) else str(t)
+
+
+class Tokenizer:
+    """Text <-> token ids for one GGUF vocabulary (see module docstring)."""
+
+    def __init__(self, md: Mapping[str, Any]):
+        model = md.get("tokenizer.ggml.model")
+        if model == "gpt2":
+            self.kind = "bpe"
+        elif model == "llama":
+            self.kind = "spm"
+        else:
+            raise UnsupportedModelError(
+                f"unsupported tokenizer.ggml.model {model!r} (supported: 'gpt2', 'llama')")
+        raw = md.get("tokenizer.ggml.tokens")
+        if raw is None or len(raw) == 0:
+            raise ModelLoadError("GGUF metadata has no tokenizer.ggml.tokens")
+        self._tokens: list[str] = [_text(t) for t in raw]
+        n = self.vocab_size = len(self._tokens)
+        self._token_to_id = {t: i for i, t in enumerate(self._tokens)}
+        if len(self._token_to_id) != n:
+            raise ModelLoadError("duplicate token text in tokenizer.ggml.tokens")
+        types = md.get("tokenizer.ggml.token_type")
+        self._attr = ([_TYPE_TO_ATTR.get(t, UNDEFINED) for t in _ints(types)[:n]]
+                      if types is not None else [NORMAL] * n)
+        if len(self._attr) < n:
+            raise ModelLoadError("tokenizer.ggml.token_type is shorter than the vocab")
+
+        if self.kind == "bpe":
+            pre = pre_type(_text(md.get("tokenizer.ggml.pre", "")))
+            merges = md.get("tokenizer.ggml.merges")
+            if merges is None:
+                raise ModelLoadError("gpt2 tokenizer without tokenizer.ggml.merges")
+            self._bpe = build_bpe(self._tokens, [_text(m) for m in merges], pre)
+            defaults = dict(bos=11, eos=11, unk=None)
+            add_bos, self.add_space_prefix, self.clean_spaces = pre.add_bos, False, pre.clean_spaces
+        else:
+            scores = md.get("tokenizer.ggml.scores")
+            self._scores = (scores.tolist() if hasattr(scores, "tolist") else list(scores)) \
+                if scores is not None else [0.0] * n
+            if len(self._scores) < n:
+                raise ModelLoadError("tokenizer.ggml.scores is shorter than the vocab")
+            self._byte_ids = [self._byte_token(b) for b in range(256)]
+            defaults = dict(bos=1, eos=2, unk=0)
+            add_bos, self.add_space_prefix, self.clean_spaces = True, True, False
+        self.add_space_prefix = bool(md.get("tokenizer.ggml.add_space_prefix", self.add_space_prefix))
+
+        def special(key: str, default: int | None = None) -> int | None:
+            v = md.get(f"tokenizer.ggml.{key}_token_id")
+            if v is not None and 0 <= int(v) < n:
+                return int(v)
+            return default if default is not None and 0 <= default < n else None
+
+        self.bos_id = special("bos", defaults["bos"])
+        self.eos_id = special("eos", defaults["eos"])
+        self.unk_id = special("unknown", defaults["unk"])
+        self.pad_id = special("padding")
+        self.add_bos = bool(md.get("tokenizer.ggml.add_bos_token", add_bos))
+        self.add_eos = bool(md.get("tokenizer.ggml.add_eos_token", False))
+        if self.add_bos and self.bos_id is None:
+            raise ModelLoadError("tokenizer.ggml.add_bos_token is true, but no BOS token is set")
+        if self.add_eos and self.eos_id is None:
+            raise ModelLoadError("tokenizer.ggml.add_eos_token is true, but no EOS token is set")
+
+        ids = {k: special(k) for k in _AUTO}
+        for k in ("fim_pre", "fim_suf", "fim_mid"):  # deprecated key names
+            old = special({"fim_pre": "prefix", "fim_suf": "suffix", "fim_mid": "middle"}[k])
+            ids[k] = ids[k] if ids[k] is not None else old
+        for k, texts in _AUTO.items():
+            if ids[k] is None:
+                found = [self._token_to_id[t] for t in texts if t in self._token_to_id]
+                if found:
+                    ids[k] = min(found)
+                    self._attr[ids[k]] |= CONTROL  # llama.cpp: "control-looking token"
+        self.eot_id = ids["eot"]
+        self._find_eog(ids)
+        for i in self._special_list(CONTROL):
+            if "unused" in self._tokens[i]:
+                self._attr[i] |= UNUSED
+        self._build_special_index()
+        self._piece_cache: dict[tuple[int, bool], bytes] = {}
+
+    @classmethod
+    def from_gguf_metadata(cls, md: Mapping[str, Any]) -> "Tokenizer":
+        return cls(md)
+
+    # --- construction helpers -------------------------------------------------------------
+
+    def _byte_token(self, b: int) -> int | None:
+        tid = self._token_to_id.get(f"<0x{b:02X}>")
+        return tid if tid is not None else self._token_to_id.get(chr(b)) if b < 128 else None
+
+    def _special_list(self, mask: int) -> list[int]:
+        return [i for i, a in enumerate(self._attr) if a & mask]
+
+    def _find_eog(self, ids: dict[str, int | None]) -> None:
+        eog = {ids[k] for k in ("fim_pad", "fim_rep", "fim_sep") if ids[k] is not None}
+        for t in _EOG_TEXTS:
+            i = self._token_to_id.get(t)
+            if i is not None:
+                eog.add(i)
+                self._attr[i] |= CONTROL
+        eog.update(i for i in (self.eos_id, ids["eot"], ids["eom"]) if i is not None)
+        text = {self._tokens[i]: i for i in eog}
+        # gpt-oss / solar-open: "<|end|>" ends a message there, not the generation.
+        if "<|end|>" in text and (("<|return|>" in text and "<|call|>" in text)
+                                  or ("<|calls|>" in text and "<|flush|>" in text)):
+            eog.discard(text["<|end|>"])
+            self._attr[text["<|end|>"]] = USER_DEFINED
+        # gemma4 / paddleocr: "</s>" is ordinary text when "<|tool_response>" exists.
+        if "<|tool_response>" in text and "</s>" in text:
+            eog.discard(text["</s>"])
+            self._attr[text["</s>"]] = NORMAL
+        self.eog_ids = frozenset(eog)
+
+    def _build_special_index(self) -> None:
+        # llama.cpp splits specials longest first; bucket them by their first 3 characters
+        # so that encode only tries the few whose start occurs in the text.
+        order = sorted(self._special_list(_SPECIAL), key=lambda i: -len(self._tokens[i]))
+        self._special_rank = {tid: r for r, tid in enumerate(order)}
+        self._special_buckets: dict[str, list[int]] = {}
+        self._special_short: list[int] = []
+        for tid in order:
+            t = self._tokens[tid]
+            if len(t) < 3:
+                self._special_short.append(tid)
+            else:
+                self._special_buckets.setdefault(t[:3], []).append(tid)
+
+    # --- encode ---------------------------------------------------------------------------
+
+    def _partition(self, text: str, parse_special: bool) -> list[str | int]:
+        """llama.cpp's tokenizer_st_partition: special token texts become their ids.
+        Without parse_special only user-defined tokens are split (as HF does)."""
+        grams = {text[i:i + 3] for i in range(len(text) - 2)}
+        cand = [tid for tid in self._special_short if self._tokens[tid] in text]
+        for g in grams & self._special_buckets.keys():
+            cand.extend(tid for tid in self._special_buckets[g] if self._tokens[tid] in text)
+        if not parse_special:
+            cand = [tid for tid in cand if not self._attr[tid] & (CONTROL | UNKNOWN)]
+        frags: list[str | int] = [text]
+        for tid in sorted(cand, key=self._special_rank.__getitem__):
+            tok = self._tokens[tid]
+            out: list[str | int] = []
+            for f in frags:
+                if isinstance(f, int) or tok not in f:
+                    out.append(f)
+                    continue
+                parts = f.split(tok)
+                for j, p in enumerate(parts):
+                    if j:
+                        out.append(tid)
+                    if p:
+                        out.append(p)
+            frags = out
+        return frags
+
+    def _encode_text(self, text: str, prev_special: bool) -> list[int]:
+        if self.kind == "bpe":
+            return self._bpe.encode(text, add_special_tokens=False).ids
+        if self.add_space_prefix and prev_special:
+            text = " " + text
+        return spm_encode(text.replace(" ", _SPACE), self._token_to_id, self._scores,
+                          self._byte_ids)
+
+    def encode(self, text: str, *, add_special: bool = False,
+               parse_special: bool = False) -> list[int]:
+        """Token ids of `text`. add_special: BOS (and EOS) as the model's add_bos/add_eos
+        say. parse_special: control-token texts in `text` become those tokens; otherwise
+        they are tokenized as plain text, so user text cannot inject them."""
+        out: list[int] = []
+        if add_special and self.add_bos:
+            out.append(self.bos_id)
+        prev_special = True  # SPM prefixes a space to text at the start or after a special
+        for f in (self._partition(text, parse_special) if text else ()):
+            if isinstance(f, int):
+                out.append(f)
+                prev_special = True
+            else:
+                out.extend(self._encode_text(f, prev_special))
+                prev_special = False
+        if add_special and self.add_eos:
+            out.append(self.eos_id)
+        return out
+
+    # --- decode ---------------------------------------------------------------------------
+
+    def token_bytes(self, tid: int, *, special: bool = True) -> bytes:
+        """The bytes token `tid` renders as (llama.cpp's token_to_piece). With special=False
+        control and unknown tokens render as nothing. A byte token is one byte of UTF-8."""
+        key = (tid, special)
+        b = self._piece_cache.get(key)
+        if b is None:
+            b = self._piece_cache[key] = self._render(int(tid), special)
+        return b
+
+    def _render(self, tid: int, special: bool) -> bytes:
+        if not 0 <= tid < self.vocab_size:
+            raise IndexError(f"token id {tid} out of range for a vocab of {self.vocab_size}")
+        attr, text = self._attr[tid], self._tokens[tid]
+        if attr & (UNKNOWN | CONTROL):
+            return text.encode("utf-8") if special else b""
+        if attr & USER_DEFINED:
+            return text.encode("utf-8")
+        if attr & NORMAL:
+            if self.kind == "bpe":
+                return bpe_piece_bytes(text)
+            return text.replace(_SPACE, " ").encode("utf-8")
+        if attr & BYTE:
+            return bytes([int(text[3:5], 16)])
+        return b""  # unused / undefined tokens render as nothing
+
+    def token_to_piece(self, tid: int, *, special: bool = True) -> str:
+        """One token's text; a partial UTF-8 sequence (byte tokens) shows as U+FFFD."""
+        return self.token_bytes(tid, special=special).decode("utf-8", "replace")
+
+    def decode(self, ids: Iterable[int], *, skip_special: bool = False) -> str:
+        """Text of `ids` (llama_detokenize). skip_special drops a leading BOS / trailing
+        EOS the model adds and renders control tokens as nothing."""
+        ids = [int(i) for i in ids]
+        strip = self.add_space_prefix  # SPM: the space added before the first word
+        if skip_special and self.add_bos and ids and ids[0] == self.bos_id:
+            ids, strip = ids[1:], False
+        if skip_special and self.add_eos and ids and ids[-1] == self.eos_id:
+            ids = ids[:-1]
+        parts = [self.token_bytes(i, special=not skip_special) for i in ids]
+        if strip and parts and parts[0][:1] == b" ":
+            parts[0] = parts[0][1:]
+        text = b"".join(parts).decode("utf-8", "replace")
+        return _clean_spaces(text) if self.clean_spaces else text
+
+    def is_control(self, tid: int) -> bool:
+        return bool(self._attr[tid] & CONTROL)
+
+    def is_eog(self, tid: int) -> bool:
+        return tid in self.eog_ids
+
+    def token_text(self, tid: int) -> str:
+        """The raw vocab entry (byte-level / '▁'-escaped form), for debugging."""
+        return self._tokens[tid]
+
+    def token_id(self, text: str) -> int | None:
+        """The id whose raw vocab entry is `text` (e.g. '<|im_end|>'), or None."""
+        return self._token_to_id.get(text)
+
+
+def _clean_spaces(text: str) -> str:
+    """llama.cpp's clean_up_tokenization_spaces (detokenize), pass for pass and in place
+    as there, so that its quirks match; it only touches ASCII, so code points do."""
+    t = list(text)
+    n, total = len(t), min(len(t), 1)
+    for i in range(1, n):  # " ?", " !", " .", " ," lose the space
+        x = t[i]
+        if t[i - 1] == " " and x in "?!.,":
+            total -= 1
+        t[total] = x
+        total += 1
+    n, total, i = total, min(total, 1), 1
+    while i < n:  # " ' " loses both spaces
+        x = t[i]
+        if x == "'" and i + 1 < n and t[i - 1] == " " and t[i + 1] == " ":
+            total -= 1
+            i += 1
+            t[i] = "\0"
+        t[total] = x
+        total += 1
+        i += 1
+    n, total = total, min(total, 1)
+    for i in range(1, n):  # " 's", " 'm", " 're", " 've" lose the space
+        x = t[i]
+        if t[i - 1] == " " and x == "'" and i + 1 < n:
+            x1 = t[i + 1]
+            if x1 in ("s", "m") or (x1 not in ("t", "d") and i + 2 < n
+                                    and x1 + t[i + 2] in ("re", "ve")):
+                total -= 1
+        t[total] = x
+        total += 1
+    return "".join(t[:total])
+
+
+class StreamDecoder:
+    """Incremental detokenization for streaming: push() returns only whole characters;
+    bytes of a character split across tokens wait for the token that completes it."""
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: Iterable[int] | None = None, *,
+                 skip_special: bool = False):
+        self._tok = tokenizer
+        self._special = not skip_special
+        self._dec = codecs.getincrementaldecoder("utf-8")("replace")
+        # SPM strips the prefix space of the very first token only; after a prompt the
+        # generated text continues it, so nothing is stripped.
+        self._strip = tokenizer.add_space_prefix and not list(prompt_ids or ())
+
+    def push(self, token_id: int) -> str:
+        b = self._tok.token_bytes(token_id, special=self._special)
+        if self._strip:
+            self._strip = False
+            if b[:1] == b" ":
+                b = b[1:]
+        return self._dec.decode(b)
+
+    def flush(self) -> str:
+        """Whatever is left (an incomplete character becomes U+FFFD); resets the decoder."""
+        return self._dec.decode(b"", final=True)

@@ -1,0 +1,14 @@
+"""The shape of one engine step's batch: what a graph is built for (and cached by)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class BatchShape:
+    n_tokens: int    # tokens computed this step, all sequences together
+    n_seqs: int      # rows of the block table
+    max_blocks: int  # columns of the block table
+    n_out: int       # tokens whose logits are needed
+    n_slots: int     # KV cache size in token slots (n_blocks * block_size)
+    block_size: int  # tokens per KV block

@@ -1,0 +1,215 @@
+"""The engine: one worker thread, the only one that runs kernels, repeating
+`step()` = plan -> graph -> dispatch -> sample -> update. Requests join and leave at any
+step; callers talk to it through `submit` / `abort` (thread-safe) and the request's
+callbacks."""
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from typing import Any
+
+import numpy as np
+from hearthlm.runtime.batch import BatchShape
+from hearthlm.runtime.batcher import Batcher, StepPlan
+from hearthlm.runtime.dispatch import WeightStore, execute
+from hearthlm.runtime.errors import (ContextLengthError, HearthError, InvalidRequestError, QueueFull,
+                                     SessionClosedError)
+from hearthlm.runtime.graph import Graph
+from hearthlm.runtime.kv_cache import KVCache
+from hearthlm.runtime.log import get_logger
+from hearthlm.runtime.request import Request
+from hearthlm.runtime.sampling import sample, top_logprobs
+
+log = get_logger("hearthlm.engine")
+
+
+class Engine:
+    def __init__(self, model: Any, backend: Any, *, n_ctx: int, kv_blocks: int | None = None,
+                 block_size: int = 16, max_batch_tokens: int = 512, max_seqs: int = 64,
+                 max_queued_requests: int = 1024) -> None:
+        """`model` provides build_graph(shape) -> Graph, weights, kv_dims, n_vocab, eog_ids."""
+        self.model = model
+        self.n_ctx = n_ctx
+        self.max_queued_requests = max_queued_requests
+        self.store = WeightStore(backend)
+        self.store.prepare_all(model.weights)
+        blocks_per_seq = -(-n_ctx // block_size)
+        self.kv = KVCache(model.kv_dims, max(kv_blocks or 0, blocks_per_seq), block_size, backend)
+        self.batcher = Batcher(self.kv, max_batch_tokens=max_batch_tokens, max_seqs=max_seqs)
+        self.max_blocks = blocks_per_seq  # block-table width: fixed, so it never changes the graph shape
+        self.running: list[Request] = []
+        self.waiting: deque[Request] = deque()
+        self._graphs: dict[BatchShape, Graph] = {}
+        self._cv = threading.Condition()
+        self._incoming: list[Request] = []
+        self._aborts: set[int] = set()
+        self._closing: str | None = None  # None, "finish" or "abort"
+        self._thread: threading.Thread | None = None
+        self.counters = dict(steps=0, tokens_computed=0, tokens_generated=0, step_time_s=0.0,
+                             graph_cache_hits=0, graph_cache_misses=0, preemptions=0)
+        self._ttft: deque[float] = deque(maxlen=1000)
+
+    # ---- caller side (any thread) -------------------------------------------------
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name="hearthlm-engine", daemon=True)
+        self._thread.start()
+
+    def submit(self, req: Request) -> None:
+        n = len(req.prompt)
+        if n == 0:
+            raise InvalidRequestError("the prompt is empty")
+        bad = [t for t in req.prompt if not 0 <= t < self.model.n_vocab]
+        if bad:
+            raise InvalidRequestError(f"token id {bad[0]} is outside the vocabulary (0..{self.model.n_vocab - 1})")
+        if n >= self.n_ctx:
+            raise ContextLengthError(f"the prompt has {n} tokens; the context holds {self.n_ctx} "
+                                     "(prompt plus at least one generated token)")
+        if n + req.max_tokens > self.n_ctx:
+            raise ContextLengthError(f"prompt ({n} tokens) + max_tokens ({req.max_tokens}) exceeds the "
+                                     f"context of {self.n_ctx} tokens")
+        with self._cv:
+            if self._closing:
+                raise SessionClosedError("the session is closed")
+            if len(self._incoming) + len(self.waiting) >= self.max_queued_requests:
+                raise QueueFull(f"{self.max_queued_requests} requests are already queued")
+            req.arrival = time.perf_counter()
+            self._incoming.append(req)
+            self._cv.notify()
+
+    def abort(self, req_id: int) -> None:
+        with self._cv:
+            self._aborts.add(req_id)
+            self._cv.notify()
+
+    def close(self, *, abort: bool = False) -> None:
+        with self._cv:
+            self._closing = "abort" if abort else "finish"
+            self._cv.notify()
+        if self._thread is not None:
+            self._thread.join()
+
+    def stats(self) -> dict[str, Any]:
+        c = dict(self.counters)
+        ttft = sorted(self._ttft)
+        c.update(
+            queue_depth=len(self.waiting) + len(self._incoming), running_requests=len(self.running),
+            kv_blocks_used=self.kv.allocator.n_used, kv_blocks_total=self.kv.n_blocks,
+            tokens_per_s=c["tokens_generated"] / c["step_time_s"] if c["step_time_s"] else 0.0,
+            time_to_first_token_s=ttft[len(ttft) // 2] if ttft else None)
+        return c
+
+    # ---- engine thread --------------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not (self._incoming or self._aborts or self.running or self.waiting or self._closing):
+                    self._cv.wait()
+                self.waiting.extend(self._incoming)
+                self._incoming.clear()
+                aborts, self._aborts = self._aborts, set()
+                closing = self._closing
+            if closing == "abort":
+                aborts |= {r.id for r in [*self.running, *self.waiting]}
+            self._drop(aborts)
+            if closing and not (self.running or self.waiting):
+                return
+            self.step()
+
+    def _drop(self, ids: set[int]) -> None:
+        for req in [r for r in [*self.running, *self.waiting] if r.id in ids]:
+            self._finish(req, "abort")
+
+    def _finish(self, req: Request, reason: str, error: BaseException | None = None) -> None:
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self.kv.allocator.free(req.blocks)
+        req.blocks = []
+        req.on_finish(reason, error)
+
+    def step(self) -> None:
+        """plan -> graph -> dispatch -> sample -> update."""
+        t0 = time.perf_counter()
+        plan = self.batcher.plan(self.running, self.waiting)
+        self.counters["preemptions"] += len(plan.preempted)
+        if not plan.seqs:
+            return
+        try:
+            feed, shape = self._assemble(plan)
+            graph = self._graph(shape)
+            (logits,) = execute(graph, self.store, feed, self.kv.cache_of)
+            self._update(plan, logits)
+        except Exception as e:  # a bug or a kernel failure: fail this batch, keep serving
+            log.exception("engine step failed")
+            err = e if isinstance(e, HearthError) else HearthError(f"engine step failed: {type(e).__name__}: {e}")
+            for s in plan.seqs:
+                if s.req in self.running:
+                    self._finish(s.req, "error", err)
+        dt = time.perf_counter() - t0
+        self.counters["steps"] += 1
+        self.counters["step_time_s"] += dt
+        self.counters["tokens_computed"] += plan.n_tokens
+        log.debug("step", seqs=len(plan.seqs), tokens=plan.n_tokens, queue=len(self.waiting),
+                  kv_used=self.kv.allocator.n_used, ms=round(dt * 1e3, 2))
+
+    def _assemble(self, plan: StepPlan) -> tuple[dict[str, np.ndarray], BatchShape]:
+        n, bs = plan.n_tokens, self.kv.block_size
+        tokens, pos = np.empty(n, np.int32), np.empty(n, np.int32)
+        tok_seq, slots = np.empty(n, np.int32), np.empty(n, np.int32)
+        block_table = np.zeros((len(plan.seqs), self.max_blocks), np.int32)
+        out_rows, off = [], 0
+        for i, s in enumerate(plan.seqs):
+            r, k = s.req, s.n_tokens
+            p = np.arange(r.n_computed, r.n_computed + k, dtype=np.int32)
+            blocks = np.asarray(r.blocks, np.int32)
+            tokens[off:off + k] = r.tokens[r.n_computed:r.n_computed + k]
+            pos[off:off + k] = p
+            tok_seq[off:off + k] = i
+            slots[off:off + k] = blocks[p // bs] * bs + p % bs
+            block_table[i, :len(blocks)] = blocks
+            if s.wants_logits:
+                out_rows.append(off + k - 1)
+            off += k
+        feed = dict(tokens=tokens, pos=pos, tok_seq=tok_seq, slots=slots, block_table=block_table,
+                    out_rows=np.asarray(out_rows, np.int32))
+        shape = BatchShape(n_tokens=n, n_seqs=len(plan.seqs), max_blocks=self.max_blocks,
+                           n_out=len(out_rows), n_slots=self.kv.n_slots, block_size=bs)
+        return feed, shape
+
+    def _graph(self, shape: BatchShape) -> Graph:
+        g = self._graphs.get(shape)
+        if g is None:
+            self.counters["graph_cache_misses"] += 1
+            g = self._graphs[shape] = self.model.build_graph(shape)
+            log.debug("graph_cache_miss", shape=shape, nodes=len(g.nodes))
+        else:
+            self.counters["graph_cache_hits"] += 1
+        return g
+
+    def _update(self, plan: StepPlan, logits: np.ndarray) -> None:
+        row = 0
+        eog = self.model.eog_ids
+        now = time.perf_counter()
+        for s in plan.seqs:
+            r = s.req
+            r.n_computed += s.n_tokens
+            if not s.wants_logits:
+                continue
+            lg = logits[row]
+            row += 1
+            p = r.params
+            tok = sample(lg, p, r.rng, r.tokens)
+            if r.first_token_at is None:
+                r.first_token_at = now
+                self._ttft.append(now - r.arrival)
+            if tok in eog or tok in p.stop_token_ids:
+                self._finish(r, "stop")
+                continue
+            r.tokens.append(tok)
+            r.n_generated += 1
+            self.counters["tokens_generated"] += 1
+            r.on_token(tok, top_logprobs(lg, p.top_logprobs) if p.top_logprobs else None)
+            if r.n_generated >= r.max_tokens or len(r.tokens) >= self.n_ctx:
+                self._finish(r, "length")

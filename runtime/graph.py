@@ -1,0 +1,142 @@
+"""The lazy compute graph: ops add named nodes to a DAG; nothing computes until a backend
+runs the graph (see `runtime.dispatch`). Shapes are numpy order, activations float32,
+e.g. `# (n_tokens, n_embd)`. Nodes are created in topological order by construction."""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+
+class Op(enum.Enum):
+    INPUT = "input"          # per-step data (token ids, positions, KV slots, ...)
+    WEIGHT = "weight"        # model parameter; backends hold it packed (see prepare_weight)
+    CACHE = "cache"          # persistent buffer (a layer's K or V cache), mutated in place
+    GET_ROWS = "get_rows"    # (table, ids) -> table[ids]; table is a weight or an activation
+    MUL_MAT = "mul_mat"      # (w, x) -> x @ w.T
+    RMS_NORM = "rms_norm"    # (x,) over the last axis; params: eps
+    MUL = "mul"              # (a, b) broadcast
+    ADD = "add"              # (a, b) broadcast
+    SCALE = "scale"          # (x,) * params["s"]
+    SILU = "silu"
+    GELU = "gelu"            # tanh approximation, as ggml_gelu
+    ROPE = "rope"            # (x (n_tokens, n_heads, head_dim), pos (n_tokens,)); params: n_rot, base, freq_scale, neox
+    SET_ROWS = "set_rows"    # (cache, src, slots): cache[slots] = src; returns the cache (orders later reads)
+    ATTN = "attn"            # (q, k_cache, v_cache, tok_seq, tok_pos, block_table) -> (n_tokens, n_head*head_dim)
+    RESHAPE = "reshape"      # (x,) params: shape
+    # fused ops (runtime.fusion rewrites into these)
+    RMS_NORM_MUL = "rms_norm_mul"  # (x, w) = rms_norm(x) * w
+    GLU = "glu"                    # (gate, up) = act(gate) * up; params: act ("silu" | "gelu")
+
+
+@dataclass(eq=False)
+class Tensor:
+    op: Op
+    srcs: tuple["Tensor", ...]
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    name: str
+    layer: int = -1
+    params: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def label(self) -> str:
+        return self.name if self.layer < 0 else f"{self.name}-{self.layer}"
+
+    def __repr__(self) -> str:
+        return f"Tensor({self.label}, {self.op.value}, {self.shape})"
+
+
+F32 = np.dtype(np.float32)
+I32 = np.dtype(np.int32)
+
+
+class Graph:
+    """Builds nodes; `outputs` are the nodes whose values the caller wants back."""
+
+    def __init__(self) -> None:
+        self.nodes: list[Tensor] = []
+        self.inputs: dict[str, Tensor] = {}
+        self.outputs: list[Tensor] = []
+
+    def _add(self, op: Op, srcs, shape, name: str, il: int = -1, dtype=F32, **params) -> Tensor:
+        t = Tensor(op, tuple(srcs), tuple(int(s) for s in shape), np.dtype(dtype), name, il, params)
+        self.nodes.append(t)
+        return t
+
+    # leaves
+    def input(self, name: str, shape, dtype=I32) -> Tensor:
+        t = self._add(Op.INPUT, (), shape, name, dtype=dtype)
+        self.inputs[name] = t
+        return t
+
+    def weight(self, w) -> Tensor:
+        """`w` is a runtime.weights.QWeight; the node's name is the GGUF tensor name."""
+        return self._add(Op.WEIGHT, (), w.shape, w.name, weight=w)
+
+    def cache(self, name: str, shape, il: int) -> Tensor:
+        return self._add(Op.CACHE, (), shape, name, il)
+
+    # ops
+    def get_rows(self, table: Tensor, ids: Tensor, name: str, il: int = -1) -> Tensor:
+        return self._add(Op.GET_ROWS, (table, ids), (ids.shape[0], *table.shape[1:]), name, il)
+
+    def mul_mat(self, w: Tensor, x: Tensor, name: str, il: int = -1) -> Tensor:
+        assert x.shape[-1] == w.shape[1], f"{name}: {x.shape} @ {w.shape}.T"
+        return self._add(Op.MUL_MAT, (w, x), (*x.shape[:-1], w.shape[0]), name, il)
+
+    def rms_norm(self, x: Tensor, eps: float, name: str, il: int = -1) -> Tensor:
+        return self._add(Op.RMS_NORM, (x,), x.shape, name, il, eps=float(eps))
+
+    def mul(self, a: Tensor, b: Tensor, name: str, il: int = -1) -> Tensor:
+        return self._add(Op.MUL, (a, b), np.broadcast_shapes(a.shape, b.shape), name, il)
+
+    def add(self, a: Tensor, b: Tensor, name: str, il: int = -1) -> Tensor:
+        return self._add(Op.ADD, (a, b), np.broadcast_shapes(a.shape, b.shape), name, il)
+
+    def scale(self, x: Tensor, s: float, name: str, il: int = -1) -> Tensor:
+        return self._add(Op.SCALE, (x,), x.shape, name, il, s=float(s))
+
+    def silu(self, x: Tensor, name: str, il: int = -1) -> Tensor:
+        return self._add(Op.SILU, (x,), x.shape, name, il)
+
+    def gelu(self, x: Tensor, name: str, il: int = -1) -> Tensor:
+        return self._add(Op.GELU, (x,), x.shape, name, il)
+
+    def reshape(self, x: Tensor, shape, name: str, il: int = -1) -> Tensor:
+        assert int(np.prod(shape)) == int(np.prod(x.shape)), f"{name}: {x.shape} -> {shape}"
+        return self._add(Op.RESHAPE, (x,), shape, name, il, new_shape=tuple(shape))
+
+    def rope(self, x: Tensor, pos: Tensor, *, n_rot: int, base: float, freq_scale: float = 1.0,
+             neox: bool, name: str, il: int = -1) -> Tensor:
+        assert len(x.shape) == 3 and n_rot <= x.shape[2]
+        return self._add(Op.ROPE, (x, pos), x.shape, name, il, n_rot=int(n_rot), base=float(base),
+                         freq_scale=float(freq_scale), neox=bool(neox))
+
+    def set_rows(self, cache: Tensor, src: Tensor, slots: Tensor, name: str, il: int = -1) -> Tensor:
+        return self._add(Op.SET_ROWS, (cache, src, slots), cache.shape, name, il)
+
+    def attn(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, tok_seq: Tensor, tok_pos: Tensor,
+             block_table: Tensor, *, scale: float, block_size: int, window: int = 0,
+             name: str, il: int = -1) -> Tensor:
+        """Attention of each query token over its own sequence's cached positions
+        [pos - window + 1 (or 0), pos], read through the block table (paged KV)."""
+        n_tokens, n_head, head_dim = q.shape
+        return self._add(Op.ATTN, (q, k_cache, v_cache, tok_seq, tok_pos, block_table),
+                         (n_tokens, n_head * v_cache.shape[2]), name, il, scale=float(scale),
+                         block_size=int(block_size), window=int(window))
+
+    # fused ops: created by runtime.fusion, or directly by tests
+    def rms_norm_mul(self, x: Tensor, w: Tensor, eps: float, name: str, il: int = -1) -> Tensor:
+        return self._add(Op.RMS_NORM_MUL, (x, w), x.shape, name, il, eps=float(eps))
+
+    def glu(self, gate: Tensor, up: Tensor, act: str, name: str, il: int = -1) -> Tensor:
+        return self._add(Op.GLU, (gate, up), gate.shape, name, il, act=act)
+
+    def dump(self) -> str:
+        rows = [f"{'#':>4}  {'node':<24} {'op':<14} {'shape':<20} dtype" ]
+        for i, t in enumerate(self.nodes):
+            rows.append(f"{i:>4}  {t.label:<24} {t.op.value:<14} {str(t.shape):<20} {t.dtype}")
+        return "\n".join(rows)

