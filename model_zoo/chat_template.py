@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import json
 from datetime import datetime
+from collections.abc import Mapping
 from typing import Any
 
 import jinja2
@@ -26,6 +27,21 @@ class _Sandbox(ImmutableSandboxedEnvironment):
     def unsafe_undefined(self, obj: Any, attribute: str) -> Any:
         raise SecurityError(f"access to attribute {attribute!r} of "
                             f"{type(obj).__name__!r} object is unsafe")
+
+    # A dunder name that happens not to exist is a probe too (`x.__self__`): refuse it
+    # rather than render "", unless it is a plain key of a dict the caller passed.
+    def getattr(self, obj: Any, attribute: str) -> Any:
+        self._refuse_dunder(obj, attribute)
+        return super().getattr(obj, attribute)
+
+    def getitem(self, obj: Any, argument: Any) -> Any:
+        self._refuse_dunder(obj, argument)
+        return super().getitem(obj, argument)
+
+    def _refuse_dunder(self, obj: Any, name: Any) -> None:
+        if isinstance(name, str) and name.startswith("__") and not (
+                isinstance(obj, Mapping) and name in obj):
+            self.unsafe_undefined(obj, name)
 
 
 class _Generation(Extension):

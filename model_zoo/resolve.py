@@ -60,7 +60,7 @@ def resolve_model(model: str | os.PathLike, *, filename: str | None = None,
     if not text:
         raise ModelNotFoundError(f"empty model name; try {DEFAULT_MODEL!r}")
     path = Path(text).expanduser()
-    if path.exists():
+    if _exists(path):
         return _local(path, filename)
     if text.lower() in ZOO:
         return _from_zoo(text.lower(), ZOO[text.lower()], filename, offline)
@@ -72,6 +72,13 @@ def resolve_model(model: str | os.PathLike, *, filename: str | None = None,
     raise ModelNotFoundError(
         f"unknown model {text!r}: give a path to a .gguf file, a Hugging Face Hub repo "
         f"'owner/name', or one of the model-zoo names: {', '.join(ZOO)}")
+
+
+def _exists(path: Path) -> bool:
+    try:
+        return path.exists()
+    except (OSError, ValueError):  # a name too long or holding NUL is no file of ours
+        return False
 
 
 def _local(path: Path, pattern: str | None) -> Path:
@@ -122,7 +129,7 @@ def from_hub(repo: str, pattern: str | None = None, *, offline: bool | None = No
 
     if offline is None:
         offline = _env_offline(huggingface_hub)
-    cache = hub_cache_dir(huggingface_hub)
+    cache = hub_cache_dir()
     where = f"Hugging Face Hub repo {repo!r} ({'offline: local cache ' + str(cache) if offline else 'online'})"
     revision = None
     try:
@@ -148,7 +155,7 @@ def from_hub(repo: str, pattern: str | None = None, *, offline: bool | None = No
         raise ModelNotFoundError(f"could not get a model from {where}: {type(e).__name__}: {e}") from e
 
 
-def hub_cache_dir(huggingface_hub=None) -> Path:
+def hub_cache_dir() -> Path:
     # Read at call time: huggingface_hub reads HF_HUB_CACHE once, at import.
     if os.environ.get("HF_HUB_CACHE"):
         return Path(os.environ["HF_HUB_CACHE"]).expanduser()

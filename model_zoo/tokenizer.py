@@ -9,41 +9,16 @@ before either, BOS/EOS, the end-of-generation set, and detokenization.
 from __future__ import annotations
 
 import codecs
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from hearthlm.runtime.errors import ModelLoadError, UnsupportedModelError
+from hearthlm.runtime.errors import InvalidRequestError, ModelLoadError, UnsupportedModelError
 
 from .tokenizer_bpe import bpe_piece_bytes, build_bpe, pre_type
+from .tokenizer_rules import (AUTO_DETECT, EOG_TEXTS, SPECIAL, TYPE_TO_ATTR, BYTE, CONTROL, NORMAL,
+                              UNDEFINED, UNKNOWN, UNUSED, USER_DEFINED, clean_spaces)
 from .tokenizer_spm import spm_encode
 
-# llama_token_attr bits, from GGUF tokenizer.ggml.token_type (llama_token_type).
-UNDEFINED, UNKNOWN, UNUSED, NORMAL, CONTROL, USER_DEFINED, BYTE = 0, 1, 2, 4, 8, 16, 32
-_TYPE_TO_ATTR = {1: NORMAL, 2: UNKNOWN, 3: CONTROL, 4: USER_DEFINED, 5: UNUSED, 6: BYTE}
-_SPECIAL = CONTROL | USER_DEFINED | UNKNOWN   # split out of the text before tokenizing
-
-# Texts llama.cpp treats as end-of-generation (load(): "maintain a list of tokens ...").
-_EOG_TEXTS = frozenset((
-    "<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>", "<|calls|>",
-    "<end_of_turn>", "<|endoftext|>", "</s>", "<|eom_id|>", "<EOT>", "_<EOT>", "[EOT]", "[EOS]",
-    "<|end_of_text|>", "<end_of_utterance>", "<eos>", "<turn|>", "<|tool_response>",
-    "<｜end▁of▁sentence｜>", "[e~["))
-# Texts that name a token when its id key is absent (llama.cpp's auto-detection).
-_AUTO = {
-    "eot": ("<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>",
-            "<|end_of_text|>", "<EOT>", "_<EOT>", "[EOT]", "<｜end▁of▁sentence｜>",
-            "<end_of_utterance>"),
-    "eom": ("<|eom_id|>",),
-    "fim_pre": ("<|fim_prefix|>", "<fim-prefix>", "<fim_prefix>", "<｜fim▁begin｜>", "<PRE>",
-                "▁<PRE>", "<|code_prefix|>", "<|prefix|>"),
-    "fim_suf": ("<|fim_suffix|>", "<fim-suffix>", "<fim_suffix>", "<｜fim▁hole｜>", "<SUF>",
-                "▁<SUF>", "<|code_suffix|>", "<|suffix|>"),
-    "fim_mid": ("<|fim_middle|>", "<fim-middle>", "<fim_middle>", "<｜fim▁end｜>", "<MID>",
-                "▁<MID>", "<|code_middle|>", "<|middle|>"),
-    "fim_pad": ("<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>", "[PAD]"),
-    "fim_rep": ("<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>"),
-    "fim_sep": ("<|file_sep|>",),
-}
 _SPACE = "\u2581"  # SentencePiece's escaped space
 
 
@@ -76,7 +51,7 @@ class Tokenizer:
         if len(self._token_to_id) != n:
             raise ModelLoadError("duplicate token text in tokenizer.ggml.tokens")
         types = md.get("tokenizer.ggml.token_type")
-        self._attr = ([_TYPE_TO_ATTR.get(t, UNDEFINED) for t in _ints(types)[:n]]
+        self._attr = ([TYPE_TO_ATTR.get(t, UNDEFINED) for t in _ints(types)[:n]]
                       if types is not None else [NORMAL] * n)
         if len(self._attr) < n:
             raise ModelLoadError("tokenizer.ggml.token_type is shorter than the vocab")
@@ -117,11 +92,11 @@ class Tokenizer:
         if self.add_eos and self.eos_id is None:
             raise ModelLoadError("tokenizer.ggml.add_eos_token is true, but no EOS token is set")
 
-        ids = {k: special(k) for k in _AUTO}
+        ids = {k: special(k) for k in AUTO_DETECT}
         for k in ("fim_pre", "fim_suf", "fim_mid"):  # deprecated key names
             old = special({"fim_pre": "prefix", "fim_suf": "suffix", "fim_mid": "middle"}[k])
             ids[k] = ids[k] if ids[k] is not None else old
-        for k, texts in _AUTO.items():
+        for k, texts in AUTO_DETECT.items():
             if ids[k] is None:
                 found = [self._token_to_id[t] for t in texts if t in self._token_to_id]
                 if found:
@@ -150,7 +125,7 @@ class Tokenizer:
 
     def _find_eog(self, ids: dict[str, int | None]) -> None:
         eog = {ids[k] for k in ("fim_pad", "fim_rep", "fim_sep") if ids[k] is not None}
-        for t in _EOG_TEXTS:
+        for t in EOG_TEXTS:
             i = self._token_to_id.get(t)
             if i is not None:
                 eog.add(i)
@@ -171,7 +146,7 @@ class Tokenizer:
     def _build_special_index(self) -> None:
         # llama.cpp splits specials longest first; bucket them by their first 3 characters
         # so that encode only tries the few whose start occurs in the text.
-        order = sorted(self._special_list(_SPECIAL), key=lambda i: -len(self._tokens[i]))
+        order = sorted(self._special_list(SPECIAL), key=lambda i: -len(self._tokens[i]))
         self._special_rank = {tid: r for r, tid in enumerate(order)}
         self._special_buckets: dict[str, list[int]] = {}
         self._special_short: list[int] = []
@@ -223,6 +198,12 @@ class Tokenizer:
         """Token ids of `text`. add_special: BOS (and EOS) as the model's add_bos/add_eos
         say. parse_special: control-token texts in `text` become those tokens; otherwise
         they are tokenized as plain text, so user text cannot inject them."""
+        if not isinstance(text, str):
+            raise InvalidRequestError(f"text to tokenize must be a str, not {type(text).__name__}")
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise InvalidRequestError(f"text is not valid Unicode: {e.reason} at {e.start}") from e
         out: list[int] = []
         if add_special and self.add_bos:
             out.append(self.bos_id)
@@ -251,7 +232,7 @@ class Tokenizer:
 
     def _render(self, tid: int, special: bool) -> bytes:
         if not 0 <= tid < self.vocab_size:
-            raise IndexError(f"token id {tid} out of range for a vocab of {self.vocab_size}")
+            raise InvalidRequestError(f"token id {tid} out of range for a vocab of {self.vocab_size}")
         attr, text = self._attr[tid], self._tokens[tid]
         if attr & (UNKNOWN | CONTROL):
             return text.encode("utf-8") if special else b""
@@ -282,7 +263,7 @@ class Tokenizer:
         if strip and parts and parts[0][:1] == b" ":
             parts[0] = parts[0][1:]
         text = b"".join(parts).decode("utf-8", "replace")
-        return _clean_spaces(text) if self.clean_spaces else text
+        return clean_spaces(text) if self.clean_spaces else text
 
     def is_control(self, tid: int) -> bool:
         return bool(self._attr[tid] & CONTROL)
@@ -299,52 +280,18 @@ class Tokenizer:
         return self._token_to_id.get(text)
 
 
-def _clean_spaces(text: str) -> str:
-    """llama.cpp's clean_up_tokenization_spaces (detokenize), pass for pass and in place
-    as there, so that its quirks match; it only touches ASCII, so code points do."""
-    t = list(text)
-    n, total = len(t), min(len(t), 1)
-    for i in range(1, n):  # " ?", " !", " .", " ," lose the space
-        x = t[i]
-        if t[i - 1] == " " and x in "?!.,":
-            total -= 1
-        t[total] = x
-        total += 1
-    n, total, i = total, min(total, 1), 1
-    while i < n:  # " ' " loses both spaces
-        x = t[i]
-        if x == "'" and i + 1 < n and t[i - 1] == " " and t[i + 1] == " ":
-            total -= 1
-            i += 1
-            t[i] = "\0"
-        t[total] = x
-        total += 1
-        i += 1
-    n, total = total, min(total, 1)
-    for i in range(1, n):  # " 's", " 'm", " 're", " 've" lose the space
-        x = t[i]
-        if t[i - 1] == " " and x == "'" and i + 1 < n:
-            x1 = t[i + 1]
-            if x1 in ("s", "m") or (x1 not in ("t", "d") and i + 2 < n
-                                    and x1 + t[i + 2] in ("re", "ve")):
-                total -= 1
-        t[total] = x
-        total += 1
-    return "".join(t[:total])
-
-
 class StreamDecoder:
     """Incremental detokenization for streaming: push() returns only whole characters;
     bytes of a character split across tokens wait for the token that completes it."""
 
-    def __init__(self, tokenizer: Tokenizer, prompt_ids: Iterable[int] | None = None, *,
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int] | None = None, *,
                  skip_special: bool = False):
         self._tok = tokenizer
         self._special = not skip_special
         self._dec = codecs.getincrementaldecoder("utf-8")("replace")
         # SPM strips the prefix space of the very first token only; after a prompt the
         # generated text continues it, so nothing is stripped.
-        self._strip = tokenizer.add_space_prefix and not list(prompt_ids or ())
+        self._strip = tokenizer.add_space_prefix and (prompt_ids is None or len(prompt_ids) == 0)
 
     def push(self, token_id: int) -> str:
         b = self._tok.token_bytes(token_id, special=self._special)

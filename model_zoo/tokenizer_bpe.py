@@ -73,7 +73,12 @@ def build_bpe(tokens: list[str], merges, pre: _Pre) -> HFTokenizer:
         if pos < 0:
             raise ModelLoadError(f"malformed BPE merge {m!r} in tokenizer.ggml.merges")
         pairs.append((m[:pos], m[pos + 1:]))
-    tok = HFTokenizer(models.BPE(vocab=vocab, merges=pairs, ignore_merges=pre.ignore_merges))
+    # ignore_merges needs tokenizers >= 0.19; only llama3-style vocabs ask for it.
+    extra = {"ignore_merges": True} if pre.ignore_merges else {}
+    try:
+        tok = HFTokenizer(models.BPE(vocab=vocab, merges=pairs, **extra))
+    except Exception as e:  # e.g. a merge whose parts are not in the vocab
+        raise ModelLoadError(f"cannot build the BPE tokenizer from GGUF metadata: {e}") from e
     tok.pre_tokenizer = pre_tokenizers.Sequence(
         [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in pre.regexes]
         + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])

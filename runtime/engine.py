@@ -204,7 +204,7 @@ class Engine:
             if r.first_token_at is None:
                 r.first_token_at = now
                 self._ttft.append(now - r.arrival)
-            if tok in eog or tok in p.stop_token_ids:
+            if (tok in eog and not p.ignore_eos) or tok in p.stop_token_ids:
                 self._finish(r, "stop")
                 continue
             r.tokens.append(tok)

@@ -20,6 +20,7 @@ class SamplingParams:
     seed: int | None = None
     top_logprobs: int = 0           # report the k most likely tokens per step
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    ignore_eos: bool = False        # keep going past end-of-generation tokens (benchmarks)
 
     def __post_init__(self) -> None:
         checks = [

@@ -149,7 +149,7 @@ class Session:
                       on_finish=lambda reason, err: chan.put((reason, err)))
         self.engine.submit(req)
         yield len(ids)
-        decoder = StreamDecoder(self.model.tokenizer)
+        decoder = StreamDecoder(self.model.tokenizer, prompt_ids=ids)
         text_out, held = "", ""  # held: text that may be the start of a stop string
         done = hit = False
         try:

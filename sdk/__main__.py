@@ -1,0 +1,5 @@
+import sys
+
+from hearthlm.cli import main
+
+sys.exit(main())

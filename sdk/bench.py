@@ -1,0 +1,102 @@
+"""`hearthlm bench`: prefill tokens/s (a 512-token prompt), decode tokens/s, load time,
+time to first token and peak RSS, single stream; `--compare-llama-cpp` runs the same work
+through llama-cpp-python when it is importable (never a dependency)."""
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import time
+
+import anyio
+import numpy as np
+
+from hearthlm.model_zoo.resolve import resolve_model
+from hearthlm.session import Session
+
+
+def add_bench_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--prompt-tokens", type=int, default=512)
+    p.add_argument("--decode-tokens", type=int, default=128)
+    p.add_argument("--threads", type=int, default=None, help="numba threads (default: all cores)")
+    p.add_argument("--compare-llama-cpp", action="store_true")
+    p.add_argument("--json", action="store_true")
+
+
+def _peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _prompt(n_vocab: int, n: int) -> list[int]:
+    # ordinary (non-special) ids, fixed so every run and llama.cpp see the same prompt
+    return [int(t) for t in np.random.default_rng(0).integers(1000, min(n_vocab, 30000), n)]
+
+
+async def _bench_hearthlm(a) -> dict:
+    t0 = time.perf_counter()
+    async with Session.open(a.model, backend=a.backend, n_ctx=a.n_ctx, filename=a.filename,
+                            max_batch_tokens=max(512, a.prompt_tokens)) as s:
+        load_s = time.perf_counter() - t0
+        await s.generate([1000, 1001, 1002], max_tokens=2, temperature=0)  # warm the JIT caches
+        prompt = _prompt(s.model.n_vocab, a.prompt_tokens)
+        t = time.perf_counter()
+        await s.generate(prompt, max_tokens=1, temperature=0)
+        prefill_s = time.perf_counter() - t
+        t, first, n = time.perf_counter(), None, 0
+        async for c in s.stream(prompt[:8], max_tokens=a.decode_tokens, temperature=0, ignore_eos=True):
+            if first is None:
+                first = time.perf_counter() - t
+            n += len(c.token_ids)
+        decode_s = time.perf_counter() - t - first
+    return dict(engine="hearthlm", backend=a.backend, load_s=load_s, prefill_tok_s=a.prompt_tokens / prefill_s,
+                ttft_s=first, decode_tok_s=(n - 1) / decode_s if n > 1 else 0.0, decode_tokens=n,
+                peak_rss_mb=_peak_rss_mb())
+
+
+def _bench_llama_cpp(a, path: str) -> dict | None:
+    try:
+        from llama_cpp import Llama
+    except ImportError:
+        return None
+    threads = a.threads or len(__import__("os").sched_getaffinity(0))
+    t0 = time.perf_counter()
+    llm = Llama(model_path=path, n_ctx=a.n_ctx, n_threads=threads, n_batch=512, verbose=False)
+    load_s = time.perf_counter() - t0
+    prompt = _prompt(llm.n_vocab(), a.prompt_tokens)
+    llm.eval(prompt[:3]); llm.reset()
+    t = time.perf_counter(); llm.eval(prompt); prefill_s = time.perf_counter() - t
+    llm.reset()
+    t, first, n = time.perf_counter(), None, 0
+    for tok in llm.generate(prompt[:8], temp=0.0, top_k=1):
+        if first is None:
+            first = time.perf_counter() - t
+        n += 1
+        if n >= a.decode_tokens:
+            break
+    decode_s = time.perf_counter() - t - first
+    return dict(engine="llama.cpp", backend="cpu", load_s=load_s, prefill_tok_s=a.prompt_tokens / prefill_s,
+                ttft_s=first, decode_tok_s=(n - 1) / decode_s, decode_tokens=n, peak_rss_mb=_peak_rss_mb())
+
+
+def run_bench(a) -> None:
+    if a.threads:
+        import numba
+        numba.set_num_threads(a.threads)
+    rows = [anyio.run(_bench_hearthlm, a)]
+    if a.compare_llama_cpp:
+        ref = _bench_llama_cpp(a, str(resolve_model(a.model, filename=a.filename)))
+        if ref is None:
+            print("llama-cpp-python is not importable; skipping the comparison")
+        else:
+            rows.append(ref)
+            rows.append(dict(engine="ratio", backend="", **{
+                k: rows[0][k] / ref[k] for k in ("prefill_tok_s", "decode_tok_s")}))
+    if a.json:
+        print(json.dumps(rows, indent=2))
+        return
+    cols = ["engine", "backend", "load_s", "ttft_s", "prefill_tok_s", "decode_tok_s", "peak_rss_mb"]
+    print(f"model: {a.model}  prompt: {a.prompt_tokens} tokens  decode: {a.decode_tokens} tokens")
+    print("  ".join(f"{c:>13}" for c in cols))
+    for r in rows:
+        print("  ".join(f"{r.get(c, ''):>13.2f}" if isinstance(r.get(c), float) else f"{str(r.get(c, '')):>13}"
+                        for c in cols))

@@ -1,0 +1,58 @@
+"""Command line: `hearthlm generate "prompt"` streams text to stdout; `hearthlm bench`
+measures a model. `python -m hearthlm` is the same."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+import anyio
+
+from hearthlm.model_zoo.resolve import DEFAULT_MODEL
+from hearthlm.runtime.errors import HearthError
+from hearthlm.session import Session
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=DEFAULT_MODEL,
+                   help=f"a .gguf path, a Hub repo id or a model-zoo name (default {DEFAULT_MODEL})")
+    p.add_argument("--filename", default=None, help="file pattern inside a Hub repo, e.g. '*Q4_K_M.gguf'")
+    p.add_argument("--backend", default="cpu", choices=["cpu", "reference"])
+    p.add_argument("--n-ctx", type=int, default=2048)
+
+
+async def _generate(a: argparse.Namespace) -> None:
+    async with Session.open(a.model, backend=a.backend, n_ctx=a.n_ctx, filename=a.filename) as s:
+        kw = dict(max_tokens=a.max_tokens, temperature=a.temperature, seed=a.seed)
+        stream = s.stream(messages=[{"role": "user", "content": a.prompt}], **kw) if a.chat else s.stream(a.prompt, **kw)
+        async for chunk in stream:
+            sys.stdout.write(chunk.text)
+            sys.stdout.flush()
+        sys.stdout.write("\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="hearthlm", description="Run GGUF language models locally.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    g = sub.add_parser("generate", help="generate text from a prompt, streamed to stdout")
+    g.add_argument("prompt")
+    _add_model_args(g)
+    g.add_argument("--max-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=0.8)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
+    b = sub.add_parser("bench", help="measure prefill and decode speed, load time and memory")
+    _add_model_args(b)
+    from hearthlm.bench import add_bench_args, run_bench
+    add_bench_args(b)
+    a = parser.parse_args(argv)
+    try:
+        if a.command == "generate":
+            anyio.run(_generate, a)
+        else:
+            run_bench(a)
+    except HearthError as e:
+        print(f"hearthlm: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    return 0

