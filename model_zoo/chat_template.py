@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 from datetime import datetime
 from collections.abc import Mapping
 from typing import Any
@@ -121,3 +122,33 @@ def render_chat(template: str, messages: list[dict], *, add_generation_prompt: b
         raise InvalidRequestError(f"chat template error: {e}") from e
     except Exception as e:  # a template bug (None + str, bad index, ...), not ours
         raise InvalidRequestError(f"chat template failed: {type(e).__name__}: {e}") from e
+
+
+_MARK = "\x00hearthlm-msg-{}\x00"
+_MARK_RE = re.compile("\x00hearthlm-msg-(\\d+)\x00")
+
+
+def encode_chat(tokenizer, template: str, messages: list[dict], *, add_generation_prompt: bool = True) -> list[int]:
+    """Token ids of a chat prompt in which only the template's own text can produce special
+    tokens: message contents are tokenized as plain text, so a user typing `<|im_end|>`
+    cannot close a turn. Contents are located by rendering with markers in their place."""
+    _check_messages(messages)
+    bos = tokenizer.token_text(tokenizer.bos_id) if tokenizer.bos_id is not None else ""
+    eos = tokenizer.token_text(tokenizer.eos_id) if tokenizer.eos_id is not None else ""
+    kw = dict(add_generation_prompt=add_generation_prompt, bos_token=bos, eos_token=eos)
+    real = render_chat(template, messages, **kw)
+    marked = render_chat(template, [dict(m, content=_MARK.format(i)) for i, m in enumerate(messages)], **kw)
+    pieces = _MARK_RE.split(marked)  # template, index, template, index, ...
+    for transform in (lambda c: c, str.strip):  # templates that `| trim` contents
+        parts = [(p, True) if k % 2 == 0 else (transform(messages[int(p)]["content"]), False)
+                 for k, p in enumerate(pieces)]
+        if "".join(p for p, _ in parts) == real:
+            break
+    else:  # the template reshapes contents beyond recognition: refuse specials in them
+        for m in messages:
+            if tokenizer.encode(m["content"], parse_special=True) != tokenizer.encode(m["content"]):
+                raise InvalidRequestError("a message contains special-token text, which this chat template "
+                                          "cannot keep apart from its own markers")
+        parts = [(real, True)]
+    # a template that writes the BOS itself must not get a second one
+    return tokenizer.encode_parts(parts, add_special=not (bos and real.startswith(bos)))

@@ -198,23 +198,29 @@ class Tokenizer:
         """Token ids of `text`. add_special: BOS (and EOS) as the model's add_bos/add_eos
         say. parse_special: control-token texts in `text` become those tokens; otherwise
         they are tokenized as plain text, so user text cannot inject them."""
-        if not isinstance(text, str):
-            raise InvalidRequestError(f"text to tokenize must be a str, not {type(text).__name__}")
-        try:
-            text.encode("utf-8")
-        except UnicodeEncodeError as e:
-            raise InvalidRequestError(f"text is not valid Unicode: {e.reason} at {e.start}") from e
+        return self.encode_parts([(text, parse_special)], add_special=add_special)
+
+    def encode_parts(self, parts, *, add_special: bool = False) -> list[int]:
+        """Token ids of consecutive (text, parse_special) parts: a chat prompt whose template
+        text may hold special tokens while the messages' text may not."""
         out: list[int] = []
         if add_special and self.add_bos:
             out.append(self.bos_id)
         prev_special = True  # SPM prefixes a space to text at the start or after a special
-        for f in (self._partition(text, parse_special) if text else ()):
-            if isinstance(f, int):
-                out.append(f)
-                prev_special = True
-            else:
-                out.extend(self._encode_text(f, prev_special))
-                prev_special = False
+        for text, parse_special in parts:
+            if not isinstance(text, str):
+                raise InvalidRequestError(f"text to tokenize must be a str, not {type(text).__name__}")
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise InvalidRequestError(f"text is not valid Unicode: {e.reason} at {e.start}") from e
+            for f in (self._partition(text, parse_special) if text else ()):
+                if isinstance(f, int):
+                    out.append(f)
+                    prev_special = True
+                else:
+                    out.extend(self._encode_text(f, prev_special))
+                    prev_special = False
         if add_special and self.add_eos:
             out.append(self.eos_id)
         return out

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from hearthlm.runtime.kv_cache import KVCache
+from hearthlm.runtime.kv_cache import KVCache, block_hash
 from hearthlm.runtime.request import Request
 
 
@@ -32,6 +32,7 @@ class Batcher:
         self.kv = kv
         self.max_batch_tokens = max_batch_tokens
         self.max_seqs = max_seqs
+        self.reused_tokens = 0  # prompt tokens taken from the prefix cache instead of computed
 
     def _grow(self, req: Request, n_tokens: int) -> bool:
         """Make sure req owns blocks for its first n_tokens tokens."""
@@ -44,11 +45,38 @@ class Batcher:
         req.blocks.extend(got)
         return True
 
-    def preempt(self, req: Request) -> None:
+    def release(self, req: Request) -> None:
+        """Free the request's blocks; it will recompute from scratch (prefix cache permitting)."""
         self.kv.allocator.free(req.blocks)
-        req.blocks = []
-        req.n_computed = 0
+        req.blocks, req.block_hashes, req.n_computed = [], [], 0
+
+    def preempt(self, req: Request) -> None:
+        self.release(req)
         req.n_preempted += 1
+
+    def reuse_prefix(self, req: Request) -> int:
+        """Take cached blocks for the request's leading full blocks; returns the tokens reused.
+        At least one token is left to compute: its logits are needed."""
+        bs, alloc = self.kv.block_size, self.kv.allocator
+        h = None
+        for i in range((len(req.tokens) - 1) // bs):
+            h = block_hash(h, req.tokens[i * bs:(i + 1) * bs])
+            b = alloc.take_cached(h)
+            if b is None:
+                break
+            req.blocks.append(b)
+            req.block_hashes.append(h)
+        req.n_computed = len(req.blocks) * bs
+        return req.n_computed
+
+    def register_full_blocks(self, req: Request) -> None:
+        """After a step: make the request's newly completed blocks findable by later prompts."""
+        bs, alloc = self.kv.block_size, self.kv.allocator
+        while len(req.block_hashes) < req.n_computed // bs:
+            i = len(req.block_hashes)
+            h = block_hash(req.block_hashes[-1] if i else None, req.tokens[i * bs:(i + 1) * bs])
+            alloc.register(req.blocks[i], h)
+            req.block_hashes.append(h)
 
     def plan(self, running: list[Request], waiting: deque[Request]) -> StepPlan:
         budget = self.max_batch_tokens
@@ -79,8 +107,12 @@ class Batcher:
         # admit waiting requests while budget, sequences and blocks allow
         while waiting and budget > 0 and len(running) < self.max_seqs and not preempted:
             req = waiting[0]
+            if not req.blocks:
+                self.reused_tokens += self.reuse_prefix(req)
             take = min(req.n_wanted, budget)
             if not self._grow(req, req.n_computed + take):
+                self.reused_tokens -= req.n_computed
+                self.release(req)
                 break
             waiting.popleft()
             running.append(req)

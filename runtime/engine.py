@@ -90,7 +90,7 @@ class Engine:
             self._thread.join()
 
     def stats(self) -> dict[str, Any]:
-        c = dict(self.counters)
+        c = dict(self.counters, prefix_cache_hit_tokens=self.batcher.reused_tokens)
         ttft = sorted(self._ttft)
         c.update(
             queue_depth=len(self.waiting) + len(self._incoming), running_requests=len(self.running),
@@ -109,24 +109,23 @@ class Engine:
                 self._incoming.clear()
                 aborts, self._aborts = self._aborts, set()
                 closing = self._closing
+            self._drop(aborts, "abort")
             if closing == "abort":
-                aborts |= {r.id for r in [*self.running, *self.waiting]}
-            self._drop(aborts)
+                self._drop({r.id for r in [*self.running, *self.waiting]}, "closed")
             if closing and not (self.running or self.waiting):
                 return
             self.step()
 
-    def _drop(self, ids: set[int]) -> None:
+    def _drop(self, ids: set[int], reason: str) -> None:
         for req in [r for r in [*self.running, *self.waiting] if r.id in ids]:
-            self._finish(req, "abort")
+            self._finish(req, reason)
 
     def _finish(self, req: Request, reason: str, error: BaseException | None = None) -> None:
         if req in self.running:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
-        self.kv.allocator.free(req.blocks)
-        req.blocks = []
+        self.batcher.release(req)
         req.on_finish(reason, error)
 
     def step(self) -> None:
@@ -195,6 +194,7 @@ class Engine:
         for s in plan.seqs:
             r = s.req
             r.n_computed += s.n_tokens
+            self.batcher.register_full_blocks(r)
             if not s.wants_logits:
                 continue
             lg = logits[row]

@@ -30,6 +30,10 @@ class InvalidRequestError(HearthError):
     """Bad arguments to generate/stream (empty prompt, bad sampling values, ...)."""
 
 
+class RequestTimeoutError(HearthError, TimeoutError):
+    """A request ran past its `timeout=`; it was aborted."""
+
+
 class QueueFull(HearthError):
     """The engine's request queue is at its bound."""
 

@@ -3,16 +3,24 @@ sequences own lists of blocks (their block table). Blocks are reference counted 
 shared prompt prefix can be held by several sequences."""
 from __future__ import annotations
 
+from collections import OrderedDict
+
 import numpy as np
 
 from hearthlm.runtime.graph import Tensor
 
 
 class BlockAllocator:
+    """Reference-counted blocks. A full block can be registered under the hash of its tokens
+    (and all tokens before it); freed blocks keep that hash until they are handed out again,
+    so a later request with the same prefix takes them back instead of recomputing."""
+
     def __init__(self, n_blocks: int) -> None:
         self.n_blocks = n_blocks
-        self._free = list(range(n_blocks - 1, -1, -1))  # pop() hands out low ids first
+        self._free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(n_blocks))  # LRU first
         self._ref = np.zeros(n_blocks, np.int32)
+        self._by_hash: dict[int, int] = {}
+        self._hash_of: dict[int, int] = {}
 
     @property
     def n_free(self) -> int:
@@ -25,18 +33,41 @@ class BlockAllocator:
     def alloc(self, n: int) -> list[int] | None:
         if n > len(self._free):
             return None
-        out = [self._free.pop() for _ in range(n)]
-        self._ref[out] = 1
+        out = []
+        for _ in range(n):
+            b, _ = self._free.popitem(last=False)
+            h = self._hash_of.pop(b, None)  # its old contents are about to be overwritten
+            if h is not None:
+                del self._by_hash[h]
+            self._ref[b] = 1
+            out.append(b)
         return out
-
-    def share(self, block: int) -> None:
-        self._ref[block] += 1
 
     def free(self, blocks: list[int]) -> None:
         for b in blocks:
             self._ref[b] -= 1
             if self._ref[b] == 0:
-                self._free.append(b)
+                self._free[b] = None
+
+    def register(self, block: int, h: int) -> None:
+        """`block` is full and holds the tokens hashed by h."""
+        if h not in self._by_hash and block not in self._hash_of:
+            self._by_hash[h] = block
+            self._hash_of[block] = h
+
+    def take_cached(self, h: int) -> int | None:
+        """The block registered under h, with a reference taken, or None."""
+        b = self._by_hash.get(h)
+        if b is None:
+            return None
+        if self._ref[b] == 0:
+            del self._free[b]
+        self._ref[b] += 1
+        return b
+
+
+def block_hash(parent: int | None, tokens) -> int:
+    return hash((parent, tuple(tokens)))
 
 
 class KVCache:

@@ -28,6 +28,7 @@ class Request:
     tokens: list[int] = field(default_factory=list)   # prompt + generated so far
     n_computed: int = 0                              # tokens whose K/V are in the cache
     blocks: list[int] = field(default_factory=list)   # KV blocks, in position order
+    block_hashes: list[int] = field(default_factory=list)  # hashes of the full blocks registered so far
     n_generated: int = 0
     n_preempted: int = 0
     first_token_at: float | None = None

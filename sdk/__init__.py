@@ -5,13 +5,15 @@
 """
 from hearthlm.runtime.errors import (BackendError, ContextLengthError, GGUFError, HearthError,
                                      InvalidRequestError, ModelLoadError, ModelNotFoundError, QueueFull,
+                                     RequestTimeoutError,
                                      SessionClosedError, UnsupportedModelError)
 from hearthlm.runtime.sampling import SamplingParams
 from hearthlm.session import Session
+from hearthlm.sync import SyncSession
 from hearthlm.types import Chunk, Completion
 
 __all__ = [
-    "Session", "SamplingParams", "Completion", "Chunk",
+    "Session", "SyncSession", "SamplingParams", "Completion", "Chunk",
     "HearthError", "ModelLoadError", "GGUFError", "UnsupportedModelError", "ModelNotFoundError",
-    "ContextLengthError", "InvalidRequestError", "QueueFull", "SessionClosedError", "BackendError",
+    "ContextLengthError", "InvalidRequestError", "QueueFull", "RequestTimeoutError", "SessionClosedError", "BackendError",
 ]

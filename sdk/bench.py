@@ -20,6 +20,9 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode-tokens", type=int, default=128)
     p.add_argument("--threads", type=int, default=None, help="numba threads (default: all cores)")
     p.add_argument("--compare-llama-cpp", action="store_true")
+    p.add_argument("--concurrency", default=None,
+                   help="comma-separated levels, e.g. 1,4,16: aggregate tokens/s, p50/p99 time to first "
+                        "token and inter-token latency with that many concurrent generations")
     p.add_argument("--json", action="store_true")
 
 
@@ -78,7 +81,55 @@ def _bench_llama_cpp(a, path: str) -> dict | None:
                 ttft_s=first, decode_tok_s=(n - 1) / decode_s, decode_tokens=n, peak_rss_mb=_peak_rss_mb())
 
 
+def _pct(xs: list[float], q: float) -> float:
+    return float(np.percentile(xs, q)) if xs else float("nan")
+
+
+async def _bench_concurrency(a) -> list[dict]:
+    levels = [int(x) for x in a.concurrency.split(",")]
+    rows = []
+    async with Session.open(a.model, backend=a.backend, n_ctx=a.n_ctx, filename=a.filename,
+                            max_batch_tokens=512, max_seqs=max(levels)) as s:
+        await s.generate([1000, 1001, 1002], max_tokens=2, temperature=0)  # warm the JIT caches
+        for n in levels:
+            ttft, itl, counts = [], [], []
+
+            async def one(i: int) -> None:
+                # distinct prompts (no prefix sharing), 64 tokens each, as a chat app's turns
+                prompt = _prompt(s.model.n_vocab, 64 + i)[i:]
+                t0 = last = anyio.current_time()
+                k = 0
+                async for c in s.stream(prompt, max_tokens=a.decode_tokens, temperature=0, ignore_eos=True):
+                    now = anyio.current_time()
+                    if k == 0:
+                        ttft.append(now - t0)
+                    else:
+                        itl.append((now - last) / max(len(c.token_ids), 1))
+                    last, k = now, k + len(c.token_ids)
+                counts.append(k)
+            t = anyio.current_time()
+            async with anyio.create_task_group() as tg:
+                for i in range(n):
+                    tg.start_soon(one, i)
+            wall = anyio.current_time() - t
+            rows.append(dict(concurrency=n, aggregate_tok_s=sum(counts) / wall, ttft_p50_s=_pct(ttft, 50),
+                             ttft_p99_s=_pct(ttft, 99), itl_p50_ms=_pct(itl, 50) * 1e3,
+                             itl_p99_ms=_pct(itl, 99) * 1e3, tokens=sum(counts)))
+    return rows
+
+
 def run_bench(a) -> None:
+    if a.concurrency:
+        rows = anyio.run(_bench_concurrency, a)
+        if a.json:
+            print(json.dumps(rows, indent=2))
+            return
+        cols = list(rows[0])
+        print(f"model: {a.model}  decode: {a.decode_tokens} tokens per request")
+        print("  ".join(f"{c:>15}" for c in cols))
+        for r in rows:
+            print("  ".join(f"{r[c]:>15.3f}" if isinstance(r[c], float) else f"{r[c]:>15}" for c in cols))
+        return
     if a.threads:
         import numba
         numba.set_num_threads(a.threads)

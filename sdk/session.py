@@ -10,12 +10,12 @@ import anyio
 
 from hearthlm._wake import Channel, loop_waker
 from hearthlm.backends import get_backend
-from hearthlm.model_zoo.chat_template import render_chat
+from hearthlm.model_zoo.chat_template import encode_chat
 from hearthlm.model_zoo.model import Model, load_model
 from hearthlm.model_zoo.resolve import DEFAULT_MODEL, resolve_model
 from hearthlm.model_zoo.tokenizer import StreamDecoder
 from hearthlm.runtime.engine import Engine
-from hearthlm.runtime.errors import InvalidRequestError, SessionClosedError
+from hearthlm.runtime.errors import InvalidRequestError, RequestTimeoutError, SessionClosedError
 from hearthlm.runtime.request import Request
 from hearthlm.runtime.sampling import SamplingParams
 from hearthlm.types import Chunk, Completion
@@ -33,9 +33,12 @@ class Session:
     @classmethod
     def open(cls, model: str = DEFAULT_MODEL, *, backend: str = "cpu", n_ctx: int = 2048,
              filename: str | None = None, kv_cache_tokens: int | None = None,
-             max_batch_tokens: int = 512, max_seqs: int = 64, max_queued_requests: int = 1024):
+             max_batch_tokens: int = 512, max_seqs: int = 64, max_queued_requests: int = 1024,
+             abort_on_close: bool = True):
         """Async context manager yielding a ready Session. `model`: a .gguf path, a Hub repo
-        id (`filename` picks the file, a glob), or a model-zoo name."""
+        id (`filename` picks the file, a glob), or a model-zoo name. Leaving it aborts the
+        requests still running (their callers get SessionClosedError), or with
+        abort_on_close=False lets them finish first."""
         @asynccontextmanager
         async def _cm():
             s = await anyio.to_thread.run_sync(lambda: cls._load(
@@ -44,7 +47,7 @@ class Session:
             try:
                 yield s
             finally:
-                await s.aclose()
+                await s.aclose(abort=abort_on_close)
         return _cm()
 
     @classmethod
@@ -92,12 +95,7 @@ class Session:
         if messages is not None:
             if not self.model.chat_template:
                 raise InvalidRequestError("this model has no chat template; pass prompt= instead")
-            bos = tok.token_text(tok.bos_id) if tok.bos_id is not None else ""
-            eos = tok.token_text(tok.eos_id) if tok.eos_id is not None else ""
-            text = render_chat(self.model.chat_template, list(messages), add_generation_prompt=True,
-                               bos_token=bos, eos_token=eos)
-            # templates that write the BOS themselves must not get a second one
-            return tok.encode(text, add_special=not (bos and text.startswith(bos)), parse_special=True)
+            return encode_chat(tok, self.model.chat_template, messages)
         if isinstance(prompt, str):
             return tok.encode(prompt, add_special=True, parse_special=True)
         try:
@@ -129,7 +127,8 @@ class Session:
                 yield c
 
     async def _stream(self, prompt, *, messages=None, max_tokens: int | None = None,
-                      stop: str | Sequence[str] | None = None, **sampling) -> AsyncIterator[Chunk | int]:
+                      stop: str | Sequence[str] | None = None, timeout: float | None = None,
+                      **sampling) -> AsyncIterator[Chunk | int]:
         if self._closed:
             raise SessionClosedError("the session is closed")
         try:
@@ -149,16 +148,26 @@ class Session:
                       on_finish=lambda reason, err: chan.put((reason, err)))
         self.engine.submit(req)
         yield len(ids)
+        deadline = anyio.current_time() + timeout if timeout is not None else math.inf
+        items = None
         decoder = StreamDecoder(self.model.tokenizer, prompt_ids=ids)
         text_out, held = "", ""  # held: text that may be the start of a stop string
         done = hit = False
         try:
             while not done:
                 toks, lps, reason = [], [], None
-                for a, b in await chan.get_all():
+                # no yield inside the cancel scope: it must not span the caller's code
+                items = None
+                with anyio.move_on_after(deadline - anyio.current_time()):
+                    items = await chan.get_all()
+                if items is None:
+                    raise RequestTimeoutError(f"the request did not finish within {timeout} s")
+                for a, b in items:
                     if isinstance(a, str):  # finished
                         if b is not None:
                             raise b
+                        if a == "closed":
+                            raise SessionClosedError("the session was closed while the request ran")
                         reason, done = a, True
                         break
                     toks.append(a)

@@ -1,0 +1,67 @@
+"""A blocking wrapper for callers without an event loop: the Session runs on an event loop
+in a background thread (anyio's blocking portal).
+
+    with SyncSession("smollm2-135m-instruct") as s:
+        print(s.generate("Hello", max_tokens=8).text)
+"""
+from __future__ import annotations
+
+from functools import partial
+from typing import Any, Iterator
+
+import anyio.from_thread
+
+from hearthlm.model_zoo.resolve import DEFAULT_MODEL
+from hearthlm.session import Session
+from hearthlm.types import Chunk, Completion
+
+
+class SyncSession:
+    def __init__(self, model: str = DEFAULT_MODEL, **open_kwargs: Any) -> None:
+        self._portal_cm = anyio.from_thread.start_blocking_portal()
+        self._portal = self._portal_cm.__enter__()
+        self._cm = Session.open(model, **open_kwargs)
+        try:
+            self.session: Session = self._portal.call(self._cm.__aenter__)
+        except BaseException:
+            self._portal_cm.__exit__(None, None, None)
+            raise
+
+    def generate(self, prompt=None, **kwargs: Any) -> Completion:
+        return self._portal.call(partial(self.session.generate, prompt, **kwargs))
+
+    def stream(self, prompt=None, **kwargs: Any) -> Iterator[Chunk]:
+        """Chunks as they come; leaving the loop early aborts the request."""
+        agen = self.session.stream(prompt, **kwargs)
+        try:
+            while True:
+                try:
+                    yield self._portal.call(agen.__anext__)
+                except StopAsyncIteration:
+                    return
+        finally:
+            self._portal.call(agen.aclose)
+
+    def tokenize(self, text: str, add_special: bool = False) -> list[int]:
+        return self.session.tokenize(text, add_special)
+
+    def detokenize(self, ids) -> str:
+        return self.session.detokenize(ids)
+
+    def stats(self) -> dict[str, Any]:
+        return self.session.stats()
+
+    def close(self) -> None:
+        if self._portal_cm is None:
+            return
+        try:
+            self._portal.call(self._cm.__aexit__, None, None, None)
+        finally:
+            self._portal_cm.__exit__(None, None, None)
+            self._portal_cm = None
+
+    def __enter__(self) -> "SyncSession":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,173 @@
+"""The continuous-batching engine on a tiny synthetic llama: concurrency, cancellation,
+queue bound, preemption, prefix reuse, determinism; under asyncio and trio."""
+import math
+
+import anyio
+import pytest
+
+from hearthlm import ContextLengthError, QueueFull, Session, SessionClosedError
+from synth import write_tiny
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return str(write_tiny(tmp_path_factory.mktemp("m") / "tiny.gguf", "llama", n_layer=2))
+
+
+def prompt(i: int, n: int = 12) -> list[int]:
+    return [3 + (i * 7 + k * 13) % 250 for k in range(n)]
+
+
+async def alone(path, p, **kw) -> list[int]:
+    async with Session.open(path, n_ctx=256) as s:
+        return (await s.generate(p, temperature=0, **kw)).token_ids
+
+
+async def wait_idle(s: Session) -> dict:
+    for _ in range(200):
+        st = s.stats()
+        if st["running_requests"] == 0 and st["queue_depth"] == 0:
+            return st
+        await anyio.sleep(0.01)
+    return s.stats()
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio", "trio"])
+async def test_100_concurrent_with_10_cancelled(tiny, anyio_backend):
+    singles = {i: await alone(tiny, prompt(i), max_tokens=6 + i % 5, ignore_eos=True) for i in range(0, 100, 9)}
+    results: dict[int, list[int]] = {}
+    async with Session.open(tiny, n_ctx=256, max_seqs=64, max_batch_tokens=256) as s:
+        async def run(i: int) -> None:
+            if i % 10 == 3:  # cancelled midway through its stream
+                n = 0
+                async for c in s.stream(prompt(i), max_tokens=200, temperature=0, ignore_eos=True):
+                    n += len(c.token_ids)
+                    if n >= 3:
+                        break
+                return
+            c = await s.generate(prompt(i), max_tokens=6 + i % 5, temperature=0, ignore_eos=True)
+            results[i] = c.token_ids
+
+        async with anyio.create_task_group() as tg:
+            for i in range(100):
+                tg.start_soon(run, i)
+        st = await wait_idle(s)
+        assert st["kv_blocks_used"] == 0
+    assert len(results) == 90
+    for i, ids in results.items():
+        assert len(ids) == 6 + i % 5
+    for i, ids in singles.items():  # greedy tokens equal the single-run tokens
+        assert results[i] == ids, f"request {i} differs in a batch"
+
+
+async def test_cancel_frees_blocks_within_a_step(tiny):
+    async with Session.open(tiny, n_ctx=256) as s:
+        with anyio.move_on_after(0.2):
+            await s.generate(prompt(1), max_tokens=240, temperature=0, ignore_eos=True)
+        st = await wait_idle(s)
+        assert st["running_requests"] == 0 and st["kv_blocks_used"] == 0
+        assert len((await s.generate(prompt(2), max_tokens=3, temperature=0, ignore_eos=True)).token_ids) == 3
+
+
+async def test_queue_bound(tiny):
+    async with Session.open(tiny, n_ctx=256, max_queued_requests=2, max_seqs=1) as s:
+        errors, done = [], []
+
+        async def run(i):
+            try:
+                done.append(await s.generate(prompt(i), max_tokens=30, temperature=0, ignore_eos=True))
+            except QueueFull as e:
+                errors.append(e)
+        async with anyio.create_task_group() as tg:
+            for i in range(6):
+                tg.start_soon(run, i)
+        assert errors and all("queued" in str(e) for e in errors)
+        assert len(done) + len(errors) == 6 and len(done) >= 2
+
+
+async def test_preemption_with_tiny_kv_pool(tiny):
+    """A pool of 12 blocks of 16 tokens for 6 requests of 60+ tokens: some get preempted and
+    recomputed, and every output equals the one computed with plenty of room."""
+    want = {}
+    async with Session.open(tiny, n_ctx=128) as s:
+        for i in range(6):
+            want[i] = (await s.generate(prompt(i, 30), max_tokens=40, temperature=0, ignore_eos=True)).token_ids
+    got = {}
+    async with Session.open(tiny, n_ctx=128, kv_cache_tokens=12 * 16) as s:
+        async def run(i):
+            got[i] = (await s.generate(prompt(i, 30), max_tokens=40, temperature=0, ignore_eos=True)).token_ids
+        async with anyio.create_task_group() as tg:
+            for i in range(6):
+                tg.start_soon(run, i)
+        st = s.stats()
+        assert st["preemptions"] > 0
+        assert st["kv_blocks_used"] == 0
+    assert got == want
+
+
+async def test_request_that_can_never_fit_fails_at_once(tiny):
+    async with Session.open(tiny, n_ctx=64) as s:
+        with pytest.raises(ContextLengthError, match="64"):
+            await s.generate(prompt(0, 40), max_tokens=30)
+        with pytest.raises(ContextLengthError):
+            await s.generate(prompt(0, 70))
+
+
+async def test_prefix_reuse_computes_shared_prefix_once(tiny):
+    system = prompt(5, 64)  # four full blocks
+    async with Session.open(tiny, n_ctx=256) as s:
+        first = await s.generate(system + prompt(1, 5), max_tokens=4, temperature=0, ignore_eos=True)
+        computed = s.stats()["tokens_computed"]
+        second = await s.generate(system + prompt(2, 5), max_tokens=4, temperature=0, ignore_eos=True)
+        st = s.stats()
+        assert st["prefix_cache_hit_tokens"] == 64
+        # the second request computed only its own 5 tokens (+3 decode steps), not the prefix
+        assert st["tokens_computed"] - computed == 5 + 3
+        again = await s.generate(system + prompt(1, 5), max_tokens=4, temperature=0, ignore_eos=True)
+        assert again.token_ids == first.token_ids
+    assert second.token_ids == await alone(tiny, system + prompt(2, 5), max_tokens=4, ignore_eos=True)
+
+
+async def test_seeded_sampling_same_alone_or_batched(tiny):
+    kw = dict(max_tokens=12, temperature=0.9, top_k=0, top_p=1.0, min_p=0.0, seed=123, ignore_eos=True)
+    solo = await alone(tiny, prompt(7), **{k: v for k, v in kw.items()})
+    async with Session.open(tiny, n_ctx=256) as s:
+        res = {}
+
+        async def run(i, seed):
+            res[i] = (await s.generate(prompt(7 if i == 0 else i), **dict(kw, seed=seed))).token_ids
+        async with anyio.create_task_group() as tg:
+            for i in range(8):
+                tg.start_soon(run, i, 123 if i == 0 else i)
+    assert res[0] == solo
+
+
+async def test_close_aborts_or_finishes(tiny):
+    async with Session.open(tiny, n_ctx=256) as s:
+        async def long():
+            await s.generate(prompt(1), max_tokens=200, temperature=0, ignore_eos=True)
+        with pytest.raises(SessionClosedError):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(long)
+                await anyio.sleep(0.05)
+                await s.aclose(abort=True)
+    out = {}
+    async with Session.open(tiny, n_ctx=256, abort_on_close=False) as s:
+        async def fin():
+            out["c"] = await s.generate(prompt(1), max_tokens=50, temperature=0, ignore_eos=True)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(fin)
+            await anyio.sleep(0.05)
+            await s.aclose(abort=False)
+    assert len(out["c"].token_ids) == 50 and out["c"].finish_reason == "length"
+
+
+def test_sync_session(tiny):
+    from hearthlm import SyncSession
+    with SyncSession(tiny, n_ctx=256) as s:
+        c = s.generate(prompt(1), max_tokens=5, temperature=0, ignore_eos=True)
+        chunks = list(s.stream(prompt(1), max_tokens=5, temperature=0, ignore_eos=True))
+        assert [t for ch in chunks for t in ch.token_ids] == c.token_ids
+        for ch in s.stream(prompt(1), max_tokens=100, temperature=0, ignore_eos=True):
+            break  # leaving early aborts the request
+        assert math.isfinite(s.stats()["steps"])
