@@ -6,7 +6,7 @@ import anyio
 import pytest
 
 from hearthlm import ContextLengthError, QueueFull, Session, SessionClosedError
-from synth import write_tiny
+from tiny_gguf import write_tiny
 
 
 @pytest.fixture(scope="module")
