@@ -76,9 +76,48 @@ def attention(q, k_cache, v_cache, tok_seq, tok_pos, block_table, *, scale, bloc
     return out.reshape(n_tokens, -1)
 
 
+def gather_kv(cache, block_table, block_size):
+    """(n_slots, h, d) through (n_seqs, mb) -> (n_seqs, mb*block_size, h, d)."""
+    slots = (block_table[:, :, None] * block_size + np.arange(block_size)).reshape(len(block_table), -1)
+    return cache[slots]
+
+
+def kq(q, k, tok_seq):
+    """q (n_tokens, n_head, d), k (n_seqs, n_kv, h_kv, d) -> (n_tokens, n_head, n_kv)."""
+    group = q.shape[1] // k.shape[2]
+    kt = np.repeat(k[tok_seq], group, axis=2).astype(np.float64)  # (n_tokens, n_kv, n_head, d)
+    return np.einsum("thd,tkhd->thk", q.astype(np.float64), kt).astype(np.float32)
+
+
+def kq_mask(pos, n_kv, window):
+    p = np.arange(n_kv)[None, :]
+    lo = pos[:, None] - window + 1 if window > 0 else 0
+    ok = (p <= pos[:, None]) & (p >= lo)
+    return np.where(ok, 0.0, -np.inf).astype(np.float32)[:, None, :]  # (n_tokens, 1, n_kv)
+
+
+def soft_max(x):
+    e = np.exp(x.astype(np.float64) - x.max(axis=-1, keepdims=True))
+    return (e / e.sum(axis=-1, keepdims=True)).astype(np.float32)
+
+
+def kqv(probs, v, tok_seq):
+    group = probs.shape[1] // v.shape[2]
+    vt = np.repeat(v[tok_seq], group, axis=2).astype(np.float64)  # (n_tokens, n_kv, n_head, dv)
+    return np.einsum("thk,tkhd->thd", probs.astype(np.float64), vt).astype(np.float32)
+
+
 def _set_rows(node, cache, src, slots):
     cache[slots] = src.reshape(len(slots), *cache.shape[1:])
     return cache
+
+
+def _mm(w, x):
+    return (x.astype(np.float64) @ w.T.astype(np.float64)).astype(np.float32)
+
+
+def _act(node, x):
+    return silu(x) if node.params["act"] == "silu" else gelu(x)
 
 
 class ReferenceBackend:
@@ -87,7 +126,7 @@ class ReferenceBackend:
     def __init__(self) -> None:
         self.kernels = {
             Op.GET_ROWS: lambda n, table, ids: np.ascontiguousarray(table[ids], np.float32),
-            Op.MUL_MAT: lambda n, w, x: (x.astype(np.float64) @ w.T.astype(np.float64)).astype(np.float32),
+            Op.MUL_MAT: lambda n, w, x: _mm(w, x),
             Op.RMS_NORM: lambda n, x: rms_norm(x, n.params["eps"]),
             Op.MUL: lambda n, a, b: (a * b).astype(np.float32),
             Op.ADD: lambda n, a, b: (a + b).astype(np.float32),
@@ -102,7 +141,20 @@ class ReferenceBackend:
                 q, k, v, seq, pos, bt, scale=n.params["scale"], block_size=n.params["block_size"],
                 window=n.params["window"]),
             Op.RMS_NORM_MUL: lambda n, x, w: (rms_norm(x, n.params["eps"]) * w).astype(np.float32),
-            Op.GLU: lambda n, g, u: ((silu(g) if n.params["act"] == "silu" else gelu(g)) * u).astype(np.float32),
+            Op.GLU: lambda n, g, u: _act(n, g) * u,
+            # unfused attention
+            Op.GATHER_KV: lambda n, cache, bt: gather_kv(cache, bt, n.params["block_size"]),
+            Op.KQ: lambda n, q, k, seq: kq(q, k, seq),
+            Op.KQ_MASK: lambda n, pos: kq_mask(pos, n.shape[2], n.params["window"]),
+            Op.SOFT_MAX: lambda n, x: soft_max(x),
+            Op.KQV: lambda n, p, v, seq: kqv(p, v, seq),
+            Op.ADD_N: lambda n, *xs: sum(xs[1:], xs[0]).astype(np.float32),
+            # fused: each rounds where its unfused chain rounds, so fused == unfused here
+            Op.RMS_NORM_MUL_ADD: lambda n, x, w, r: (rms_norm(x, n.params["eps"]) * w).astype(np.float32) + r,
+            Op.FFN_GLU: lambda n, wg, wu, x: _act(n, _mm(wg, x)) * _mm(wu, x),
+            Op.MUL_MAT_ADD: lambda n, w, x, r: _mm(w, x) + r,
+            Op.ROPE_SET_ROWS: lambda n, cache, x, pos, slots: _set_rows(n, cache, rope(
+                x, pos, n.params["n_rot"], n.params["base"], n.params["freq_scale"], n.params["neox"]), slots),
         }
 
     def prepare_weight(self, w: QWeight) -> np.ndarray:

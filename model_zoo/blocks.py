@@ -63,10 +63,24 @@ def build_attn(g: Graph, x: Tensor, inp: Inputs, *, il: int, wq: Tensor, wk: Ten
     n_slots = inp.shape.n_slots
     k_cache = g.set_rows(g.cache("cache_k", (n_slots, n_head_kv, head_dim), il), k, inp.slots, "k_write", il)
     v_cache = g.set_rows(g.cache("cache_v", (n_slots, n_head_kv, head_dim), il), v, inp.slots, "v_write", il)
-    att = g.attn(q, k_cache, v_cache, inp.tok_seq, inp.pos, inp.block_table,
-                 scale=scale if scale is not None else 1.0 / math.sqrt(head_dim),
-                 block_size=inp.shape.block_size, window=window, name="kqv_out", il=il)
+    att = build_kqv(g, q, k_cache, v_cache, inp, il=il, window=window,
+                    scale=scale if scale is not None else 1.0 / math.sqrt(head_dim))
     return g.mul_mat(wo, att, "attn_out", il)  # (n_tokens, n_embd)
+
+
+def build_kqv(g: Graph, q: Tensor, k_cache: Tensor, v_cache: Tensor, inp: Inputs, *, il: int, scale: float,
+              window: int = 0) -> Tensor:
+    """softmax(q k^T * scale + mask) v over each token's own sequence, unfused: the K/V of
+    each sequence gathered through its block table (n_kv = block-table width * block size).
+    runtime.fusion turns the chain into one flash-attention op (Op.ATTN)."""
+    bs = inp.shape.block_size
+    k = g.gather_kv(k_cache, inp.block_table, block_size=bs, name="k_seq", il=il)  # (n_seqs, n_kv, h_kv, d)
+    v = g.gather_kv(v_cache, inp.block_table, block_size=bs, name="v_seq", il=il)
+    kq = g.scale(g.kq(q, k, inp.tok_seq, "kq", il), scale, "kq_scaled", il)  # (n_tokens, n_head, n_kv)
+    mask = g.kq_mask(inp.pos, n_kv=k.shape[1], window=window, name="kq_mask", il=il)  # (n_tokens, 1, n_kv)
+    probs = g.soft_max(g.add(kq, mask, "kq_masked", il), "kq_soft_max", il)
+    out = g.kqv(probs, v, inp.tok_seq, "kqv", il)  # (n_tokens, n_head, dv)
+    return g.reshape(out, (out.shape[0], out.shape[1] * out.shape[2]), "kqv_out", il)
 
 
 def build_ffn(g: Graph, x: Tensor, *, il: int, gate: Tensor, up: Tensor, down: Tensor, act: str) -> Tensor:

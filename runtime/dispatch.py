@@ -1,15 +1,20 @@
 """Runs a graph on a backend. Passes, in order:
+0. plan, once per graph (runtime.memory; cached graphs carry theirs): liveness, and where
+   the backend takes out= buffers, each intermediate's place in one arena;
 1. bind leaves: inputs from the step's feed, weights from the backend's prepared store,
    caches from the KV cache;
-2. walk nodes in order, calling the backend's kernel for each;
-3. drop each intermediate after its last consumer, so peak memory follows liveness.
-Multi-backend splits and copies come with the GPU backend (issue 6)."""
+2. walk nodes in order, calling the backend's kernel for each, `kernel(node, *srcs)` or,
+   with a planned buffer, `kernel(node, *srcs, out=buffer)`;
+3. drop each value after its last consumer (planned buffers stay in the arena).
+Fusion ran before (runtime.fusion, when the graph was cached). Multi-backend splits and
+copies come with the GPU backend (issue 6)."""
 from __future__ import annotations
 
 from typing import Any, Callable, Mapping
 
 from hearthlm.runtime.errors import BackendError
 from hearthlm.runtime.graph import Graph, Op, Tensor
+from hearthlm.runtime.memory import ExecPlan, plan
 from hearthlm.runtime.weights import QWeight
 
 
@@ -31,41 +36,34 @@ class WeightStore:
             self.get(w)
 
 
-def last_uses(graph: Graph) -> dict[int, list[Tensor]]:
-    """node index -> the nodes whose last consumer is that node."""
-    last: dict[int, int] = {}
-    for i, node in enumerate(graph.nodes):
-        for s in node.srcs:
-            last[id(s)] = i
-    for o in graph.outputs:
-        last[id(o)] = len(graph.nodes)
-    by_index: dict[int, list[Tensor]] = {}
-    for node in graph.nodes:
-        if node.op not in (Op.WEIGHT, Op.CACHE) and id(node) in last:
-            by_index.setdefault(last[id(node)], []).append(node)
-    return by_index
+def plan_for(graph: Graph, backend) -> ExecPlan:
+    if graph.plan is None:
+        graph.plan = plan(graph, arena=getattr(backend, "plans_memory", False))
+    return graph.plan
 
 
 def execute(graph: Graph, store: WeightStore, feed: Mapping[str, Any],
             cache_of: Callable[[Tensor], Any]) -> list[Any]:
     backend = store.backend
     kernels = backend.kernels
-    frees = last_uses(graph)
+    p = plan_for(graph, backend)  # 0.
     values: dict[int, Any] = {}
     for i, node in enumerate(graph.nodes):
         op = node.op
-        if op is Op.INPUT:
+        if op is Op.INPUT:  # 1.
             v = backend.from_host(feed[node.name])
         elif op is Op.WEIGHT:
             v = store.get(node.params["weight"])
         elif op is Op.CACHE:
             v = cache_of(node)
-        else:
+        else:  # 2.
             k = kernels.get(op)
             if k is None:
                 raise BackendError(f"backend {backend.name!r} has no kernel for {op.value} ({node.label})")
-            v = k(node, *[values[id(s)] for s in node.srcs])
+            out = p.outs[i]
+            srcs = [values[id(s)] for s in node.srcs]
+            v = k(node, *srcs) if out is None else k(node, *srcs, out=out)
         values[id(node)] = v
-        for dead in frees.get(i, ()):
+        for dead in p.frees[i]:  # 3.
             values.pop(id(dead), None)
     return [backend.to_host(values[id(o)]) for o in graph.outputs]

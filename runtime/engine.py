@@ -16,38 +16,43 @@ from hearthlm.runtime.dispatch import WeightStore, execute
 from hearthlm.runtime.errors import (ContextLengthError, HearthError, InvalidRequestError, QueueFull,
                                      SessionClosedError)
 from hearthlm.runtime.graph import Graph
+from hearthlm.runtime.graph_cache import GraphCache, bucket
 from hearthlm.runtime.kv_cache import KVCache
 from hearthlm.runtime.log import get_logger
 from hearthlm.runtime.request import Request
 from hearthlm.runtime.sampling import sample, top_logprobs
 
 log = get_logger("hearthlm.engine")
+MIN_KV_BLOCKS = 16  # smallest KV-length bucket of unfused graphs (256 tokens at block size 16)
 
 
 class Engine:
     def __init__(self, model: Any, backend: Any, *, n_ctx: int, kv_blocks: int | None = None,
                  block_size: int = 16, max_batch_tokens: int = 512, max_seqs: int = 64,
-                 max_queued_requests: int = 1024) -> None:
-        """`model` provides build_graph(shape) -> Graph, weights, kv_dims, n_vocab, eog_ids."""
+                 max_queued_requests: int = 1024, fusion: bool | None = None, graph_cache: bool = True) -> None:
+        """`model` provides build_graph(shape) -> Graph, weights, kv_dims, n_vocab, eog_ids.
+        `fusion`: None follows HEARTHLM_NO_FUSION; `graph_cache=False` rebuilds every step."""
         self.model = model
         self.n_ctx = n_ctx
         self.max_queued_requests = max_queued_requests
         self.store = WeightStore(backend)
         self.store.prepare_all(model.weights)
         blocks_per_seq = -(-n_ctx // block_size)
-        self.kv = KVCache(model.kv_dims, max(kv_blocks or 0, blocks_per_seq), block_size, backend)
+        self.kv = KVCache(model.kv_dims, max(kv_blocks or 0, blocks_per_seq) + 1, block_size, backend)
+        self.scratch_block = self.kv.allocator.alloc(1)[0]  # padding tokens write here; no sequence reads it
         self.batcher = Batcher(self.kv, max_batch_tokens=max_batch_tokens, max_seqs=max_seqs)
-        self.max_blocks = blocks_per_seq  # block-table width: fixed, so it never changes the graph shape
+        self.max_blocks = blocks_per_seq  # block-table width at most; bucketed per step (the KV-length bucket)
+        self.max_batch_tokens, self.max_seqs = max_batch_tokens, max_seqs
         self.running: list[Request] = []
         self.waiting: deque[Request] = deque()
-        self._graphs: dict[BatchShape, Graph] = {}
+        self.graphs = GraphCache(model.build_graph, backend, fusion_on=fusion, enabled=graph_cache)
         self._cv = threading.Condition()
         self._incoming: list[Request] = []
         self._aborts: set[int] = set()
         self._closing: str | None = None  # None, "finish" or "abort"
         self._thread: threading.Thread | None = None
         self.counters = dict(steps=0, tokens_computed=0, tokens_generated=0, step_time_s=0.0,
-                             graph_cache_hits=0, graph_cache_misses=0, preemptions=0)
+                             preemptions=0)
         self._ttft: deque[float] = deque(maxlen=1000)
 
     # ---- caller side (any thread) -------------------------------------------------
@@ -94,9 +99,10 @@ class Engine:
         ttft = sorted(self._ttft)
         c.update(
             queue_depth=len(self.waiting) + len(self._incoming), running_requests=len(self.running),
-            kv_blocks_used=self.kv.allocator.n_used, kv_blocks_total=self.kv.n_blocks,
+            kv_blocks_used=self.kv.allocator.n_used - 1, kv_blocks_total=self.kv.n_blocks - 1,  # less the scratch block
             tokens_per_s=c["tokens_generated"] / c["step_time_s"] if c["step_time_s"] else 0.0,
             time_to_first_token_s=ttft[len(ttft) // 2] if ttft else None)
+        c.update(self.graphs.stats())  # graph_cache_hits/misses, graph_nodes_unfused/fused, build/reuse times
         return c
 
     # ---- engine thread --------------------------------------------------------------
@@ -154,15 +160,26 @@ class Engine:
                   kv_used=self.kv.allocator.n_used, ms=round(dt * 1e3, 2))
 
     def _assemble(self, plan: StepPlan) -> tuple[dict[str, np.ndarray], BatchShape]:
+        """The step's inputs, padded to the bucketed shape the graph is cached by. Padding
+        tokens (id 0, position 0) write K/V into the scratch block and attend from a padding
+        sequence row (the scratch block), or row 0 when the rows are full: harmless reads;
+        padding output rows repeat row 0 and are ignored."""
         n, bs = plan.n_tokens, self.kv.block_size
-        tokens, pos = np.empty(n, np.int32), np.empty(n, np.int32)
-        tok_seq, slots = np.empty(n, np.int32), np.empty(n, np.int32)
-        block_table = np.zeros((len(plan.seqs), self.max_blocks), np.int32)
+        n_pad = bucket(n, self.max_batch_tokens)
+        n_seqs = bucket(len(plan.seqs), self.max_seqs)
+        # KV-length bucket: the fused attention reads only up to each token's position, so its
+        # graph takes the full width (one bucket); the unfused one gathers the whole width
+        need = max(-(-(s.req.n_computed + s.n_tokens) // bs) for s in plan.seqs)
+        width = self.max_blocks if self.graphs.fused else min(bucket(max(need, MIN_KV_BLOCKS)), self.max_blocks)
+        tokens, pos = np.zeros(n_pad, np.int32), np.zeros(n_pad, np.int32)
+        tok_seq = np.full(n_pad, len(plan.seqs) if n_seqs > len(plan.seqs) else 0, np.int32)
+        slots = self.scratch_block * bs + np.arange(n_pad, dtype=np.int32) % bs
+        block_table = np.full((n_seqs, width), self.scratch_block, np.int32)
         out_rows, off = [], 0
         for i, s in enumerate(plan.seqs):
             r, k = s.req, s.n_tokens
             p = np.arange(r.n_computed, r.n_computed + k, dtype=np.int32)
-            blocks = np.asarray(r.blocks, np.int32)
+            blocks = np.asarray(r.blocks[:width], np.int32)
             tokens[off:off + k] = r.tokens[r.n_computed:r.n_computed + k]
             pos[off:off + k] = p
             tok_seq[off:off + k] = i
@@ -171,21 +188,16 @@ class Engine:
             if s.wants_logits:
                 out_rows.append(off + k - 1)
             off += k
+        n_out = bucket(len(out_rows), n_seqs) if out_rows else 0
         feed = dict(tokens=tokens, pos=pos, tok_seq=tok_seq, slots=slots, block_table=block_table,
-                    out_rows=np.asarray(out_rows, np.int32))
-        shape = BatchShape(n_tokens=n, n_seqs=len(plan.seqs), max_blocks=self.max_blocks,
-                           n_out=len(out_rows), n_slots=self.kv.n_slots, block_size=bs)
+                    out_rows=np.asarray(out_rows + [0] * (n_out - len(out_rows)), np.int32))
+        shape = BatchShape(n_tokens=n_pad, n_seqs=n_seqs, max_blocks=width, n_out=n_out,
+                           n_slots=self.kv.n_slots, block_size=bs)
         return feed, shape
 
     def _graph(self, shape: BatchShape) -> Graph:
-        g = self._graphs.get(shape)
-        if g is None:
-            self.counters["graph_cache_misses"] += 1
-            g = self._graphs[shape] = self.model.build_graph(shape)
-            log.debug("graph_cache_miss", shape=shape, nodes=len(g.nodes))
-        else:
-            self.counters["graph_cache_hits"] += 1
-        return g
+        """Built, fused and planned once per bucketed shape; later steps only rewrite inputs."""
+        return self.graphs.get(shape)
 
     def _update(self, plan: StepPlan, logits: np.ndarray) -> None:
         row = 0

@@ -24,11 +24,22 @@ class Op(enum.Enum):
     GELU = "gelu"            # tanh approximation, as ggml_gelu
     ROPE = "rope"            # (x (n_tokens, n_heads, head_dim), pos (n_tokens,)); params: n_rot, base, freq_scale, neox
     SET_ROWS = "set_rows"    # (cache, src, slots): cache[slots] = src; returns the cache (orders later reads)
-    ATTN = "attn"            # (q, k_cache, v_cache, tok_seq, tok_pos, block_table) -> (n_tokens, n_head*head_dim)
     RESHAPE = "reshape"      # (x,) params: shape
+    # attention, unfused: what the builders emit (runtime.fusion turns it into ATTN)
+    GATHER_KV = "gather_kv"  # (cache (n_slots, h, d), block_table (n_seqs, mb)) -> (n_seqs, mb*block_size, h, d)
+    KQ = "kq"                # (q (n_tokens, n_head, d), k (n_seqs, n_kv, h_kv, d), tok_seq) -> (n_tokens, n_head, n_kv); GQA
+    KQ_MASK = "kq_mask"      # (pos (n_tokens,)) -> (n_tokens, 1, n_kv): 0 on [pos-window+1 (or 0), pos], else -inf
+    SOFT_MAX = "soft_max"    # (x,) over the last axis
+    KQV = "kqv"              # (probs (n_tokens, n_head, n_kv), v (n_seqs, n_kv, h_kv, dv), tok_seq) -> (n_tokens, n_head, dv)
+    ADD_N = "add_n"          # (a, b, c, ...) -> their sum, one pass
     # fused ops (runtime.fusion rewrites into these)
+    ATTN = "attn"            # (q, k_cache, v_cache, tok_seq, tok_pos, block_table) -> (n_tokens, n_head*head_dim)
     RMS_NORM_MUL = "rms_norm_mul"  # (x, w) = rms_norm(x) * w
+    RMS_NORM_MUL_ADD = "rms_norm_mul_add"  # (x, w, r) = rms_norm(x) * w + r (a post-norm into the residual)
     GLU = "glu"                    # (gate, up) = act(gate) * up; params: act ("silu" | "gelu")
+    FFN_GLU = "ffn_glu"            # (w_gate, w_up, x) = act(x @ w_gate.T) * (x @ w_up.T); params: act
+    MUL_MAT_ADD = "mul_mat_add"    # (w, x, r) = x @ w.T + r (a projection into the residual)
+    ROPE_SET_ROWS = "rope_set_rows"  # (cache, x, pos, slots): cache[slots] = rope(x, pos); rope params
 
 
 @dataclass(eq=False)
@@ -60,6 +71,7 @@ class Graph:
         self.nodes: list[Tensor] = []
         self.inputs: dict[str, Tensor] = {}
         self.outputs: list[Tensor] = []
+        self.plan: Any = None  # runtime.memory.ExecPlan, set once when the graph is cached
 
     def _add(self, op: Op, srcs, shape, name: str, il: int = -1, dtype=F32, **params) -> Tensor:
         t = Tensor(op, tuple(srcs), tuple(int(s) for s in shape), np.dtype(dtype), name, il, params)
@@ -118,6 +130,30 @@ class Graph:
     def set_rows(self, cache: Tensor, src: Tensor, slots: Tensor, name: str, il: int = -1) -> Tensor:
         return self._add(Op.SET_ROWS, (cache, src, slots), cache.shape, name, il)
 
+    # attention, unfused
+    def gather_kv(self, cache: Tensor, block_table: Tensor, *, block_size: int, name: str, il: int = -1) -> Tensor:
+        n_seqs, mb = block_table.shape
+        return self._add(Op.GATHER_KV, (cache, block_table), (n_seqs, mb * block_size, *cache.shape[1:]),
+                         name, il, block_size=int(block_size))
+
+    def kq(self, q: Tensor, k: Tensor, tok_seq: Tensor, name: str, il: int = -1) -> Tensor:
+        assert q.shape[2] == k.shape[3] and q.shape[1] % k.shape[2] == 0, f"{name}: {q.shape} vs {k.shape}"
+        return self._add(Op.KQ, (q, k, tok_seq), (q.shape[0], q.shape[1], k.shape[1]), name, il)
+
+    def kq_mask(self, pos: Tensor, *, n_kv: int, window: int = 0, name: str, il: int = -1) -> Tensor:
+        return self._add(Op.KQ_MASK, (pos,), (pos.shape[0], 1, n_kv), name, il, window=int(window))
+
+    def soft_max(self, x: Tensor, name: str, il: int = -1) -> Tensor:
+        return self._add(Op.SOFT_MAX, (x,), x.shape, name, il)
+
+    def kqv(self, probs: Tensor, v: Tensor, tok_seq: Tensor, name: str, il: int = -1) -> Tensor:
+        assert probs.shape[2] == v.shape[1], f"{name}: {probs.shape} vs {v.shape}"
+        return self._add(Op.KQV, (probs, v, tok_seq), (probs.shape[0], probs.shape[1], v.shape[3]), name, il)
+
+    def add_n(self, xs, name: str, il: int = -1) -> Tensor:
+        return self._add(Op.ADD_N, tuple(xs), np.broadcast_shapes(*(x.shape for x in xs)), name, il)
+
+    # fused ops: created by runtime.fusion, or directly by tests
     def attn(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, tok_seq: Tensor, tok_pos: Tensor,
              block_table: Tensor, *, scale: float, block_size: int, window: int = 0,
              name: str, il: int = -1) -> Tensor:
@@ -128,15 +164,28 @@ class Graph:
                          (n_tokens, n_head * v_cache.shape[2]), name, il, scale=float(scale),
                          block_size=int(block_size), window=int(window))
 
-    # fused ops: created by runtime.fusion, or directly by tests
     def rms_norm_mul(self, x: Tensor, w: Tensor, eps: float, name: str, il: int = -1) -> Tensor:
         return self._add(Op.RMS_NORM_MUL, (x, w), x.shape, name, il, eps=float(eps))
+
+    def rms_norm_mul_add(self, x: Tensor, w: Tensor, r: Tensor, eps: float, name: str, il: int = -1) -> Tensor:
+        return self._add(Op.RMS_NORM_MUL_ADD, (x, w, r), r.shape, name, il, eps=float(eps))
 
     def glu(self, gate: Tensor, up: Tensor, act: str, name: str, il: int = -1) -> Tensor:
         return self._add(Op.GLU, (gate, up), gate.shape, name, il, act=act)
 
-    def dump(self) -> str:
-        rows = [f"{'#':>4}  {'node':<24} {'op':<14} {'shape':<20} dtype" ]
+    def ffn_glu(self, w_gate: Tensor, w_up: Tensor, x: Tensor, act: str, name: str, il: int = -1) -> Tensor:
+        assert w_gate.shape == w_up.shape and x.shape[-1] == w_gate.shape[1]
+        return self._add(Op.FFN_GLU, (w_gate, w_up, x), (*x.shape[:-1], w_gate.shape[0]), name, il, act=act)
+
+    def mul_mat_add(self, w: Tensor, x: Tensor, r: Tensor, name: str, il: int = -1) -> Tensor:
+        return self._add(Op.MUL_MAT_ADD, (w, x, r), r.shape, name, il)
+
+    def rope_set_rows(self, cache: Tensor, x: Tensor, pos: Tensor, slots: Tensor, *, name: str, il: int = -1,
+                      **rope) -> Tensor:
+        return self._add(Op.ROPE_SET_ROWS, (cache, x, pos, slots), cache.shape, name, il, **rope)
+
+    def dump(self, backend: str = "") -> str:
+        rows = [f"{'#':>4}  {'node':<24} {'op':<16} {'shape':<22} {'dtype':<8} backend"]
         for i, t in enumerate(self.nodes):
-            rows.append(f"{i:>4}  {t.label:<24} {t.op.value:<14} {str(t.shape):<20} {t.dtype}")
+            rows.append(f"{i:>4}  {t.label:<24} {t.op.value:<16} {str(t.shape):<22} {str(t.dtype):<8} {backend}")
         return "\n".join(rows)

@@ -1,5 +1,5 @@
 """Command line: `hearthlm generate "prompt"` streams text to stdout; `hearthlm bench`
-measures a model. `python -m hearthlm` is the same."""
+measures a model; `hearthlm graph` prints a step's compute graph. `python -m hearthlm` is the same."""
 from __future__ import annotations
 
 import argparse
@@ -44,10 +44,16 @@ def main(argv: list[str] | None = None) -> int:
     _add_model_args(b)
     from hearthlm.bench import add_bench_args, run_bench
     add_bench_args(b)
+    gr = sub.add_parser("graph", help="print a step's compute graph before and after fusion")
+    _add_model_args(gr)
+    from hearthlm.graph_cmd import add_graph_args, run_graph
+    add_graph_args(gr)
     a = parser.parse_args(argv)
     try:
         if a.command == "generate":
             anyio.run(_generate, a)
+        elif a.command == "graph":
+            run_graph(a)
         else:
             run_bench(a)
     except HearthError as e:

@@ -1,83 +1,92 @@
-"""Tiny synthetic GGUF models (random weights, byte-level vocab) for fast engine and
-architecture tests: one writer for every architecture, as mlx-lm's model_test_runner."""
+"""Tiny synthetic llama / gemma3 models (random weights, no file) for graph-level tests:
+their configs, weights, a fake Model for the Engine, and a step's feed over a paged cache."""
 from __future__ import annotations
 
-from pathlib import Path
-
-import gguf
 import numpy as np
 from gguf import GGMLQuantizationType as T
 
-from hearthlm.model_zoo.tokenizer_bpe import _byte_to_unicode
+from hearthlm.model_zoo.models import gemma3, llama
+from hearthlm.runtime.batch import BatchShape
+from hearthlm.runtime.graph import Graph
+from hearthlm.runtime.weights import QWeight
 
-SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>' + '\n' }}"
-          "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
-
-
-def _vocab() -> tuple[list[str], list[int]]:
-    table = _byte_to_unicode()
-    tokens = SPECIALS + [table[b] for b in range(256)] + [table[32] + "t"]
-    types = [3] * len(SPECIALS) + [1] * 257  # control, then normal
-    return tokens, types
+DIMS = dict(n_embd=64, n_head=4, n_head_kv=2, head_dim=16, n_ff=96, n_vocab=50)
 
 
-def write_tiny(path: Path, arch: str = "llama", *, n_layer: int = 2, n_embd: int = 64, n_head: int = 4,
-               n_head_kv: int = 2, n_ff: int = 128, qtype: T = T.Q8_0, seed: int = 0) -> Path:
-    rng = np.random.default_rng(seed)
-    tokens, types = _vocab()
-    w = gguf.GGUFWriter(str(path), arch)
-    head_dim = n_embd // n_head
-    w.add_block_count(n_layer)
-    w.add_context_length(512)
-    w.add_embedding_length(n_embd)
-    w.add_feed_forward_length(n_ff)
-    w.add_head_count(n_head)
-    w.add_head_count_kv(n_head_kv)
-    w.add_layer_norm_rms_eps(1e-5)
-    w.add_rope_freq_base(10000.0)
-    if arch == "gemma3":
-        w.add_key_length(head_dim)
-        w.add_value_length(head_dim)
-        w.add_sliding_window(8)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("gpt2")
-    w.add_token_list(tokens)
-    w.add_token_types(types)
-    w.add_token_merges([f"{_byte_to_unicode()[32]} t"])
-    w.add_bos_token_id(0)
-    w.add_eos_token_id(2)
-    w.add_add_bos_token(False)
-    w.add_chat_template(CHATML)
+def config(arch: str, n_layer: int, **dims):
+    d = {**DIMS, **dims}
+    if arch == "llama":
+        return llama, llama.Config(n_layer=n_layer, n_embd=d["n_embd"], n_head=d["n_head"], n_head_kv=d["n_head_kv"],
+                                   head_dim=d["head_dim"], n_rot=d["head_dim"], n_ctx_train=4096, norm_eps=1e-5,
+                                   rope_base=10000.0, rope_freq_scale=1.0)
+    return gemma3, gemma3.Config(n_layer=n_layer, n_embd=d["n_embd"], n_head=d["n_head"], n_head_kv=d["n_head_kv"],
+                                 head_dim=d["head_dim"], n_ctx_train=4096, norm_eps=1e-6, rope_base=1e6,
+                                 rope_freq_scale=1.0, sliding_window=5)
 
-    def mat(name, rows, cols, scale=None):
-        x = rng.standard_normal((rows, cols)).astype(np.float32) * (scale or 1 / np.sqrt(cols))
-        data = gguf.quants.quantize(x, qtype) if qtype != T.F32 else x
-        w.add_tensor(name, data, raw_dtype=qtype)
 
-    def vec(name, n, base=1.0):
-        w.add_tensor(name, (base + 0.1 * rng.standard_normal(n)).astype(np.float32))
-
-    mat("token_embd.weight", len(tokens), n_embd, scale=1.0)
-    vec("output_norm.weight", n_embd)
-    for il in range(n_layer):
-        p = f"blk.{il}."
-        vec(p + "attn_norm.weight", n_embd)
-        mat(p + "attn_q.weight", n_head * head_dim, n_embd)
-        mat(p + "attn_k.weight", n_head_kv * head_dim, n_embd)
-        mat(p + "attn_v.weight", n_head_kv * head_dim, n_embd)
-        mat(p + "attn_output.weight", n_embd, n_head * head_dim)
-        vec(p + "ffn_norm.weight", n_embd)
-        mat(p + "ffn_gate.weight", n_ff, n_embd)
-        mat(p + "ffn_up.weight", n_ff, n_embd)
-        mat(p + "ffn_down.weight", n_embd, n_ff)
+def weight_shapes(arch: str, n_layer: int, **dims) -> dict[str, tuple[int, ...]]:
+    d = {**DIMS, **dims}
+    e, q, kv, ff = d["n_embd"], d["n_head"] * d["head_dim"], d["n_head_kv"] * d["head_dim"], d["n_ff"]
+    s = {"token_embd.weight": (d["n_vocab"], e), "output_norm.weight": (e,)}
+    for i in range(n_layer):
+        b = f"blk.{i}."
+        s.update({b + "attn_norm.weight": (e,), b + "attn_q.weight": (q, e), b + "attn_k.weight": (kv, e),
+                  b + "attn_v.weight": (kv, e), b + "attn_output.weight": (e, q), b + "ffn_norm.weight": (e,),
+                  b + "ffn_gate.weight": (ff, e), b + "ffn_up.weight": (ff, e), b + "ffn_down.weight": (e, ff)})
         if arch == "gemma3":
-            vec(p + "attn_q_norm.weight", head_dim)
-            vec(p + "attn_k_norm.weight", head_dim)
-            vec(p + "post_attention_norm.weight", n_embd)
-            vec(p + "post_ffw_norm.weight", n_embd)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
+            s.update({b + "attn_q_norm.weight": (d["head_dim"],), b + "attn_k_norm.weight": (d["head_dim"],),
+                      b + "post_attention_norm.weight": (e,), b + "post_ffw_norm.weight": (e,)})
+    return s
+
+
+def weights(arch: str, n_layer: int, seed: int = 0, raw: bool = True, **dims) -> dict[str, QWeight]:
+    """F32 weights ~ N(0, 1/sqrt(fan_in)); norms ~ 1. raw=False: shapes only (graph tests)."""
+    rng = np.random.default_rng(seed)
+    out = {}
+    for name, shape in weight_shapes(arch, n_layer, **dims).items():
+        if not raw:
+            out[name] = QWeight(name, int(T.F32), shape, np.zeros((0,), np.uint8))
+            continue
+        a = (1.0 + 0.1 * rng.standard_normal(shape) if len(shape) == 1
+             else rng.standard_normal(shape) / np.sqrt(shape[-1])).astype(np.float32)
+        out[name] = QWeight(name, int(T.F32), shape, a.reshape(shape[0] if len(shape) == 2 else 1, -1).view(np.uint8))
+    return out
+
+
+def build(arch: str, ws: dict[str, QWeight], shape: BatchShape, n_layer: int, **dims) -> Graph:
+    mod, cfg = config(arch, n_layer, **dims)
+    g = Graph()
+    mod.build(cfg, g, lambda name, fallback=None: g.weight(ws.get(name) or ws[fallback]), shape)
+    return g
+
+
+class FakeModel:
+    """What the Engine needs of a Model."""
+
+    def __init__(self, arch: str, n_layer: int = 2, seed: int = 0) -> None:
+        self.arch, self.n_layer = arch, n_layer
+        self.weights = weights(arch, n_layer, seed)
+        self.config = config(arch, n_layer)[1]
+        self.kv_dims = [(DIMS["n_head_kv"], DIMS["head_dim"])] * n_layer
+        self.n_vocab = DIMS["n_vocab"]
+        self.eog_ids = frozenset()
+
+    def build_graph(self, shape: BatchShape) -> Graph:
+        return build(self.arch, self.weights, shape, self.n_layer)
+
+
+def step_feed(rng, n_layer: int, *, bs: int = 4, n_blocks: int = 10):
+    """Two sequences over scattered blocks: a 5-token prefill chunk at positions 3..7 (0..2
+    cached already) and one decode token at position 9; random stale/prior cache contents."""
+    block_table = np.array([[5, 2, 7, 0], [1, 6, 3, 0]], np.int32)
+    tok_seq = np.array([0, 0, 0, 0, 0, 1], np.int32)
+    pos = np.array([3, 4, 5, 6, 7, 9], np.int32)
+    slots = np.array([block_table[s, p // bs] * bs + p % bs for s, p in zip(tok_seq, pos)], np.int32)
+    n = len(pos)
+    feed = dict(tokens=rng.integers(0, DIMS["n_vocab"], n).astype(np.int32), pos=pos, tok_seq=tok_seq,
+                slots=slots, block_table=block_table, out_rows=np.array([4, 5], np.int32))
+    shape = BatchShape(n_tokens=n, n_seqs=2, max_blocks=4, n_out=2, n_slots=n_blocks * bs, block_size=bs)
+    kv = (n_blocks * bs, DIMS["n_head_kv"], DIMS["head_dim"])
+    caches = {(kind, il): rng.standard_normal(kv).astype(np.float32)
+              for kind in ("cache_k", "cache_v") for il in range(n_layer)}
+    return feed, shape, caches

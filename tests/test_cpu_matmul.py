@@ -117,3 +117,32 @@ def test_matmul_zero_activations():
     w = pack_weight(int(T.Q4_1), make_raw(T.Q4_1, 9, 128, rng), (9, 128))
     y = matmul(w, np.zeros((2, 128), dtype=np.float32))
     assert np.all(y == 0.0)
+
+
+@pytest.mark.parametrize("qtype", [T.Q4_1, T.Q8_0, T.Q6_K], ids=lambda t: t.name)
+def test_matmul_nan_in_activations_propagates(qtype):
+    """A NaN or inf in x must show in y (as the BLAS path and numpy would), not vanish in the int16 cast."""
+    rng = np.random.default_rng(2)
+    w = pack_weight(int(qtype), make_raw(qtype, 5, 256, rng), (5, 256))
+    for bad in (np.nan, np.inf):
+        x = rng.standard_normal((2, 256)).astype(np.float32)
+        x[1, 40] = bad
+        y = matmul(w, x)
+        assert np.all(np.isfinite(y[0])) and np.all(np.isnan(y[1]))
+
+
+def test_half_types_widen_every_bit_pattern():
+    """All 65536 F16 and BF16 bit patterns (subnormals, inf, NaN included) widen exactly."""
+    bits = np.arange(65536, dtype=np.uint32).astype(np.uint16).reshape(256, 256)
+    raw = bits.view(np.uint8)
+    f16 = get_rows(pack_weight(int(T.F16), raw, (256, 256)), np.arange(256, dtype=np.int32))
+    np.testing.assert_array_equal(f16, bits.view(np.float16).astype(np.float32))
+    bf16 = get_rows(pack_weight(int(T.BF16), raw, (256, 256)), np.arange(256, dtype=np.int32))
+    np.testing.assert_array_equal(bf16, (bits.astype(np.uint32) << 16).view(np.float32))
+
+
+def test_pack_weight_rejects_mismatched_bytes():
+    with pytest.raises(ValueError):
+        pack_weight(int(T.Q4_1), np.zeros((4, 40), dtype=np.uint8), (4, 96))  # 96 cols need 60 bytes
+    with pytest.raises(ValueError):
+        pack_weight(int(T.Q4_K), np.zeros((1, 144), dtype=np.uint8), (1, 128))  # not whole 256-blocks

@@ -1,46 +1,71 @@
 """The numba CPU backend: packed quantized weights (qtypes/matmul) and fused-friendly
-kernels (ops). Elementwise ops that numpy already runs at memory speed stay numpy."""
+kernels (ops). Elementwise ops that numpy already runs at memory speed stay numpy.
+
+Kernels are `kernel(node, *srcs, out=None)`: with `out` (a buffer the memory planner gave
+the node, possibly a dying source's: see runtime.memory.INPLACE) they write into it and
+return it; without, they allocate."""
 from __future__ import annotations
 
 import numpy as np
 
 from hearthlm.backends.cpu import ops
+from hearthlm.backends.cpu.ffn import ffn_glu
 from hearthlm.backends.cpu.matmul import get_rows, matmul
 from hearthlm.backends.cpu.qtypes import SUPPORTED_TYPES, PackedWeight, pack_weight
 from hearthlm.runtime.graph import Op, Tensor
 from hearthlm.runtime.weights import QWeight
 
 _NO_WEIGHT = np.zeros(0, np.float32)
+_F32 = np.float32
 
 
 def _rows(x: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(x, np.float32).reshape(-1, x.shape[-1])
 
 
-def _rms_norm(node, x, w=None):
-    out = np.empty(x.shape, np.float32)
+def _buf(node, out):
+    return np.empty(node.shape, np.float32) if out is None else out
+
+
+def _into(node, value, out):
+    """For kernels that only return fresh arrays (the matmuls): copy into the planned buffer."""
+    if out is None:
+        return value
+    np.copyto(out, value.reshape(out.shape))
+    return out
+
+
+def _rms_norm(node, x, w=None, out=None):
+    out = _buf(node, out)
     ops.rms_norm(_rows(x), _NO_WEIGHT if w is None else np.ascontiguousarray(w, np.float32).reshape(-1),
                  node.params["eps"], out.reshape(-1, x.shape[-1]))
     return out
 
 
-def _glu(node, gate, up):
-    out = np.empty(gate.shape, np.float32)
+def _rms_norm_add(node, x, w, r, out=None):
+    out = _buf(node, out)
+    ops.rms_norm_add(_rows(x), np.ascontiguousarray(w, np.float32).reshape(-1), _rows(r), node.params["eps"],
+                     out.reshape(-1, x.shape[-1]))
+    return out
+
+
+def _glu(node, gate, up, out=None):
+    out = _buf(node, out)
     ops.glu(_rows(gate), _rows(up), node.params["act"] == "gelu", out.reshape(-1, gate.shape[-1]))
     return out
 
 
 def _act(gelu: bool):
-    def k(node, x):
-        out = np.empty(x.shape, np.float32)
+    def k(node, x, out=None):
+        out = _buf(node, out)
         ops.glu(_rows(x), np.zeros((0, 0), np.float32), gelu, out.reshape(-1, x.shape[-1]))
         return out
     return k
 
 
-def _rope(node, x, pos):
+def _rope(node, x, pos, out=None):
     p = node.params
-    out = np.empty(x.shape, np.float32)
+    out = _buf(node, out)
     ops.rope(np.ascontiguousarray(x, np.float32), pos, p["n_rot"], p["base"], p["freq_scale"], p["neox"], out)
     return out
 
@@ -50,38 +75,108 @@ def _set_rows(node, cache, src, slots):
     return cache
 
 
-def _attn(node, q, k, v, seq, pos, bt):
+def _rope_set_rows(node, cache, x, pos, slots):
     p = node.params
-    out = np.empty((q.shape[0], q.shape[1], v.shape[2]), np.float32)
+    ops.rope_set_rows(np.ascontiguousarray(x, np.float32), pos, slots, p["n_rot"], p["base"], p["freq_scale"],
+                      p["neox"], cache)
+    return cache
+
+
+def _attn(node, q, k, v, seq, pos, bt, out=None):
+    p = node.params
+    out = _buf(node, out)
     ops.attention(np.ascontiguousarray(q, np.float32), k, v, seq, pos, bt, p["scale"], p["block_size"],
-                  p["window"], out)
-    return out.reshape(q.shape[0], -1)
+                  p["window"], out.reshape(q.shape[0], q.shape[1], v.shape[2]))
+    return out
 
 
-def _get_rows(node, table, ids):
+def _gather_kv(node, cache, bt, out=None):
+    bs = node.params["block_size"]
+    slots = (bt[:, :, None] * bs + np.arange(bs, dtype=np.int32)).reshape(-1)
+    out = _buf(node, out)
+    np.take(cache, slots, axis=0, out=out.reshape(len(slots), *cache.shape[1:]))
+    return out
+
+
+def _kq_mask(node, pos, out=None):
+    n_kv, window = node.shape[2], node.params["window"]
+    p = np.arange(n_kv)[None, :]
+    ok = (p <= pos[:, None]) & ((p > pos[:, None] - window) if window > 0 else True)
+    out = _buf(node, out)
+    np.copyto(out, np.where(ok, _F32(0.0), _F32(-np.inf))[:, None, :])
+    return out
+
+
+def _soft_max(node, x, out=None):
+    # numpy, not numba: fastmath would assume the masked -inf away
+    out = _buf(node, out)
+    np.subtract(x, x.max(axis=-1, keepdims=True), out=out)
+    np.exp(out, out=out)
+    out /= out.sum(axis=-1, keepdims=True)
+    return out
+
+
+def _kq(node, q, k, seq, out=None):
+    out = _buf(node, out)
+    ops.kq(np.ascontiguousarray(q, np.float32), k, seq, out)
+    return out
+
+
+def _kqv(node, probs, v, seq, out=None):
+    out = _buf(node, out)
+    ops.kqv(np.ascontiguousarray(probs, np.float32), v, seq, out)
+    return out
+
+
+def _add_n(node, *xs, out=None):
+    out = _buf(node, out)
+    np.add(xs[0], xs[1], out=out)
+    for x in xs[2:]:
+        np.add(out, x, out=out)
+    return out
+
+
+def _get_rows(node, table, ids, out=None):
     if isinstance(table, PackedWeight):
-        return get_rows(table, ids)
-    return np.ascontiguousarray(table[ids], np.float32)
+        return _into(node, get_rows(table, ids), out)
+    if out is None:
+        return np.ascontiguousarray(table[ids], np.float32)
+    return np.take(table, ids, axis=0, out=out)
+
+
+def _binary(ufunc):
+    return lambda n, a, b, out=None: ufunc(a, b, out=out, dtype=np.float32)
 
 
 class CPUBackend:
     name = "cpu"
+    plans_memory = True  # kernels accept out=: runtime.memory places intermediates in one arena
 
     def __init__(self) -> None:
         self.kernels = {
             Op.GET_ROWS: _get_rows,
-            Op.MUL_MAT: lambda n, w, x: matmul(w, x),
+            Op.MUL_MAT: lambda n, w, x, out=None: _into(n, matmul(w, x), out),
+            Op.MUL_MAT_ADD: lambda n, w, x, r, out=None: np.add(matmul(w, x), r, out=out),
             Op.RMS_NORM: _rms_norm,
             Op.RMS_NORM_MUL: _rms_norm,
-            Op.MUL: lambda n, a, b: np.multiply(a, b, dtype=np.float32),
-            Op.ADD: lambda n, a, b: np.add(a, b, dtype=np.float32),
-            Op.SCALE: lambda n, x: np.multiply(x, np.float32(n.params["s"]), dtype=np.float32),
+            Op.RMS_NORM_MUL_ADD: _rms_norm_add,
+            Op.MUL: _binary(np.multiply),
+            Op.ADD: _binary(np.add),
+            Op.ADD_N: _add_n,
+            Op.SCALE: lambda n, x, out=None: np.multiply(x, np.float32(n.params["s"]), out=out, dtype=np.float32),
             Op.SILU: _act(False),
             Op.GELU: _act(True),
             Op.GLU: _glu,
+            Op.FFN_GLU: lambda n, wg, wu, x, out=None: ffn_glu(wg, wu, x, n.params["act"] == "gelu", _buf(n, out)),
             Op.RESHAPE: lambda n, x: x.reshape(n.params["new_shape"]),
             Op.ROPE: _rope,
             Op.SET_ROWS: _set_rows,
+            Op.ROPE_SET_ROWS: _rope_set_rows,
+            Op.GATHER_KV: _gather_kv,
+            Op.KQ: _kq,
+            Op.KQ_MASK: _kq_mask,
+            Op.SOFT_MAX: _soft_max,
+            Op.KQV: _kqv,
             Op.ATTN: _attn,
         }
 

@@ -1,8 +1,8 @@
 """Unpacking K-quant super-blocks (256 weights) into codes + per-sub-block scale and offset.
 
 Block formats follow ggml-common.h (block_q2_K ... block_q6_K); each unpacker returns
-(layout, sub, codes (n_rows, n_cols), d (n_rows, n_cols // sub), m (same)) with
-weight = d * code + m, for `qtypes._pack_codes`.
+(layout, sub, codes (n_rows, n_cols), d (n_rows, n_cols // sub), m (same, or None), c) with
+weight = d * (code + c) + m, for `qtypes._pack_codes`.
 """
 
 import numpy as np
@@ -42,7 +42,7 @@ def _q2_k(raw, n_rows, n_cols):
     codes = q.reshape(n_rows, n_cols)
     scale = (d * (sc & 0x0F)).reshape(n_rows, -1)
     offset = (-dmin * (sc >> 4)).reshape(n_rows, -1)
-    return "nib", 16, codes, scale, offset
+    return "nib", 16, codes, scale, offset, 0
 
 
 def _q3_k(raw, n_rows, n_cols):
@@ -55,8 +55,7 @@ def _q3_k(raw, n_rows, n_cols):
     lo = np.concatenate([s[:, 0:8] & 0x0F, s[:, 0:8] >> 4], axis=1)
     hi = _bit_planes(s[:, 8:12], 4, 2).reshape(-1, 16)
     sc = ((lo | (hi << 4)).astype(np.int16) - 32).astype(np.float32)
-    scale = d * sc
-    return "nib", 16, codes, scale.reshape(n_rows, -1), (-4.0 * scale).reshape(n_rows, -1)
+    return "nib", 16, codes, (d * sc).reshape(n_rows, -1), None, -4
 
 
 def _q4_k(raw, n_rows, n_cols):
@@ -65,7 +64,7 @@ def _q4_k(raw, n_rows, n_cols):
     sc, mn = _scale_min_k4(b[:, 4:16])
     qs = b[:, 16:144].reshape(-1, 4, 1, 32)
     codes = np.concatenate([qs & 0x0F, qs >> 4], axis=2).reshape(n_rows, n_cols)
-    return "nib", 32, codes, (d * sc).reshape(n_rows, -1), (-dmin * mn).reshape(n_rows, -1)
+    return "nib", 32, codes, (d * sc).reshape(n_rows, -1), (-dmin * mn).reshape(n_rows, -1), 0
 
 
 def _q5_k(raw, n_rows, n_cols):
@@ -76,7 +75,7 @@ def _q5_k(raw, n_rows, n_cols):
     low = np.concatenate([qs & 0x0F, qs >> 4], axis=2).reshape(-1, 8, 32)
     high = _bit_planes(b[:, 16:48], 8, 1)  # bit j of qh[l] is the 5th bit of sub-block j, weight l
     codes = (low | (high << 4)).reshape(n_rows, n_cols)
-    return "i8", 32, codes, (d * sc).reshape(n_rows, -1), (-dmin * mn).reshape(n_rows, -1)
+    return "i8", 32, codes, (d * sc).reshape(n_rows, -1), (-dmin * mn).reshape(n_rows, -1), 0
 
 
 def _q6_k(raw, n_rows, n_cols):
@@ -88,8 +87,7 @@ def _q6_k(raw, n_rows, n_cols):
     low = np.concatenate([low & 0x0F, low >> 4], axis=2).reshape(-1, 2, 4, 32)
     high = _bit_planes(qh.reshape(-1, 32), 4, 2).reshape(-1, 2, 4, 32)
     codes = ((low | (high << 4)).astype(np.int16) - 32).astype(np.int8).reshape(n_rows, n_cols)
-    scale = (d * sc).reshape(n_rows, -1)
-    return "i8", 16, codes, scale, np.zeros_like(scale)
+    return "i8", 16, codes, (d * sc).reshape(n_rows, -1), None, 0
 
 
 KQUANT_UNPACKERS = {

@@ -1,17 +1,21 @@
 """Weight matmul and embedding lookup on the CPU: y = x @ W.T for every type in qtypes.
 
-Few tokens (decode): x is quantized to int8 blocks of 32 once per call (as ggml's q8_1:
-codes, a scale, and the block sums that absorb the weights' offsets), and each weight row
-is an integer dot product per sub-block. Many tokens (prefill): rows are dequantized a
-tile at a time and multiplied by BLAS, which wins once a tile is reused by enough tokens.
+Few tokens (decode): x is quantized to int16 blocks of 32 once per call (as ggml's q8_1,
+with codes, a scale, and the block sums that absorb the weights' offsets), and each weight
+row is an integer dot product per sub-block (dot.py). Many tokens (prefill): rows are
+dequantized a tile at a time and multiplied by BLAS, which wins once a tile is reused by
+enough tokens. F32 weights go to BLAS at any token count; F16/BF16 ones are widened
+to float32 a row at a time (halfs.py), or a tile at a time for BLAS.
 """
 
 import numpy as np
+from gguf.constants import GGMLQuantizationType
 
-from . import kernels as K
+from . import dot, halfs, kernels
 from .qtypes import PackedWeight
 
-# from this many tokens on, dequantize + BLAS beats the integer kernels (bench_kernels.py)
+# from about this many tokens on, dequantize + BLAS beats the integer kernels, whose time
+# grows with each token (measured on 2 cores, Q4_1/Q8_0/Q6_K, 576..2048 columns)
 BLAS_MIN_TOKENS = 8
 TILE_ROWS = 256  # rows dequantized per BLAS call: big enough for BLAS, small enough for L2
 
@@ -24,7 +28,7 @@ def matmul(w: PackedWeight, x: np.ndarray) -> np.ndarray:
     if w.layout == "f32":
         return x @ w.w.T
     if x.shape[0] < BLAS_MIN_TOKENS:
-        return _matmul_int(w, x)
+        return _matmul_half(w, x) if w.layout == "half" else _matmul_int(w, x)
     return _matmul_tiles(w, x)
 
 
@@ -41,15 +45,21 @@ def get_rows(w: PackedWeight, ids: np.ndarray) -> np.ndarray:
     return out[:, :n_cols] if w.n_pad != n_cols else out
 
 
+def _matmul_half(w: PackedWeight, x: np.ndarray) -> np.ndarray:
+    y = np.empty((x.shape[0], w.shape[0]), dtype=np.float32)  # (n_tokens, n_rows)
+    halfs.dot_half(w.qs, w.ggml_type == GGMLQuantizationType.F16, x, y)
+    return y
+
+
 def _matmul_int(w: PackedWeight, x: np.ndarray) -> np.ndarray:
     n_tok = x.shape[0]
-    xq, xd, xs = K.quantize_x(x, w.n_pad, w.sub)  # (n_tok, n_pad) int8, per-32 scales, per-sub sums
+    xq, xd, xs = kernels.quantize_x(x, w.n_pad, w.sub)  # (n_tok, n_pad) int16, per-32 scales, per-sub sums
     y = np.empty((n_tok, w.shape[0]), dtype=np.float32)  # (n_tokens, n_rows)
     if w.layout == "nib":
-        kern = K.dot_nib32 if w.sub == 32 else K.dot_nib16
+        kern = dot.dot_nib32 if w.sub == 32 else dot.dot_nib16
     else:
-        kern = K.dot_i8_32 if w.sub == 32 else K.dot_i8_16
-    kern(w.qs, w.d, w.m, xq, xd, xs, y)
+        kern = dot.dot_i8_32 if w.sub == 32 else dot.dot_i8_16
+    kern(w.qs, w.d, w.m, w.ms, np.float32(w.c), xq, xd, xs, y)
     return y
 
 
@@ -70,7 +80,8 @@ def _matmul_tiles(w: PackedWeight, x: np.ndarray) -> np.ndarray:
 
 
 def _dequant(w: PackedWeight, rows: np.ndarray, out: np.ndarray) -> None:
-    if w.layout == "nib":
-        K.dequant_nib(w.qs, w.d, w.m, w.sub, rows, out)
-    else:
-        K.dequant_i8(w.qs, w.d, w.m, w.sub, rows, out)
+    if w.layout == "half":
+        halfs.widen_rows(w.qs, w.ggml_type == GGMLQuantizationType.F16, rows, out)
+        return
+    dequant = kernels.dequant_nib if w.layout == "nib" else kernels.dequant_i8
+    dequant(w.qs, w.d, w.m, w.ms, np.float32(w.c), w.sub, rows, out)

@@ -49,21 +49,80 @@ def glu(gate, up, act_gelu, out):
             out[r, j] = a * (up[r, j] if up.shape[0] else np.float32(1.0))
 
 
+@numba.njit(**_JIT)
+def _rope_token(x, p, n_rot, base, freq_scale, neox, out):
+    """x, out (n_heads, head_dim) of one token at position p; out may be x."""
+    half = n_rot // 2
+    for j in range(n_rot, x.shape[1]):
+        for h in range(x.shape[0]):
+            out[h, j] = x[h, j]
+    for i in range(half):
+        theta = freq_scale * np.float64(p) * base ** (-2.0 * i / n_rot)
+        c, s = np.float32(math.cos(theta)), np.float32(math.sin(theta))
+        i0, i1 = (i, i + half) if neox else (2 * i, 2 * i + 1)
+        for h in range(x.shape[0]):
+            x0, x1 = x[h, i0], x[h, i1]
+            out[h, i0] = x0 * c - x1 * s
+            out[h, i1] = x0 * s + x1 * c
+
+
 @numba.njit(parallel=True, **_JIT)
 def rope(x, pos, n_rot, base, freq_scale, neox, out):
     """x, out (n_tokens, n_heads, head_dim); rotate the first n_rot dims of each head."""
-    half = n_rot // 2
     for t in prange(x.shape[0]):
-        p = np.float64(pos[t])
-        out[t] = x[t]
-        for i in range(half):
-            theta = freq_scale * p * base ** (-2.0 * i / n_rot)
-            c, s = np.float32(math.cos(theta)), np.float32(math.sin(theta))
-            i0, i1 = (i, i + half) if neox else (2 * i, 2 * i + 1)
-            for h in range(x.shape[1]):
-                x0, x1 = x[t, h, i0], x[t, h, i1]
-                out[t, h, i0] = x0 * c - x1 * s
-                out[t, h, i1] = x0 * s + x1 * c
+        _rope_token(x[t], pos[t], n_rot, base, freq_scale, neox, out[t])
+
+
+@numba.njit(parallel=True, **_JIT)
+def rope_set_rows(x, pos, slots, n_rot, base, freq_scale, neox, cache):
+    """cache[slots[t]] = rope(x[t]): K goes into the cache rotated, with no rotated copy."""
+    for t in prange(x.shape[0]):
+        _rope_token(x[t], pos[t], n_rot, base, freq_scale, neox, cache[slots[t]])
+
+
+@numba.njit(parallel=True, **_JIT)
+def rms_norm_add(x, w, r, eps, out):
+    """out = rms_norm(x) * w + r; (n_rows, n) each, w (n,). out may be x or r."""
+    n = x.shape[1]
+    for i in prange(x.shape[0]):
+        ss = 0.0
+        for j in range(n):
+            ss += np.float64(x[i, j]) * x[i, j]
+        inv = np.float32(1.0 / math.sqrt(ss / n + eps))
+        for j in range(n):
+            out[i, j] = x[i, j] * inv * w[j] + r[i, j]
+
+
+@numba.njit(parallel=True, **_JIT)
+def kq(q, k, tok_seq, out):
+    """out[t, h, p] = q[t, h] . k[seq(t), p, h // group]; q (n_tokens, n_head, d), k (n_seqs, n_kv, h_kv, d)."""
+    n_tokens, n_head, d = q.shape
+    group = n_head // k.shape[2]
+    for job in prange(n_tokens * n_head):
+        t, h = job // n_head, job % n_head
+        s, kh = tok_seq[t], h // group
+        for p in range(k.shape[1]):
+            acc = np.float32(0.0)
+            for j in range(d):
+                acc += q[t, h, j] * k[s, p, kh, j]
+            out[t, h, p] = acc
+
+
+@numba.njit(parallel=True, **_JIT)
+def kqv(probs, v, tok_seq, out):
+    """out[t, h] = sum_p probs[t, h, p] v[seq(t), p, h // group]; out (n_tokens, n_head, dv)."""
+    n_tokens, n_head, n_kv = probs.shape
+    group = n_head // v.shape[2]
+    for job in prange(n_tokens * n_head):
+        t, h = job // n_head, job % n_head
+        s, kh = tok_seq[t], h // group
+        for j in range(v.shape[3]):
+            out[t, h, j] = 0.0
+        for p in range(n_kv):
+            w = probs[t, h, p]
+            if w != 0.0:  # masked positions: most of the row in a short context
+                for j in range(v.shape[3]):
+                    out[t, h, j] += w * v[s, p, kh, j]
 
 
 @numba.njit(parallel=True, **_JIT)

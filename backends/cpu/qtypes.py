@@ -1,17 +1,23 @@
 """Repacking GGUF weight blocks into the layouts the numba kernels in `matmul.py` read.
 
-Every quantized type becomes one of two layouts, so a handful of kernels serve all of them:
+F32 stays float32 (a zero-copy view of the file when it can), F16 and BF16 stay 2-byte bit
+patterns (layout "half", in `qs`; halfs.py widens them). Every quantized type becomes one of
+two layouts, so a handful of kernels serve all of them:
   - "nib": 4-bit codes (0..15), two per byte, per 64 weights 32 bytes: the low nibble of byte j
     is weight j, the high nibble weight 32+j (Q4_K's own order; one widening load per 32).
   - "i8":  one int8 code per weight (Q8_0, and the 5- and 6-bit types, whose bit planes would
     cost more to unpack than the extra bytes cost to read).
-Each sub-block (32 weights, or 16 for Q2_K/Q3_K/Q6_K) has a float32 scale `d` and offset `m`:
-weight = d * code + m. Scales are float32 because numba cannot take float16 arrays.
+Each sub-block (32 weights, or 16 for Q2_K/Q3_K/Q6_K) has a float32 scale `d`, and types with
+a stored minimum an offset `m`: weight = d * (code + c) + m, with c a per-type constant (-8 for
+Q4_0's unsigned nibbles). Types without a minimum keep a single zero row of `m` (step ms = 0)
+instead of a zero per sub-block: that is a quarter of Q8_0's bytes. Scales are float32
+because numba cannot take float16 arrays.
 """
 
 from dataclasses import dataclass
 
 import numpy as np
+from gguf.constants import GGML_QUANT_SIZES
 from gguf.constants import GGMLQuantizationType as T
 
 from hearthlm.runtime.errors import UnsupportedModelError
@@ -32,17 +38,20 @@ class PackedWeight:
 
     ggml_type: int
     shape: tuple[int, int]
-    layout: str                    # "f32", "nib" or "i8"
+    layout: str                    # "f32", "half", "nib" or "i8"
     sub: int = 0                   # weights per scale: 32 or 16 (0 for f32)
     w: np.ndarray | None = None    # f32: (n_rows, n_cols) float32
-    qs: np.ndarray | None = None   # nib: (n_rows, n_pad // 2) uint8; i8: (n_rows, n_pad) int8
+    qs: np.ndarray | None = None   # nib: (n_rows, n_pad // 2) uint8; i8: (n_rows, n_pad) int8;
+    #                                half: (n_rows, n_cols) uint16 bits of F16 or BF16
     d: np.ndarray | None = None    # (n_rows, n_pad // sub) float32 scale
-    m: np.ndarray | None = None    # (n_rows, n_pad // sub) float32 offset
+    m: np.ndarray | None = None    # (n_rows or 1, n_pad // sub) float32 offset
+    ms: int = 1                    # row step of m: 1, or 0 when m is a single zero row
+    c: float = 0.0                 # code offset: weight = d * (code + c) + m
 
     @property
     def n_pad(self) -> int:
         """Columns after padding to whole 64-weight groups (pad codes and scales are zero)."""
-        return self.shape[1] if self.layout == "f32" else self.d.shape[1] * self.sub
+        return self.shape[1] if self.d is None else self.d.shape[1] * self.sub
 
     @property
     def nbytes(self) -> int:
@@ -56,38 +65,42 @@ def pack_weight(ggml_type: int, raw: np.ndarray, shape: tuple[int, int]) -> Pack
         name = T(ggml_type).name if ggml_type in T._value2member_map_ else str(ggml_type)
         raise UnsupportedModelError(f"the CPU backend cannot run weights of type {name}")
     n_rows, n_cols = (int(s) for s in shape)
-    raw = np.asarray(raw).reshape(n_rows, -1)
-    if ggml_type in FLOAT_TYPES:
-        return PackedWeight(ggml_type, (n_rows, n_cols), "f32", w=_to_f32(ggml_type, raw, n_cols))
-    layout, sub, codes, d, m = _UNPACKERS[ggml_type](raw, n_rows, n_cols)
-    return _pack_codes(ggml_type, (n_rows, n_cols), layout, sub, codes, d, m)
-
-
-def _to_f32(ggml_type: int, raw: np.ndarray, n_cols: int) -> np.ndarray:
+    block, type_size = GGML_QUANT_SIZES[T(ggml_type)]
+    raw = np.asarray(raw)
+    if n_cols % block or raw.dtype != np.uint8 or raw.size != n_rows * (n_cols // block) * type_size:
+        raise ValueError(f"{T(ggml_type).name} weight of shape {shape}: expected {n_cols} columns "
+                         f"in whole blocks of {block} and {n_rows} rows of raw uint8 bytes, "
+                         f"got {raw.dtype} {raw.shape}")
+    raw = raw.reshape(n_rows, -1)
     if ggml_type == T.F32:
         # zero-copy view of the mmap when it is contiguous; BLAS reads it as is
-        return np.ascontiguousarray(raw).view(np.float32).reshape(-1, n_cols)
-    bits = np.ascontiguousarray(raw).view(np.uint16).reshape(-1, n_cols)
-    if ggml_type == T.F16:
-        return bits.view(np.float16).astype(np.float32)
-    return (bits.astype(np.uint32) << 16).view(np.float32)  # BF16 is the top half of f32
+        w = np.ascontiguousarray(raw).view(np.float32).reshape(n_rows, n_cols)
+        return PackedWeight(ggml_type, (n_rows, n_cols), "f32", w=w)
+    if ggml_type in FLOAT_TYPES:  # F16, BF16
+        bits = np.ascontiguousarray(raw).view(np.uint16).reshape(n_rows, n_cols)
+        return PackedWeight(ggml_type, (n_rows, n_cols), "half", qs=bits)
+    layout, sub, codes, d, m, c = _UNPACKERS[ggml_type](raw, n_rows, n_cols)
+    return _pack_codes(ggml_type, (n_rows, n_cols), layout, sub, codes, d, m, c)
 
 
-def _pack_codes(ggml_type, shape, layout, sub, codes, d, m) -> PackedWeight:
-    """codes (n_rows, n_cols) uint8/int8, d and m (n_rows, n_cols // sub) -> padded kernel layout."""
+def _pack_codes(ggml_type, shape, layout, sub, codes, d, m, c) -> PackedWeight:
+    """codes (n_rows, n_cols) uint8/int8, d and m (n_rows, n_cols // sub) or m None -> kernel layout."""
     n_rows, n_cols = shape
     n_pad = -(-n_cols // 64) * 64
-    if n_pad != n_cols:  # zero codes with zero scale contribute nothing
+    if n_pad != n_cols:  # zero scales and offsets: the padding contributes nothing
         codes = np.pad(codes, ((0, 0), (0, n_pad - n_cols)))
         d = np.pad(d, ((0, 0), (0, (n_pad - n_cols) // sub)))
-        m = np.pad(m, ((0, 0), (0, (n_pad - n_cols) // sub)))
+        m = None if m is None else np.pad(m, ((0, 0), (0, (n_pad - n_cols) // sub)))
+    ms = 0 if m is None else 1
+    m = np.zeros((1, n_pad // sub), dtype=np.float32) if m is None else m
     if layout == "nib":
-        c = codes.reshape(n_rows, n_pad // 64, 2, 32)
-        qs = (c[:, :, 0, :] | (c[:, :, 1, :] << 4)).astype(np.uint8).reshape(n_rows, n_pad // 2)
+        pairs = codes.reshape(n_rows, n_pad // 64, 2, 32)
+        qs = (pairs[:, :, 0, :] | (pairs[:, :, 1, :] << 4)).astype(np.uint8).reshape(n_rows, n_pad // 2)
     else:
-        qs = codes.astype(np.int8)
+        qs = codes.astype(np.int8, copy=False)
     f32 = lambda a: np.ascontiguousarray(a, dtype=np.float32)
-    return PackedWeight(ggml_type, shape, layout, sub, qs=np.ascontiguousarray(qs), d=f32(d), m=f32(m))
+    return PackedWeight(ggml_type, shape, layout, sub, qs=np.ascontiguousarray(qs), d=f32(d), m=f32(m),
+                        ms=ms, c=float(c))
 
 
 def _blocks(raw, n_rows, n_cols, block_bytes):
@@ -106,32 +119,29 @@ def _high_bits_32(qh):
 
 def _q8_0(raw, n_rows, n_cols):
     b = _blocks(raw, n_rows, n_cols, 34)
-    d = f16_field(b, 0)
-    return "i8", 32, b[..., 2:].view(np.int8).reshape(n_rows, n_cols), d, np.zeros_like(d)
+    return "i8", 32, b[..., 2:].view(np.int8).reshape(n_rows, n_cols), f16_field(b, 0), None, 0
 
 
 def _q4_0(raw, n_rows, n_cols):
     b = _blocks(raw, n_rows, n_cols, 18)
-    d = f16_field(b, 0)
-    return "nib", 32, _nibbles_32(b[..., 2:]).reshape(n_rows, n_cols), d, -8.0 * d
+    return "nib", 32, _nibbles_32(b[..., 2:]).reshape(n_rows, n_cols), f16_field(b, 0), None, -8
 
 
 def _q4_1(raw, n_rows, n_cols):
     b = _blocks(raw, n_rows, n_cols, 20)
-    return "nib", 32, _nibbles_32(b[..., 4:]).reshape(n_rows, n_cols), f16_field(b, 0), f16_field(b, 2)
+    return "nib", 32, _nibbles_32(b[..., 4:]).reshape(n_rows, n_cols), f16_field(b, 0), f16_field(b, 2), 0
 
 
 def _q5_0(raw, n_rows, n_cols):
     b = _blocks(raw, n_rows, n_cols, 22)
-    d = f16_field(b, 0)
     codes = _nibbles_32(b[..., 6:]) | (_high_bits_32(b[..., 2:6]) << 4)
-    return "i8", 32, codes.reshape(n_rows, n_cols), d, -16.0 * d
+    return "i8", 32, codes.reshape(n_rows, n_cols), f16_field(b, 0), None, -16
 
 
 def _q5_1(raw, n_rows, n_cols):
     b = _blocks(raw, n_rows, n_cols, 24)
     codes = _nibbles_32(b[..., 8:]) | (_high_bits_32(b[..., 4:8]) << 4)
-    return "i8", 32, codes.reshape(n_rows, n_cols), f16_field(b, 0), f16_field(b, 2)
+    return "i8", 32, codes.reshape(n_rows, n_cols), f16_field(b, 0), f16_field(b, 2), 0
 
 
 _UNPACKERS = {

@@ -1,0 +1,47 @@
+"""The fused gated FFN on the CPU: act(x @ Wg.T) * (x @ Wu.T) one slab of output columns
+at a time, so gate and up never exist whole: each slab's two matmul results are small
+(n_tokens x CHUNK), consumed by the GLU at once and overwritten by the next slab."""
+from __future__ import annotations
+
+import dataclasses
+import weakref
+
+import numpy as np
+
+from hearthlm.backends.cpu import ops
+from hearthlm.backends.cpu.matmul import matmul
+from hearthlm.backends.cpu.qtypes import PackedWeight
+
+CHUNK = 512  # output columns per slab: a multiple of matmul.TILE_ROWS; see the closing note on speed
+
+_slabs: "weakref.WeakKeyDictionary[PackedWeight, list[PackedWeight]]" = weakref.WeakKeyDictionary()
+
+
+def _row_slabs(w: PackedWeight, chunk: int) -> list[PackedWeight]:
+    """Row ranges of a packed weight as PackedWeights (views, no copies), made once: every
+    per-row array is sliced, whatever the layout (shared rows, e.g. a single offset row, stay)."""
+    got = _slabs.get(w)
+    if got is None or got[0].shape[0] != min(chunk, w.shape[0]):
+        n = w.shape[0]
+        per_row = [f.name for f in dataclasses.fields(w)
+                   if isinstance(getattr(w, f.name), np.ndarray) and getattr(w, f.name).shape[0] == n]
+        got = _slabs[w] = [
+            dataclasses.replace(w, shape=(min(r0 + chunk, n) - r0, w.shape[1]),
+                                **{k: getattr(w, k)[r0:r0 + chunk] for k in per_row})
+            for r0 in range(0, n, chunk)]
+    return got
+
+
+def ffn_glu(wg: PackedWeight, wu: PackedWeight, x: np.ndarray, gelu: bool, out: np.ndarray,
+            chunk: int = CHUNK) -> np.ndarray:
+    """x (n_tokens, n_embd) -> out (n_tokens, n_ff) = act(x Wg^T) * (x Wu^T)."""
+    x = np.ascontiguousarray(x, np.float32).reshape(-1, wg.shape[1])
+    o = out.reshape(x.shape[0], wg.shape[0])
+    r0 = 0
+    for g_w, u_w in zip(_row_slabs(wg, chunk), _row_slabs(wu, chunk)):
+        r1 = r0 + g_w.shape[0]
+        g = matmul(g_w, x)  # (n_tokens, r1 - r0)
+        ops.glu(g, matmul(u_w, x), gelu, g)
+        o[:, r0:r1] = g
+        r0 = r1
+    return out

@@ -1,0 +1,167 @@
+"""Fusion rules, kept as data: each Rule is a pattern (a small tree of ops, tinygrad's
+UPat) and a rewrite that builds the one fused node replacing the matched subgraph. `fuse`
+applies them once to a newly built graph, in node order, so a rule always sees its
+sources already rewritten. HEARTHLM_NO_FUSION=1 turns fusion off (debugging)."""
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+from typing import Callable
+
+from hearthlm.runtime.graph import Graph, Op, Tensor
+
+COMMUTATIVE = (Op.ADD, Op.MUL)
+SIDE_EFFECTS = (Op.SET_ROWS, Op.ROPE_SET_ROWS)  # kept even when nothing reads their value
+
+
+@dataclass(frozen=True)
+class Pat:
+    """A node of op `op` (one of, if a tuple) with sources matching `srcs`; `srcs=None`
+    checks no sources. op None captures any node under `name` (same name: same node).
+    Matched inner nodes must have one consumer: the rewrite absorbs them."""
+    op: Op | tuple[Op, ...] | None
+    srcs: tuple["Pat", ...] | None = ()
+    name: str | None = None
+
+
+def P(op, *srcs, name=None, any_srcs=False) -> Pat:
+    return Pat(op, None if any_srcs else tuple(srcs), name)
+
+
+class _X:  # X.w is a capture named "w"
+    def __getattr__(self, name: str) -> Pat:
+        return Pat(None, (), name)
+
+
+X = _X()
+
+
+@dataclass(frozen=True)
+class Rule:
+    name: str
+    pattern: Pat
+    rewrite: Callable[[Graph, Tensor, dict], Tensor | None]  # (graph, root, captures) -> fused node or None
+
+
+def _norm_add(g, root, m):
+    return g.rms_norm_mul_add(m["x"], m["w"], m["r"], m["norm"].params["eps"], root.name, root.layer)
+
+
+RULES = [
+    # RMSNorm then its weight: one pass over each row
+    Rule("rms_norm_mul", P(Op.MUL, P(Op.RMS_NORM, X.x, name="norm"), X.w),
+         lambda g, root, m: g.rms_norm_mul(m["x"], m["w"], m["norm"].params["eps"], root.name, root.layer)
+         if m["w"].shape == (m["x"].shape[-1],) else None),
+    # act(gate x) * up x from the weights and x: SwiGLU / GeGLU with no whole gate or up
+    Rule("ffn_glu", P(Op.MUL, P((Op.SILU, Op.GELU), P(Op.MUL_MAT, X.wg, X.x), name="act"),
+                      P(Op.MUL_MAT, X.wu, X.x)),
+         lambda g, root, m: g.ffn_glu(m["wg"], m["wu"], m["x"], "gelu" if m["act"].op is Op.GELU else "silu",
+                                      "ffn_glu", root.layer)
+         if m["wg"].op is Op.WEIGHT and m["wu"].op is Op.WEIGHT and m["wg"].shape == m["wu"].shape else None),
+    # RoPE on K written straight into the KV cache
+    Rule("rope_set_rows", P(Op.SET_ROWS, X.cache, P(Op.ROPE, X.x, X.pos, name="rope"), X.slots),
+         lambda g, root, m: g.rope_set_rows(m["cache"], m["x"], m["pos"], m["slots"], name=root.name,
+                                            il=root.layer, **m["rope"].params)),
+    # gather, QK^T, scale, mask, softmax, times V: flash attention over the paged cache
+    Rule("flash_attn", P(Op.RESHAPE, P(Op.KQV, P(Op.SOFT_MAX, P(Op.ADD, P(Op.SCALE, P(
+        Op.KQ, X.q, P(Op.GATHER_KV, X.kc, X.bt, name="gk"), X.seq), name="scale"), P(Op.KQ_MASK, X.pos, name="mask"))),
+        P(Op.GATHER_KV, X.vc, X.bt), X.seq)),
+         lambda g, root, m: g.attn(m["q"], m["kc"], m["vc"], m["seq"], m["pos"], m["bt"],
+                                   scale=m["scale"].params["s"], block_size=m["gk"].params["block_size"],
+                                   window=m["mask"].params["window"], name=root.name, il=root.layer)),
+    # residual adds: into the projection or post-norm that produces the addend
+    Rule("mul_mat_add", P(Op.ADD, X.r, P(Op.MUL_MAT, X.w, X.x, name="mm")),
+         lambda g, root, m: g.mul_mat_add(m["w"], m["x"], m["r"], root.name, root.layer)
+         if m["r"].shape == root.shape == m["mm"].shape else None),
+    Rule("rms_norm_mul_add", P(Op.ADD, X.r, P(Op.RMS_NORM_MUL, X.x, X.w, name="norm")),
+         lambda g, root, m: _norm_add(g, root, m) if m["r"].shape == root.shape == m["norm"].shape else None),
+    # and chains of plain adds: one n-ary sum
+    Rule("add_n", P(Op.ADD, P((Op.ADD, Op.ADD_N), name="inner", any_srcs=True), X.c),
+         lambda g, root, m: g.add_n((*m["inner"].srcs, m["c"]), root.name, root.layer)
+         if all(s.shape == root.shape for s in (*m["inner"].srcs, m["c"])) else None),
+]
+
+
+def enabled(option: bool | None = None) -> bool:
+    """A Session/Engine option wins; else HEARTHLM_NO_FUSION=1 turns fusion off."""
+    return option if option is not None else os.environ.get("HEARTHLM_NO_FUSION", "") not in ("1", "true", "yes")
+
+
+def _match(p: Pat, node: Tensor, uses: dict, m: dict, root: bool) -> bool:
+    if p.op is None:
+        if p.name in m:
+            return m[p.name] is node
+        m[p.name] = node
+        return True
+    if node.op not in (p.op if isinstance(p.op, tuple) else (p.op,)) or (not root and uses.get(node, 0) != 1):
+        return False
+    if p.name:
+        m[p.name] = node
+    if p.srcs is None:
+        return True
+    if len(p.srcs) != len(node.srcs):
+        return False
+    orders = [p.srcs, p.srcs[::-1]] if node.op in COMMUTATIVE and len(p.srcs) == 2 else [p.srcs]
+    for srcs in orders:
+        trial = dict(m)
+        if all(_match(sp, s, uses, trial, False) for sp, s in zip(srcs, node.srcs)):
+            m.update(trial)
+            return True
+    return False
+
+
+def match(rule: Rule, node: Tensor, uses: dict) -> dict | None:
+    m: dict = {}
+    return m if _match(rule.pattern, node, uses, m, True) else None
+
+
+def consumers(graph: Graph) -> dict[Tensor, int]:
+    uses: dict[Tensor, int] = {}
+    for n in graph.nodes:
+        for s in n.srcs:
+            uses[s] = uses.get(s, 0) + 1
+    for o in graph.outputs:
+        uses[o] = uses.get(o, 0) + 1
+    return uses
+
+
+def fuse(graph: Graph, rules: list[Rule] = RULES) -> Graph:
+    """A new graph with the rules applied (the input graph is left as it was)."""
+    uses = consumers(graph)
+    by_op: dict[Op, list[Rule]] = {}
+    for r in rules:
+        for op in (r.pattern.op if isinstance(r.pattern.op, tuple) else (r.pattern.op,)):
+            by_op.setdefault(op, []).append(r)
+    out = Graph()
+    out.inputs = dict(graph.inputs)
+    new: dict[Tensor, Tensor] = {}
+    for node in graph.nodes:
+        srcs = tuple(new.get(s, s) for s in node.srcs)
+        n = node if srcs == node.srcs else dataclasses.replace(node, srcs=srcs)
+        uses[n] = uses.get(node, 0)
+        for rule in by_op.get(n.op, ()):
+            m = match(rule, n, uses)
+            f = rule.rewrite(out, n, m) if m is not None else None
+            if f is not None:
+                uses[f], n = uses[n], f
+                break
+        else:
+            out.nodes.append(n)
+        if n is not node:
+            new[node] = n
+    out.outputs = [new.get(o, o) for o in graph.outputs]
+    return prune(out)
+
+
+def prune(graph: Graph) -> Graph:
+    """Drop nodes nothing needs: what the rewrites absorbed."""
+    keep: set[int] = set()
+    stack = [*graph.outputs, *(n for n in graph.nodes if n.op in SIDE_EFFECTS)]
+    while stack:
+        n = stack.pop()
+        if id(n) not in keep:
+            keep.add(id(n))
+            stack.extend(n.srcs)
+    graph.nodes = [n for n in graph.nodes if id(n) in keep]
+    return graph

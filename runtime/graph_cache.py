@@ -1,0 +1,100 @@
+"""The graph cache: the "semi-static graph". A graph is built, fused and planned once per
+shape signature; a step whose signature `can_reuse` a cached graph only brings new inputs
+(token ids, positions, KV slots, block tables, output rows), as llama.cpp's
+`llm_graph_result::can_reuse`. Batch shapes are padded to a few buckets (`bucket`) so that
+steady decoding keeps hitting the same graph."""
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from hearthlm.runtime import fusion
+from hearthlm.runtime.batch import BatchShape
+from hearthlm.runtime.graph import Graph
+from hearthlm.runtime.log import get_logger
+from hearthlm.runtime.memory import plan
+
+log = get_logger("hearthlm.graph_cache")
+
+FINE_UP_TO = 64  # token counts: powers of two up to here, then multiples of it (bounded padding)
+
+
+def bucket(n: int, cap: int | None = None) -> int:
+    """The padded size for n: 1, 2, 4, ... FINE_UP_TO, then multiples of FINE_UP_TO; at most
+    `cap` (when n itself fits under it)."""
+    b = 1 << max(n - 1, 0).bit_length() if n <= FINE_UP_TO else -(-n // FINE_UP_TO) * FINE_UP_TO
+    return max(n, min(b, cap)) if cap else b
+
+
+@dataclass(frozen=True)
+class Signature:
+    shape: BatchShape  # bucketed tokens, sequences, output rows; block-table width = the KV-length bucket
+    placement: str     # backend name (one backend per graph until the GPU splits, issue 6)
+    fused: bool
+
+
+@dataclass
+class CachedGraph:
+    sig: Signature
+    graph: Graph        # fused (if sig.fused) and planned
+    n_unfused: int      # nodes as built
+    n_fused: int        # nodes after fusion
+
+
+def can_reuse(cached: CachedGraph, sig: Signature) -> bool:
+    """Same shapes and placement: the graph's topology, buffers and arena fit; only the
+    inputs differ."""
+    return cached.sig == sig
+
+
+class GraphCache:
+    def __init__(self, build: Callable[[BatchShape], Graph], backend: Any, *, fusion_on: bool | None = None,
+                 enabled: bool = True, max_graphs: int = 16) -> None:
+        self.build, self.backend = build, backend
+        self.fused = fusion.enabled(fusion_on)
+        self.enabled = enabled  # False: build every step (to measure what reuse saves)
+        self.max_graphs = max_graphs
+        self._graphs: OrderedDict[Signature, CachedGraph] = OrderedDict()
+        self.counters = dict(graph_cache_hits=0, graph_cache_misses=0, graph_nodes_unfused=0,
+                             graph_nodes_fused=0, graph_build_time_s=0.0, graph_build_last_ms=0.0,
+                             graph_reuse_time_s=0.0, graph_arena_bytes=0, graph_no_reuse_bytes=0)
+
+    def get(self, shape: BatchShape) -> Graph:
+        t0 = time.perf_counter()
+        sig = Signature(shape, self.backend.name, self.fused)
+        hit = self._graphs.get(sig) if self.enabled else None
+        if hit is not None and can_reuse(hit, sig):
+            self._graphs.move_to_end(sig)
+            self.counters["graph_cache_hits"] += 1
+            self.counters["graph_reuse_time_s"] += time.perf_counter() - t0
+            return hit.graph
+        entry = self._make(sig)
+        if self.enabled:
+            self._graphs[sig] = entry
+            while len(self._graphs) > self.max_graphs:  # LRU: each holds an arena
+                self._graphs.popitem(last=False)
+        dt = time.perf_counter() - t0
+        c = self.counters
+        c["graph_cache_misses"] += 1
+        c["graph_build_time_s"] += dt
+        c.update(graph_build_last_ms=dt * 1e3, graph_nodes_unfused=entry.n_unfused, graph_nodes_fused=entry.n_fused,
+                 graph_arena_bytes=entry.graph.plan.arena_bytes, graph_no_reuse_bytes=entry.graph.plan.no_reuse_bytes)
+        log.debug("graph_cache_miss", shape=shape, fused=self.fused, nodes_unfused=entry.n_unfused,
+                  nodes=entry.n_fused, arena_bytes=entry.graph.plan.arena_bytes, ms=round(dt * 1e3, 2))
+        return entry.graph
+
+    def _make(self, sig: Signature) -> CachedGraph:
+        g = self.build(sig.shape)
+        n_unfused = len(g.nodes)
+        if sig.fused:
+            g = fusion.fuse(g)
+        g.plan = plan(g, arena=getattr(self.backend, "plans_memory", False))
+        return CachedGraph(sig, g, n_unfused, len(g.nodes))
+
+    def stats(self) -> dict[str, Any]:
+        c = dict(self.counters)
+        n = c["graph_cache_hits"] + c["graph_cache_misses"]
+        c["graph_cache_hit_rate"] = c["graph_cache_hits"] / n if n else 0.0
+        return c

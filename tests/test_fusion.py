@@ -1,0 +1,92 @@
+"""Each fusion rule: (a) it matches what the architecture builders produce, (b) the graph
+has fewer nodes after it, (c) the fused graph computes what the unfused one computes, on
+`reference` and `cpu` (logits and the KV cache it wrote)."""
+from collections import Counter
+
+import numpy as np
+import pytest
+from synth import build, step_feed, weights
+
+from hearthlm.backends.cpu.backend import CPUBackend
+from hearthlm.backends.reference import ReferenceBackend
+from hearthlm.runtime import fusion
+from hearthlm.runtime.dispatch import WeightStore, execute
+from hearthlm.runtime.graph import Op
+from test_ops import nmse
+
+RULES = {r.name: r for r in fusion.RULES}
+# rule -> (fused op, per layer in llama, per layer in gemma3, outside the layers); counted
+# with the rule applied after the rules it builds on (NEEDS)
+EXPECT = {
+    "rms_norm_mul": (Op.RMS_NORM_MUL, 2, 6, 1),         # gemma3: attn, ffn, q, k and both post-norms
+    "ffn_glu": (Op.FFN_GLU, 1, 1, 0),
+    "rope_set_rows": (Op.ROPE_SET_ROWS, 1, 1, 0),
+    "flash_attn": (Op.ATTN, 1, 1, 0),
+    "mul_mat_add": (Op.MUL_MAT_ADD, 2, 0, 0),           # llama: attn_out and ffn_out into the residual
+    "rms_norm_mul_add": (Op.RMS_NORM_MUL_ADD, 0, 2, 0),  # gemma3: both post-norms into the residual
+}
+NEEDS = {"rms_norm_mul_add": ["rms_norm_mul"]}
+N_LAYER = {"llama": 2, "gemma3": 6}  # gemma3: five sliding-window layers and one global
+
+
+def run(graph, backend, feed, caches):
+    local = {k: v.copy() for k, v in caches.items()}
+    (out,) = execute(graph, WeightStore(backend), feed, lambda n: local[(n.name, n.layer)])
+    return out, local
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+@pytest.mark.parametrize("rule", list(EXPECT))
+def test_rule_matches_builders_and_shrinks(arch, rule):
+    op, per_llama, per_gemma, extra = EXPECT[rule]
+    per_layer = per_llama if arch == "llama" else per_gemma
+    if not per_layer:
+        pytest.skip(f"{arch} has no {rule} pattern")
+    n_layer = N_LAYER[arch]
+    _, shape, _ = step_feed(np.random.default_rng(0), n_layer)
+    g = build(arch, weights(arch, n_layer, raw=False), shape, n_layer)
+    before = fusion.fuse(g, [RULES[r] for r in NEEDS.get(rule, [])])
+    after = fusion.fuse(g, [RULES[r] for r in NEEDS.get(rule, [])] + [RULES[rule]])
+    assert Counter(n.op for n in after.nodes)[op] == per_layer * n_layer + extra
+    assert len(after.nodes) < len(before.nodes)
+    assert len(fusion.fuse(g).nodes) <= len(after.nodes)
+
+
+def test_add_chains():
+    """The builders never chain plain adds (each residual sum feeds a norm), so a chain is built here."""
+    from hearthlm.runtime.graph import Graph
+    g = Graph()
+    xs = [g.input(f"x{i}", (3, 8), np.float32) for i in range(4)]
+    s = g.add(g.add(g.add(xs[0], xs[1], "a"), xs[2], "b"), xs[3], "c")
+    g.outputs.append(s)
+    f = fusion.fuse(g)
+    assert [n.op for n in f.nodes if n.op not in (Op.INPUT,)] == [Op.ADD_N] and len(f.nodes) < len(g.nodes)
+    feed = {f"x{i}": np.random.default_rng(i).standard_normal((3, 8)).astype(np.float32) for i in range(4)}
+    for be in (ReferenceBackend(), CPUBackend()):
+        assert nmse(run(f, be, feed, {})[0], run(g, be, feed, {})[0]) < 1e-12
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+@pytest.mark.parametrize("rule", [*EXPECT, "all"])
+def test_fused_computes_the_same(arch, rule, backend):
+    """Fused (one rule, after those it builds on; or all) against unfused, same backend."""
+    n_layer = N_LAYER[arch]
+    feed, shape, caches = step_feed(np.random.default_rng(1), n_layer)
+    ws = weights(arch, n_layer, seed=2)
+    be = ReferenceBackend() if backend == "reference" else CPUBackend()
+    base, base_kv = run(build(arch, ws, shape, n_layer), be, feed, caches)
+    f = fusion.fuse(build(arch, ws, shape, n_layer), fusion.RULES if rule == "all" else
+                    [RULES[r] for r in [*NEEDS.get(rule, []), rule]])
+    out, kv = run(f, be, feed, caches)
+    tol = 1e-12 if backend == "reference" else 1e-9  # attention: online vs two-pass softmax
+    assert nmse(out, base) < tol
+    for key in caches:
+        assert nmse(kv[key], base_kv[key]) < tol, key
+
+
+def test_no_fusion_switch(monkeypatch):
+    monkeypatch.setenv("HEARTHLM_NO_FUSION", "1")
+    assert not fusion.enabled() and fusion.enabled(True)
+    monkeypatch.delenv("HEARTHLM_NO_FUSION")
+    assert fusion.enabled() and not fusion.enabled(False)
