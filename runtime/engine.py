@@ -145,6 +145,9 @@ class Engine:
             feed, shape = self._assemble(plan)
             graph = self._graph(shape)
             (logits,) = execute(graph, self.store, feed, self.kv.cache_of)
+            # counted before _update wakes the callers, so their stats() see this step
+            self.counters["steps"] += 1
+            self.counters["tokens_computed"] += plan.n_tokens
             self._update(plan, logits)
         except Exception as e:  # a bug or a kernel failure: fail this batch, keep serving
             log.exception("engine step failed")
@@ -153,9 +156,7 @@ class Engine:
                 if s.req in self.running:
                     self._finish(s.req, "error", err)
         dt = time.perf_counter() - t0
-        self.counters["steps"] += 1
         self.counters["step_time_s"] += dt
-        self.counters["tokens_computed"] += plan.n_tokens
         log.debug("step", seqs=len(plan.seqs), tokens=plan.n_tokens, queue=len(self.waiting),
                   kv_used=self.kv.allocator.n_used, ms=round(dt * 1e3, 2))
 

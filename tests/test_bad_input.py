@@ -379,30 +379,35 @@ def _bug(what: str) -> str:
 
 # (kwargs, the raw exception it raises today, where)
 UNVALIDATED = [
-    pytest.param({"seed": "abc"}, marks=pytest.mark.xfail(strict=True, raises=TypeError, reason=_bug(
+    pytest.param({"seed": "abc"}, id="seed-str", marks=pytest.mark.xfail(strict=True, raises=TypeError, reason=_bug(
         "seed='abc' raises numpy's TypeError from np.random.default_rng in Request.__post_init__ "
         "(runtime/request.py); SamplingParams.__post_init__ should check seed is None or an int >= 0"))),
-    pytest.param({"seed": -1}, marks=pytest.mark.xfail(strict=True, raises=ValueError, reason=_bug(
+    pytest.param({"seed": -1}, id="seed-negative", marks=pytest.mark.xfail(strict=True, raises=ValueError, reason=_bug(
         "seed=-1 raises numpy's ValueError 'expected non-negative integer' from Request.__post_init__"))),
-    pytest.param({"max_tokens": "5"}, marks=pytest.mark.xfail(strict=True, raises=TypeError, reason=_bug(
+    pytest.param({"max_tokens": "5"}, id="max_tokens-str", marks=pytest.mark.xfail(strict=True, raises=TypeError, reason=_bug(
         "max_tokens='5' raises TypeError at sdk/session.py _stream `max_tokens < 1`; check it is an int"))),
-    pytest.param({"stop": 5}, marks=pytest.mark.xfail(strict=True, raises=TypeError, reason=_bug(
+    pytest.param({"stop": 5}, id="stop-int", marks=pytest.mark.xfail(strict=True, raises=TypeError, reason=_bug(
         "stop=5 raises TypeError at sdk/session.py _stream `list(stop or [])`"))),
-    pytest.param({"top_k": 2.5, "temperature": 0.5}, marks=pytest.mark.xfail(
+    pytest.param({"top_k": 2.5, "temperature": 0.5}, id="top_k-float", marks=pytest.mark.xfail(
         strict=True, raises=HearthError, reason=_bug(
             "top_k=2.5 is not validated: it fails in the engine thread (np.argpartition) as a generic "
             "HearthError 'engine step failed: TypeError', failing the whole batch; check int in "
             "SamplingParams.__post_init__"))),
-    pytest.param({"top_logprobs": 2.5}, marks=pytest.mark.xfail(strict=True, raises=HearthError, reason=_bug(
+    pytest.param({"top_logprobs": 2.5}, id="top_logprobs-float", marks=pytest.mark.xfail(strict=True, raises=HearthError, reason=_bug(
         "top_logprobs=2.5 fails in the engine thread (np.argpartition) as 'engine step failed'"))),
-    pytest.param({"stop_token_ids": 5}, marks=pytest.mark.xfail(strict=True, raises=HearthError, reason=_bug(
+    pytest.param({"stop_token_ids": 5}, id="stop_token_ids-int", marks=pytest.mark.xfail(strict=True, raises=HearthError, reason=_bug(
         "stop_token_ids=5 fails in the engine thread (`tok in 5`) as 'engine step failed'; coerce to a "
         "tuple of ints in SamplingParams.__post_init__"))),
-    pytest.param({"timeout": "5"}, marks=pytest.mark.xfail(strict=True, raises=TypeError, reason=_bug(
+    pytest.param({"temperature": "hot"}, id="temperature-str", marks=pytest.mark.xfail(
+        strict=True, raises=AssertionError, reason=_bug(
+            "temperature='hot' (or top_k=None, ...) gives InvalidRequestError(\"'>=' not supported between "
+            "instances of 'str' and 'int'\"), which does not name the argument: SamplingParams.__post_init__ "
+            "compares before checking types; check each is a real number first"))),
+    pytest.param({"timeout": "5"}, id="timeout-str", marks=pytest.mark.xfail(strict=True, raises=TypeError, reason=_bug(
         "timeout='5' raises TypeError at sdk/session.py _stream `anyio.current_time() + timeout`, which runs "
         "after engine.submit and outside the try/finally: the request is never aborted and runs on to "
         "max_tokens holding KV blocks. Validate timeout (a number >= 0, not NaN) before submit"))),
-    pytest.param({"timeout": math.nan}, marks=pytest.mark.xfail(strict=True, raises=ValueError, reason=_bug(
+    pytest.param({"timeout": math.nan}, id="timeout-nan", marks=pytest.mark.xfail(strict=True, raises=ValueError, reason=_bug(
         "timeout=nan raises anyio's ValueError 'deadline must not be NaN' from move_on_after in _stream"))),
 ]
 

@@ -1,0 +1,277 @@
+"""The cuda backend's kernels, `kernel(node, *srcs, out=None)` -> a cupy array: launches of
+the .cu kernels (modules.py) for the quantized products, norms, activations, RoPE and the
+fused attention; cuBLAS (cupy.matmul) for float products and bigger batches; plain cupy for
+the ops that are one memory pass anyway (add, mul, scale, set_rows, the unfused attention
+parts). Imported only once CuPy and a device are known to be there (backend.py)."""
+from __future__ import annotations
+
+from functools import lru_cache
+
+import cupy as cp
+import numpy as np
+
+from hearthlm.backends.cuda.modules import kernel
+from hearthlm.backends.cuda.weights import CudaWeight
+from hearthlm.runtime.errors import BackendError
+
+MAX_TOKENS = 8        # matmul.cu's MAX_TOKENS: mmvq up to this many tokens, dequantize + cuBLAS above
+ROWS = 4              # matmul.cu's ROWS_PER_BLOCK
+MAX_HEAD_DIM = 256    # attention.cu's MAX_D
+SLAB_FLOATS = 1 << 26  # 256 MiB of float32: dequantize big weights for cuBLAS a slab of rows at a time
+i32, i64, f32 = np.int32, np.int64, np.float32
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@lru_cache(maxsize=None)
+def _dummy(dtype=cp.float32):
+    """A stand-in for an unused pointer argument (the kernels take a flag beside it)."""
+    return cp.zeros(1, dtype)
+
+
+def _f(x):
+    return cp.ascontiguousarray(x, dtype=cp.float32)
+
+
+def _i(x):
+    return cp.ascontiguousarray(x, dtype=cp.int32)
+
+
+def _into(value, out):
+    """Copy into a planned buffer, when dispatch gives one (this backend does not ask for them)."""
+    if out is None:
+        return value
+    out[...] = value.reshape(out.shape)
+    return out
+
+
+# ---- products ----
+
+def quantize_q8(x2):
+    """x2 (n, K) float32 -> int8 codes (n, K), a scale per 32 and the float sums per 16."""
+    n_chunks = x2.size // 32
+    xq = cp.empty(x2.shape, cp.int8)
+    xd, xs = cp.empty(n_chunks, cp.float32), cp.empty(2 * n_chunks, cp.float32)
+    kernel("matmul.cu", "quantize_q8")((_cdiv(n_chunks, ROWS),), (32, ROWS), (x2, i64(n_chunks), xq, xd, xs))
+    return xq, xd, xs
+
+
+def mmvq(w: CudaWeight, x2, mode: int = 0, w2: CudaWeight | None = None, r=None):
+    """(n <= MAX_TOKENS, K) -> (n, n_rows); mode 1 adds r, 2/3 = silu/gelu(x @ w.T) * (x @ w2.T)."""
+    n, k = x2.shape
+    n_rows = w.shape[0]
+    xq, xd, xs = quantize_q8(x2)
+    y = cp.empty((n, n_rows), cp.float32)
+    kernel("matmul.cu", "mmvq_" + w.kernel)(
+        (_cdiv(n_rows, ROWS),), (32, ROWS),
+        (w.raw, (w2 or w).raw, i64(w.raw.shape[1]), i32(n_rows), i32(k // 32), xq, xd, xs, i32(n),
+         _dummy() if r is None else r, y, i32(mode)))
+    return y
+
+
+def dequant_rows(w: CudaWeight, ids=None, row0: int = 0, n_out: int | None = None):
+    """Rows `ids` (or row0 .. row0 + n_out) of a quantized weight as float32 (n, n_cols)."""
+    n_out = int(ids.shape[0]) if ids is not None else int(n_out)
+    n_chunks = w.shape[1] // 32
+    out = cp.empty((n_out, w.shape[1]), cp.float32)
+    total = n_out * n_chunks
+    kernel("matmul.cu", "dequant_" + w.kernel)(
+        (_cdiv(total, 256),), (256,),
+        (w.raw, i64(w.raw.shape[1]), i32(n_chunks), _dummy(cp.int32) if ids is None else ids,
+         i32(ids is not None), i64(row0), i64(n_out), out))
+    return out
+
+
+def _dequant_gemm(w: CudaWeight, x2):
+    n_rows, n_cols = w.shape
+    slab = max(1, SLAB_FLOATS // n_cols)
+    if slab >= n_rows:
+        return x2 @ dequant_rows(w, n_out=n_rows).T
+    y = cp.empty((x2.shape[0], n_rows), cp.float32)
+    for r0 in range(0, n_rows, slab):
+        m = min(slab, n_rows - r0)
+        y[:, r0:r0 + m] = x2 @ dequant_rows(w, row0=r0, n_out=m).T
+    return y
+
+
+def _quantized(w) -> bool:
+    return isinstance(w, CudaWeight) and w.raw is not None
+
+
+def matmul2(w, x2):
+    """x2 (n, K) float32 contiguous -> (n, n_rows)."""
+    if not isinstance(w, CudaWeight):
+        return x2 @ _f(w).T
+    if w.f is not None:
+        return x2 @ w.f.T
+    return mmvq(w, x2) if x2.shape[0] <= MAX_TOKENS else _dequant_gemm(w, x2)
+
+
+def _rows(x):
+    return _f(x).reshape(-1, x.shape[-1])
+
+
+def mul_mat(node, w, x, out=None):
+    return _into(matmul2(w, _rows(x)).reshape(node.shape), out)
+
+
+def mul_mat_add(node, w, x, r, out=None):
+    x2 = _rows(x)
+    if _quantized(w) and x2.shape[0] <= MAX_TOKENS and r.shape == node.shape:
+        y = mmvq(w, x2, mode=1, r=_f(r).reshape(x2.shape[0], -1))
+        return _into(y.reshape(node.shape), out)
+    return _into(matmul2(w, x2).reshape(r.shape) + r, out)
+
+
+def ffn_glu(node, wg, wu, x, out=None):
+    x2, act = _rows(x), node.params["act"]
+    if (_quantized(wg) and _quantized(wu) and wg.ggml_type == wu.ggml_type and wg.shape == wu.shape
+            and x2.shape[0] <= MAX_TOKENS):
+        y = mmvq(wg, x2, mode=2 if act == "silu" else 3, w2=wu)
+        return _into(y.reshape(node.shape), out)
+    g, u = matmul2(wg, x2), matmul2(wu, x2)
+    return _into(_glu(g, u, act).reshape(node.shape), out)
+
+
+def get_rows(node, table, ids, out=None):
+    if _quantized(table):
+        return _into(dequant_rows(table, ids=_i(ids)), out)
+    t = table.f if isinstance(table, CudaWeight) else table
+    return _into(_f(t[_i(ids)]), out)
+
+
+# ---- norms and activations ----
+
+def _rms_norm_cupy(x, w, r, eps):
+    x64 = x.astype(cp.float64)
+    y = (x64 / cp.sqrt((x64 * x64).mean(axis=-1, keepdims=True) + eps)).astype(cp.float32)
+    y = y if w is None else (y * w).astype(cp.float32)
+    return y if r is None else y + r
+
+
+def rms_norm(node, x, w=None, r=None, out=None):
+    eps, n = node.params["eps"], x.shape[-1]
+    if (w is not None and w.size != n) or (r is not None and r.shape != x.shape):
+        return _into(_rms_norm_cupy(x, w, r, eps), out)  # broadcasts the kernel does not do
+    x2 = _f(x)
+    y = cp.empty(x.shape, cp.float32)
+    threads = min(256, 32 * _cdiv(n, 32))
+    kernel("norm_rope.cu", "rms_norm")(
+        (x2.size // n,), (threads,),
+        (x2, _dummy() if w is None else _f(w), _dummy() if r is None else _f(r), y, i32(n), f32(eps),
+         i32(w is not None), i32(r is not None)))
+    return _into(y, out)
+
+
+def _glu(g, u, act: str):
+    g = _f(g)
+    if u is not None and u.shape != g.shape:
+        return _glu(g, None, act) * u  # a broadcast gate: activation here, product in cupy
+    y = cp.empty(g.shape, cp.float32)
+    kernel("norm_rope.cu", "glu")((_cdiv(g.size, 256),), (256,),
+                                  (g, _dummy() if u is None else _f(u), y, i64(g.size), i32(act == "gelu"),
+                                   i32(u is not None)))
+    return y
+
+
+def glu(node, g, u, out=None):
+    return _into(_glu(g, u, node.params["act"]), out)
+
+
+def activation(act: str):
+    return lambda node, x, out=None: _into(_glu(x, None, act), out)
+
+
+# ---- rope and the KV cache ----
+
+def _rope_launch(node, x, pos, y, slots=None):
+    p = node.params
+    n_tokens, n_heads, head_dim = x.shape
+    total = n_tokens * n_heads * (head_dim // 2)
+    kernel("norm_rope.cu", "rope")(
+        (_cdiv(total, 256),), (256,),
+        (x, _i(pos), _dummy(cp.int32) if slots is None else _i(slots), y, i32(n_tokens), i32(n_heads),
+         i32(head_dim), i32(p["n_rot"]), np.float64(p["base"]), np.float64(p["freq_scale"]), i32(bool(p["neox"])),
+         i32(slots is not None)))
+
+
+def rope(node, x, pos, out=None):
+    x = _f(x)
+    y = cp.empty(x.shape, cp.float32)
+    _rope_launch(node, x, pos, y)
+    return _into(y, out)
+
+
+def set_rows(node, cache, src, slots):
+    cache[_i(slots)] = _f(src).reshape(int(slots.shape[0]), *cache.shape[1:])
+    return cache
+
+
+def rope_set_rows(node, cache, x, pos, slots):
+    if cache.dtype != cp.float32 or not cache.flags.c_contiguous:
+        raise BackendError(f"{node.label}: the KV cache must be a contiguous float32 device array")
+    x = _f(x).reshape(int(slots.shape[0]), *cache.shape[1:])
+    _rope_launch(node, x, pos, cache, slots)
+    return cache
+
+
+# ---- attention ----
+
+def attn(node, q, k_cache, v_cache, tok_seq, tok_pos, block_table, out=None):
+    p = node.params
+    n_tokens, n_head, d = q.shape
+    n_head_kv, dv = k_cache.shape[1], v_cache.shape[2]
+    if max(d, dv) > MAX_HEAD_DIM:
+        raise BackendError(f"{node.label}: head dim {max(d, dv)} > {MAX_HEAD_DIM} in the cuda attention kernel")
+    bt = _i(block_table)
+    y = cp.empty((n_tokens, n_head * dv), cp.float32)
+    heads = min(n_head, 8)
+    kernel("attention.cu", "attn_paged")(
+        (n_tokens, _cdiv(n_head, heads)), (32, heads),
+        (_f(q), _f(k_cache), _f(v_cache), _i(tok_seq), _i(tok_pos), bt, i32(bt.shape[1]), i32(n_head),
+         i32(n_head_kv), i32(d), i32(dv), f32(p["scale"]), i32(p["block_size"]), i32(p["window"]), y))
+    return _into(y, out)
+
+
+def gather_kv(node, cache, block_table, out=None):
+    bs = node.params["block_size"]
+    bt = _i(block_table)
+    slots = (bt[:, :, None] * bs + cp.arange(bs, dtype=cp.int32)).reshape(bt.shape[0], -1)
+    return _into(cache[slots], out)
+
+
+def kq(node, q, k, tok_seq, out=None):
+    n_tokens, n_head, d = q.shape
+    n_head_kv = k.shape[2]
+    kt = k[_i(tok_seq)].transpose(0, 2, 3, 1)  # (n_tokens, h_kv, d, n_kv)
+    s = cp.matmul(_f(q).reshape(n_tokens, n_head_kv, n_head // n_head_kv, d), kt)
+    return _into(s.reshape(node.shape), out)
+
+
+def kq_mask(node, pos, out=None):
+    n_kv, window = node.shape[2], node.params["window"]
+    p, pos = cp.arange(n_kv, dtype=cp.int32)[None, :], _i(pos)[:, None]
+    ok = (p <= pos) & ((p > pos - window) if window > 0 else True)
+    return _into(cp.where(ok, f32(0.0), f32(-np.inf)).astype(cp.float32)[:, None, :], out)
+
+
+def soft_max(node, x, out=None):
+    e = cp.exp(x - x.max(axis=-1, keepdims=True))
+    return _into(e / e.sum(axis=-1, keepdims=True), out)
+
+
+def kqv(node, probs, v, tok_seq, out=None):
+    n_tokens, n_head, n_kv = probs.shape
+    n_head_kv = v.shape[2]
+    vt = v[_i(tok_seq)].transpose(0, 2, 1, 3)  # (n_tokens, h_kv, n_kv, dv)
+    o = cp.matmul(_f(probs).reshape(n_tokens, n_head_kv, n_head // n_head_kv, n_kv), vt)
+    return _into(o.reshape(node.shape), out)
+
+
+def add_n(node, *xs, out=None):
+    y = cp.add(xs[0], xs[1], dtype=cp.float32)
+    for x in xs[2:]:
+        y += x
+    return _into(y, out)
