@@ -65,7 +65,7 @@ def load_model(path) -> Model:
         arch = get_architecture(arch_name)
         try:
             config = arch.Config.from_gguf(md)
-        except (KeyError, TypeError, ValueError, ZeroDivisionError) as e:
+        except (ModelLoadError, KeyError, TypeError, ValueError, ZeroDivisionError) as e:
             raise ModelLoadError(f"{path}: bad {arch_name} hyperparameters in metadata: {e}") from e
         weights = {}
         for t in f.tensors.values():
@@ -74,7 +74,10 @@ def load_model(path) -> Model:
         out = weights.get("output.weight") or weights.get("token_embd.weight")
         if out is None or len(out.shape) != 2:
             raise ModelLoadError(f"{path}: no 2-D output.weight or token_embd.weight tensor")
-        tokenizer = Tokenizer.from_gguf_metadata(md)
+        try:
+            tokenizer = Tokenizer.from_gguf_metadata(md)
+        except (KeyError, TypeError, ValueError, IndexError) as e:  # metadata of the wrong shape
+            raise ModelLoadError(f"{path}: bad tokenizer metadata: {type(e).__name__}: {e}") from e
         model = Model(str(path), f, arch_name, arch, config, weights, tokenizer,
                       md.get("tokenizer.chat_template"), n_vocab=out.shape[0])
         _check_graph(model)
@@ -90,5 +93,5 @@ def _check_graph(model: Model) -> None:
         model.build_graph(BatchShape(n_tokens=1, n_seqs=1, max_blocks=1, n_out=1, n_slots=16, block_size=16))
     except HearthError:
         raise
-    except (AssertionError, ValueError) as e:
+    except (AssertionError, ValueError, TypeError, KeyError) as e:
         raise ModelLoadError(f"{model.path}: tensor shapes do not fit the {model.arch_name} architecture: {e}") from e

@@ -8,6 +8,8 @@ before either, BOS/EOS, the end-of-generation set, and detokenization.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import codecs
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
@@ -20,6 +22,15 @@ from .tokenizer_rules import (AUTO_DETECT, EOG_TEXTS, SPECIAL, TYPE_TO_ATTR, BYT
 from .tokenizer_spm import spm_encode
 
 _SPACE = "\u2581"  # SentencePiece's escaped space
+
+
+@contextmanager
+def _key(name: str):
+    """Metadata of the wrong type becomes a ModelLoadError naming its key."""
+    try:
+        yield
+    except (TypeError, ValueError) as e:
+        raise ModelLoadError(f"GGUF metadata {name} has the wrong type: {e}") from e
 
 
 def _ints(v: Any) -> list[int]:
@@ -51,8 +62,9 @@ class Tokenizer:
         if len(self._token_to_id) != n:
             raise ModelLoadError("duplicate token text in tokenizer.ggml.tokens")
         types = md.get("tokenizer.ggml.token_type")
-        self._attr = ([TYPE_TO_ATTR.get(t, UNDEFINED) for t in _ints(types)[:n]]
-                      if types is not None else [NORMAL] * n)
+        with _key("tokenizer.ggml.token_type"):
+            self._attr = ([TYPE_TO_ATTR.get(t, UNDEFINED) for t in _ints(types)[:n]]
+                          if types is not None else [NORMAL] * n)
         if len(self._attr) < n:
             raise ModelLoadError("tokenizer.ggml.token_type is shorter than the vocab")
 
@@ -61,7 +73,9 @@ class Tokenizer:
             merges = md.get("tokenizer.ggml.merges")
             if merges is None:
                 raise ModelLoadError("gpt2 tokenizer without tokenizer.ggml.merges")
-            self._bpe = build_bpe(self._tokens, [_text(m) for m in merges], pre)
+            with _key("tokenizer.ggml.merges"):
+                merges = [_text(m) for m in merges]
+            self._bpe = build_bpe(self._tokens, merges, pre)
             defaults = dict(bos=11, eos=11, unk=None)
             add_bos, self.add_space_prefix, self.clean_spaces = pre.add_bos, False, pre.clean_spaces
         else:
@@ -77,8 +91,10 @@ class Tokenizer:
 
         def special(key: str, default: int | None = None) -> int | None:
             v = md.get(f"tokenizer.ggml.{key}_token_id")
-            if v is not None and 0 <= int(v) < n:
-                return int(v)
+            with _key(f"tokenizer.ggml.{key}_token_id"):
+                v = None if v is None else int(v)
+            if v is not None and 0 <= v < n:
+                return v
             return default if default is not None and 0 <= default < n else None
 
         self.bos_id = special("bos", defaults["bos"])

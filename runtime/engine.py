@@ -213,7 +213,12 @@ class Engine:
             lg = logits[row]
             row += 1
             p = r.params
-            tok = sample(lg, p, r.rng, r.tokens)
+            try:
+                tok = sample(lg, p, r.rng, r.tokens)
+                tlp = top_logprobs(lg, p.top_logprobs) if p.top_logprobs else None
+            except Exception as e:  # this request's sampling, not its neighbours'
+                self._finish(r, "error", HearthError(f"sampling failed: {type(e).__name__}: {e}"))
+                continue
             if r.first_token_at is None:
                 r.first_token_at = now
                 self._ttft.append(now - r.arrival)
@@ -223,6 +228,6 @@ class Engine:
             r.tokens.append(tok)
             r.n_generated += 1
             self.counters["tokens_generated"] += 1
-            r.on_token(tok, top_logprobs(lg, p.top_logprobs) if p.top_logprobs else None)
+            r.on_token(tok, tlp)
             if r.n_generated >= r.max_tokens or len(r.tokens) >= self.n_ctx:
                 self._finish(r, "length")

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import math
+
 import numpy as np
 
 from hearthlm.runtime.errors import InvalidRequestError
@@ -23,7 +25,22 @@ class SamplingParams:
     ignore_eos: bool = False        # keep going past end-of-generation tokens (benchmarks)
 
     def __post_init__(self) -> None:
+        def number(name, v):
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or math.isnan(v):
+                raise InvalidRequestError(f"{name} must be a number, got {v!r}")
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty"):
+            number(name, getattr(self, name))
+        for name in ("top_k", "top_logprobs") + (("seed",) if self.seed is not None else ()):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+                raise InvalidRequestError(f"{name} must be an int, got {v!r}")
+        ids = (self.stop_token_ids,) if isinstance(self.stop_token_ids, (int, np.integer)) else self.stop_token_ids
+        if not isinstance(ids, (list, tuple)) or any(isinstance(t, bool) or not isinstance(t, (int, np.integer)) for t in ids):
+            raise InvalidRequestError(f"stop_token_ids must be a list of ints, got {self.stop_token_ids!r}")
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in ids))
         checks = [
+            (math.isfinite(self.temperature), "temperature must be finite"),
+            (self.seed is None or self.seed >= 0, "seed must be >= 0"),
             (self.temperature >= 0, "temperature must be >= 0"),
             (self.top_k >= 0, "top_k must be >= 0"),
             (0.0 < self.top_p <= 1.0, "top_p must be in (0, 1]"),

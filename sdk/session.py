@@ -7,6 +7,7 @@ from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator, Sequence
 
 import anyio
+import numpy as np
 
 from hearthlm._wake import Channel, loop_waker
 from hearthlm.backends import get_backend
@@ -98,10 +99,10 @@ class Session:
             return encode_chat(tok, self.model.chat_template, messages)
         if isinstance(prompt, str):
             return tok.encode(prompt, add_special=True, parse_special=True)
-        try:
-            return [int(t) for t in prompt]
-        except (TypeError, ValueError) as e:
-            raise InvalidRequestError("prompt must be a string or a list of token ids") from e
+        if isinstance(prompt, (bytes, bytearray)) or not isinstance(prompt, (Sequence, np.ndarray)) \
+                or any(isinstance(t, bool) or not isinstance(t, (int, np.integer)) for t in prompt):
+            raise InvalidRequestError("prompt must be a string or a list of int token ids")
+        return [int(t) for t in prompt]
 
     # ---- generation ------------------------------------------------------------------
     async def generate(self, prompt: str | Sequence[int] | None = None, **kwargs) -> Completion:
@@ -135,33 +136,27 @@ class Session:
             params = SamplingParams(**sampling)
         except TypeError as e:
             raise InvalidRequestError(str(e)) from e
+        max_tokens, stops, timeout = _check_limits(max_tokens, stop, timeout)
         ids = self._prompt_ids(prompt, messages)
-        if max_tokens is not None and max_tokens < 1:
-            raise InvalidRequestError(f"max_tokens must be >= 1, got {max_tokens}")
-        stops = [stop] if isinstance(stop, str) else list(stop or [])
-        if any(not isinstance(s, str) or not s for s in stops):
-            raise InvalidRequestError("stop must be a non-empty string or a list of them")
         chan = Channel(loop_waker())
         req = Request(prompt=ids, params=params,
                       max_tokens=max_tokens if max_tokens is not None else max(self.n_ctx - len(ids), 0),
                       on_token=lambda t, lp: chan.put((t, lp)),
                       on_finish=lambda reason, err: chan.put((reason, err)))
+        deadline = anyio.current_time() + timeout if timeout is not None else math.inf
         self.engine.submit(req)
         yield len(ids)
-        deadline = anyio.current_time() + timeout if timeout is not None else math.inf
-        items = None
         decoder = StreamDecoder(self.model.tokenizer, prompt_ids=ids)
         text_out, held = "", ""  # held: text that may be the start of a stop string
-        done = hit = False
+        done = False
         try:
             while not done:
-                toks, lps, reason = [], [], None
-                # no yield inside the cancel scope: it must not span the caller's code
                 items = None
-                with anyio.move_on_after(deadline - anyio.current_time()):
+                with anyio.move_on_after(deadline - anyio.current_time()):  # no yield inside
                     items = await chan.get_all()
                 if items is None:
                     raise RequestTimeoutError(f"the request did not finish within {timeout} s")
+                toks, lps, new, reason = [], [], "", None
                 for a, b in items:
                     if isinstance(a, str):  # finished
                         if b is not None:
@@ -169,24 +164,44 @@ class Session:
                         if a == "closed":
                             raise SessionClosedError("the session was closed while the request ran")
                         reason, done = a, True
+                        # a character cut short by max_tokens is dropped, not shown as U+FFFD
+                        tail = decoder.flush()
+                        piece, held, hit = _cut_at_stop(text_out + new, held + tail.rstrip("\ufffd"),
+                                                        stops, final=True)
+                        new += piece
+                        reason = "stop" if hit else reason
                         break
+                    # one token at a time: a stop string ends the tokens as well as the text
                     toks.append(a)
                     if b is not None:
                         lps.append(b)
-                new = held + "".join(decoder.push(t) for t in toks)
-                if done:
-                    new += decoder.flush()
-                new, held, hit = _cut_at_stop(text_out, new, stops, final=done)
-                if hit:
-                    reason, done = "stop", True
+                    piece, held, hit = _cut_at_stop(text_out + new, held + decoder.push(a), stops, final=False)
+                    new += piece
+                    if hit:
+                        reason, done = "stop", True
+                        self.engine.abort(req.id)  # the engine may still be running it
+                        break
                 text_out += new
                 if toks or new or done:
                     yield Chunk(new, toks, reason, lps or None)
         finally:
             if not done:
                 self.engine.abort(req.id)
-            elif reason == "stop" and hit:
-                self.engine.abort(req.id)  # stopped by a stop string: the engine may still run it
+
+
+def _check_limits(max_tokens, stop, timeout) -> tuple[int | None, list[str], float | None]:
+    """Validate the per-request limits before anything is submitted."""
+    if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1):
+        raise InvalidRequestError(f"max_tokens must be an int >= 1, got {max_tokens!r}")
+    stops = [stop] if isinstance(stop, str) else stop
+    if stops is None:
+        stops = []
+    if not isinstance(stops, (list, tuple)) or any(not isinstance(x, str) or not x for x in stops):
+        raise InvalidRequestError(f"stop must be a non-empty string or a list of them, got {stop!r}")
+    if timeout is not None:
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout >= 0:
+            raise InvalidRequestError(f"timeout must be a number of seconds >= 0, got {timeout!r}")
+    return max_tokens, list(stops), timeout
 
 
 def _cut_at_stop(before: str, new: str, stops: list[str], *, final: bool) -> tuple[str, str, bool]:

@@ -264,7 +264,7 @@ def test_get_rows_weight(cuda, qtype):
 @pytest.mark.parametrize("act", ["silu", "gelu"])
 def test_ffn_glu(cuda, qtype, n_tokens, act):
     wg, wu = any_weight("g", qtype, 600, 256), any_weight("u", qtype, 600, 256)
-    x = f32(n_tokens, 256) * 0.3
+    x = f32(n_tokens, 256) * (0.003 if qtype in KQUANTS else 0.3)  # random K-quant blocks make big weights
 
     def build(g):
         g.outputs.append(g.ffn_glu(g.weight(wg), g.weight(wu), _in(g, "x", x.shape), act, "f"))

@@ -10,8 +10,9 @@ from typing import Any, Mapping
 
 from hearthlm.model_zoo.blocks import (build_attn, build_ffn, build_inp_embd, build_inputs,
                                        build_norm, build_output)
-from hearthlm.model_zoo.config import need
+from hearthlm.model_zoo.config import need, opt
 from hearthlm.runtime.batch import BatchShape
+from hearthlm.runtime.errors import ModelLoadError
 from hearthlm.runtime.graph import Graph
 
 SWA_PATTERN = 6           # layer il is local unless il % 6 == 5
@@ -34,15 +35,19 @@ class Config:
     @classmethod
     def from_gguf(cls, md: Mapping[str, Any], arch: str = "gemma3") -> "Config":
         n_embd, n_head = need(md, f"{arch}.embedding_length"), need(md, f"{arch}.attention.head_count")
-        factor = md.get(f"{arch}.rope.scaling.factor", 1.0) if md.get(f"{arch}.rope.scaling.type") == "linear" else 1.0
+        factor = opt(md, f"{arch}.rope.scaling.factor", 1.0, float) if md.get(f"{arch}.rope.scaling.type") == "linear" else 1.0
         return cls(
             n_layer=need(md, f"{arch}.block_count"), n_embd=n_embd, n_head=n_head,
-            n_head_kv=md.get(f"{arch}.attention.head_count_kv", n_head),
-            head_dim=md.get(f"{arch}.attention.key_length", n_embd // n_head),
+            n_head_kv=opt(md, f"{arch}.attention.head_count_kv", n_head),
+            head_dim=opt(md, f"{arch}.attention.key_length", n_embd // n_head),
             n_ctx_train=need(md, f"{arch}.context_length"),
-            norm_eps=md.get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6),
-            rope_base=md.get(f"{arch}.rope.freq_base", 1e6), rope_freq_scale=1.0 / factor,
-            sliding_window=md.get(f"{arch}.attention.sliding_window", 0))
+            norm_eps=opt(md, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6, float),
+            rope_base=opt(md, f"{arch}.rope.freq_base", 1e6, float), rope_freq_scale=1.0 / factor,
+            sliding_window=opt(md, f"{arch}.attention.sliding_window", 0))
+
+    def __post_init__(self) -> None:
+        if self.n_head % self.n_head_kv:
+            raise ModelLoadError(f"head_count {self.n_head} is not a multiple of head_count_kv {self.n_head_kv}")
 
     @property
     def kv_dims(self) -> tuple[int, int]:

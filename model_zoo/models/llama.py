@@ -7,8 +7,9 @@ from typing import Any, Mapping
 
 from hearthlm.model_zoo.blocks import (build_attn, build_ffn, build_inp_embd, build_inputs,
                                        build_norm, build_output)
-from hearthlm.model_zoo.config import need
+from hearthlm.model_zoo.config import need, opt
 from hearthlm.runtime.batch import BatchShape
+from hearthlm.runtime.errors import ModelLoadError
 from hearthlm.runtime.graph import Graph
 
 
@@ -28,15 +29,19 @@ class Config:
     @classmethod
     def from_gguf(cls, md: Mapping[str, Any], arch: str = "llama") -> "Config":
         n_embd, n_head = need(md, f"{arch}.embedding_length"), need(md, f"{arch}.attention.head_count")
-        head_dim = md.get(f"{arch}.attention.key_length", n_embd // n_head)
-        scaling = md.get(f"{arch}.rope.scaling.factor", 1.0) if md.get(f"{arch}.rope.scaling.type") == "linear" else 1.0
+        head_dim = opt(md, f"{arch}.attention.key_length", n_embd // n_head)
+        scaling = opt(md, f"{arch}.rope.scaling.factor", 1.0, float) if md.get(f"{arch}.rope.scaling.type") == "linear" else 1.0
         return cls(
             n_layer=need(md, f"{arch}.block_count"), n_embd=n_embd, n_head=n_head,
-            n_head_kv=md.get(f"{arch}.attention.head_count_kv", n_head), head_dim=head_dim,
-            n_rot=md.get(f"{arch}.rope.dimension_count", head_dim),
+            n_head_kv=opt(md, f"{arch}.attention.head_count_kv", n_head), head_dim=head_dim,
+            n_rot=opt(md, f"{arch}.rope.dimension_count", head_dim),
             n_ctx_train=need(md, f"{arch}.context_length"),
-            norm_eps=md.get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5),
-            rope_base=md.get(f"{arch}.rope.freq_base", 10000.0), rope_freq_scale=1.0 / scaling)
+            norm_eps=opt(md, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5, float),
+            rope_base=opt(md, f"{arch}.rope.freq_base", 10000.0, float), rope_freq_scale=1.0 / scaling)
+
+    def __post_init__(self) -> None:
+        if self.n_head % self.n_head_kv:
+            raise ModelLoadError(f"head_count {self.n_head} is not a multiple of head_count_kv {self.n_head_kv}")
 
     @property
     def kv_dims(self) -> tuple[int, int]:  # (n_head_kv, head_dim) of each layer's cache
