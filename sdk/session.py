@@ -35,16 +35,18 @@ class Session:
     def open(cls, model: str = DEFAULT_MODEL, *, backend: str = "cpu", n_ctx: int = 2048,
              filename: str | None = None, kv_cache_tokens: int | None = None,
              max_batch_tokens: int = 512, max_seqs: int = 64, max_queued_requests: int = 1024,
-             abort_on_close: bool = True):
+             abort_on_close: bool = True, fusion: bool | None = None):
         """Async context manager yielding a ready Session. `model`: a .gguf path, a Hub repo
         id (`filename` picks the file, a glob), or a model-zoo name. Leaving it aborts the
         requests still running (their callers get SessionClosedError), or with
-        abort_on_close=False lets them finish first."""
+        abort_on_close=False lets them finish first. `fusion=False` runs unfused graphs
+        (debugging; None follows HEARTHLM_NO_FUSION)."""
         @asynccontextmanager
         async def _cm():
             s = await anyio.to_thread.run_sync(lambda: cls._load(
                 model, backend=backend, n_ctx=n_ctx, filename=filename, kv_cache_tokens=kv_cache_tokens,
-                max_batch_tokens=max_batch_tokens, max_seqs=max_seqs, max_queued_requests=max_queued_requests))
+                max_batch_tokens=max_batch_tokens, max_seqs=max_seqs, max_queued_requests=max_queued_requests,
+                fusion=fusion))
             try:
                 yield s
             finally:
