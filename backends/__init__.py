@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from hearthlm.runtime.errors import BackendError
 
-BACKENDS = ("cpu", "reference")
+BACKENDS = ("cpu", "reference", "cuda")
 
 
 def get_backend(name: str):
@@ -13,4 +13,7 @@ def get_backend(name: str):
     if name == "reference":
         from hearthlm.backends.reference import ReferenceBackend
         return ReferenceBackend()
+    if name == "cuda":
+        from hearthlm.backends.cuda.backend import CUDABackend
+        return CUDABackend()
     raise BackendError(f"unknown backend {name!r}; available: {', '.join(BACKENDS)}")

@@ -7,6 +7,7 @@ import sys
 
 import anyio
 
+from hearthlm.backends import BACKENDS
 from hearthlm.model_zoo.resolve import DEFAULT_MODEL
 from hearthlm.runtime.errors import HearthError
 from hearthlm.session import Session
@@ -16,7 +17,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=DEFAULT_MODEL,
                    help=f"a .gguf path, a Hub repo id or a model-zoo name (default {DEFAULT_MODEL})")
     p.add_argument("--filename", default=None, help="file pattern inside a Hub repo, e.g. '*Q4_K_M.gguf'")
-    p.add_argument("--backend", default="cpu", choices=["cpu", "reference"])
+    p.add_argument("--backend", default="cpu", choices=list(BACKENDS))
     p.add_argument("--n-ctx", type=int, default=2048)
 
 
