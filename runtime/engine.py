@@ -10,6 +10,7 @@ from collections import deque
 from typing import Any
 
 import numpy as np
+from threadpoolctl import threadpool_limits
 from hearthlm.runtime.batch import BatchShape
 from hearthlm.runtime.batcher import Batcher, StepPlan
 from hearthlm.runtime.dispatch import WeightStore, execute
@@ -19,6 +20,7 @@ from hearthlm.runtime.graph import Graph
 from hearthlm.runtime.graph_cache import GraphCache, bucket
 from hearthlm.runtime.kv_cache import KVCache
 from hearthlm.runtime.log import get_logger
+from hearthlm.runtime.placement import Placement, prepare_weights
 from hearthlm.runtime.request import Request
 from hearthlm.runtime.sampling import sample, top_logprobs
 
@@ -31,14 +33,20 @@ class Engine:
                  block_size: int = 16, max_batch_tokens: int = 512, max_seqs: int = 64,
                  max_queued_requests: int = 1024, fusion: bool | None = None, graph_cache: bool = True) -> None:
         """`model` provides build_graph(shape) -> Graph, weights, kv_dims, n_vocab, eog_ids.
+        `backend`: one backend, or a runtime.placement.Placement (layers over several).
         `fusion`: None follows HEARTHLM_NO_FUSION; `graph_cache=False` rebuilds every step."""
         self.model = model
         self.n_ctx = n_ctx
         self.max_queued_requests = max_queued_requests
-        self.store = WeightStore(backend)
-        self.store.prepare_all(model.weights)
+        if isinstance(backend, Placement):  # each backend holds its layers' weights and K/V
+            self.store = prepare_weights(backend, model.build_graph, block_size)
+            kv_backend = backend.layer_backends()
+        else:
+            self.store = WeightStore(backend)
+            self.store.prepare_all(model.weights)
+            kv_backend = backend
         blocks_per_seq = -(-n_ctx // block_size)
-        self.kv = KVCache(model.kv_dims, max(kv_blocks or 0, blocks_per_seq) + 1, block_size, backend)
+        self.kv = KVCache(model.kv_dims, max(kv_blocks or 0, blocks_per_seq) + 1, block_size, kv_backend)
         self.scratch_block = self.kv.allocator.alloc(1)[0]  # padding tokens write here; no sequence reads it
         self.batcher = Batcher(self.kv, max_batch_tokens=max_batch_tokens, max_seqs=max_seqs)
         self.max_blocks = blocks_per_seq  # block-table width at most; bucketed per step (the KV-length bucket)
@@ -57,6 +65,10 @@ class Engine:
 
     # ---- caller side (any thread) -------------------------------------------------
     def start(self) -> None:
+        # OpenBLAS's own threads spin after each call and fight numba's for the cores (a
+        # 512-token Gemma prefill: 9.7 s with them, 2.4 s without): BLAS runs single-threaded
+        # while the engine runs. Process-wide, restored by close().
+        self._blas_limit = threadpool_limits(limits=1, user_api="blas")
         self._thread = threading.Thread(target=self._loop, name="hearthlm-engine", daemon=True)
         self._thread.start()
 
@@ -93,6 +105,8 @@ class Engine:
             self._cv.notify()
         if self._thread is not None:
             self._thread.join()
+            self._thread = None
+            self._blas_limit.restore_original_limits()
 
     def stats(self) -> dict[str, Any]:
         c = dict(self.counters, prefix_cache_hit_tokens=self.batcher.reused_tokens)

@@ -12,7 +12,8 @@ from hearthlm.backends.cpu import ops
 from hearthlm.backends.cpu.matmul import matmul
 from hearthlm.backends.cpu.qtypes import PackedWeight
 
-CHUNK = 512  # output columns per slab: a multiple of matmul.TILE_ROWS; see the closing note on speed
+CHUNK = 512  # output columns per slab: a multiple of matmul.TILE_ROWS
+WHOLE_MAX = 1 << 16  # up to this many outputs (n_tokens x n_ff), one slab: slabs cost a call each
 
 _slabs: "weakref.WeakKeyDictionary[PackedWeight, list[PackedWeight]]" = weakref.WeakKeyDictionary()
 
@@ -37,6 +38,8 @@ def ffn_glu(wg: PackedWeight, wu: PackedWeight, x: np.ndarray, gelu: bool, out: 
     """x (n_tokens, n_embd) -> out (n_tokens, n_ff) = act(x Wg^T) * (x Wu^T)."""
     x = np.ascontiguousarray(x, np.float32).reshape(-1, wg.shape[1])
     o = out.reshape(x.shape[0], wg.shape[0])
+    if x.shape[0] * wg.shape[0] <= WHOLE_MAX:  # decode: gate/up are a few KB, calls are the cost
+        chunk = wg.shape[0]
     r0 = 0
     for g_w, u_w in zip(_row_slabs(wg, chunk), _row_slabs(wu, chunk)):
         r1 = r0 + g_w.shape[0]
