@@ -4,9 +4,11 @@ through llama-cpp-python when it is importable (never a dependency)."""
 from __future__ import annotations
 
 import argparse
+import multiprocessing
 import json
 import resource
 import time
+from concurrent.futures import ProcessPoolExecutor
 
 import anyio
 import numpy as np
@@ -27,7 +29,11 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
 
 
 def _peak_rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    try:  # VmHWM starts afresh at exec; ru_maxrss carries the parent's peak over fork+exec
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 1024
+    except (OSError, StopIteration):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def _prompt(n_vocab: int, n: int) -> list[int]:
@@ -135,7 +141,9 @@ def run_bench(a) -> None:
         numba.set_num_threads(a.threads)
     rows = [anyio.run(_bench_hearthlm, a)]
     if a.compare_llama_cpp:
-        ref = _bench_llama_cpp(a, str(resolve_model(a.model, filename=a.filename)))
+        # in a fresh process: its own peak RSS, and no numba threads beside it
+        with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as ex:
+            ref = ex.submit(_bench_llama_cpp, a, str(resolve_model(a.model, filename=a.filename))).result()
         if ref is None:
             print("llama-cpp-python is not importable; skipping the comparison")
         else:
