@@ -1,13 +1,15 @@
-"""Runs a graph on a backend. Passes, in order:
+"""Runs a graph on its backends. Passes, in order:
 0. plan, once per graph (runtime.memory; cached graphs carry theirs): liveness, and where
-   the backend takes out= buffers, each intermediate's place in one arena;
-1. bind leaves: inputs from the step's feed, weights from the backend's prepared store,
-   caches from the KV cache;
-2. walk nodes in order, calling the backend's kernel for each, `kernel(node, *srcs)` or,
-   with a planned buffer, `kernel(node, *srcs, out=buffer)`;
+   a backend takes out= buffers, its intermediates' places in one host arena (a placed
+   graph: the nodes of such backends; the others, and COPY nodes, allocate their own);
+1. bind leaves: inputs from the step's feed (each backend uploads its own), weights from
+   the node's backend's prepared store, caches from the KV cache;
+2. walk nodes in order, calling the node's backend's kernel, `kernel(node, *srcs)` or,
+   with a planned buffer, `kernel(node, *srcs, out=buffer)`; a COPY moves its source to
+   its backend (`copy`);
 3. drop each value after its last consumer (planned buffers stay in the arena).
-Fusion ran before (runtime.fusion, when the graph was cached). Multi-backend splits and
-copies come with the GPU backend (issue 6)."""
+Fusion ran before (runtime.fusion), then placement (runtime.placement: which backend runs
+each node, the split into runs, the COPY nodes), when the graph was cached."""
 from __future__ import annotations
 
 from typing import Any, Callable, Mapping
@@ -37,27 +39,52 @@ class WeightStore:
 
 
 def plan_for(graph: Graph, backend) -> ExecPlan:
+    """`backend`: the one backend, or {name: backend} of a placed graph (graph.backends)."""
     if graph.plan is None:
-        graph.plan = plan(graph, arena=getattr(backend, "plans_memory", False))
+        if graph.backends is None:
+            graph.plan = plan(graph, arena=getattr(backend, "plans_memory", False))
+        else:  # one host arena, shared by the nodes of the backends that take out= buffers
+            own = [getattr(backend[b], "plans_memory", False) and n.op is not Op.COPY
+                   for n, b in zip(graph.nodes, graph.backends)]
+            p = plan(graph, arena=any(own))
+            p.outs = [o if mine else None for o, mine in zip(p.outs, own)]
+            graph.plan = p
     return graph.plan
 
 
-def execute(graph: Graph, store: WeightStore, feed: Mapping[str, Any],
+def copy(src, dst, value: Any) -> Any:
+    """`value` of backend `src` on backend `dst`: the destination's own copy where it has one
+    (the CUDA backend's: async, on its copy stream, through pinned host buffers), else a
+    round trip through host memory."""
+    copy_from = getattr(dst, "copy_from", None)
+    if copy_from is not None:
+        return copy_from(src, value)
+    v = dst.from_host(src.to_host(value))
+    return v.copy() if v is value else v  # host to host: the source's buffer goes back to the arena
+
+
+def execute(graph: Graph, store, feed: Mapping[str, Any],
             cache_of: Callable[[Tensor], Any]) -> list[Any]:
-    backend = store.backend
-    kernels = backend.kernels
-    p = plan_for(graph, backend)  # 0.
+    """`store`: the WeightStore of the one backend, or {name: WeightStore} for a placed graph."""
+    placed = graph.backends is not None
+    stores = store if placed else {None: store}
+    names = graph.backends if placed else [None] * len(graph.nodes)
+    p = plan_for(graph, {k: s.backend for k, s in stores.items()} if placed else store.backend)  # 0.
     values: dict[int, Any] = {}
     for i, node in enumerate(graph.nodes):
         op = node.op
+        st = stores[names[i]]
+        backend = st.backend
         if op is Op.INPUT:  # 1.
             v = backend.from_host(feed[node.name])
         elif op is Op.WEIGHT:
-            v = store.get(node.params["weight"])
+            v = st.get(node.params["weight"])
         elif op is Op.CACHE:
             v = cache_of(node)
-        else:  # 2.
-            k = kernels.get(op)
+        elif op is Op.COPY:  # 2.
+            v = copy(stores[node.params["src"]].backend, backend, values[id(node.srcs[0])])
+        else:
+            k = backend.kernels.get(op)
             if k is None:
                 raise BackendError(f"backend {backend.name!r} has no kernel for {op.value} ({node.label})")
             out = p.outs[i]
@@ -66,4 +93,6 @@ def execute(graph: Graph, store: WeightStore, feed: Mapping[str, Any],
         values[id(node)] = v
         for dead in p.frees[i]:  # 3.
             values.pop(id(dead), None)
-    return [backend.to_host(values[id(o)]) for o in graph.outputs]
+    homes = [stores[names[graph.nodes.index(o)]].backend for o in graph.outputs] if placed else \
+        [store.backend] * len(graph.outputs)
+    return [b.to_host(values[id(o)]) for b, o in zip(homes, graph.outputs)]

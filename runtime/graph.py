@@ -40,6 +40,8 @@ class Op(enum.Enum):
     FFN_GLU = "ffn_glu"            # (w_gate, w_up, x) = act(x @ w_gate.T) * (x @ w_up.T); params: act
     MUL_MAT_ADD = "mul_mat_add"    # (w, x, r) = x @ w.T + r (a projection into the residual)
     ROPE_SET_ROWS = "rope_set_rows"  # (cache, x, pos, slots): cache[slots] = rope(x, pos); rope params
+    # multi-device (runtime.placement inserts it; runtime.dispatch runs it, not a backend kernel)
+    COPY = "copy"            # (x,) -> the same values on this node's backend; params: src (backend it leaves)
 
 
 @dataclass(eq=False)
@@ -72,6 +74,9 @@ class Graph:
         self.inputs: dict[str, Tensor] = {}
         self.outputs: list[Tensor] = []
         self.plan: Any = None  # runtime.memory.ExecPlan, set once when the graph is cached
+        # set by runtime.placement.place on multi-backend graphs; None: one backend runs all
+        self.backends: list[str] | None = None  # per node: the name of the backend that runs it
+        self.n_splits, self.n_copies = 1, 0      # runs of nodes on one backend; COPY nodes between them
 
     def _add(self, op: Op, srcs, shape, name: str, il: int = -1, dtype=F32, **params) -> Tensor:
         t = Tensor(op, tuple(srcs), tuple(int(s) for s in shape), np.dtype(dtype), name, il, params)
@@ -184,8 +189,13 @@ class Graph:
                       **rope) -> Tensor:
         return self._add(Op.ROPE_SET_ROWS, (cache, x, pos, slots), cache.shape, name, il, **rope)
 
+    def copy(self, x: Tensor, *, src: str, dst: str) -> Tensor:
+        """x's value moved from backend `src` to `dst` (ggml's split input, named as ggml does)."""
+        return self._add(Op.COPY, (x,), x.shape, f"{x.name}#{dst}", x.layer, x.dtype, src=src)
+
     def dump(self, backend: str = "") -> str:
         rows = [f"{'#':>4}  {'node':<24} {'op':<16} {'shape':<22} {'dtype':<8} backend"]
         for i, t in enumerate(self.nodes):
-            rows.append(f"{i:>4}  {t.label:<24} {t.op.value:<16} {str(t.shape):<22} {str(t.dtype):<8} {backend}")
+            where = self.backends[i] if self.backends else backend
+            rows.append(f"{i:>4}  {t.label:<24} {t.op.value:<16} {str(t.shape):<22} {str(t.dtype):<8} {where}")
         return "\n".join(rows)

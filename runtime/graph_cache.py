@@ -12,9 +12,10 @@ from typing import Any, Callable
 
 from hearthlm.runtime import fusion
 from hearthlm.runtime.batch import BatchShape
+from hearthlm.runtime.dispatch import plan_for
 from hearthlm.runtime.graph import Graph
 from hearthlm.runtime.log import get_logger
-from hearthlm.runtime.memory import plan
+from hearthlm.runtime.placement import Placement, place
 
 log = get_logger("hearthlm.graph_cache")
 
@@ -31,16 +32,16 @@ def bucket(n: int, cap: int | None = None) -> int:
 @dataclass(frozen=True)
 class Signature:
     shape: BatchShape  # bucketed tokens, sequences, output rows; block-table width = the KV-length bucket
-    placement: str     # backend name (one backend per graph until the GPU splits, issue 6)
+    placement: str     # the backend's name, or a Placement's key ("cpu:0-14|cuda:15-29")
     fused: bool
 
 
 @dataclass
 class CachedGraph:
     sig: Signature
-    graph: Graph        # fused (if sig.fused) and planned
+    graph: Graph        # fused (if sig.fused), placed (if a Placement) and planned
     n_unfused: int      # nodes as built
-    n_fused: int        # nodes after fusion
+    n_fused: int        # nodes after fusion (before placement adds copies and per-backend leaves)
 
 
 def can_reuse(cached: CachedGraph, sig: Signature) -> bool:
@@ -52,18 +53,22 @@ def can_reuse(cached: CachedGraph, sig: Signature) -> bool:
 class GraphCache:
     def __init__(self, build: Callable[[BatchShape], Graph], backend: Any, *, fusion_on: bool | None = None,
                  enabled: bool = True, max_graphs: int = 16) -> None:
+        """`backend`: one backend, or a runtime.placement.Placement over several."""
         self.build, self.backend = build, backend
+        self.placement = backend if isinstance(backend, Placement) else None
+        self.key = self.placement.key if self.placement else backend.name
         self.fused = fusion.enabled(fusion_on)
         self.enabled = enabled  # False: build every step (to measure what reuse saves)
         self.max_graphs = max_graphs
         self._graphs: OrderedDict[Signature, CachedGraph] = OrderedDict()
         self.counters = dict(graph_cache_hits=0, graph_cache_misses=0, graph_nodes_unfused=0,
                              graph_nodes_fused=0, graph_build_time_s=0.0, graph_build_last_ms=0.0,
-                             graph_reuse_time_s=0.0, graph_arena_bytes=0, graph_no_reuse_bytes=0)
+                             graph_reuse_time_s=0.0, graph_arena_bytes=0, graph_no_reuse_bytes=0,
+                             graph_splits=1, graph_copies=0)
 
     def get(self, shape: BatchShape) -> Graph:
         t0 = time.perf_counter()
-        sig = Signature(shape, self.backend.name, self.fused)
+        sig = Signature(shape, self.key, self.fused)
         hit = self._graphs.get(sig) if self.enabled else None
         if hit is not None and can_reuse(hit, sig):
             self._graphs.move_to_end(sig)
@@ -80,7 +85,8 @@ class GraphCache:
         c["graph_cache_misses"] += 1
         c["graph_build_time_s"] += dt
         c.update(graph_build_last_ms=dt * 1e3, graph_nodes_unfused=entry.n_unfused, graph_nodes_fused=entry.n_fused,
-                 graph_arena_bytes=entry.graph.plan.arena_bytes, graph_no_reuse_bytes=entry.graph.plan.no_reuse_bytes)
+                 graph_arena_bytes=entry.graph.plan.arena_bytes, graph_no_reuse_bytes=entry.graph.plan.no_reuse_bytes,
+                 graph_splits=entry.graph.n_splits, graph_copies=entry.graph.n_copies)
         log.debug("graph_cache_miss", shape=shape, fused=self.fused, nodes_unfused=entry.n_unfused,
                   nodes=entry.n_fused, arena_bytes=entry.graph.plan.arena_bytes, ms=round(dt * 1e3, 2))
         return entry.graph
@@ -90,8 +96,11 @@ class GraphCache:
         n_unfused = len(g.nodes)
         if sig.fused:
             g = fusion.fuse(g)
-        g.plan = plan(g, arena=getattr(self.backend, "plans_memory", False))
-        return CachedGraph(sig, g, n_unfused, len(g.nodes))
+        n_fused = len(g.nodes)
+        if self.placement:  # after fusion: a fused node is placed (and split around) as one
+            g = place(g, self.placement)
+        plan_for(g, self.placement.backends if self.placement else self.backend)
+        return CachedGraph(sig, g, n_unfused, n_fused)
 
     def stats(self) -> dict[str, Any]:
         c = dict(self.counters)

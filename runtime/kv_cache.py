@@ -72,14 +72,16 @@ def block_hash(parent: int | None, tokens) -> int:
 
 class KVCache:
     def __init__(self, kv_dims: list[tuple[int, int]], n_blocks: int, block_size: int, backend) -> None:
-        """kv_dims: per layer (n_head_kv, head_dim)."""
+        """kv_dims: per layer (n_head_kv, head_dim). `backend`: one for all layers, or a list
+        with each layer's (its K/V live where its attention runs)."""
         self.block_size = block_size
         self.n_blocks = n_blocks
         self.n_slots = n_blocks * block_size
         self.allocator = BlockAllocator(n_blocks)
-        alloc = lambda shape: backend.from_host(np.zeros(shape, np.float32))  # noqa: E731
-        self.k = [alloc((self.n_slots, h, d)) for h, d in kv_dims]
-        self.v = [alloc((self.n_slots, h, d)) for h, d in kv_dims]
+        backends = backend if isinstance(backend, (list, tuple)) else [backend] * len(kv_dims)
+        alloc = lambda be, shape: be.from_host(np.zeros(shape, np.float32))  # noqa: E731
+        self.k = [alloc(be, (self.n_slots, h, d)) for be, (h, d) in zip(backends, kv_dims)]
+        self.v = [alloc(be, (self.n_slots, h, d)) for be, (h, d) in zip(backends, kv_dims)]
 
     @staticmethod
     def bytes_per_token(kv_dims: list[tuple[int, int]]) -> int:

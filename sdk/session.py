@@ -17,6 +17,7 @@ from hearthlm.model_zoo.resolve import DEFAULT_MODEL, resolve_model
 from hearthlm.model_zoo.tokenizer import StreamDecoder
 from hearthlm.runtime.engine import Engine
 from hearthlm.runtime.errors import InvalidRequestError, RequestTimeoutError, SessionClosedError
+from hearthlm.runtime.placement import offload, open_device
 from hearthlm.runtime.request import Request
 from hearthlm.runtime.sampling import SamplingParams
 from hearthlm.types import Chunk, Completion
@@ -32,7 +33,8 @@ class Session:
 
     # ---- lifecycle -------------------------------------------------------------------
     @classmethod
-    def open(cls, model: str = DEFAULT_MODEL, *, backend: str = "cpu", n_ctx: int = 2048,
+    def open(cls, model: str = DEFAULT_MODEL, *, backend: str = "cpu", device: str | None = None,
+             n_gpu_layers: int | None = None, n_ctx: int = 2048,
              filename: str | None = None, kv_cache_tokens: int | None = None,
              max_batch_tokens: int = 512, max_seqs: int = 64, max_queued_requests: int = 1024,
              abort_on_close: bool = True, fusion: bool | None = None):
@@ -40,11 +42,15 @@ class Session:
         id (`filename` picks the file, a glob), or a model-zoo name. Leaving it aborts the
         requests still running (their callers get SessionClosedError), or with
         abort_on_close=False lets them finish first. `fusion=False` runs unfused graphs
-        (debugging; None follows HEARTHLM_NO_FUSION)."""
+        (debugging; None follows HEARTHLM_NO_FUSION). `backend` runs everything on one backend
+        ("cpu", "reference", "cuda"); `device` ("cpu", "cuda", "auto": cuda where a GPU answers)
+        with `n_gpu_layers` (None: all) puts the last n_gpu_layers layers and the output head
+        on the GPU and the rest on the CPU, as llama.cpp's -ngl."""
         @asynccontextmanager
         async def _cm():
             s = await anyio.to_thread.run_sync(lambda: cls._load(
-                model, backend=backend, n_ctx=n_ctx, filename=filename, kv_cache_tokens=kv_cache_tokens,
+                model, backend=backend, device=device, n_gpu_layers=n_gpu_layers, n_ctx=n_ctx,
+                filename=filename, kv_cache_tokens=kv_cache_tokens,
                 max_batch_tokens=max_batch_tokens, max_seqs=max_seqs, max_queued_requests=max_queued_requests,
                 fusion=fusion))
             try:
@@ -54,12 +60,19 @@ class Session:
         return _cm()
 
     @classmethod
-    def _load(cls, model: str, *, backend: str, n_ctx: int, filename, kv_cache_tokens, **engine_opts) -> "Session":
+    def _load(cls, model: str, *, backend: str, device: str | None, n_gpu_layers: int | None, n_ctx: int,
+              filename, kv_cache_tokens, **engine_opts) -> "Session":
         if n_ctx < 2:
             raise InvalidRequestError(f"n_ctx must be at least 2, got {n_ctx}")
-        be = get_backend(backend)
+        if device is not None and backend != "cpu":
+            raise InvalidRequestError(f"pass backend= or device=, not both (got {backend!r} and {device!r})")
+        if device is None and n_gpu_layers is not None:
+            raise InvalidRequestError("n_gpu_layers needs device='cuda' or 'auto'")
+        be = get_backend(backend) if device is None else open_device(device, n_gpu_layers, get_backend)
         m = load_model(resolve_model(model, filename=filename))
         try:
+            if device is not None:  # the layers over the device's backends, once their count is known
+                be = offload(be, m.config.n_layer, n_gpu_layers)
             n_ctx = min(n_ctx, m.config.n_ctx_train)
             kv_tokens = kv_cache_tokens or 4 * n_ctx
             engine = Engine(m, be, n_ctx=n_ctx, kv_blocks=math.ceil(kv_tokens / 16), **engine_opts)
