@@ -38,6 +38,8 @@ class CUDABackend:
         self.cp = load_cupy()
         self.cp.cuda.Device(device).use()
         from hearthlm.backends.cuda import ops  # needs cupy
+        self._copy_stream = self.cp.cuda.Stream(non_blocking=True)
+        self._inflight: list = []
         self.kernels = {
             Op.GET_ROWS: ops.get_rows,
             Op.MUL_MAT: ops.mul_mat,
@@ -83,3 +85,22 @@ class CUDABackend:
 
     def from_host(self, array):
         return self.cp.asarray(array)
+
+    def copy_from(self, src_backend, value):
+        """A tensor from another split. Host data is staged into pinned memory (the source
+        buffer may be reused as soon as this returns), copied on the copy stream, and the
+        compute stream waits on an event: the copy overlaps the kernels queued before it."""
+        cp = self.cp
+        if isinstance(value, cp.ndarray):
+            return value.copy()
+        host = np.ascontiguousarray(src_backend.to_host(value))
+        self._inflight = [(ev, mem) for ev, mem in self._inflight if not ev.done]  # pinned blocks in use
+        mem = cp.cuda.alloc_pinned_memory(max(host.nbytes, 1))
+        staged = np.frombuffer(mem, host.dtype, host.size).reshape(host.shape)
+        staged[...] = host
+        out = cp.empty(host.shape, host.dtype)
+        out.set(staged, stream=self._copy_stream)
+        ev = self._copy_stream.record()
+        cp.cuda.get_current_stream().wait_event(ev)
+        self._inflight.append((ev, mem))  # keep the pinned block alive until the copy is done
+        return out
