@@ -63,36 +63,62 @@ def copy(src, dst, value: Any) -> Any:
     return v.copy() if v is value else v  # host to host: the source's buffer goes back to the arena
 
 
-def execute(graph: Graph, store, feed: Mapping[str, Any],
-            cache_of: Callable[[Tensor], Any]) -> list[Any]:
-    """`store`: the WeightStore of the one backend, or {name: WeightStore} for a placed graph."""
+_INPUT, _STATIC, _CACHE, _COPY, _KERNEL = range(5)
+
+
+def compile_program(graph: Graph, store) -> list[tuple]:
+    """The graph as a flat list of steps (node index, kind, callable or value, node, source
+    indices, out buffer, indices to free): the per-node work of passes 1-3 resolved once per
+    graph, so a cached graph's step costs a tuple unpack and a call per node."""
     placed = graph.backends is not None
     stores = store if placed else {None: store}
     names = graph.backends if placed else [None] * len(graph.nodes)
     p = plan_for(graph, {k: s.backend for k, s in stores.items()} if placed else store.backend)  # 0.
-    values: dict[int, Any] = {}
+    index = {id(n): i for i, n in enumerate(graph.nodes)}
+    prog = []
     for i, node in enumerate(graph.nodes):
-        op = node.op
         st = stores[names[i]]
-        backend = st.backend
+        backend, op = st.backend, node.op
+        srcs = tuple(index[id(s)] for s in node.srcs)
+        frees = tuple(index[id(d)] for d in p.frees[i])
         if op is Op.INPUT:  # 1.
-            v = backend.from_host(feed[node.name])
+            prog.append((i, _INPUT, backend.from_host, node, srcs, None, frees))
         elif op is Op.WEIGHT:
-            v = st.get(node.params["weight"])
+            prog.append((i, _STATIC, st.get(node.params["weight"]), node, srcs, None, frees))
         elif op is Op.CACHE:
-            v = cache_of(node)
+            prog.append((i, _CACHE, None, node, srcs, None, frees))
         elif op is Op.COPY:  # 2.
-            v = copy(stores[node.params["src"]].backend, backend, values[id(node.srcs[0])])
+            prog.append((i, _COPY, (stores[node.params["src"]].backend, backend), node, srcs, None, frees))
         else:
             k = backend.kernels.get(op)
             if k is None:
                 raise BackendError(f"backend {backend.name!r} has no kernel for {op.value} ({node.label})")
-            out = p.outs[i]
-            srcs = [values[id(s)] for s in node.srcs]
-            v = k(node, *srcs) if out is None else k(node, *srcs, out=out)
-        values[id(node)] = v
-        for dead in p.frees[i]:  # 3.
-            values.pop(id(dead), None)
-    homes = [stores[names[graph.nodes.index(o)]].backend for o in graph.outputs] if placed else \
-        [store.backend] * len(graph.outputs)
-    return [b.to_host(values[id(o)]) for b, o in zip(homes, graph.outputs)]
+            prog.append((i, _KERNEL, k, node, srcs, p.outs[i], frees))
+    return prog
+
+
+def execute(graph: Graph, store, feed: Mapping[str, Any],
+            cache_of: Callable[[Tensor], Any]) -> list[Any]:
+    """`store`: the WeightStore of the one backend, or {name: WeightStore} for a placed graph."""
+    key = tuple(sorted((k, id(v)) for k, v in store.items())) if isinstance(store, dict) else id(store)
+    if graph.program is None or graph.program[0] != key:
+        index = {id(n): i for i, n in enumerate(graph.nodes)}
+        outs = [(index[id(o)], (store[graph.backends[index[id(o)]]] if isinstance(store, dict) else store).backend)
+                for o in graph.outputs]  # each output comes back through its own backend
+        graph.program = (key, compile_program(graph, store), outs)
+    vals: list[Any] = [None] * len(graph.nodes)
+    for i, kind, fn, node, srcs, out, frees in graph.program[1]:
+        if kind == _KERNEL:  # 2.
+            args = [vals[j] for j in srcs]
+            vals[i] = fn(node, *args) if out is None else fn(node, *args, out=out)
+        elif kind == _STATIC:  # 1.
+            vals[i] = fn
+        elif kind == _INPUT:
+            vals[i] = fn(feed[node.name])
+        elif kind == _CACHE:
+            vals[i] = cache_of(node)
+        else:
+            vals[i] = copy(fn[0], fn[1], vals[srcs[0]])
+        for j in frees:  # 3.
+            vals[j] = None
+    return [b.to_host(vals[j]) for j, b in graph.program[2]]

@@ -74,6 +74,7 @@ class Graph:
         self.inputs: dict[str, Tensor] = {}
         self.outputs: list[Tensor] = []
         self.plan: Any = None  # runtime.memory.ExecPlan, set once when the graph is cached
+        self.program: Any = None  # runtime.dispatch's compiled steps, made at first execution
         # set by runtime.placement.place on multi-backend graphs; None: one backend runs all
         self.backends: list[str] | None = None  # per node: the name of the backend that runs it
         self.n_splits, self.n_copies = 1, 0      # runs of nodes on one backend; COPY nodes between them
