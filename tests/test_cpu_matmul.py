@@ -67,14 +67,16 @@ def test_matmul_matches_dequantize(qtype, n_rows):
 
 
 @pytest.mark.parametrize("qtype", [T.Q4_1, T.Q8_0, T.Q6_K, T.Q3_K], ids=lambda t: t.name)
-def test_matmul_many_tiles(qtype):
+def test_matmul_many_tiles(qtype, monkeypatch):
     """Enough rows and tokens for several dequantized tiles, the last one partial."""
+    from hearthlm.backends.cpu import matmul as mm
+    monkeypatch.setattr(mm, "BLAS_MIN_TOKENS", 8)
     rng = np.random.default_rng(7)
     n_rows, n_cols = 601, 256
     raw = make_raw(qtype, n_rows, n_cols, rng)
     ref_w = quants.dequantize(raw, qtype).reshape(n_rows, n_cols)
     w = pack_weight(int(qtype), raw, (n_rows, n_cols))
-    for n_tok in (1, 5, 40):
+    for n_tok in (1, 5, 8, 40):
         x = rng.standard_normal((n_tok, n_cols)).astype(np.float32)
         assert nmse(matmul(w, x), x.astype(np.float64) @ ref_w.T.astype(np.float64)) < 5e-4
 
@@ -146,3 +148,27 @@ def test_pack_weight_rejects_mismatched_bytes():
         pack_weight(int(T.Q4_1), np.zeros((4, 40), dtype=np.uint8), (4, 96))  # 96 cols need 60 bytes
     with pytest.raises(ValueError):
         pack_weight(int(T.Q4_K), np.zeros((1, 144), dtype=np.uint8), (1, 128))  # not whole 256-blocks
+
+
+@pytest.mark.parametrize("qtype", [*QUANTIZABLE[2:], *KQUANTS], ids=lambda t: t.name)
+def test_matmul_is_batch_invariant(qtype):
+    """A token's row of y is bitwise the same whatever else shares the call (batched decode must
+    give a request the tokens it gets alone): the one-token and the multi-token integer kernels
+    combine the exact sub-block sums with the same float operations in the same order."""
+    from hearthlm.backends.cpu import matmul as mm
+    rng = np.random.default_rng(int(qtype) + 11)
+    n_rows, n_cols = 37, cols_for(qtype)[1]
+    w = pack_weight(int(qtype), make_raw(qtype, n_rows, n_cols, rng), (n_rows, n_cols))
+    x = rng.standard_normal((40, n_cols)).astype(np.float32)
+    x[:, ::7] *= 30.0  # uneven magnitudes: activation scales differ per block
+    ref = matmul(w, x[:1])  # token 0 alone
+    batches = [1, 2, 3, 5, 16, 17, 33, mm.BLAS_MIN_TOKENS - 1]
+    for n_tok in batches:
+        if n_tok >= mm.BLAS_MIN_TOKENS or n_tok > x.shape[0]:
+            continue
+        for start in (0, 3):  # overlapping token sets, the token at a different position
+            idx = np.r_[0, np.arange(start + 1, start + n_tok)]
+            y = matmul(w, x[idx])
+            assert np.array_equal(y[0], ref[0]), (qtype.name, n_tok, start)
+            y_alone = np.concatenate([matmul(w, x[i:i + 1]) for i in idx[:4]])
+            assert np.array_equal(y[:4], y_alone[:len(idx[:4])]), (qtype.name, n_tok, start)

@@ -16,9 +16,15 @@ import numba
 import numpy as np
 from numba import prange
 
-from .kernels import offset
+# no fastmath: the float combination must be plain IEEE operations in a fixed order, the same as
+# dot_multi's (batch invariance; the integer sums vectorize without it)
+_JIT = dict(cache=True, nogil=True, parallel=True)
 
-_JIT = dict(cache=True, fastmath=True, nogil=True, parallel=True)
+
+@numba.njit(inline="always", cache=True, nogil=True)
+def _term(d, m, ms, c, r, k, xdv, s, xsv):
+    """Sub-block k's share of the dot product, exactly as dot_multi._combine computes it."""
+    return d[r, k] * xdv * np.float32(s) + (m[r * ms, k] + c * d[r, k]) * xsv
 
 
 @numba.njit(**_JIT)
@@ -35,8 +41,8 @@ def dot_nib32(qs, d, m, ms, c, xq, xd, xs, y):
                     s0 = np.int32(s0 + np.int32(np.int16(b & 15)) * np.int32(xq[t, g * 64 + j]))
                     s1 = np.int32(s1 + np.int32(np.int16(b >> 4)) * np.int32(xq[t, g * 64 + 32 + j]))
                 k = 2 * g
-                acc += d[r, k] * xd[t, k] * np.float32(s0) + offset(d, m, ms, c, r, k) * xs[t, k]
-                acc += d[r, k + 1] * xd[t, k + 1] * np.float32(s1) + offset(d, m, ms, c, r, k + 1) * xs[t, k + 1]
+                acc = acc + _term(d, m, ms, c, r, k, xd[t, k], s0, xs[t, k])
+                acc = acc + _term(d, m, ms, c, r, k + 1, xd[t, k + 1], s1, xs[t, k + 1])
             y[t, r] = acc
 
 
@@ -59,7 +65,7 @@ def dot_nib16(qs, d, m, ms, c, xq, xd, xs, y):
                     s1 = np.int32(s1 + np.int32(np.int16(b1 & 15)) * np.int32(xq[t, 2 * o + 16 + j]))
                     s2 = np.int32(s2 + np.int32(np.int16(b0 >> 4)) * np.int32(xq[t, 2 * o + 32 + j]))
                     s3 = np.int32(s3 + np.int32(np.int16(b1 >> 4)) * np.int32(xq[t, 2 * o + 48 + j]))
-                acc += _sums16(d, m, ms, c, r, 4 * g, xd[t, 2 * g], xd[t, 2 * g + 1], xs, t, s0, s1, s2, s3)
+                acc = _sums16(acc, d, m, ms, c, r, 4 * g, xd[t, 2 * g], xd[t, 2 * g + 1], xs, t, s0, s1, s2, s3)
             y[t, r] = acc
 
 
@@ -77,8 +83,8 @@ def dot_i8_32(qs, d, m, ms, c, xq, xd, xs, y):
                     s0 = np.int32(s0 + np.int32(qs[r, o + j]) * np.int32(xq[t, o + j]))
                     s1 = np.int32(s1 + np.int32(qs[r, o + 32 + j]) * np.int32(xq[t, o + 32 + j]))
                 k = 2 * g
-                acc += d[r, k] * xd[t, k] * np.float32(s0) + offset(d, m, ms, c, r, k) * xs[t, k]
-                acc += d[r, k + 1] * xd[t, k + 1] * np.float32(s1) + offset(d, m, ms, c, r, k + 1) * xs[t, k + 1]
+                acc = acc + _term(d, m, ms, c, r, k, xd[t, k], s0, xs[t, k])
+                acc = acc + _term(d, m, ms, c, r, k + 1, xd[t, k + 1], s1, xs[t, k + 1])
             y[t, r] = acc
 
 
@@ -99,15 +105,14 @@ def dot_i8_16(qs, d, m, ms, c, xq, xd, xs, y):
                     s1 = np.int32(s1 + np.int32(qs[r, o + 16 + j]) * np.int32(xq[t, o + 16 + j]))
                     s2 = np.int32(s2 + np.int32(qs[r, o + 32 + j]) * np.int32(xq[t, o + 32 + j]))
                     s3 = np.int32(s3 + np.int32(qs[r, o + 48 + j]) * np.int32(xq[t, o + 48 + j]))
-                acc += _sums16(d, m, ms, c, r, 4 * g, xd[t, 2 * g], xd[t, 2 * g + 1], xs, t, s0, s1, s2, s3)
+                acc = _sums16(acc, d, m, ms, c, r, 4 * g, xd[t, 2 * g], xd[t, 2 * g + 1], xs, t, s0, s1, s2, s3)
             y[t, r] = acc
 
 
-@numba.njit(inline="always", cache=True, fastmath=True, nogil=True)
-def _sums16(d, m, ms, c, r, k, xd0, xd1, xs, t, s0, s1, s2, s3):
-    """Four 16-weight sub-blocks k..k+3 (the first two under activation scale xd0)."""
-    acc = (d[r, k] * np.float32(s0) + d[r, k + 1] * np.float32(s1)) * xd0
-    acc += (d[r, k + 2] * np.float32(s2) + d[r, k + 3] * np.float32(s3)) * xd1
-    acc += offset(d, m, ms, c, r, k) * xs[t, k] + offset(d, m, ms, c, r, k + 1) * xs[t, k + 1]
-    acc += offset(d, m, ms, c, r, k + 2) * xs[t, k + 2] + offset(d, m, ms, c, r, k + 3) * xs[t, k + 3]
-    return acc
+@numba.njit(inline="always", cache=True, nogil=True)
+def _sums16(acc, d, m, ms, c, r, k, xd0, xd1, xs, t, s0, s1, s2, s3):
+    """Four 16-weight sub-blocks k..k+3 (the first two under activation scale xd0), one at a time."""
+    acc = acc + _term(d, m, ms, c, r, k, xd0, s0, xs[t, k])
+    acc = acc + _term(d, m, ms, c, r, k + 1, xd0, s1, xs[t, k + 1])
+    acc = acc + _term(d, m, ms, c, r, k + 2, xd1, s2, xs[t, k + 2])
+    return acc + _term(d, m, ms, c, r, k + 3, xd1, s3, xs[t, k + 3])

@@ -2,21 +2,29 @@
 
 Few tokens (decode): x is quantized to int16 blocks of 32 once per call (as ggml's q8_1,
 with codes, a scale, and the block sums that absorb the weights' offsets), and each weight
-row is an integer dot product per sub-block (dot.py). Many tokens (prefill): rows are
-dequantized a tile at a time and multiplied by BLAS, which wins once a tile is reused by
-enough tokens. F32 weights go to BLAS at any token count; F16/BF16 ones are widened
+row is an integer dot product per sub-block (dot.py, one token at a time), or, from
+MULTI_MIN_TOKENS tokens on (batched decode), each weight block is decoded once for 16 tokens
+(dot_multi.py). Both combine the exact integer sums into floats in the same order with the same
+operations, so a token's result does not depend on the batch it came in. Many tokens (prefill):
+rows are dequantized a tile at a time and multiplied by BLAS, which wins once a tile is reused
+by enough tokens. F32 weights go to BLAS at any token count; F16/BF16 ones are widened
 to float32 a row at a time (halfs.py), or a tile at a time for BLAS.
 """
 
 import numpy as np
 from gguf.constants import GGMLQuantizationType
 
-from . import dot, halfs, kernels
+from . import dot, dot_multi, halfs, kernels
 from .qtypes import PackedWeight
 
-# from about this many tokens on, dequantize + BLAS beats the integer kernels, whose time
-# grows with each token (measured on 2 cores, Q4_1/Q8_0/Q6_K, 576..2048 columns)
-BLAS_MIN_TOKENS = 8
+# the quantized types: one token at a time below MULTI_MIN_TOKENS (equal at 4), 16 at a time from there,
+# and dequantize + BLAS from BLAS_MIN_TOKENS on. Measured on 2 cores with BLAS on one thread (as the
+# engine runs it): the multi-token kernels beat the tiles at every count tried, 16 to 512 tokens
+# (SmolLM2's matrices, and 1536x2048 for Q8_0/Q4_1/Q5_0/Q4_K/Q6_K/Q3_K: ~1.5x at 512), both
+# growing linearly; so the tiles stay only for counts beyond what was measured.
+BLAS_MIN_TOKENS = 4096
+MULTI_MIN_TOKENS = 4
+HALF_BLAS_MIN_TOKENS = 8  # F16/BF16: their per-token kernel against widened tiles + BLAS
 TILE_ROWS = 256  # rows dequantized per BLAS call: big enough for BLAS, small enough for L2
 
 
@@ -27,9 +35,9 @@ def matmul(w: PackedWeight, x: np.ndarray) -> np.ndarray:
     assert x.ndim == 2 and x.shape[1] == n_cols, (x.shape, w.shape)
     if w.layout == "f32":
         return x @ w.w.T
-    if x.shape[0] < BLAS_MIN_TOKENS:
-        return _matmul_half(w, x) if w.layout == "half" else _matmul_int(w, x)
-    return _matmul_tiles(w, x)
+    if w.layout == "half":
+        return _matmul_half(w, x) if x.shape[0] < HALF_BLAS_MIN_TOKENS else _matmul_tiles(w, x)
+    return _matmul_int(w, x) if x.shape[0] < BLAS_MIN_TOKENS else _matmul_tiles(w, x)
 
 
 def get_rows(w: PackedWeight, ids: np.ndarray) -> np.ndarray:
@@ -54,6 +62,9 @@ def _matmul_half(w: PackedWeight, x: np.ndarray) -> np.ndarray:
 def _matmul_int(w: PackedWeight, x: np.ndarray) -> np.ndarray:
     n_tok = x.shape[0]
     xq, xd, xs = kernels.quantize_x(x, w.n_pad, w.sub)  # (n_tok, n_pad) int16, per-32 scales, per-sub sums
+    if n_tok >= MULTI_MIN_TOKENS:
+        yt = dot_multi.matmul_multi(w.qs, w.d, w.m, w.ms, w.c, w.layout, w.sub, xq, xd, xs)  # (n_rows, n_tok_pad)
+        return np.ascontiguousarray(yt[:, :n_tok].T)
     y = np.empty((n_tok, w.shape[0]), dtype=np.float32)  # (n_tokens, n_rows)
     if w.layout == "nib":
         kern = dot.dot_nib32 if w.sub == 32 else dot.dot_nib16

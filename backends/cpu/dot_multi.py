@@ -1,0 +1,269 @@
+"""Integer matmul kernels for a few to a few dozen tokens (batched decode): each weight block is
+decoded once and applied to 16 tokens at a time.
+
+The activations are quantized as for dot.py (int16 codes, a scale per 32, per-sub-block sums),
+then transposed so that tokens are innermost, in chunks of 16: x2[ch, p, 2u + e] = xq[16ch + u, 2p + e]
+holds, for weight pair p, the pair's two codes of the chunk's 16 tokens side by side. A weight pair (c0, c1), broadcast as one
+32-bit lane, then multiplies 16 tokens' pairs in a single vpmaddwd / vpdpwssd:
+lane t += c0*x[2p, t] + c1*x[2p+1, t]. No horizontal sums, and the int32 sums are exact.
+
+numba's loops do not get there by themselves (loop-carried accumulators stay in memory and
+may alias the inputs), so the sub-block sums and the float combination are small LLVM-IR
+intrinsics: straight-line code over <16 x i32> / <16 x float> values, generic IR that any
+target can lower, plus the AVX-512BW pmaddwd intrinsic where the host has it (LLVM then fuses
+its add into vpdpwssd with VNNI).
+
+Batch invariance: the float combination of a sub-block k for token t is
+    y = y + ((d[r, k] * xd[t, k*sub//32]) * float(s) + (m + c*d[r, k]) * xs[t, k])
+in sub-block order, with plain IEEE operations (no fastmath: no reassociation, no FMA
+contraction), exactly what dot.py's one-token kernels compute; so y[t, r] is bitwise the same
+whatever the other tokens of the call and whichever of the two kernels ran.
+"""
+
+import llvmlite.binding as llb
+import numba
+import numpy as np
+from llvmlite import ir
+from numba import prange, types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+W = 16  # tokens per vector: 16 int32 / float32 lanes (one zmm)
+ROW_BLOCK = 16  # rows per task: one chunk of activations is applied to them all while in L1
+NACC = 4  # independent accumulators per sub-block sum: hides the vpdpwssd latency
+
+_JIT = dict(cache=True, nogil=True, parallel=True)  # no fastmath: see the module docstring
+_I8, _I16, _I32, _F32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.FloatType()
+_HAS_BW = "+avx512bw" in llb.get_host_cpu_features().flatten()
+
+
+def _ptr(context, builder, arrty, arr, inds):
+    """Address of arr[i, j] (no wraparound, no bounds check: the callers index in range)."""
+    a = context.make_array(arrty)(context, builder, arr)
+    inds = [context.cast(builder, v, t, types.intp) for v, t in inds]
+    return cgutils.get_item_pointer2(context, builder, data=a.data, shape=cgutils.unpack_tuple(builder, a.shape),
+                                     strides=cgutils.unpack_tuple(builder, a.strides), layout=arrty.layout,
+                                     inds=inds, wraparound=False, boundscheck=False)
+
+
+def _vec_ptr(context, builder, arrty, arr, inds, vty):
+    return builder.bitcast(_ptr(context, builder, arrty, arr, inds), vty.as_pointer())
+
+
+def _splat(builder, vec, e, n):
+    return builder.shuffle_vector(vec, vec, ir.Constant(ir.VectorType(_I32, n), [e] * n))
+
+
+def _madd(builder, a, b):
+    """<2W x i16> a, b -> <W x i32>: a[2t]*b[2t] + a[2t+1]*b[2t+1] (pmaddwd)."""
+    if _HAS_BW:
+        fty = ir.FunctionType(ir.VectorType(_I32, 16), [ir.VectorType(_I16, 32)] * 2)
+        fn = cgutils.get_or_insert_function(builder.module, fty, "llvm.x86.avx512.pmaddw.d.512")
+        return builder.call(fn, [a, b])
+    v32 = ir.VectorType(_I32, W)
+    even = ir.Constant(v32, list(range(0, 2 * W, 2)))
+    odd = ir.Constant(v32, list(range(1, 2 * W, 2)))
+    ext = lambda v, mask: builder.sext(builder.shuffle_vector(v, v, mask), v32)
+    return builder.add(builder.mul(ext(a, even), ext(b, even)), builder.mul(ext(a, odd), ext(b, odd)))
+
+
+def _make_sub_sum(n_pairs, kind):
+    """An intrinsic sub_sum(qs, r, q0, x2, p0, j) -> UniTuple(int32, W): for the sub-block whose
+    2*n_pairs codes sit in bytes qs[r, q0:q0 + 2*n_pairs] (kind "lo"/"hi": their low/high
+    nibbles, "i8": the int8 bytes themselves), lane t = sum over i of code_i * x2 of that weight
+    and token j//2 + t, x2 rows p0.. holding the weight pairs."""
+
+    @intrinsic
+    def sub_sum(typingctx, qs, r, q0, x2, p0, j):
+        sig = types.UniTuple(types.int32, W)(qs, r, q0, x2, p0, j)
+
+        def codegen(context, builder, sig, args):
+            qs_v, r_v, q0_v, x2_v, p0_v, j_v = args
+            ta = sig.args
+            nb = 2 * n_pairs
+            v16 = ir.VectorType(_I16, nb)
+            b = builder.load(_vec_ptr(context, builder, ta[0], qs_v, [(r_v, ta[1]), (q0_v, ta[2])],
+                                      ir.VectorType(_I8, nb)), align=1)
+            if kind == "i8":
+                codes = builder.sext(b, v16)
+            elif kind == "lo":
+                codes = builder.and_(builder.zext(b, v16), ir.Constant(v16, [15] * nb))
+            else:
+                codes = builder.lshr(builder.zext(b, v16), ir.Constant(v16, [4] * nb))
+            pairs = builder.bitcast(codes, ir.VectorType(_I32, n_pairs))  # lane p: codes 2p, 2p+1
+            x_row = builder.extract_value(context.make_array(ta[3])(context, builder, x2_v).strides, 0)
+            px = builder.bitcast(_ptr(context, builder, ta[3], x2_v, [(p0_v, ta[4]), (j_v, ta[5])]), _I8.as_pointer())
+            vx = ir.VectorType(_I16, 2 * W)
+            accs = [ir.Constant(ir.VectorType(_I32, W), [0] * W)] * NACC
+            for p in range(n_pairs):
+                xp = builder.gep(px, [builder.mul(x_row, ir.Constant(x_row.type, p))])
+                xv = builder.load(builder.bitcast(xp, vx.as_pointer()), align=2)
+                cp = builder.bitcast(_splat(builder, pairs, p, W), vx)
+                accs[p % NACC] = builder.add(accs[p % NACC], _madd(builder, xv, cp))
+            acc = accs[0]
+            for a in accs[1:]:
+                acc = builder.add(acc, a)
+            out = ir.Constant(context.get_value_type(sig.return_type), ir.Undefined)
+            for e in range(W):
+                out = builder.insert_value(out, builder.extract_element(acc, ir.Constant(_I32, e)), e)
+            return out
+
+        return sig, codegen
+
+    return sub_sum
+
+
+_lo16, _hi16, _i8_16 = (_make_sub_sum(16, k) for k in ("lo", "hi", "i8"))  # 32-weight sub-blocks
+_lo8, _hi8, _i8_8 = (_make_sub_sum(8, k) for k in ("lo", "hi", "i8"))  # 16-weight sub-blocks
+
+
+@intrinsic
+def _combine(typingctx, yT, r, t0, s, dk, xdc, kx, xsc, k, off):
+    """yT[r, t0+t] = yT[r, t0+t] + ((dk * xdc[kx, t]) * float(s[t]) + off * xsc[k, t]), t < W."""
+    sig = types.none(yT, r, t0, s, dk, xdc, kx, xsc, k, off)
+
+    def codegen(context, builder, sig, args):
+        y_v, r_v, t_v, s_v, dk_v, xd_v, kx_v, xs_v, k_v, off_v = args
+        ta = sig.args
+        vf = ir.VectorType(_F32, W)
+
+        def splat(x, ty):
+            x = context.cast(builder, x, ty, types.float32)
+            v = builder.insert_element(ir.Constant(vf, ir.Undefined), x, ir.Constant(_I32, 0))
+            return _splat(builder, v, 0, W)
+
+        py = _vec_ptr(context, builder, ta[0], y_v, [(r_v, ta[1]), (t_v, ta[2])], vf)
+        zero = context.get_constant(types.intp, 0)
+        pd = _vec_ptr(context, builder, ta[5], xd_v, [(kx_v, ta[6]), (zero, types.intp)], vf)
+        ps = _vec_ptr(context, builder, ta[7], xs_v, [(k_v, ta[8]), (zero, types.intp)], vf)
+        sv = ir.Constant(ir.VectorType(_I32, W), ir.Undefined)
+        for e in range(W):
+            sv = builder.insert_element(sv, builder.extract_value(s_v, e), ir.Constant(_I32, e))
+        a = builder.fmul(builder.fmul(splat(dk_v, ta[4]), builder.load(pd, align=4)), builder.sitofp(sv, vf))
+        b = builder.fmul(splat(off_v, ta[9]), builder.load(ps, align=4))
+        builder.store(builder.fadd(builder.load(py, align=4), builder.fadd(a, b)), py, align=4)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@numba.njit(inline="always", cache=True, nogil=True)
+def _term(yT, r, t0, s, d, m, ms, c, k, xdc, kx, xsc):
+    _combine(yT, r, t0, s, d[r, k], xdc, kx, xsc, k, m[r * ms, k] + c * d[r, k])
+
+
+@numba.njit(inline="always", cache=True, nogil=True)
+def _zero(yT, r, t0):
+    for t in range(W):
+        yT[r, t0 + t] = np.float32(0.0)
+
+
+@numba.njit(**_JIT)
+def mt_nib32(qs, d, m, ms, c, x2, xdT, xsT, yT):
+    """4-bit codes, a scale per 32. qs (n_rows, n_pad//2) uint8 -> yT (n_rows, n_tok_pad)."""
+    for rb in prange(-(-qs.shape[0] // ROW_BLOCK)):
+        for ch in range(x2.shape[0]):
+            xc, xdc, xsc, t0 = x2[ch], xdT[ch], xsT[ch], ch * W
+            for r in range(rb * ROW_BLOCK, min(rb * ROW_BLOCK + ROW_BLOCK, qs.shape[0])):
+                _zero(yT, r, t0)
+                for g in range(qs.shape[1] // 32):  # 64 weights: low nibbles, then high nibbles
+                    o = g * 32
+                    s0 = _lo16(qs, r, o, xc, o, 0)
+                    s1 = _hi16(qs, r, o, xc, o + 16, 0)
+                    _term(yT, r, t0, s0, d, m, ms, c, 2 * g, xdc, 2 * g, xsc)
+                    _term(yT, r, t0, s1, d, m, ms, c, 2 * g + 1, xdc, 2 * g + 1, xsc)
+
+
+@numba.njit(**_JIT)
+def mt_nib16(qs, d, m, ms, c, x2, xdT, xsT, yT):
+    """4-bit codes, a scale per 16 (Q2_K, Q3_K)."""
+    for rb in prange(-(-qs.shape[0] // ROW_BLOCK)):
+        for ch in range(x2.shape[0]):
+            xc, xdc, xsc, t0 = x2[ch], xdT[ch], xsT[ch], ch * W
+            for r in range(rb * ROW_BLOCK, min(rb * ROW_BLOCK + ROW_BLOCK, qs.shape[0])):
+                _zero(yT, r, t0)
+                for g in range(qs.shape[1] // 32):  # sub-blocks 4g..4g+3: low nibbles of 2 x 16 bytes, then high
+                    o = g * 32
+                    s0 = _lo8(qs, r, o, xc, o, 0)
+                    s1 = _lo8(qs, r, o + 16, xc, o + 8, 0)
+                    s2 = _hi8(qs, r, o, xc, o + 16, 0)
+                    s3 = _hi8(qs, r, o + 16, xc, o + 24, 0)
+                    k = 4 * g
+                    _term(yT, r, t0, s0, d, m, ms, c, k, xdc, 2 * g, xsc)
+                    _term(yT, r, t0, s1, d, m, ms, c, k + 1, xdc, 2 * g, xsc)
+                    _term(yT, r, t0, s2, d, m, ms, c, k + 2, xdc, 2 * g + 1, xsc)
+                    _term(yT, r, t0, s3, d, m, ms, c, k + 3, xdc, 2 * g + 1, xsc)
+
+
+@numba.njit(**_JIT)
+def mt_i8_32(qs, d, m, ms, c, x2, xdT, xsT, yT):
+    """int8 codes, a scale per 32. qs (n_rows, n_pad) int8."""
+    for rb in prange(-(-qs.shape[0] // ROW_BLOCK)):
+        for ch in range(x2.shape[0]):
+            xc, xdc, xsc, t0 = x2[ch], xdT[ch], xsT[ch], ch * W
+            for r in range(rb * ROW_BLOCK, min(rb * ROW_BLOCK + ROW_BLOCK, qs.shape[0])):
+                _zero(yT, r, t0)
+                for g in range(qs.shape[1] // 64):
+                    o = g * 64
+                    s0 = _i8_16(qs, r, o, xc, o // 2, 0)
+                    s1 = _i8_16(qs, r, o + 32, xc, o // 2 + 16, 0)
+                    _term(yT, r, t0, s0, d, m, ms, c, 2 * g, xdc, 2 * g, xsc)
+                    _term(yT, r, t0, s1, d, m, ms, c, 2 * g + 1, xdc, 2 * g + 1, xsc)
+
+
+@numba.njit(**_JIT)
+def mt_i8_16(qs, d, m, ms, c, x2, xdT, xsT, yT):
+    """int8 codes, a scale per 16 (Q6_K)."""
+    for rb in prange(-(-qs.shape[0] // ROW_BLOCK)):
+        for ch in range(x2.shape[0]):
+            xc, xdc, xsc, t0 = x2[ch], xdT[ch], xsT[ch], ch * W
+            for r in range(rb * ROW_BLOCK, min(rb * ROW_BLOCK + ROW_BLOCK, qs.shape[0])):
+                _zero(yT, r, t0)
+                for g in range(qs.shape[1] // 64):
+                    o = g * 64
+                    s0 = _i8_8(qs, r, o, xc, o // 2, 0)
+                    s1 = _i8_8(qs, r, o + 16, xc, o // 2 + 8, 0)
+                    s2 = _i8_8(qs, r, o + 32, xc, o // 2 + 16, 0)
+                    s3 = _i8_8(qs, r, o + 48, xc, o // 2 + 24, 0)
+                    k = 4 * g
+                    _term(yT, r, t0, s0, d, m, ms, c, k, xdc, 2 * g, xsc)
+                    _term(yT, r, t0, s1, d, m, ms, c, k + 1, xdc, 2 * g, xsc)
+                    _term(yT, r, t0, s2, d, m, ms, c, k + 2, xdc, 2 * g + 1, xsc)
+                    _term(yT, r, t0, s3, d, m, ms, c, k + 3, xdc, 2 * g + 1, xsc)
+
+
+@numba.njit(cache=True, nogil=True)
+def _transpose_x(xq, xd, xs, x2, xdT, xsT):
+    """Chunks of W tokens, tokens innermost, padding tokens zero: for t = ch*W + u,
+    x2[ch, p, 2u+e] = xq[t, 2p+e], xdT[ch, k, u] = xd[t, k], xsT[ch, k, u] = xs[t, k]."""
+    x2[:] = 0
+    xdT[:] = 0
+    xsT[:] = 0
+    for t in range(xq.shape[0]):
+        ch, u = t // W, t % W
+        for p in range(x2.shape[1]):
+            x2[ch, p, 2 * u] = xq[t, 2 * p]
+            x2[ch, p, 2 * u + 1] = xq[t, 2 * p + 1]
+        for k in range(xdT.shape[1]):
+            xdT[ch, k, u] = xd[t, k]
+        for k in range(xsT.shape[1]):
+            xsT[ch, k, u] = xs[t, k]
+
+
+KERNELS = {("nib", 32): mt_nib32, ("nib", 16): mt_nib16, ("i8", 32): mt_i8_32, ("i8", 16): mt_i8_16}
+
+
+def matmul_multi(qs, d, m, ms, c, layout, sub, xq, xd, xs):
+    """Quantized x (xq (n_tok, n_pad) int16, xd, xs as kernels.quantize_x) -> yT (n_rows, n_tok_pad) float32."""
+    n_tok, n_pad = xq.shape
+    n_ch = -(-n_tok // W)
+    n_tp = n_ch * W
+    # chunk-major: one chunk's activations are contiguous (a row-of-pairs stride above 64 bytes
+    # would crowd the L1 sets)
+    x2 = np.empty((n_ch, n_pad // 2, 2 * W), dtype=np.int16)
+    xdT = np.empty((n_ch, xd.shape[1], W), dtype=np.float32)
+    xsT = np.empty((n_ch, xs.shape[1], W), dtype=np.float32)
+    _transpose_x(xq, xd, xs, x2, xdT, xsT)
+    yT = np.empty((qs.shape[0], n_tp), dtype=np.float32)
+    KERNELS[(layout, sub)](qs, d, m, ms, np.float32(c), x2, xdT, xsT, yT)
+    return yT
