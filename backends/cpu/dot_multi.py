@@ -253,17 +253,22 @@ def _transpose_x(xq, xd, xs, x2, xdT, xsT):
 KERNELS = {("nib", 32): mt_nib32, ("nib", 16): mt_nib16, ("i8", 32): mt_i8_32, ("i8", 16): mt_i8_16}
 
 
-def matmul_multi(qs, d, m, ms, c, layout, sub, xq, xd, xs):
-    """Quantized x (xq (n_tok, n_pad) int16, xd, xs as kernels.quantize_x) -> yT (n_rows, n_tok_pad) float32."""
+def prepare_x(xq, xd, xs):
+    """Quantized x (xq (n_tok, n_pad) int16, xd, xs as kernels.quantize_x) in the kernels'
+    chunk-major layout: one chunk's activations are contiguous (a row-of-pairs stride above
+    64 bytes would crowd the L1 sets)."""
     n_tok, n_pad = xq.shape
     n_ch = -(-n_tok // W)
-    n_tp = n_ch * W
-    # chunk-major: one chunk's activations are contiguous (a row-of-pairs stride above 64 bytes
-    # would crowd the L1 sets)
     x2 = np.empty((n_ch, n_pad // 2, 2 * W), dtype=np.int16)
     xdT = np.empty((n_ch, xd.shape[1], W), dtype=np.float32)
     xsT = np.empty((n_ch, xs.shape[1], W), dtype=np.float32)
     _transpose_x(xq, xd, xs, x2, xdT, xsT)
-    yT = np.empty((qs.shape[0], n_tp), dtype=np.float32)
+    return x2, xdT, xsT
+
+
+def matmul_multi(qs, d, m, ms, c, layout, sub, prepared):
+    """`prepared` from prepare_x -> yT (n_rows, n_tok_pad) float32."""
+    x2, xdT, xsT = prepared
+    yT = np.empty((qs.shape[0], x2.shape[0] * W), dtype=np.float32)
     KERNELS[(layout, sub)](qs, d, m, ms, np.float32(c), x2, xdT, xsT, yT)
     return yT

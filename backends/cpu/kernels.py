@@ -5,36 +5,49 @@ m has one row per weight row (ms=1) or a single zero row for types without a min
 
 import numba
 import numpy as np
+from numba import prange
 
 _JIT = dict(cache=True, fastmath=True, nogil=True)
 
 
 @numba.njit(cache=True, nogil=True)  # no fastmath: the NaN test below must stay
+def _quantize_row(x, xq, xd, xs, sub, t):
+    n_cols = x.shape[1]
+    for b in range(xd.shape[1]):
+        c0 = b * 32
+        c1 = min(c0 + 32, n_cols)
+        amax = np.float32(0.0)
+        for c in range(c0, c1):
+            amax = max(amax, abs(x[t, c]))
+        scale = amax / np.float32(32767.0)
+        inv = np.float32(1.0) / scale if scale > 0 else np.float32(0.0)
+        for c in range(c0, c1):
+            xq[t, c] = np.int16(np.rint(x[t, c] * inv)) if inv < np.inf else 0
+        for c in range(max(c1, c0), c0 + 32):  # padding columns
+            xq[t, c] = 0
+        nonfinite = False
+        for c in range(c0, c1):
+            nonfinite |= not np.isfinite(x[t, c])
+        # a NaN or inf in x must reach y as NaN, not vanish in the int16 cast
+        xd[t, b] = np.float32(np.nan) if nonfinite else scale
+    for k in range(xs.shape[1]):
+        acc = 0
+        for j in range(sub):
+            acc += xq[t, k * sub + j]
+        xs[t, k] = np.float32(acc) * xd[t, (k * sub) // 32]
+
+
+@numba.njit(cache=True, nogil=True)
 def _quantize_rows(x, xq, xd, xs, sub):
-    n_tok, n_cols = x.shape
-    for t in range(n_tok):
-        for b in range(xd.shape[1]):
-            c0 = b * 32
-            c1 = min(c0 + 32, n_cols)
-            amax = np.float32(0.0)
-            for c in range(c0, c1):
-                amax = max(amax, abs(x[t, c]))
-            scale = amax / np.float32(32767.0)
-            inv = np.float32(1.0) / scale if scale > 0 else np.float32(0.0)
-            for c in range(c0, c1):
-                xq[t, c] = np.int16(np.rint(x[t, c] * inv)) if inv < np.inf else 0
-            for c in range(max(c1, c0), c0 + 32):  # padding columns
-                xq[t, c] = 0
-            nonfinite = False
-            for c in range(c0, c1):
-                nonfinite |= not np.isfinite(x[t, c])
-            # a NaN or inf in x must reach y as NaN, not vanish in the int16 cast
-            xd[t, b] = np.float32(np.nan) if nonfinite else scale
-        for k in range(xs.shape[1]):
-            acc = 0
-            for j in range(sub):
-                acc += xq[t, k * sub + j]
-            xs[t, k] = np.float32(acc) * xd[t, (k * sub) // 32]
+    for t in range(x.shape[0]):
+        _quantize_row(x, xq, xd, xs, sub, t)
+
+
+@numba.njit(cache=True, nogil=True, parallel=True)
+def _quantize_rows_par(x, xq, xd, xs, sub):
+    """Many tokens (batched decode, prefill): one token per task; the same per-token math."""
+    for t in prange(x.shape[0]):
+        _quantize_row(x, xq, xd, xs, sub, t)
 
 
 def quantize_x(x, n_pad, sub):
@@ -43,7 +56,7 @@ def quantize_x(x, n_pad, sub):
     xq = np.empty((n_tok, n_pad), dtype=np.int16)
     xd = np.empty((n_tok, n_pad // 32), dtype=np.float32)
     xs = np.empty((n_tok, n_pad // sub), dtype=np.float32)
-    _quantize_rows(x, xq, xd, xs, sub)
+    (_quantize_rows_par if n_tok >= 4 else _quantize_rows)(x, xq, xd, xs, sub)
     return xq, xd, xs
 
 
