@@ -58,7 +58,7 @@ def test_matmul_matches_dequantize(qtype, n_rows):
         w = pack_weight(int(qtype), raw, (n_rows, n_cols))
         assert isinstance(w, PackedWeight)
         assert w.shape == (n_rows, n_cols) and w.ggml_type == int(qtype) and w.nbytes > 0
-        for n_tok in (1, 2, 3, 17):
+        for n_tok in (1, 2, 3, 4, 8, 17, 24):
             x = rng.standard_normal((n_tok, n_cols)).astype(np.float32)
             y = matmul(w, x)
             assert y.shape == (n_tok, n_rows) and y.dtype == np.float32
@@ -162,7 +162,7 @@ def test_matmul_is_batch_invariant(qtype):
     x = rng.standard_normal((40, n_cols)).astype(np.float32)
     x[:, ::7] *= 30.0  # uneven magnitudes: activation scales differ per block
     ref = matmul(w, x[:1])  # token 0 alone
-    batches = [1, 2, 3, 5, 16, 17, 33, mm.BLAS_MIN_TOKENS - 1]
+    batches = [1, 2, 3, 4, 5, 8, 9, 16, 17, 24, 33, mm.BLAS_MIN_TOKENS - 1]  # every chunk plan
     for n_tok in batches:
         if n_tok >= mm.BLAS_MIN_TOKENS or n_tok > x.shape[0]:
             continue

@@ -1,11 +1,13 @@
 """Integer matmul kernels for a few to a few dozen tokens (batched decode): each weight block is
-decoded once and applied to 16 tokens at a time.
+decoded once and applied to a chunk of 16 tokens at a time (or 8 or 4: few tokens, a remainder).
 
 The activations are quantized as for dot.py (int16 codes, a scale per 32, per-sub-block sums),
-then transposed so that tokens are innermost, in chunks of 16: x2[ch, p, 2u + e] = xq[16ch + u, 2p + e]
-holds, for weight pair p, the pair's two codes of the chunk's 16 tokens side by side. A weight pair (c0, c1), broadcast as one
+then transposed so that tokens are innermost, in chunks of w: x2[ch, p, 2u + e] = xq[w*ch + u, 2p + e]
+holds, for weight pair p, the pair's two codes of the chunk's w tokens side by side. A weight pair (c0, c1), broadcast as one
 32-bit lane, then multiplies 16 tokens' pairs in a single vpmaddwd / vpdpwssd:
-lane t += c0*x[2p, t] + c1*x[2p+1, t]. No horizontal sums, and the int32 sums are exact.
+lane t += c0*x[2p, t] + c1*x[2p+1, t]. With w = 8 (4) one vector holds 2 (4) consecutive pairs'
+rows of x2 against those pairs broadcast to 8 (4) lanes each, and the partial sums of a token are
+added at the end. No horizontal sums within a chunk's pair, and the int32 sums are exact.
 
 numba's loops do not get there by themselves (loop-carried accumulators stay in memory and
 may alias the inputs), so the sub-block sums and the float combination are small LLVM-IR
@@ -28,7 +30,13 @@ from numba import prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-W = 16  # tokens per vector: 16 int32 / float32 lanes (one zmm)
+W = 16  # tokens per chunk at most: 16 int32 / float32 lanes (one zmm)
+# chunk widths, told to the intrinsics by the dtype of the chunk's x2 (its lane of code pairs per
+# token: int16 x2 for 16 tokens, an int32 view of the same layout for 8, int64 for 4): a zmm then
+# holds 16 // w weight pairs x w tokens, so a narrow chunk still fills the vector units.
+WIDTHS = (16, 8, 4)
+_X2_DTYPE = {16: np.int16, 8: np.int32, 4: np.int64}
+_WIDTH_OF = {types.int16: 16, types.int32: 8, types.int64: 4}
 ROW_BLOCK = 16  # rows per task: one chunk of activations is applied to them all while in L1
 NACC = 4  # independent accumulators per sub-block sum: hides the vpdpwssd latency
 
@@ -68,19 +76,23 @@ def _madd(builder, a, b):
 
 
 def _make_sub_sum(n_pairs, kind):
-    """An intrinsic sub_sum(qs, r, q0, x2, p0, j) -> UniTuple(int32, W): for the sub-block whose
+    """An intrinsic sub_sum(qs, r, q0, x2, p0, j) -> UniTuple(int32, w): for the sub-block whose
     2*n_pairs codes sit in bytes qs[r, q0:q0 + 2*n_pairs] (kind "lo"/"hi": their low/high
-    nibbles, "i8": the int8 bytes themselves), lane t = sum over i of code_i * x2 of that weight
-    and token j//2 + t, x2 rows p0.. holding the weight pairs."""
+    nibbles, "i8": the int8 bytes themselves), lane t = sum over i of code_i * x of that weight
+    and token t of the chunk x2 (w tokens, w from its dtype), x2 rows p0.. holding the weight pairs.
+    Each vpdpwssd takes g = 16 // w consecutive pairs (contiguous rows of x2) against the pair
+    codes shuffled to match; the g partial sums of a token are added at the end (exact int32)."""
 
     @intrinsic
     def sub_sum(typingctx, qs, r, q0, x2, p0, j):
-        sig = types.UniTuple(types.int32, W)(qs, r, q0, x2, p0, j)
+        w = _WIDTH_OF[x2.dtype]
+        sig = types.UniTuple(types.int32, w)(qs, r, q0, x2, p0, j)
 
         def codegen(context, builder, sig, args):
             qs_v, r_v, q0_v, x2_v, p0_v, j_v = args
             ta = sig.args
             nb = 2 * n_pairs
+            g = 16 // w  # pairs per vector
             v16 = ir.VectorType(_I16, nb)
             b = builder.load(_vec_ptr(context, builder, ta[0], qs_v, [(r_v, ta[1]), (q0_v, ta[2])],
                                       ir.VectorType(_I8, nb)), align=1)
@@ -93,19 +105,26 @@ def _make_sub_sum(n_pairs, kind):
             pairs = builder.bitcast(codes, ir.VectorType(_I32, n_pairs))  # lane p: codes 2p, 2p+1
             x_row = builder.extract_value(context.make_array(ta[3])(context, builder, x2_v).strides, 0)
             px = builder.bitcast(_ptr(context, builder, ta[3], x2_v, [(p0_v, ta[4]), (j_v, ta[5])]), _I8.as_pointer())
-            vx = ir.VectorType(_I16, 2 * W)
-            accs = [ir.Constant(ir.VectorType(_I32, W), [0] * W)] * NACC
-            for p in range(n_pairs):
-                xp = builder.gep(px, [builder.mul(x_row, ir.Constant(x_row.type, p))])
+            vx = ir.VectorType(_I16, 32)
+            v32 = ir.VectorType(_I32, 16)
+            accs = [ir.Constant(v32, [0] * 16)] * NACC
+            for q in range(n_pairs // g):
+                xp = builder.gep(px, [builder.mul(x_row, ir.Constant(x_row.type, q * g))])
                 xv = builder.load(builder.bitcast(xp, vx.as_pointer()), align=2)
-                cp = builder.bitcast(_splat(builder, pairs, p, W), vx)
-                accs[p % NACC] = builder.add(accs[p % NACC], _madd(builder, xv, cp))
+                mask = ir.Constant(v32, [q * g + i // w for i in range(16)])
+                cp = builder.bitcast(builder.shuffle_vector(pairs, pairs, mask), vx)
+                accs[q % NACC] = builder.add(accs[q % NACC], _madd(builder, xv, cp))
             acc = accs[0]
             for a in accs[1:]:
                 acc = builder.add(acc, a)
+            vw = ir.VectorType(_I32, w)
+            part = lambda h: builder.shuffle_vector(acc, acc, ir.Constant(vw, [h * w + i for i in range(w)]))
+            tot = part(0)
+            for h in range(1, g):
+                tot = builder.add(tot, part(h))
             out = ir.Constant(context.get_value_type(sig.return_type), ir.Undefined)
-            for e in range(W):
-                out = builder.insert_value(out, builder.extract_element(acc, ir.Constant(_I32, e)), e)
+            for e in range(w):
+                out = builder.insert_value(out, builder.extract_element(tot, ir.Constant(_I32, e)), e)
             return out
 
         return sig, codegen
@@ -119,25 +138,26 @@ _lo8, _hi8, _i8_8 = (_make_sub_sum(8, k) for k in ("lo", "hi", "i8"))  # 16-weig
 
 @intrinsic
 def _combine(typingctx, yT, r, t0, s, dk, xdc, kx, xsc, k, off):
-    """yT[r, t0+t] = yT[r, t0+t] + ((dk * xdc[kx, t]) * float(s[t]) + off * xsc[k, t]), t < W."""
+    """yT[r, t0+t] = yT[r, t0+t] + ((dk * xdc[kx, t]) * float(s[t]) + off * xsc[k, t]), t < w = len(s)."""
     sig = types.none(yT, r, t0, s, dk, xdc, kx, xsc, k, off)
+    w = s.count
 
     def codegen(context, builder, sig, args):
         y_v, r_v, t_v, s_v, dk_v, xd_v, kx_v, xs_v, k_v, off_v = args
         ta = sig.args
-        vf = ir.VectorType(_F32, W)
+        vf = ir.VectorType(_F32, w)
 
         def splat(x, ty):
             x = context.cast(builder, x, ty, types.float32)
             v = builder.insert_element(ir.Constant(vf, ir.Undefined), x, ir.Constant(_I32, 0))
-            return _splat(builder, v, 0, W)
+            return _splat(builder, v, 0, w)
 
         py = _vec_ptr(context, builder, ta[0], y_v, [(r_v, ta[1]), (t_v, ta[2])], vf)
         zero = context.get_constant(types.intp, 0)
         pd = _vec_ptr(context, builder, ta[5], xd_v, [(kx_v, ta[6]), (zero, types.intp)], vf)
         ps = _vec_ptr(context, builder, ta[7], xs_v, [(k_v, ta[8]), (zero, types.intp)], vf)
-        sv = ir.Constant(ir.VectorType(_I32, W), ir.Undefined)
-        for e in range(W):
+        sv = ir.Constant(ir.VectorType(_I32, w), ir.Undefined)
+        for e in range(w):
             sv = builder.insert_element(sv, builder.extract_value(s_v, e), ir.Constant(_I32, e))
         a = builder.fmul(builder.fmul(splat(dk_v, ta[4]), builder.load(pd, align=4)), builder.sitofp(sv, vf))
         b = builder.fmul(splat(off_v, ta[9]), builder.load(ps, align=4))
@@ -153,19 +173,20 @@ def _term(yT, r, t0, s, d, m, ms, c, k, xdc, kx, xsc):
 
 
 @numba.njit(inline="always", cache=True, nogil=True)
-def _zero(yT, r, t0):
-    for t in range(W):
+def _zero(yT, r, t0, w):
+    for t in range(w):
         yT[r, t0 + t] = np.float32(0.0)
 
 
 @numba.njit(**_JIT)
-def mt_nib32(qs, d, m, ms, c, x2, xdT, xsT, yT):
+def mt_nib32(qs, d, m, ms, c, x2, xdT, xsT, yT, tb):
     """4-bit codes, a scale per 32. qs (n_rows, n_pad//2) uint8 -> yT (n_rows, n_tok_pad)."""
+    w = xdT.shape[2]
     for rb in prange(-(-qs.shape[0] // ROW_BLOCK)):
         for ch in range(x2.shape[0]):
-            xc, xdc, xsc, t0 = x2[ch], xdT[ch], xsT[ch], ch * W
+            xc, xdc, xsc, t0 = x2[ch], xdT[ch], xsT[ch], tb + ch * w
             for r in range(rb * ROW_BLOCK, min(rb * ROW_BLOCK + ROW_BLOCK, qs.shape[0])):
-                _zero(yT, r, t0)
+                _zero(yT, r, t0, w)
                 for g in range(qs.shape[1] // 32):  # 64 weights: low nibbles, then high nibbles
                     o = g * 32
                     s0 = _lo16(qs, r, o, xc, o, 0)
@@ -175,13 +196,14 @@ def mt_nib32(qs, d, m, ms, c, x2, xdT, xsT, yT):
 
 
 @numba.njit(**_JIT)
-def mt_nib16(qs, d, m, ms, c, x2, xdT, xsT, yT):
+def mt_nib16(qs, d, m, ms, c, x2, xdT, xsT, yT, tb):
     """4-bit codes, a scale per 16 (Q2_K, Q3_K)."""
+    w = xdT.shape[2]
     for rb in prange(-(-qs.shape[0] // ROW_BLOCK)):
         for ch in range(x2.shape[0]):
-            xc, xdc, xsc, t0 = x2[ch], xdT[ch], xsT[ch], ch * W
+            xc, xdc, xsc, t0 = x2[ch], xdT[ch], xsT[ch], tb + ch * w
             for r in range(rb * ROW_BLOCK, min(rb * ROW_BLOCK + ROW_BLOCK, qs.shape[0])):
-                _zero(yT, r, t0)
+                _zero(yT, r, t0, w)
                 for g in range(qs.shape[1] // 32):  # sub-blocks 4g..4g+3: low nibbles of 2 x 16 bytes, then high
                     o = g * 32
                     s0 = _lo8(qs, r, o, xc, o, 0)
@@ -196,13 +218,14 @@ def mt_nib16(qs, d, m, ms, c, x2, xdT, xsT, yT):
 
 
 @numba.njit(**_JIT)
-def mt_i8_32(qs, d, m, ms, c, x2, xdT, xsT, yT):
+def mt_i8_32(qs, d, m, ms, c, x2, xdT, xsT, yT, tb):
     """int8 codes, a scale per 32. qs (n_rows, n_pad) int8."""
+    w = xdT.shape[2]
     for rb in prange(-(-qs.shape[0] // ROW_BLOCK)):
         for ch in range(x2.shape[0]):
-            xc, xdc, xsc, t0 = x2[ch], xdT[ch], xsT[ch], ch * W
+            xc, xdc, xsc, t0 = x2[ch], xdT[ch], xsT[ch], tb + ch * w
             for r in range(rb * ROW_BLOCK, min(rb * ROW_BLOCK + ROW_BLOCK, qs.shape[0])):
-                _zero(yT, r, t0)
+                _zero(yT, r, t0, w)
                 for g in range(qs.shape[1] // 64):
                     o = g * 64
                     s0 = _i8_16(qs, r, o, xc, o // 2, 0)
@@ -212,13 +235,14 @@ def mt_i8_32(qs, d, m, ms, c, x2, xdT, xsT, yT):
 
 
 @numba.njit(**_JIT)
-def mt_i8_16(qs, d, m, ms, c, x2, xdT, xsT, yT):
+def mt_i8_16(qs, d, m, ms, c, x2, xdT, xsT, yT, tb):
     """int8 codes, a scale per 16 (Q6_K)."""
+    w = xdT.shape[2]
     for rb in prange(-(-qs.shape[0] // ROW_BLOCK)):
         for ch in range(x2.shape[0]):
-            xc, xdc, xsc, t0 = x2[ch], xdT[ch], xsT[ch], ch * W
+            xc, xdc, xsc, t0 = x2[ch], xdT[ch], xsT[ch], tb + ch * w
             for r in range(rb * ROW_BLOCK, min(rb * ROW_BLOCK + ROW_BLOCK, qs.shape[0])):
-                _zero(yT, r, t0)
+                _zero(yT, r, t0, w)
                 for g in range(qs.shape[1] // 64):
                     o = g * 64
                     s0 = _i8_8(qs, r, o, xc, o // 2, 0)
@@ -233,14 +257,15 @@ def mt_i8_16(qs, d, m, ms, c, x2, xdT, xsT, yT):
 
 
 @numba.njit(cache=True, nogil=True)
-def _transpose_x(xq, xd, xs, x2, xdT, xsT):
-    """Chunks of W tokens, tokens innermost, padding tokens zero: for t = ch*W + u,
-    x2[ch, p, 2u+e] = xq[t, 2p+e], xdT[ch, k, u] = xd[t, k], xsT[ch, k, u] = xs[t, k]."""
+def _transpose_x(xq, xd, xs, t_first, x2, xdT, xsT):
+    """Tokens t_first.. in chunks of w = xdT.shape[2], tokens innermost, padding tokens zero: for
+    t = t_first + ch*w + u, x2[ch, p, 2u+e] = xq[t, 2p+e], xdT[ch, k, u] = xd[t, k], xsT[ch, k, u] = xs[t, k]."""
+    w = xdT.shape[2]
     x2[:] = 0
     xdT[:] = 0
     xsT[:] = 0
-    for t in range(xq.shape[0]):
-        ch, u = t // W, t % W
+    for t in range(t_first, min(xq.shape[0], t_first + x2.shape[0] * w)):
+        ch, u = (t - t_first) // w, (t - t_first) % w
         for p in range(x2.shape[1]):
             x2[ch, p, 2 * u] = xq[t, 2 * p]
             x2[ch, p, 2 * u + 1] = xq[t, 2 * p + 1]
@@ -253,22 +278,38 @@ def _transpose_x(xq, xd, xs, x2, xdT, xsT):
 KERNELS = {("nib", 32): mt_nib32, ("nib", 16): mt_nib16, ("i8", 32): mt_i8_32, ("i8", 16): mt_i8_16}
 
 
+def chunk_plan(n_tok):
+    """[(w, n_chunks), ...] covering n_tok tokens: one 4- or 8-token chunk up to 8 tokens,
+    16-token ones beyond, a remainder of up to 8 in one 4- or 8-token chunk (a chunk costs about
+    in proportion to its width; each segment is one more pass over the weights)."""
+    n16, rest = divmod(n_tok, 16) if n_tok > 8 else (0, n_tok)
+    if rest > 8:
+        return [(16, n16 + 1)]
+    tail = [] if rest == 0 else [(4, 1)] if rest <= 4 else [(8, 1)]
+    return ([(16, n16)] if n16 else []) + tail
+
+
 def prepare_x(xq, xd, xs):
     """Quantized x (xq (n_tok, n_pad) int16, xd, xs as kernels.quantize_x) in the kernels'
-    chunk-major layout: one chunk's activations are contiguous (a row-of-pairs stride above
-    64 bytes would crowd the L1 sets)."""
+    chunk-major layout, one segment of equal-width chunks per entry of chunk_plan: one chunk's
+    activations are contiguous (a row-of-pairs stride above 64 bytes would crowd the L1 sets)."""
     n_tok, n_pad = xq.shape
-    n_ch = -(-n_tok // W)
-    x2 = np.empty((n_ch, n_pad // 2, 2 * W), dtype=np.int16)
-    xdT = np.empty((n_ch, xd.shape[1], W), dtype=np.float32)
-    xsT = np.empty((n_ch, xs.shape[1], W), dtype=np.float32)
-    _transpose_x(xq, xd, xs, x2, xdT, xsT)
-    return x2, xdT, xsT
+    segments, t_first = [], 0
+    for w, n_ch in chunk_plan(n_tok):
+        x2 = np.empty((n_ch, n_pad // 2, 2 * w), dtype=np.int16)
+        xdT = np.empty((n_ch, xd.shape[1], w), dtype=np.float32)
+        xsT = np.empty((n_ch, xs.shape[1], w), dtype=np.float32)
+        _transpose_x(xq, xd, xs, t_first, x2, xdT, xsT)
+        segments.append((x2.view(_X2_DTYPE[w]), xdT, xsT, t_first))
+        t_first += n_ch * w
+    return segments
 
 
 def matmul_multi(qs, d, m, ms, c, layout, sub, prepared):
     """`prepared` from prepare_x -> yT (n_rows, n_tok_pad) float32."""
-    x2, xdT, xsT = prepared
-    yT = np.empty((qs.shape[0], x2.shape[0] * W), dtype=np.float32)
-    KERNELS[(layout, sub)](qs, d, m, ms, np.float32(c), x2, xdT, xsT, yT)
+    x2, xdT, xsT, t_last = prepared[-1]
+    yT = np.empty((qs.shape[0], t_last + x2.shape[0] * xdT.shape[2]), dtype=np.float32)
+    kern = KERNELS[(layout, sub)]
+    for x2, xdT, xsT, tb in prepared:
+        kern(qs, d, m, ms, np.float32(c), x2, xdT, xsT, yT, tb)
     return yT

@@ -3,8 +3,8 @@
 Few tokens (decode): x is quantized to int16 blocks of 32 once per call (as ggml's q8_1,
 with codes, a scale, and the block sums that absorb the weights' offsets), and each weight
 row is an integer dot product per sub-block (dot.py, one token at a time), or, from
-MULTI_MIN_TOKENS tokens on (batched decode), each weight block is decoded once for 16 tokens
-(dot_multi.py). Both combine the exact integer sums into floats in the same order with the same
+MULTI_MIN_TOKENS tokens on (batched decode), each weight block is decoded once for a chunk of
+4, 8 or 16 tokens (dot_multi.py). Both combine the exact integer sums into floats in the same order with the same
 operations, so a token's result does not depend on the batch it came in. Many tokens (prefill):
 rows are dequantized a tile at a time and multiplied by BLAS, which wins once a tile is reused
 by enough tokens. F32 weights go to BLAS at any token count; F16/BF16 ones are widened
@@ -17,13 +17,14 @@ from gguf.constants import GGMLQuantizationType
 from . import dot, dot_multi, halfs, kernels
 from .qtypes import PackedWeight
 
-# the quantized types: one token at a time below MULTI_MIN_TOKENS (equal at 4), 16 at a time from there,
-# and dequantize + BLAS from BLAS_MIN_TOKENS on. Measured on 2 cores with BLAS on one thread (as the
+# the quantized types: one token at a time below MULTI_MIN_TOKENS, in chunks of 4/8/16 from there
+# (a 4-token chunk costs ~1.6 one-token calls on one thread: 2 and 3 tokens win by 1.2x and
+# 1.7x), and dequantize + BLAS from BLAS_MIN_TOKENS on. Measured on 2 cores with BLAS on one thread (as the
 # engine runs it): the multi-token kernels beat the tiles at every count tried, 16 to 512 tokens
 # (SmolLM2's matrices, and 1536x2048 for Q8_0/Q4_1/Q5_0/Q4_K/Q6_K/Q3_K: ~1.5x at 512), both
 # growing linearly; so the tiles stay only for counts beyond what was measured.
 BLAS_MIN_TOKENS = 4096
-MULTI_MIN_TOKENS = 4
+MULTI_MIN_TOKENS = 2
 HALF_BLAS_MIN_TOKENS = 8  # F16/BF16: their per-token kernel against widened tiles + BLAS
 TILE_ROWS = 256  # rows dequantized per BLAS call: big enough for BLAS, small enough for L2
 

@@ -10,6 +10,7 @@ import numpy as np
 from numba import prange
 
 _JIT = dict(cache=True, fastmath=True, nogil=True)
+ATT_BLOCK = 32  # positions per step of attention's online softmax
 
 
 @numba.njit(parallel=True, **_JIT)
@@ -135,36 +136,58 @@ def set_rows(cache, src, slots):
 @numba.njit(parallel=True, **_JIT)
 def attention(q, k_cache, v_cache, tok_seq, tok_pos, block_table, scale, block_size, window, out):
     """Flash-style attention with an online softmax: never holds a score matrix.
-    q (n_tokens, n_head, d); caches (n_slots, n_head_kv, d_v); out (n_tokens, n_head, d_v)."""
+    q (n_tokens, n_head, d); caches (n_slots, n_head_kv, d_v); out (n_tokens, n_head, d_v).
+    One task per token and KV head: the GQA group's query heads share each K and V row read,
+    positions go ATT_BLOCK at a time (scores, then one max and rescale per block, then V)."""
     n_tokens, n_head, d = q.shape
+    n_kv = k_cache.shape[1]
     dv = v_cache.shape[2]
-    group = n_head // k_cache.shape[1]
-    for job in prange(n_tokens * n_head):
-        t, h = job // n_head, job % n_head
-        kh = h // group
+    group = n_head // n_kv
+    for job in prange(n_tokens * n_kv):
+        t, kh = job // n_kv, job % n_kv
+        h0 = kh * group
         pos = tok_pos[t]
         lo = max(0, pos - window + 1) if window > 0 else 0
-        m = -np.inf
-        l = np.float32(0.0)
-        acc = np.zeros(dv, np.float32)
-        qv = q[t, h]
-        for p in range(lo, pos + 1):
-            slot = block_table[tok_seq[t], p // block_size] * block_size + p % block_size
-            s = np.float32(0.0)
-            kv = k_cache[slot, kh]
-            for j in range(d):
-                s += qv[j] * kv[j]
-            s *= scale
-            if s > m:  # rescale what was accumulated under the old maximum
-                corr = np.float32(math.exp(m - s)) if m > -np.inf else np.float32(0.0)
-                l *= corr
-                for j in range(dv):
-                    acc[j] *= corr
-                m = s
-            e = np.float32(math.exp(s - m))
-            l += e
-            vv = v_cache[slot, kh]
+        m = np.full(group, -np.inf, np.float32)
+        l = np.zeros(group, np.float32)
+        acc = np.zeros((group, dv), np.float32)
+        sc = np.empty((group, ATT_BLOCK), np.float32)
+        slots = np.empty(ATT_BLOCK, np.int64)
+        for p0 in range(lo, pos + 1, ATT_BLOCK):
+            nb = min(ATT_BLOCK, pos + 1 - p0)
+            for i in range(nb):
+                p = p0 + i
+                slot = block_table[tok_seq[t], p // block_size] * block_size + p % block_size
+                slots[i] = slot
+                kv = k_cache[slot, kh]
+                for g in range(group):
+                    qv = q[t, h0 + g]
+                    s = np.float32(0.0)
+                    for j in range(d):
+                        s += qv[j] * kv[j]
+                    sc[g, i] = s * scale
+            for g in range(group):
+                mb = m[g]
+                for i in range(nb):
+                    mb = max(mb, sc[g, i])
+                if mb > m[g]:  # rescale what was accumulated under the old maximum
+                    corr = np.float32(math.exp(m[g] - mb)) if m[g] > -np.inf else np.float32(0.0)
+                    l[g] *= corr
+                    for j in range(dv):
+                        acc[g, j] *= corr
+                    m[g] = mb
+                ls = np.float32(0.0)
+                for i in range(nb):
+                    e = np.float32(math.exp(sc[g, i] - mb))
+                    sc[g, i] = e
+                    ls += e
+                l[g] += ls
+            for i in range(nb):
+                vv = v_cache[slots[i], kh]
+                for g in range(group):
+                    e = sc[g, i]
+                    for j in range(dv):
+                        acc[g, j] += e * vv[j]
+        for g in range(group):
             for j in range(dv):
-                acc[j] += e * vv[j]
-        for j in range(dv):
-            out[t, h, j] = acc[j] / l
+                out[t, h0 + g, j] = acc[g, j] / l[g]
