@@ -91,6 +91,47 @@ def _pct(xs: list[float], q: float) -> float:
     return float(np.percentile(xs, q)) if xs else float("nan")
 
 
+def _concurrent_prompt(n_vocab: int, i: int) -> list[int]:
+    # distinct prompts (no prefix sharing), 64 tokens each, as a chat app's turns
+    return _prompt(n_vocab, 64 + i)[i:]
+
+
+def _row(n: int, wall: float, counts, ttft, itl, engine: str) -> dict:
+    return dict(engine=engine, concurrency=n, aggregate_tok_s=sum(counts) / wall, ttft_p50_s=_pct(ttft, 50),
+                ttft_p99_s=_pct(ttft, 99), itl_p50_ms=_pct(itl, 50) * 1e3, itl_p99_ms=_pct(itl, 99) * 1e3,
+                tokens=sum(counts))
+
+
+def _concurrency_llama_cpp(a, path: str, levels: list[int]) -> list[dict] | None:
+    """llama-cpp-python serves one request at a time: n requests arriving together are
+    prefilled and decoded in turn; time to first token counts the wait for those before."""
+    try:
+        from llama_cpp import Llama
+    except ImportError:
+        return None
+    llm = Llama(model_path=path, n_ctx=a.n_ctx, n_threads=len(__import__("os").sched_getaffinity(0)),
+                n_batch=512, verbose=False)
+    rows = []
+    for n in levels:
+        ttft, itl, counts = [], [], []
+        t0 = time.perf_counter()
+        for i in range(n):
+            llm.reset()
+            last, k = None, 0
+            for _ in llm.generate(_concurrent_prompt(llm.n_vocab(), i), temp=0.0, top_k=1, reset=True):
+                now = time.perf_counter()
+                if k == 0:
+                    ttft.append(now - t0)
+                else:
+                    itl.append(now - last)
+                last, k = now, k + 1
+                if k >= a.decode_tokens:
+                    break
+            counts.append(k)
+        rows.append(_row(n, time.perf_counter() - t0, counts, ttft, itl, "llama.cpp"))
+    return rows
+
+
 async def _bench_concurrency(a) -> list[dict]:
     levels = [int(x) for x in a.concurrency.split(",")]
     rows = []
@@ -101,8 +142,7 @@ async def _bench_concurrency(a) -> list[dict]:
             ttft, itl, counts = [], [], []
 
             async def one(i: int) -> None:
-                # distinct prompts (no prefix sharing), 64 tokens each, as a chat app's turns
-                prompt = _prompt(s.model.n_vocab, 64 + i)[i:]
+                prompt = _concurrent_prompt(s.model.n_vocab, i)
                 t0 = last = anyio.current_time()
                 k = 0
                 async for c in s.stream(prompt, max_tokens=a.decode_tokens, temperature=0, ignore_eos=True):
@@ -118,15 +158,25 @@ async def _bench_concurrency(a) -> list[dict]:
                 for i in range(n):
                     tg.start_soon(one, i)
             wall = anyio.current_time() - t
-            rows.append(dict(concurrency=n, aggregate_tok_s=sum(counts) / wall, ttft_p50_s=_pct(ttft, 50),
-                             ttft_p99_s=_pct(ttft, 99), itl_p50_ms=_pct(itl, 50) * 1e3,
-                             itl_p99_ms=_pct(itl, 99) * 1e3, tokens=sum(counts)))
+            rows.append(_row(n, wall, counts, ttft, itl, "hearthlm"))
     return rows
 
 
 def run_bench(a) -> None:
     if a.concurrency:
         rows = anyio.run(_bench_concurrency, a)
+        if a.compare_llama_cpp:
+            levels = [int(x) for x in a.concurrency.split(",")]
+            with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as ex:
+                ref = ex.submit(_concurrency_llama_cpp, a, str(resolve_model(a.model, filename=a.filename)),
+                                levels).result()
+            if ref is None:
+                print("llama-cpp-python is not importable; skipping the comparison")
+            else:
+                rows += ref + [dict(engine="ratio", concurrency=h["concurrency"],
+                                    aggregate_tok_s=h["aggregate_tok_s"] / r["aggregate_tok_s"],
+                                    ttft_p50_s=h["ttft_p50_s"] / r["ttft_p50_s"])
+                               for h, r in zip(rows[:len(levels)], ref)]
         if a.json:
             print(json.dumps(rows, indent=2))
             return
@@ -134,7 +184,8 @@ def run_bench(a) -> None:
         print(f"model: {a.model}  decode: {a.decode_tokens} tokens per request")
         print("  ".join(f"{c:>15}" for c in cols))
         for r in rows:
-            print("  ".join(f"{r[c]:>15.3f}" if isinstance(r[c], float) else f"{r[c]:>15}" for c in cols))
+            print("  ".join(f"{r[c]:>15.3f}" if isinstance(r.get(c), float) else f"{str(r.get(c, '')):>15}"
+                            for c in cols))
         return
     if a.threads:
         import numba
