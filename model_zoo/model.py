@@ -4,6 +4,7 @@ the tokenizer and the chat template. What the engine needs is `build_graph`, `we
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from types import ModuleType
 from typing import Any
 
@@ -14,6 +15,8 @@ from hearthlm.runtime.batch import BatchShape
 from hearthlm.runtime.errors import HearthError, ModelLoadError
 from hearthlm.runtime.graph import Graph
 from hearthlm.runtime.weights import QWeight
+
+TEMPLATES = Path(__file__).parent / "templates"
 
 
 @dataclass(eq=False)
@@ -79,12 +82,18 @@ def load_model(path) -> Model:
         except (KeyError, TypeError, ValueError, IndexError) as e:  # metadata of the wrong shape
             raise ModelLoadError(f"{path}: bad tokenizer metadata: {type(e).__name__}: {e}") from e
         model = Model(str(path), f, arch_name, arch, config, weights, tokenizer,
-                      md.get("tokenizer.chat_template"), n_vocab=out.shape[0])
+                      md.get("tokenizer.chat_template") or default_chat_template(arch_name), n_vocab=out.shape[0])
         _check_graph(model)
         return model
     except BaseException:
         f.close()
         raise
+
+
+def default_chat_template(arch_name: str) -> str | None:
+    """The architecture's official template, for GGUFs that ship none (Gemma 3's often don't)."""
+    path = TEMPLATES / f"{arch_name}.jinja"
+    return path.read_text() if path.is_file() else None
 
 
 def _check_graph(model: Model) -> None:

@@ -62,8 +62,8 @@ class Session:
     @classmethod
     def _load(cls, model: str, *, backend: str, device: str | None, n_gpu_layers: int | None, n_ctx: int,
               filename, kv_cache_tokens, **engine_opts) -> "Session":
-        if n_ctx < 2:
-            raise InvalidRequestError(f"n_ctx must be at least 2, got {n_ctx}")
+        if isinstance(n_ctx, bool) or not isinstance(n_ctx, int) or n_ctx < 2:
+            raise InvalidRequestError(f"n_ctx must be an int >= 2, got {n_ctx!r}")
         if device is not None and backend != "cpu":
             raise InvalidRequestError(f"pass backend= or device=, not both (got {backend!r} and {device!r})")
         if device is None and n_gpu_layers is not None:
