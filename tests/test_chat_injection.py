@@ -52,3 +52,15 @@ def test_user_text_cannot_inject_control_tokens(request, model, marker):
     assert ids.count(marker_id) == clean.count(marker_id)
     # and the user's text survives as text
     assert marker in tok.decode(ids)
+
+
+def test_gemma_gguf_without_template_gets_the_official_one(gemma3_path):
+    from hearthlm.model_zoo.model import TEMPLATES, load_model
+    m = load_model(gemma3_path)
+    try:
+        assert "tokenizer.chat_template" not in m.metadata  # this GGUF ships none
+        assert m.chat_template == (TEMPLATES / "gemma3.jinja").read_text()
+        ids = encode_chat(m.tokenizer, m.chat_template, [{"role": "user", "content": "Hi"}])
+        assert ids[:2] == [m.tokenizer.bos_id, m.tokenizer.token_id("<start_of_turn>")]
+    finally:
+        m.close()
