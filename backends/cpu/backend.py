@@ -35,6 +35,14 @@ def _into(node, value, out):
     return out
 
 
+def _mul_mat(node, w, x, out=None):
+    x2 = x.reshape(-1, x.shape[-1])
+    if out is None or not out.flags.c_contiguous:
+        return _into(node, matmul(w, x2), out)
+    matmul(w, x2, out.reshape(x2.shape[0], -1))
+    return out
+
+
 def _rms_norm(node, x, w=None, out=None):
     out = _buf(node, out)
     ops.rms_norm(_rows(x), _NO_WEIGHT if w is None else np.ascontiguousarray(w, np.float32).reshape(-1),
@@ -155,7 +163,7 @@ class CPUBackend:
     def __init__(self) -> None:
         self.kernels = {
             Op.GET_ROWS: _get_rows,
-            Op.MUL_MAT: lambda n, w, x, out=None: _into(n, matmul(w, x), out),
+            Op.MUL_MAT: _mul_mat,
             Op.MUL_MAT_ADD: lambda n, w, x, r, out=None: np.add(matmul(w, x), r, out=out),
             Op.RMS_NORM: _rms_norm,
             Op.RMS_NORM_MUL: _rms_norm,

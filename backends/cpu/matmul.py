@@ -29,16 +29,24 @@ HALF_BLAS_MIN_TOKENS = 8  # F16/BF16: their per-token kernel against widened til
 TILE_ROWS = 256  # rows dequantized per BLAS call: big enough for BLAS, small enough for L2
 
 
-def matmul(w: PackedWeight, x: np.ndarray) -> np.ndarray:
-    """x (n_tokens, n_cols) float32 -> (n_tokens, n_rows) float32."""
+def matmul(w: PackedWeight, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """x (n_tokens, n_cols) float32 -> (n_tokens, n_rows) float32, written into `out` (a
+    C-contiguous buffer of that shape) when given."""
     n_rows, n_cols = w.shape
     x = np.ascontiguousarray(x, dtype=np.float32)
     assert x.ndim == 2 and x.shape[1] == n_cols, (x.shape, w.shape)
+    if w.layout in ("nib", "i8") and x.shape[0] < BLAS_MIN_TOKENS:
+        return _matmul_int(w, x, out)
     if w.layout == "f32":
-        return x @ w.w.T
-    if w.layout == "half":
-        return _matmul_half(w, x) if x.shape[0] < HALF_BLAS_MIN_TOKENS else _matmul_tiles(w, x)
-    return _matmul_int(w, x) if x.shape[0] < BLAS_MIN_TOKENS else _matmul_tiles(w, x)
+        y = x @ w.w.T
+    elif w.layout == "half":
+        y = _matmul_half(w, x) if x.shape[0] < HALF_BLAS_MIN_TOKENS else _matmul_tiles(w, x)
+    else:
+        y = _matmul_tiles(w, x)
+    if out is None:
+        return y
+    np.copyto(out, y)
+    return out
 
 
 def get_rows(w: PackedWeight, ids: np.ndarray) -> np.ndarray:
@@ -76,14 +84,15 @@ def _quantized(x: np.ndarray, n_pad: int, sub: int, multi: bool):
     return q
 
 
-def _matmul_int(w: PackedWeight, x: np.ndarray) -> np.ndarray:
+def _matmul_int(w: PackedWeight, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     n_tok = x.shape[0]
+    y = np.empty((n_tok, w.shape[0]), dtype=np.float32) if out is None else out  # (n_tokens, n_rows)
     if n_tok >= MULTI_MIN_TOKENS:
         prepared = _quantized(x, w.n_pad, w.sub, True)
         yt = dot_multi.matmul_multi(w.qs, w.d, w.m, w.ms, w.c, w.layout, w.sub, prepared)  # (n_rows, n_tok_pad)
-        return np.ascontiguousarray(yt[:, :n_tok].T)
+        np.copyto(y, yt[:, :n_tok].T)  # one transposing copy, straight into the caller's buffer
+        return y
     xq, xd, xs = _quantized(x, w.n_pad, w.sub, False)
-    y = np.empty((n_tok, w.shape[0]), dtype=np.float32)  # (n_tokens, n_rows)
     if w.layout == "nib":
         kern = dot.dot_nib32 if w.sub == 32 else dot.dot_nib16
     else:
