@@ -25,6 +25,20 @@ from hearthlm.runtime.request import Request
 from hearthlm.runtime.sampling import sample, top_logprobs
 
 log = get_logger("hearthlm.engine")
+_blas = {"engines": 0, "limit": None}
+_blas_lock = threading.Lock()
+
+
+def _blas_single_threaded(delta: int) -> None:
+    """BLAS limited to one thread while any engine runs; the first engine to start takes the
+    limit and the last to close restores the application's setting."""
+    with _blas_lock:
+        _blas["engines"] += delta
+        if delta > 0 and _blas["engines"] == 1:
+            _blas["limit"] = threadpool_limits(limits=1, user_api="blas")
+        elif delta < 0 and _blas["engines"] == 0:
+            _blas["limit"].restore_original_limits()
+            _blas["limit"] = None
 MIN_KV_BLOCKS = 16  # smallest KV-length bucket of unfused graphs (256 tokens at block size 16)
 
 
@@ -68,7 +82,7 @@ class Engine:
         # OpenBLAS's own threads spin after each call and fight numba's for the cores (a
         # 512-token Gemma prefill: 9.7 s with them, 2.4 s without): BLAS runs single-threaded
         # while the engine runs. Process-wide, restored by close().
-        self._blas_limit = threadpool_limits(limits=1, user_api="blas")
+        _blas_single_threaded(+1)
         self._thread = threading.Thread(target=self._loop, name="hearthlm-engine", daemon=True)
         self._thread.start()
 
@@ -106,7 +120,7 @@ class Engine:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
-            self._blas_limit.restore_original_limits()
+            _blas_single_threaded(-1)
 
     def stats(self) -> dict[str, Any]:
         c = dict(self.counters, prefix_cache_hit_tokens=self.batcher.reused_tokens)

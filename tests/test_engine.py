@@ -177,3 +177,15 @@ def test_sync_session(tiny):
         for ch in s.stream(prompt(1), max_tokens=100, temperature=0, ignore_eos=True):
             break  # leaving early aborts the request
         assert math.isfinite(s.stats()["steps"])
+
+
+async def test_blas_limit_held_while_any_session_runs(tiny):
+    from threadpoolctl import threadpool_info
+    blas = lambda: [i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"]  # noqa: E731
+    before = blas()
+    async with Session.open(tiny, n_ctx=64) as a:
+        async with Session.open(tiny, n_ctx=64):
+            assert all(n == 1 for n in blas())
+        assert all(n == 1 for n in blas())  # the other session still runs
+        await a.generate(prompt(1, 4), max_tokens=2)
+    assert blas() == before
