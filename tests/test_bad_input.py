@@ -1,9 +1,7 @@
 """Bad input ends in a HearthError that names the problem, never a numpy/struct error or a
 crash, and leaves the session usable: empty, non-GGUF, truncated and absurd-count files,
 unknown architectures, incomplete llama files (all through the public `Session.open`), and
-bad requests inside one open session on the real SmolLM2 model.
-
-"""
+bad requests inside one open session on the real SmolLM2 model."""
 from __future__ import annotations
 
 import math
