@@ -134,6 +134,7 @@ class ReferenceBackend:
             Op.SILU: lambda n, x: silu(x),
             Op.GELU: lambda n, x: gelu(x),
             Op.RESHAPE: lambda n, x: x.reshape(n.params["new_shape"]),
+            Op.SLICE: lambda n, x: x[..., n.params["start"]:n.params["stop"]],
             Op.ROPE: lambda n, x, pos: rope(x, pos, n.params["n_rot"], n.params["base"],
                                             n.params["freq_scale"], n.params["neox"]),
             Op.SET_ROWS: _set_rows,

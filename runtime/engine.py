@@ -16,7 +16,8 @@ from hearthlm.runtime.batcher import Batcher, StepPlan
 from hearthlm.runtime.dispatch import WeightStore, execute
 from hearthlm.runtime.errors import (ContextLengthError, HearthError, InvalidRequestError, QueueFull,
                                      SessionClosedError)
-from hearthlm.runtime.graph import Graph
+from hearthlm.runtime.fusion import fuse
+from hearthlm.runtime.graph import Graph, Op
 from hearthlm.runtime.graph_cache import GraphCache, bucket
 from hearthlm.runtime.kv_cache import KVCache
 from hearthlm.runtime.log import get_logger
@@ -57,7 +58,6 @@ class Engine:
             kv_backend = backend.layer_backends()
         else:
             self.store = WeightStore(backend)
-            self.store.prepare_all(model.weights)
             kv_backend = backend
         blocks_per_seq = -(-n_ctx // block_size)
         self.kv = KVCache(model.kv_dims, max(kv_blocks or 0, blocks_per_seq) + 1, block_size, kv_backend)
@@ -68,6 +68,12 @@ class Engine:
         self.running: list[Request] = []
         self.waiting: deque[Request] = deque()
         self.graphs = GraphCache(model.build_graph, backend, fusion_on=fusion, enabled=graph_cache)
+        if not isinstance(backend, Placement):  # pack now what the (fused) graphs read, not at the first step
+            g = model.build_graph(BatchShape(n_tokens=1, n_seqs=1, max_blocks=1, n_out=1, n_slots=block_size,
+                                             block_size=block_size))
+            for t in (fuse(g) if self.graphs.fused else g).nodes:
+                if t.op is Op.WEIGHT:
+                    self.store.get(t.params["weight"])
         self._cv = threading.Condition()
         self._incoming: list[Request] = []
         self._aborts: set[int] = set()

@@ -6,10 +6,14 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import weakref
 from dataclasses import dataclass
 from typing import Callable
 
+import numpy as np
+
 from hearthlm.runtime.graph import Graph, Op, Tensor
+from hearthlm.runtime.weights import QWeight
 
 COMMUTATIVE = (Op.ADD, Op.MUL)
 SIDE_EFFECTS = (Op.SET_ROWS, Op.ROPE_SET_ROWS)  # kept even when nothing reads their value
@@ -151,7 +155,59 @@ def fuse(graph: Graph, rules: list[Rule] = RULES) -> Graph:
         if n is not node:
             new[node] = n
     out.outputs = [new.get(o, o) for o in graph.outputs]
-    return prune(out)
+    return prune(stack_matmuls(out))
+
+
+_stacked: "weakref.WeakKeyDictionary[QWeight, dict]" = weakref.WeakKeyDictionary()
+
+
+def stacked_weight(ws: list[QWeight]) -> QWeight:
+    """One weight holding the rows of `ws` in order (made once per tuple of weights)."""
+    per_first = _stacked.setdefault(ws[0], {})
+    key = tuple(id(w) for w in ws)
+    if key not in per_first:
+        per_first[key] = QWeight("+".join(w.name for w in ws), ws[0].ggml_type,
+                                 (sum(w.shape[0] for w in ws), ws[0].shape[1]), np.concatenate([w.raw for w in ws]))
+    return per_first[key]
+
+
+def stack_matmuls(graph: Graph) -> Graph:
+    """Projections of the same activations (q, k and v) as one MUL_MAT over their stacked
+    weights and a column SLICE each: one kernel launch and one quantization of x, not three."""
+    groups: dict[int, list[Tensor]] = {}
+    for n in graph.nodes:
+        if n.op is Op.MUL_MAT and n.srcs[0].op is Op.WEIGHT:
+            groups.setdefault(id(n.srcs[1]), []).append(n)
+    first: dict[int, list[Tensor]] = {}
+    for mms in groups.values():
+        ws = [m.srcs[0].params["weight"] for m in mms]
+        if len(mms) > 1 and len({(w.ggml_type, w.shape[1], len(w.shape)) for w in ws}) == 1:
+            first[id(mms[0])] = mms
+    if not first:
+        return graph
+    out = Graph()
+    out.inputs = dict(graph.inputs)
+    new: dict[Tensor, Tensor] = {}
+    for node in graph.nodes:
+        if id(node) in first:
+            mms = first[id(node)]
+            w = out.weight(stacked_weight([m.srcs[0].params["weight"] for m in mms]))
+            x = new.get(mms[0].srcs[1], mms[0].srcs[1])
+            y = out.mul_mat(w, x, "+".join(m.name for m in mms), node.layer)
+            r0 = 0
+            for m in mms:
+                new[m] = out.slice(y, r0, r0 + m.shape[-1], m.name, m.layer)
+                r0 += m.shape[-1]
+            continue
+        if node in new:  # a later member of a stacked group: its slice stands in
+            continue
+        srcs = tuple(new.get(s, s) for s in node.srcs)
+        n = node if srcs == node.srcs else dataclasses.replace(node, srcs=srcs)
+        out.nodes.append(n)
+        if n is not node:
+            new[node] = n
+    out.outputs = [new.get(o, o) for o in graph.outputs]
+    return out
 
 
 def prune(graph: Graph) -> Graph:

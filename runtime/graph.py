@@ -25,6 +25,7 @@ class Op(enum.Enum):
     ROPE = "rope"            # (x (n_tokens, n_heads, head_dim), pos (n_tokens,)); params: n_rot, base, freq_scale, neox
     SET_ROWS = "set_rows"    # (cache, src, slots): cache[slots] = src; returns the cache (orders later reads)
     RESHAPE = "reshape"      # (x,) params: shape
+    SLICE = "slice"          # (x,) -> x[..., start:stop], a view; params: start, stop
     # attention, unfused: what the builders emit (runtime.fusion turns it into ATTN)
     GATHER_KV = "gather_kv"  # (cache (n_slots, h, d), block_table (n_seqs, mb)) -> (n_seqs, mb*block_size, h, d)
     KQ = "kq"                # (q (n_tokens, n_head, d), k (n_seqs, n_kv, h_kv, d), tok_seq) -> (n_tokens, n_head, n_kv); GQA
@@ -126,6 +127,10 @@ class Graph:
     def reshape(self, x: Tensor, shape, name: str, il: int = -1) -> Tensor:
         assert int(np.prod(shape)) == int(np.prod(x.shape)), f"{name}: {x.shape} -> {shape}"
         return self._add(Op.RESHAPE, (x,), shape, name, il, new_shape=tuple(shape))
+
+    def slice(self, x: Tensor, start: int, stop: int, name: str, il: int = -1) -> Tensor:
+        assert 0 <= start < stop <= x.shape[-1], f"{name}: [{start}:{stop}] of {x.shape}"
+        return self._add(Op.SLICE, (x,), (*x.shape[:-1], stop - start), name, il, start=int(start), stop=int(stop))
 
     def rope(self, x: Tensor, pos: Tensor, *, n_rot: int, base: float, freq_scale: float = 1.0,
              neox: bool, name: str, il: int = -1) -> Tensor:

@@ -90,3 +90,24 @@ def test_no_fusion_switch(monkeypatch):
     assert not fusion.enabled() and fusion.enabled(True)
     monkeypatch.delenv("HEARTHLM_NO_FUSION")
     assert fusion.enabled() and not fusion.enabled(False)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_stacked_projections(arch):
+    """q, k and v read the same normed x: one MUL_MAT over their stacked weights and a column
+    SLICE each (with no other rule), computing what the three projections compute."""
+    n_layer = N_LAYER[arch]
+    feed, shape, caches = step_feed(np.random.default_rng(3), n_layer)
+    ws = weights(arch, n_layer, seed=4)
+    g = build(arch, ws, shape, n_layer)
+    f = fusion.fuse(build(arch, ws, shape, n_layer), [])  # alone, gate and up stack too
+    qkv = [n for n in f.nodes if n.op is Op.MUL_MAT and n.srcs[0].name.count("+") == 2]
+    assert len(qkv) == n_layer and all("attn_q" in n.srcs[0].name for n in qkv)
+    ops_g, ops_f = Counter(n.op for n in g.nodes), Counter(n.op for n in f.nodes)
+    assert ops_f[Op.MUL_MAT] == ops_g[Op.MUL_MAT] - 3 * n_layer and ops_f[Op.SLICE] == 5 * n_layer
+    # after the other rules, gate and up are inside the fused FFN: only q, k, v stack
+    assert Counter(n.op for n in fusion.fuse(g).nodes)[Op.SLICE] == 3 * n_layer
+    for be in (ReferenceBackend(), CPUBackend()):
+        (out, kv), (base, base_kv) = run(f, be, feed, caches), run(g, be, feed, caches)
+        assert nmse(out, base) < 1e-12
+        assert all(nmse(kv[k], base_kv[k]) < 1e-12 for k in caches)

@@ -153,7 +153,7 @@ def test_weights_and_inputs_bind_per_backend():
         if t.op in (Op.WEIGHT, Op.INPUT):
             where.setdefault(t.name, set()).add(b)
     assert where["token_embd.weight"] == {"cpu0", "cpu1"}
-    assert where["blk.0.attn_q.weight"] == {"cpu0"} and where["blk.1.attn_q.weight"] == {"cpu1"}
+    assert where["blk.0.attn_output.weight"] == {"cpu0"} and where["blk.1.attn_output.weight"] == {"cpu1"}
     assert where["output_norm.weight"] == {"cpu1"}
     assert where["tokens"] == {"cpu0"} and where["pos"] == where["out_rows"] == {"cpu0", "cpu1"}
     assert "cpu1" in g.dump()

@@ -177,6 +177,7 @@ class CPUBackend:
             Op.GLU: _glu,
             Op.FFN_GLU: lambda n, wg, wu, x, out=None: ffn_glu(wg, wu, x, n.params["act"] == "gelu", _buf(n, out)),
             Op.RESHAPE: lambda n, x: x.reshape(n.params["new_shape"]),
+            Op.SLICE: lambda n, x: x[..., n.params["start"]:n.params["stop"]],
             Op.ROPE: _rope,
             Op.SET_ROWS: _set_rows,
             Op.ROPE_SET_ROWS: _rope_set_rows,

@@ -57,6 +57,7 @@ class CUDABackend:
             Op.GELU: ops.activation("gelu"),
             Op.GLU: ops.glu,
             Op.RESHAPE: lambda n, x: x.reshape(n.params["new_shape"]),
+            Op.SLICE: lambda n, x: self.cp.ascontiguousarray(x[..., n.params["start"]:n.params["stop"]]),  # raw kernels need dense
             Op.ROPE: ops.rope,
             Op.SET_ROWS: ops.set_rows,
             Op.ROPE_SET_ROWS: ops.rope_set_rows,
