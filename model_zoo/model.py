@@ -11,7 +11,7 @@ from typing import Any
 from hearthlm.model_zoo.gguf_file import GGUFFile
 from hearthlm.model_zoo.models import get_architecture
 from hearthlm.model_zoo.tokenizer import Tokenizer
-from hearthlm.runtime.batch import BatchShape
+from hearthlm.runtime.batch import BatchShape, one_token
 from hearthlm.runtime.errors import HearthError, ModelLoadError
 from hearthlm.runtime.graph import Graph
 from hearthlm.runtime.weights import QWeight
@@ -99,7 +99,7 @@ def default_chat_template(arch_name: str) -> str | None:
 def _check_graph(model: Model) -> None:
     """Build a one-token graph: every tensor the architecture needs exists with a fitting shape."""
     try:
-        model.build_graph(BatchShape(n_tokens=1, n_seqs=1, max_blocks=1, n_out=1, n_slots=16, block_size=16))
+        model.build_graph(one_token())
     except HearthError:
         raise
     except (AssertionError, ValueError, TypeError, KeyError) as e:

@@ -12,3 +12,8 @@ class BatchShape:
     n_out: int       # tokens whose logits are needed
     n_slots: int     # KV cache size in token slots (n_blocks * block_size)
     block_size: int  # tokens per KV block
+
+
+def one_token(block_size: int = 16) -> BatchShape:
+    """The smallest step: what load-time checks and weight packing build a graph for."""
+    return BatchShape(n_tokens=1, n_seqs=1, max_blocks=1, n_out=1, n_slots=block_size, block_size=block_size)

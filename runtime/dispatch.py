@@ -33,10 +33,6 @@ class WeightStore:
             p = self._prepared[w.name] = self.backend.prepare_weight(w)
         return p
 
-    def prepare_all(self, weights: Mapping[str, QWeight]) -> None:
-        for w in weights.values():
-            self.get(w)
-
 
 def plan_for(graph: Graph, backend) -> ExecPlan:
     """`backend`: the one backend, or {name: backend} of a placed graph (graph.backends)."""

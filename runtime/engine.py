@@ -13,11 +13,11 @@ import numpy as np
 from threadpoolctl import threadpool_limits
 from hearthlm.runtime.batch import BatchShape
 from hearthlm.runtime.batcher import Batcher, StepPlan
-from hearthlm.runtime.dispatch import WeightStore, execute
+from hearthlm.runtime.dispatch import execute
 from hearthlm.runtime.errors import (ContextLengthError, HearthError, InvalidRequestError, QueueFull,
                                      SessionClosedError)
-from hearthlm.runtime.fusion import fuse
-from hearthlm.runtime.graph import Graph, Op
+from hearthlm.runtime.fusion import enabled as fusion_enabled, fuse
+from hearthlm.runtime.graph import Graph
 from hearthlm.runtime.graph_cache import GraphCache, bucket
 from hearthlm.runtime.kv_cache import KVCache
 from hearthlm.runtime.log import get_logger
@@ -53,12 +53,10 @@ class Engine:
         self.model = model
         self.n_ctx = n_ctx
         self.max_queued_requests = max_queued_requests
-        if isinstance(backend, Placement):  # each backend holds its layers' weights and K/V
-            self.store = prepare_weights(backend, model.build_graph, block_size)
-            kv_backend = backend.layer_backends()
-        else:
-            self.store = WeightStore(backend)
-            kv_backend = backend
+        # each backend holds the weights its (fused) graphs read, and its layers' K/V
+        build = (lambda shape: fuse(model.build_graph(shape))) if fusion_enabled(fusion) else model.build_graph
+        self.store = prepare_weights(backend, build, block_size)
+        kv_backend = backend.layer_backends() if isinstance(backend, Placement) else backend
         blocks_per_seq = -(-n_ctx // block_size)
         self.kv = KVCache(model.kv_dims, max(kv_blocks or 0, blocks_per_seq) + 1, block_size, kv_backend)
         self.scratch_block = self.kv.allocator.alloc(1)[0]  # padding tokens write here; no sequence reads it
@@ -68,12 +66,6 @@ class Engine:
         self.running: list[Request] = []
         self.waiting: deque[Request] = deque()
         self.graphs = GraphCache(model.build_graph, backend, fusion_on=fusion, enabled=graph_cache)
-        if not isinstance(backend, Placement):  # pack now what the (fused) graphs read, not at the first step
-            g = model.build_graph(BatchShape(n_tokens=1, n_seqs=1, max_blocks=1, n_out=1, n_slots=block_size,
-                                             block_size=block_size))
-            for t in (fuse(g) if self.graphs.fused else g).nodes:
-                if t.op is Op.WEIGHT:
-                    self.store.get(t.params["weight"])
         self._cv = threading.Condition()
         self._incoming: list[Request] = []
         self._aborts: set[int] = set()

@@ -83,10 +83,6 @@ class KVCache:
         self.k = [alloc(be, (self.n_slots, h, d)) for be, (h, d) in zip(backends, kv_dims)]
         self.v = [alloc(be, (self.n_slots, h, d)) for be, (h, d) in zip(backends, kv_dims)]
 
-    @staticmethod
-    def bytes_per_token(kv_dims: list[tuple[int, int]]) -> int:
-        return sum(2 * h * d * 4 for h, d in kv_dims)
-
     def blocks_for(self, n_tokens: int) -> int:
         return -(-n_tokens // self.block_size)
 

@@ -16,7 +16,7 @@ import dataclasses
 import re
 from typing import Any, Callable, Mapping
 
-from hearthlm.runtime.batch import BatchShape
+from hearthlm.runtime.batch import BatchShape, one_token
 from hearthlm.runtime.dispatch import WeightStore
 from hearthlm.runtime.errors import BackendError, InvalidRequestError
 from hearthlm.runtime.graph import Graph, Op, Tensor
@@ -176,12 +176,18 @@ def place(graph: Graph, p: Placement) -> Graph:
     return g
 
 
-def prepare_weights(p: Placement, build: Callable[[BatchShape], Graph], block_size: int) -> dict[str, WeightStore]:
-    """One WeightStore per backend, holding the weights a one-token graph places there (a
-    step that needs another, after a fallback, prepares it on first use)."""
+def prepare_weights(p, build: Callable[[BatchShape], Graph], block_size: int):
+    """Weights packed at load, not at the first step: those a one-token graph reads. For a
+    Placement, one WeightStore per backend holding what the graph places there (a step that
+    needs another, after a fallback, prepares it on first use); else one WeightStore."""
+    if not isinstance(p, Placement):
+        store = WeightStore(p)
+        for t in build(one_token(block_size)).nodes:
+            if t.op is Op.WEIGHT:
+                store.get(t.params["weight"])
+        return store
     stores = {name: WeightStore(b) for name, b in p.backends.items()}
-    g = place(build(BatchShape(n_tokens=1, n_seqs=1, max_blocks=1, n_out=1, n_slots=block_size,
-                               block_size=block_size)), p)
+    g = place(build(one_token(block_size)), p)
     for t, b in zip(g.nodes, g.backends):
         if t.op is Op.WEIGHT:
             stores[b].get(t.params["weight"])

@@ -3,7 +3,6 @@
 unfused engines generate the same tokens; stats() reports the counters."""
 import threading
 
-import numpy as np
 import pytest
 from synth import FakeModel
 
