@@ -6,107 +6,135 @@ d*xd*sum(code*xq) + (m + c*d)*xs: integers inside, one float multiply-add per su
 int16 activations (not ggml's int8) keep the error ~1e-9 relative: one row's result
 stays within test tolerance, and the int32 sums cannot overflow (32 * 127 * 32767 < 2**31).
 
-The inner loops have constant trip counts and several independent sums on purpose: LLVM
-then vectorizes them whole (vpmovzxbw + vpmaddwd/vpdpwssd); a single 32-long sum gets a
-vector loop whose step (64) never fits, and runs in the scalar remainder. The int32 casts
-keep the sums narrow: numba widens integer arithmetic to int64 otherwise.
+Rows go 16 at a time: one vpmaddwd per row and 32 weights gives a <16 x i32> of partial sums
+per row; a transposing tree of shuffles and adds (45 operations for 16 rows) turns 16 of them
+into one vector of the 16 rows' sums, and the float update runs on vectors of 16 rows (qtypes
+interleaves each block of 16 rows and its scales so that this reads one stream). Summed a row at a
+time, each sum would end in a horizontal reduction and a scalar update, which cost more than
+the products (2.5-3x slower, measured on cache-resident weights). The intrinsics are generic
+LLVM IR that any target lowers, plus pmaddwd where the host has AVX-512BW (dot_multi.py).
+Rows past the last whole 16 take the scalar loops below, which compute the same thing.
+
+Batch invariance: for each row the float update is exactly dot_multi's,
+    y = y + ((d * xd) * float(s) + (m + c*d) * xs)
+in sub-block order, with plain IEEE operations (no fastmath: no reassociation, no FMA
+contraction; the integer sums are exact in any order), so a token's result does not depend on
+which kernel ran or what else was in its batch.
 """
 
 import numba
 import numpy as np
-from numba import prange
+from llvmlite import ir
+from numba import prange, types
+from numba.extending import intrinsic
 
-# no fastmath: the float combination must be plain IEEE operations in a fixed order, the same as
-# dot_multi's (batch invariance; the integer sums vectorize without it)
-_JIT = dict(cache=True, nogil=True, parallel=True)
+from .dot_multi import _F32, _I8, _I16, _I32, _madd, _ptr, _vec_ptr
 
+from .qtypes import ROWS  # rows per vector (one zmm of int32 or float32 lanes) and per block
+
+_JIT = dict(cache=True, nogil=True, parallel=True)  # no fastmath: see the module docstring
+
+
+def _reduce_rows(builder, vecs, seg):
+    """vecs: 16 <16 x i32> (one per row), each of segments of `seg` lanes (a sub-block's partial
+    sums) -> seg vectors whose lanes are the segments' sums, in (row, segment) order."""
+    while seg > 1:
+        half, nxt = seg // 2, []
+        for a, b in zip(vecs[0::2], vecs[1::2]):
+            lo = [q * seg + i for q in range(16 // seg) for i in range(half)]
+            lo = lo + [16 + i for i in lo]
+            hi = [i + half for i in lo]
+            mask = lambda idx: ir.Constant(ir.VectorType(_I32, 16), idx)
+            nxt.append(builder.add(builder.shuffle_vector(a, b, mask(lo)), builder.shuffle_vector(a, b, mask(hi))))
+        vecs, seg = nxt, half
+    return vecs
+
+
+def _make_group(kind, sub, has_m):
+    """An intrinsic group(qs, rb, g, xq, t, d, m, c, xd, xs, y): weights g*64..g*64+63 of the
+    rows of block rb against token t, added into y[t, 16rb:16rb+16] sub-block by sub-block."""
+
+    @intrinsic
+    def group(typingctx, qs, rb, g, xq, t, d, m, c, xd, xs, y):
+        sig = types.none(qs, rb, g, xq, t, d, m, c, xd, xs, y)
+
+        def codegen(context, builder, sig, args):
+            qs_v, rb_v, g_v, xq_v, t_v, d_v, m_v, c_v, xd_v, xs_v, y_v = args
+            ta = sig.args
+            ip = types.intp
+            cst = lambda v: context.get_constant(ip, v)
+            rb = context.cast(builder, rb_v, ta[1], ip)
+            g = context.cast(builder, g_v, ta[2], ip)
+            vf = ir.VectorType(_F32, ROWS)
+            v16 = ir.VectorType(_I16, 32)
+            sums = []  # (sub-block index, xd index, <16 x i32> of the 16 rows' sums)
+            for h in range(2):  # the group's two halves of 32 weights
+                px = _vec_ptr(context, builder, ta[3], xq_v, [(t_v, ta[4]), (builder.add(builder.mul(g, cst(64)), cst(32 * h)), ip)], v16)
+                xv = builder.load(px, align=2)
+                q0 = cst(0 if kind == "nib" else 32 * h)
+                parts = []
+                for i in range(ROWS):
+                    pb = _vec_ptr(context, builder, ta[0], qs_v, [(rb, ip), (g, ip), (cst(i), ip), (q0, ip)], ir.VectorType(_I8, 32))
+                    b = builder.load(pb, align=1)
+                    if kind == "i8":
+                        codes = builder.sext(b, v16)
+                    elif h == 0:
+                        codes = builder.and_(builder.zext(b, v16), ir.Constant(v16, [15] * 32))
+                    else:
+                        codes = builder.lshr(builder.zext(b, v16), ir.Constant(v16, [4] * 32))
+                    parts.append(_madd(builder, codes, xv))
+                red = _reduce_rows(builder, parts, sub // 2)
+                if sub == 32:
+                    sums.append((builder.add(builder.mul(g, cst(2)), cst(h)), red[0]))
+                else:  # two vectors of (row, sub-block) pairs, rows 0-7 then 8-15: split by sub-block
+                    for e in range(2):
+                        s = builder.shuffle_vector(red[0], red[1], ir.Constant(ir.VectorType(_I32, 16), list(range(e, 32, 2))))
+                        sums.append((builder.add(builder.mul(g, cst(4)), cst(2 * h + e)), s))
+            py = _vec_ptr(context, builder, ta[10], y_v, [(t_v, ta[4]), (builder.mul(rb, cst(ROWS)), ip)], vf)
+            yv = builder.load(py, align=4)
+
+            def splat(x):
+                v = builder.insert_element(ir.Constant(vf, ir.Undefined), x, ir.Constant(_I32, 0))
+                return builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, ROWS), [0] * ROWS))
+
+            cv = splat(context.cast(builder, c_v, ta[7], types.float32))
+            for k, s in sums:
+                dv = builder.load(_vec_ptr(context, builder, ta[5], d_v, [(rb, ip), (k, ip), (cst(0), ip)], vf), align=4)
+                if has_m:
+                    mv = builder.load(_vec_ptr(context, builder, ta[6], m_v, [(rb, ip), (k, ip), (cst(0), ip)], vf), align=4)
+                else:
+                    mv = splat(builder.load(_ptr(context, builder, ta[6], m_v, [(cst(0), ip), (k, ip), (cst(0), ip)])))
+                xk = k if sub == 32 else builder.udiv(k, cst(2))  # the activation scale covers 32 weights
+                xdv = splat(builder.load(_ptr(context, builder, ta[8], xd_v, [(t_v, ta[4]), (xk, ip)])))
+                xsv = splat(builder.load(_ptr(context, builder, ta[9], xs_v, [(t_v, ta[4]), (k, ip)])))
+                a = builder.fmul(builder.fmul(dv, xdv), builder.sitofp(s, vf))
+                b = builder.fmul(builder.fadd(mv, builder.fmul(cv, dv)), xsv)
+                yv = builder.fadd(yv, builder.fadd(a, b))
+            builder.store(yv, py, align=4)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return group
+
+
+_G = {(kind, sub, has_m): _make_group(kind, sub, has_m)
+      for kind in ("nib", "i8") for sub in (32, 16) for has_m in (False, True)}
+_nib32, _nib32m = _G[("nib", 32, False)], _G[("nib", 32, True)]
+_nib16, _nib16m = _G[("nib", 16, False)], _G[("nib", 16, True)]
+_i8_32, _i8_32m = _G[("i8", 32, False)], _G[("i8", 32, True)]
+_i8_16, _i8_16m = _G[("i8", 16, False)], _G[("i8", 16, True)]
+
+
+# The scalar loops (rows past the last whole 16) keep constant trip counts and several
+# independent sums on purpose: LLVM vectorizes them whole; the int32 casts keep the sums narrow
+# (numba widens integer arithmetic to int64 otherwise).
 
 @numba.njit(inline="always", cache=True, nogil=True)
 def _term(d, m, ms, c, r, k, xdv, s, xsv):
-    """Sub-block k's share of the dot product, exactly as dot_multi._combine computes it."""
-    return d[r, k] * xdv * np.float32(s) + (m[r * ms, k] + c * d[r, k]) * xsv
-
-
-@numba.njit(**_JIT)
-def dot_nib32(qs, d, m, ms, c, xq, xd, xs, y):
-    """4-bit codes, a scale per 32. qs (n_rows, n_pad//2) uint8 -> y (n_tok, n_rows)."""
-    for r in prange(qs.shape[0]):
-        for t in range(xq.shape[0]):
-            acc = np.float32(0.0)
-            for g in range(qs.shape[1] // 32):  # 64 weights: low nibbles, then high nibbles
-                s0 = np.int32(0)
-                s1 = np.int32(0)
-                for j in range(32):
-                    b = qs[r, g * 32 + j]
-                    s0 = np.int32(s0 + np.int32(np.int16(b & 15)) * np.int32(xq[t, g * 64 + j]))
-                    s1 = np.int32(s1 + np.int32(np.int16(b >> 4)) * np.int32(xq[t, g * 64 + 32 + j]))
-                k = 2 * g
-                acc = acc + _term(d, m, ms, c, r, k, xd[t, k], s0, xs[t, k])
-                acc = acc + _term(d, m, ms, c, r, k + 1, xd[t, k + 1], s1, xs[t, k + 1])
-            y[t, r] = acc
-
-
-@numba.njit(**_JIT)
-def dot_nib16(qs, d, m, ms, c, xq, xd, xs, y):
-    """4-bit codes, a scale per 16 (Q2_K, Q3_K)."""
-    for r in prange(qs.shape[0]):
-        for t in range(xq.shape[0]):
-            acc = np.float32(0.0)
-            for g in range(qs.shape[1] // 32):
-                o = g * 32
-                s0 = np.int32(0)
-                s1 = np.int32(0)
-                s2 = np.int32(0)
-                s3 = np.int32(0)
-                for j in range(16):  # sub-blocks 4g..4g+3: low nibbles of 2 x 16 bytes, then high
-                    b0 = qs[r, o + j]
-                    b1 = qs[r, o + 16 + j]
-                    s0 = np.int32(s0 + np.int32(np.int16(b0 & 15)) * np.int32(xq[t, 2 * o + j]))
-                    s1 = np.int32(s1 + np.int32(np.int16(b1 & 15)) * np.int32(xq[t, 2 * o + 16 + j]))
-                    s2 = np.int32(s2 + np.int32(np.int16(b0 >> 4)) * np.int32(xq[t, 2 * o + 32 + j]))
-                    s3 = np.int32(s3 + np.int32(np.int16(b1 >> 4)) * np.int32(xq[t, 2 * o + 48 + j]))
-                acc = _sums16(acc, d, m, ms, c, r, 4 * g, xd[t, 2 * g], xd[t, 2 * g + 1], xs, t, s0, s1, s2, s3)
-            y[t, r] = acc
-
-
-@numba.njit(**_JIT)
-def dot_i8_32(qs, d, m, ms, c, xq, xd, xs, y):
-    """int8 codes, a scale per 32. qs (n_rows, n_pad) int8."""
-    for r in prange(qs.shape[0]):
-        for t in range(xq.shape[0]):
-            acc = np.float32(0.0)
-            for g in range(qs.shape[1] // 64):
-                o = g * 64
-                s0 = np.int32(0)
-                s1 = np.int32(0)
-                for j in range(32):
-                    s0 = np.int32(s0 + np.int32(qs[r, o + j]) * np.int32(xq[t, o + j]))
-                    s1 = np.int32(s1 + np.int32(qs[r, o + 32 + j]) * np.int32(xq[t, o + 32 + j]))
-                k = 2 * g
-                acc = acc + _term(d, m, ms, c, r, k, xd[t, k], s0, xs[t, k])
-                acc = acc + _term(d, m, ms, c, r, k + 1, xd[t, k + 1], s1, xs[t, k + 1])
-            y[t, r] = acc
-
-
-@numba.njit(**_JIT)
-def dot_i8_16(qs, d, m, ms, c, xq, xd, xs, y):
-    """int8 codes, a scale per 16 (Q6_K)."""
-    for r in prange(qs.shape[0]):
-        for t in range(xq.shape[0]):
-            acc = np.float32(0.0)
-            for g in range(qs.shape[1] // 64):
-                o = g * 64
-                s0 = np.int32(0)
-                s1 = np.int32(0)
-                s2 = np.int32(0)
-                s3 = np.int32(0)
-                for j in range(16):
-                    s0 = np.int32(s0 + np.int32(qs[r, o + j]) * np.int32(xq[t, o + j]))
-                    s1 = np.int32(s1 + np.int32(qs[r, o + 16 + j]) * np.int32(xq[t, o + 16 + j]))
-                    s2 = np.int32(s2 + np.int32(qs[r, o + 32 + j]) * np.int32(xq[t, o + 32 + j]))
-                    s3 = np.int32(s3 + np.int32(qs[r, o + 48 + j]) * np.int32(xq[t, o + 48 + j]))
-                acc = _sums16(acc, d, m, ms, c, r, 4 * g, xd[t, 2 * g], xd[t, 2 * g + 1], xs, t, s0, s1, s2, s3)
-            y[t, r] = acc
+    """Sub-block k's share of row r's dot product, as the vector update computes it."""
+    dk = d[r >> 4, k, r & 15]
+    return dk * xdv * np.float32(s) + (m[(r >> 4) * ms, k, (r & 15) * ms] + c * dk) * xsv
 
 
 @numba.njit(inline="always", cache=True, nogil=True)
@@ -116,3 +144,153 @@ def _sums16(acc, d, m, ms, c, r, k, xd0, xd1, xs, t, s0, s1, s2, s3):
     acc = acc + _term(d, m, ms, c, r, k + 1, xd0, s1, xs[t, k + 1])
     acc = acc + _term(d, m, ms, c, r, k + 2, xd1, s2, xs[t, k + 2])
     return acc + _term(d, m, ms, c, r, k + 3, xd1, s3, xs[t, k + 3])
+
+
+@numba.njit(inline="always", cache=True, nogil=True)
+def _row_nib32(qs, d, m, ms, c, xq, xd, xs, r, t):
+    acc = np.float32(0.0)
+    q = qs[r >> 4, :, r & 15]  # (groups, 32)
+    for g in range(q.shape[0]):  # 64 weights: low nibbles, then high nibbles
+        s0 = np.int32(0)
+        s1 = np.int32(0)
+        for j in range(32):
+            b = q[g, j]
+            s0 = np.int32(s0 + np.int32(np.int16(b & 15)) * np.int32(xq[t, g * 64 + j]))
+            s1 = np.int32(s1 + np.int32(np.int16(b >> 4)) * np.int32(xq[t, g * 64 + 32 + j]))
+        k = 2 * g
+        acc = acc + _term(d, m, ms, c, r, k, xd[t, k], s0, xs[t, k])
+        acc = acc + _term(d, m, ms, c, r, k + 1, xd[t, k + 1], s1, xs[t, k + 1])
+    return acc
+
+
+@numba.njit(inline="always", cache=True, nogil=True)
+def _row_nib16(qs, d, m, ms, c, xq, xd, xs, r, t):
+    acc = np.float32(0.0)
+    q = qs[r >> 4, :, r & 15]  # (groups, 32)
+    for g in range(q.shape[0]):
+        o = g * 32
+        s0 = np.int32(0)
+        s1 = np.int32(0)
+        s2 = np.int32(0)
+        s3 = np.int32(0)
+        for j in range(16):  # sub-blocks 4g..4g+3: low nibbles of 2 x 16 bytes, then high
+            b0 = q[g, j]
+            b1 = q[g, 16 + j]
+            s0 = np.int32(s0 + np.int32(np.int16(b0 & 15)) * np.int32(xq[t, 2 * o + j]))
+            s1 = np.int32(s1 + np.int32(np.int16(b1 & 15)) * np.int32(xq[t, 2 * o + 16 + j]))
+            s2 = np.int32(s2 + np.int32(np.int16(b0 >> 4)) * np.int32(xq[t, 2 * o + 32 + j]))
+            s3 = np.int32(s3 + np.int32(np.int16(b1 >> 4)) * np.int32(xq[t, 2 * o + 48 + j]))
+        acc = _sums16(acc, d, m, ms, c, r, 4 * g, xd[t, 2 * g], xd[t, 2 * g + 1], xs, t, s0, s1, s2, s3)
+    return acc
+
+
+@numba.njit(inline="always", cache=True, nogil=True)
+def _row_i8_32(qs, d, m, ms, c, xq, xd, xs, r, t):
+    acc = np.float32(0.0)
+    q = qs[r >> 4, :, r & 15]  # (groups, 64)
+    for g in range(q.shape[0]):
+        o = g * 64
+        s0 = np.int32(0)
+        s1 = np.int32(0)
+        for j in range(32):
+            s0 = np.int32(s0 + np.int32(q[g, j]) * np.int32(xq[t, o + j]))
+            s1 = np.int32(s1 + np.int32(q[g, 32 + j]) * np.int32(xq[t, o + 32 + j]))
+        k = 2 * g
+        acc = acc + _term(d, m, ms, c, r, k, xd[t, k], s0, xs[t, k])
+        acc = acc + _term(d, m, ms, c, r, k + 1, xd[t, k + 1], s1, xs[t, k + 1])
+    return acc
+
+
+@numba.njit(inline="always", cache=True, nogil=True)
+def _row_i8_16(qs, d, m, ms, c, xq, xd, xs, r, t):
+    acc = np.float32(0.0)
+    q = qs[r >> 4, :, r & 15]  # (groups, 64)
+    for g in range(q.shape[0]):
+        o = g * 64
+        s0 = np.int32(0)
+        s1 = np.int32(0)
+        s2 = np.int32(0)
+        s3 = np.int32(0)
+        for j in range(16):
+            s0 = np.int32(s0 + np.int32(q[g, j]) * np.int32(xq[t, o + j]))
+            s1 = np.int32(s1 + np.int32(q[g, 16 + j]) * np.int32(xq[t, o + 16 + j]))
+            s2 = np.int32(s2 + np.int32(q[g, 32 + j]) * np.int32(xq[t, o + 32 + j]))
+            s3 = np.int32(s3 + np.int32(q[g, 48 + j]) * np.int32(xq[t, o + 48 + j]))
+        acc = _sums16(acc, d, m, ms, c, r, 4 * g, xd[t, 2 * g], xd[t, 2 * g + 1], xs, t, s0, s1, s2, s3)
+    return acc
+
+
+# The kernels: qs, d, m, ms, c in qtypes' blocked layout; xq, xd, xs from kernels.quantize_x
+# -> y (n_tok, n_rows). Task rb < n_rows // 16 takes block rb through the vector groups; the
+# last, the rows of a partial block.
+
+@numba.njit(**_JIT)
+def dot_nib32(qs, d, m, ms, c, xq, xd, xs, y):
+    """4-bit codes, a scale per 32."""
+    nb = y.shape[1] // ROWS
+    for rb in prange(nb + 1):
+        for t in range(xq.shape[0]):
+            if rb == nb:
+                for r in range(nb * ROWS, y.shape[1]):
+                    y[t, r] = _row_nib32(qs, d, m, ms, c, xq, xd, xs, r, t)
+                continue
+            y[t, rb * ROWS:rb * ROWS + ROWS] = 0
+            for g in range(qs.shape[1]):
+                if ms:
+                    _nib32m(qs, rb, g, xq, t, d, m, c, xd, xs, y)
+                else:
+                    _nib32(qs, rb, g, xq, t, d, m, c, xd, xs, y)
+
+
+@numba.njit(**_JIT)
+def dot_nib16(qs, d, m, ms, c, xq, xd, xs, y):
+    """4-bit codes, a scale per 16 (Q2_K, Q3_K)."""
+    nb = y.shape[1] // ROWS
+    for rb in prange(nb + 1):
+        for t in range(xq.shape[0]):
+            if rb == nb:
+                for r in range(nb * ROWS, y.shape[1]):
+                    y[t, r] = _row_nib16(qs, d, m, ms, c, xq, xd, xs, r, t)
+                continue
+            y[t, rb * ROWS:rb * ROWS + ROWS] = 0
+            for g in range(qs.shape[1]):
+                if ms:
+                    _nib16m(qs, rb, g, xq, t, d, m, c, xd, xs, y)
+                else:
+                    _nib16(qs, rb, g, xq, t, d, m, c, xd, xs, y)
+
+
+@numba.njit(**_JIT)
+def dot_i8_32(qs, d, m, ms, c, xq, xd, xs, y):
+    """int8 codes, a scale per 32."""
+    nb = y.shape[1] // ROWS
+    for rb in prange(nb + 1):
+        for t in range(xq.shape[0]):
+            if rb == nb:
+                for r in range(nb * ROWS, y.shape[1]):
+                    y[t, r] = _row_i8_32(qs, d, m, ms, c, xq, xd, xs, r, t)
+                continue
+            y[t, rb * ROWS:rb * ROWS + ROWS] = 0
+            for g in range(qs.shape[1]):
+                if ms:
+                    _i8_32m(qs, rb, g, xq, t, d, m, c, xd, xs, y)
+                else:
+                    _i8_32(qs, rb, g, xq, t, d, m, c, xd, xs, y)
+
+
+@numba.njit(**_JIT)
+def dot_i8_16(qs, d, m, ms, c, xq, xd, xs, y):
+    """int8 codes, a scale per 16 (Q6_K)."""
+    nb = y.shape[1] // ROWS
+    for rb in prange(nb + 1):
+        for t in range(xq.shape[0]):
+            if rb == nb:
+                for r in range(nb * ROWS, y.shape[1]):
+                    y[t, r] = _row_i8_16(qs, d, m, ms, c, xq, xd, xs, r, t)
+                continue
+            y[t, rb * ROWS:rb * ROWS + ROWS] = 0
+            for g in range(qs.shape[1]):
+                if ms:
+                    _i8_16m(qs, rb, g, xq, t, d, m, c, xd, xs, y)
+                else:
+                    _i8_16(qs, rb, g, xq, t, d, m, c, xd, xs, y)

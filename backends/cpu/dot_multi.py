@@ -17,8 +17,8 @@ its add into vpdpwssd with VNNI).
 
 Batch invariance: the float combination of a sub-block k for token t is
     y = y + ((d[r, k] * xd[t, k*sub//32]) * float(s) + (m + c*d[r, k]) * xs[t, k])
-in sub-block order, with plain IEEE operations (no fastmath: no reassociation, no FMA
-contraction), exactly what dot.py's one-token kernels compute; so y[t, r] is bitwise the same
+in sub-block order (d and m column-major, see qtypes), with plain IEEE operations (no fastmath:
+no reassociation, no FMA contraction), exactly what dot.py's one-token kernels compute; so y[t, r] is bitwise the same
 whatever the other tokens of the call and whichever of the two kernels ran.
 """
 
@@ -30,6 +30,8 @@ from numba import prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from .qtypes import ROWS
+
 W = 16  # tokens per chunk at most: 16 int32 / float32 lanes (one zmm)
 # chunk widths, told to the intrinsics by the dtype of the chunk's x2 (its lane of code pairs per
 # token: int16 x2 for 16 tokens, an int32 view of the same layout for 8, int64 for 4): a zmm then
@@ -37,7 +39,7 @@ W = 16  # tokens per chunk at most: 16 int32 / float32 lanes (one zmm)
 WIDTHS = (16, 8, 4)
 _X2_DTYPE = {16: np.int16, 8: np.int32, 4: np.int64}
 _WIDTH_OF = {types.int16: 16, types.int32: 8, types.int64: 4}
-ROW_BLOCK = 16  # rows per task: one chunk of activations is applied to them all while in L1
+ROW_BLOCK = ROWS  # rows per task (a block of qtypes' layout): one chunk of activations is applied to them all while in L1
 NACC = 4  # independent accumulators per sub-block sum: hides the vpdpwssd latency
 
 _JIT = dict(cache=True, nogil=True, parallel=True)  # no fastmath: see the module docstring
@@ -56,6 +58,17 @@ def _ptr(context, builder, arrty, arr, inds):
 
 def _vec_ptr(context, builder, arrty, arr, inds, vty):
     return builder.bitcast(_ptr(context, builder, arrty, arr, inds), vty.as_pointer())
+
+
+def _qs_ptr(context, builder, qsty, qs, r, rty, q0, q0ty, per_group, vty):
+    """Address of byte q0 of row r in qtypes' blocked layout (`per_group` bytes per 64 weights):
+    qs[r >> 4, q0 // per_group, r & 15, q0 % per_group]."""
+    ip = types.intp
+    r = context.cast(builder, r, rty, ip)
+    q0 = context.cast(builder, q0, q0ty, ip)
+    cst = lambda v: context.get_constant(ip, v)
+    inds = [builder.lshr(r, cst(4)), builder.udiv(q0, cst(per_group)), builder.and_(r, cst(15)), builder.urem(q0, cst(per_group))]
+    return _vec_ptr(context, builder, qsty, qs, [(v, ip) for v in inds], vty)
 
 
 def _splat(builder, vec, e, n):
@@ -77,7 +90,7 @@ def _madd(builder, a, b):
 
 def _make_sub_sum(n_pairs, kind):
     """An intrinsic sub_sum(qs, r, q0, x2, p0, j) -> UniTuple(int32, w): for the sub-block whose
-    2*n_pairs codes sit in bytes qs[r, q0:q0 + 2*n_pairs] (kind "lo"/"hi": their low/high
+    2*n_pairs codes sit in bytes q0:q0 + 2*n_pairs of row r (blocked, see qtypes) (kind "lo"/"hi": their low/high
     nibbles, "i8": the int8 bytes themselves), lane t = sum over i of code_i * x of that weight
     and token t of the chunk x2 (w tokens, w from its dtype), x2 rows p0.. holding the weight pairs.
     Each vpdpwssd takes g = 16 // w consecutive pairs (contiguous rows of x2) against the pair
@@ -94,8 +107,8 @@ def _make_sub_sum(n_pairs, kind):
             nb = 2 * n_pairs
             g = 16 // w  # pairs per vector
             v16 = ir.VectorType(_I16, nb)
-            b = builder.load(_vec_ptr(context, builder, ta[0], qs_v, [(r_v, ta[1]), (q0_v, ta[2])],
-                                      ir.VectorType(_I8, nb)), align=1)
+            per_group = 64 if kind == "i8" else 32
+            b = builder.load(_qs_ptr(context, builder, ta[0], qs_v, r_v, ta[1], q0_v, ta[2], per_group, ir.VectorType(_I8, nb)), align=1)
             if kind == "i8":
                 codes = builder.sext(b, v16)
             elif kind == "lo":
@@ -169,7 +182,8 @@ def _combine(typingctx, yT, r, t0, s, dk, xdc, kx, xsc, k, off):
 
 @numba.njit(inline="always", cache=True, nogil=True)
 def _term(yT, r, t0, s, d, m, ms, c, k, xdc, kx, xsc):
-    _combine(yT, r, t0, s, d[r, k], xdc, kx, xsc, k, m[r * ms, k] + c * d[r, k])
+    dk = d[r >> 4, k, r & 15]
+    _combine(yT, r, t0, s, dk, xdc, kx, xsc, k, m[(r >> 4) * ms, k, (r & 15) * ms] + c * dk)
 
 
 @numba.njit(inline="always", cache=True, nogil=True)
@@ -180,14 +194,14 @@ def _zero(yT, r, t0, w):
 
 @numba.njit(**_JIT)
 def mt_nib32(qs, d, m, ms, c, x2, xdT, xsT, yT, tb):
-    """4-bit codes, a scale per 32. qs (n_rows, n_pad//2) uint8 -> yT (n_rows, n_tok_pad)."""
+    """4-bit codes, a scale per 32 (qtypes' blocked layout) -> yT (n_rows, n_tok_pad)."""
     w = xdT.shape[2]
-    for rb in prange(-(-qs.shape[0] // ROW_BLOCK)):
+    for rb in prange(qs.shape[0]):
         for ch in range(x2.shape[0]):
             xc, xdc, xsc, t0 = x2[ch], xdT[ch], xsT[ch], tb + ch * w
-            for r in range(rb * ROW_BLOCK, min(rb * ROW_BLOCK + ROW_BLOCK, qs.shape[0])):
+            for r in range(rb * ROW_BLOCK, min(rb * ROW_BLOCK + ROW_BLOCK, yT.shape[0])):
                 _zero(yT, r, t0, w)
-                for g in range(qs.shape[1] // 32):  # 64 weights: low nibbles, then high nibbles
+                for g in range(qs.shape[1]):  # 64 weights: low nibbles, then high nibbles
                     o = g * 32
                     s0 = _lo16(qs, r, o, xc, o, 0)
                     s1 = _hi16(qs, r, o, xc, o + 16, 0)
@@ -199,12 +213,12 @@ def mt_nib32(qs, d, m, ms, c, x2, xdT, xsT, yT, tb):
 def mt_nib16(qs, d, m, ms, c, x2, xdT, xsT, yT, tb):
     """4-bit codes, a scale per 16 (Q2_K, Q3_K)."""
     w = xdT.shape[2]
-    for rb in prange(-(-qs.shape[0] // ROW_BLOCK)):
+    for rb in prange(qs.shape[0]):
         for ch in range(x2.shape[0]):
             xc, xdc, xsc, t0 = x2[ch], xdT[ch], xsT[ch], tb + ch * w
-            for r in range(rb * ROW_BLOCK, min(rb * ROW_BLOCK + ROW_BLOCK, qs.shape[0])):
+            for r in range(rb * ROW_BLOCK, min(rb * ROW_BLOCK + ROW_BLOCK, yT.shape[0])):
                 _zero(yT, r, t0, w)
-                for g in range(qs.shape[1] // 32):  # sub-blocks 4g..4g+3: low nibbles of 2 x 16 bytes, then high
+                for g in range(qs.shape[1]):  # sub-blocks 4g..4g+3: low nibbles of 2 x 16 bytes, then high
                     o = g * 32
                     s0 = _lo8(qs, r, o, xc, o, 0)
                     s1 = _lo8(qs, r, o + 16, xc, o + 8, 0)
@@ -219,14 +233,14 @@ def mt_nib16(qs, d, m, ms, c, x2, xdT, xsT, yT, tb):
 
 @numba.njit(**_JIT)
 def mt_i8_32(qs, d, m, ms, c, x2, xdT, xsT, yT, tb):
-    """int8 codes, a scale per 32. qs (n_rows, n_pad) int8."""
+    """int8 codes, a scale per 32."""
     w = xdT.shape[2]
-    for rb in prange(-(-qs.shape[0] // ROW_BLOCK)):
+    for rb in prange(qs.shape[0]):
         for ch in range(x2.shape[0]):
             xc, xdc, xsc, t0 = x2[ch], xdT[ch], xsT[ch], tb + ch * w
-            for r in range(rb * ROW_BLOCK, min(rb * ROW_BLOCK + ROW_BLOCK, qs.shape[0])):
+            for r in range(rb * ROW_BLOCK, min(rb * ROW_BLOCK + ROW_BLOCK, yT.shape[0])):
                 _zero(yT, r, t0, w)
-                for g in range(qs.shape[1] // 64):
+                for g in range(qs.shape[1]):
                     o = g * 64
                     s0 = _i8_16(qs, r, o, xc, o // 2, 0)
                     s1 = _i8_16(qs, r, o + 32, xc, o // 2 + 16, 0)
@@ -238,12 +252,12 @@ def mt_i8_32(qs, d, m, ms, c, x2, xdT, xsT, yT, tb):
 def mt_i8_16(qs, d, m, ms, c, x2, xdT, xsT, yT, tb):
     """int8 codes, a scale per 16 (Q6_K)."""
     w = xdT.shape[2]
-    for rb in prange(-(-qs.shape[0] // ROW_BLOCK)):
+    for rb in prange(qs.shape[0]):
         for ch in range(x2.shape[0]):
             xc, xdc, xsc, t0 = x2[ch], xdT[ch], xsT[ch], tb + ch * w
-            for r in range(rb * ROW_BLOCK, min(rb * ROW_BLOCK + ROW_BLOCK, qs.shape[0])):
+            for r in range(rb * ROW_BLOCK, min(rb * ROW_BLOCK + ROW_BLOCK, yT.shape[0])):
                 _zero(yT, r, t0, w)
-                for g in range(qs.shape[1] // 64):
+                for g in range(qs.shape[1]):
                     o = g * 64
                     s0 = _i8_8(qs, r, o, xc, o // 2, 0)
                     s1 = _i8_8(qs, r, o + 16, xc, o // 2 + 8, 0)
@@ -305,10 +319,10 @@ def prepare_x(xq, xd, xs):
     return segments
 
 
-def matmul_multi(qs, d, m, ms, c, layout, sub, prepared):
+def matmul_multi(n_rows, qs, d, m, ms, c, layout, sub, prepared):
     """`prepared` from prepare_x -> yT (n_rows, n_tok_pad) float32."""
     x2, xdT, xsT, t_last = prepared[-1]
-    yT = np.empty((qs.shape[0], t_last + x2.shape[0] * xdT.shape[2]), dtype=np.float32)
+    yT = np.empty((n_rows, t_last + x2.shape[0] * xdT.shape[2]), dtype=np.float32)
     kern = KERNELS[(layout, sub)]
     for x2, xdT, xsT, tb in prepared:
         kern(qs, d, m, ms, np.float32(c), x2, xdT, xsT, yT, tb)

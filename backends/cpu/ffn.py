@@ -3,7 +3,6 @@ at a time, so gate and up never exist whole: each slab's two matmul results are 
 (n_tokens x CHUNK), consumed by the GLU at once and overwritten by the next slab."""
 from __future__ import annotations
 
-import dataclasses
 import weakref
 
 import numpy as np
@@ -19,17 +18,10 @@ _slabs: "weakref.WeakKeyDictionary[PackedWeight, list[PackedWeight]]" = weakref.
 
 
 def _row_slabs(w: PackedWeight, chunk: int) -> list[PackedWeight]:
-    """Row ranges of a packed weight as PackedWeights (views, no copies), made once: every
-    per-row array is sliced, whatever the layout (shared rows, e.g. a single offset row, stay)."""
+    """Row ranges of a packed weight as PackedWeights (views, no copies), made once."""
     got = _slabs.get(w)
     if got is None or got[0].shape[0] != min(chunk, w.shape[0]):
-        n = w.shape[0]
-        per_row = [f.name for f in dataclasses.fields(w)
-                   if isinstance(getattr(w, f.name), np.ndarray) and getattr(w, f.name).shape[0] == n]
-        got = _slabs[w] = [
-            dataclasses.replace(w, shape=(min(r0 + chunk, n) - r0, w.shape[1]),
-                                **{k: getattr(w, k)[r0:r0 + chunk] for k in per_row})
-            for r0 in range(0, n, chunk)]
+        got = _slabs[w] = [w.rows(r0, r0 + chunk) for r0 in range(0, w.shape[0], chunk)]
     return got
 
 

@@ -1,6 +1,7 @@
 """numba kernels behind matmul.py: activation quantization and dequantization (dot.py has
-the integer dot products). Layouts are those of qtypes.py: weight = d*(code + c) + m, where
-m has one row per weight row (ms=1) or a single zero row for types without a minimum (ms=0).
+the integer dot products). Layouts are those of qtypes.py: weight = d*(code + c) + m, rows in blocks of 16 interleaved
+by 64-weight group (qs[r >> 4, g, r & 15]), d and m (block, sub-block, row in block), m a single
+zero per sub-block (ms=0) for types without a minimum.
 """
 
 import numba
@@ -61,9 +62,15 @@ def quantize_x(x, n_pad, sub):
 
 
 @numba.njit(inline="always", **_JIT)
+def scale(d, r, k):
+    """d of sub-block k of row r."""
+    return d[r >> 4, k, r & 15]
+
+
+@numba.njit(inline="always", **_JIT)
 def offset(d, m, ms, c, r, k):
     """The additive part of sub-block k of row r: m + c*d."""
-    return m[r * ms, k] + c * d[r, k]
+    return m[(r >> 4) * ms, k, (r & 15) * ms] + c * d[r >> 4, k, r & 15]
 
 
 @numba.njit(**_JIT)
@@ -72,23 +79,24 @@ def dequant_nib(qs, d, m, ms, c, sub, rows, out):
     Serial: the tiles feed BLAS, whose threads would fight numba's spinning ones."""
     for i in range(rows.shape[0]):
         r = rows[i]
-        for g in range(qs.shape[1] // 32):
+        q = qs[r >> 4, :, r & 15]  # (groups, 32)
+        for g in range(q.shape[0]):
             o = g * 32
             if sub == 32:
-                d0, d1 = d[r, 2 * g], d[r, 2 * g + 1]
+                d0, d1 = scale(d, r, 2 * g), scale(d, r, 2 * g + 1)
                 m0, m1 = offset(d, m, ms, c, r, 2 * g), offset(d, m, ms, c, r, 2 * g + 1)
                 for j in range(32):
-                    b = qs[r, o + j]
+                    b = q[g, j]
                     out[i, 2 * o + j] = d0 * np.float32(b & 15) + m0
                     out[i, 2 * o + 32 + j] = d1 * np.float32(b >> 4) + m1
             else:
                 k = 4 * g
-                d0, d1, d2, d3 = d[r, k], d[r, k + 1], d[r, k + 2], d[r, k + 3]
+                d0, d1, d2, d3 = scale(d, r, k), scale(d, r, k + 1), scale(d, r, k + 2), scale(d, r, k + 3)
                 m0, m1 = offset(d, m, ms, c, r, k), offset(d, m, ms, c, r, k + 1)
                 m2, m3 = offset(d, m, ms, c, r, k + 2), offset(d, m, ms, c, r, k + 3)
                 for j in range(16):
-                    b0 = qs[r, o + j]
-                    b1 = qs[r, o + 16 + j]
+                    b0 = q[g, j]
+                    b1 = q[g, 16 + j]
                     out[i, 2 * o + j] = d0 * np.float32(b0 & 15) + m0
                     out[i, 2 * o + 16 + j] = d1 * np.float32(b1 & 15) + m1
                     out[i, 2 * o + 32 + j] = d2 * np.float32(b0 >> 4) + m2
@@ -99,21 +107,22 @@ def dequant_nib(qs, d, m, ms, c, sub, rows, out):
 def dequant_i8(qs, d, m, ms, c, sub, rows, out):
     for i in range(rows.shape[0]):
         r = rows[i]
-        for g in range(qs.shape[1] // 64):
+        q = qs[r >> 4, :, r & 15]  # (groups, 64)
+        for g in range(q.shape[0]):
             o = g * 64
             if sub == 32:
-                d0, d1 = d[r, 2 * g], d[r, 2 * g + 1]
+                d0, d1 = scale(d, r, 2 * g), scale(d, r, 2 * g + 1)
                 m0, m1 = offset(d, m, ms, c, r, 2 * g), offset(d, m, ms, c, r, 2 * g + 1)
                 for j in range(32):
-                    out[i, o + j] = d0 * np.float32(qs[r, o + j]) + m0
-                    out[i, o + 32 + j] = d1 * np.float32(qs[r, o + 32 + j]) + m1
+                    out[i, o + j] = d0 * np.float32(q[g, j]) + m0
+                    out[i, o + 32 + j] = d1 * np.float32(q[g, 32 + j]) + m1
             else:
                 k = 4 * g
-                d0, d1, d2, d3 = d[r, k], d[r, k + 1], d[r, k + 2], d[r, k + 3]
+                d0, d1, d2, d3 = scale(d, r, k), scale(d, r, k + 1), scale(d, r, k + 2), scale(d, r, k + 3)
                 m0, m1 = offset(d, m, ms, c, r, k), offset(d, m, ms, c, r, k + 1)
                 m2, m3 = offset(d, m, ms, c, r, k + 2), offset(d, m, ms, c, r, k + 3)
                 for j in range(16):
-                    out[i, o + j] = d0 * np.float32(qs[r, o + j]) + m0
-                    out[i, o + 16 + j] = d1 * np.float32(qs[r, o + 16 + j]) + m1
-                    out[i, o + 32 + j] = d2 * np.float32(qs[r, o + 32 + j]) + m2
-                    out[i, o + 48 + j] = d3 * np.float32(qs[r, o + 48 + j]) + m3
+                    out[i, o + j] = d0 * np.float32(q[g, j]) + m0
+                    out[i, o + 16 + j] = d1 * np.float32(q[g, 16 + j]) + m1
+                    out[i, o + 32 + j] = d2 * np.float32(q[g, 32 + j]) + m2
+                    out[i, o + 48 + j] = d3 * np.float32(q[g, 48 + j]) + m3

@@ -89,7 +89,7 @@ def _matmul_int(w: PackedWeight, x: np.ndarray, out: np.ndarray | None = None) -
     y = np.empty((n_tok, w.shape[0]), dtype=np.float32) if out is None else out  # (n_tokens, n_rows)
     if n_tok >= MULTI_MIN_TOKENS:
         prepared = _quantized(x, w.n_pad, w.sub, True)
-        yt = dot_multi.matmul_multi(w.qs, w.d, w.m, w.ms, w.c, w.layout, w.sub, prepared)  # (n_rows, n_tok_pad)
+        yt = dot_multi.matmul_multi(w.shape[0], w.qs, w.d, w.m, w.ms, w.c, w.layout, w.sub, prepared)  # (n_rows, n_tok_pad)
         np.copyto(y, yt[:, :n_tok].T)  # one transposing copy, straight into the caller's buffer
         return y
     xq, xd, xs = _quantized(x, w.n_pad, w.sub, False)
