@@ -1,6 +1,7 @@
 """The continuous-batching engine on a tiny synthetic llama: concurrency, cancellation,
 queue bound, preemption, prefix reuse, determinism; under asyncio and trio."""
 import math
+import time
 
 import anyio
 import pytest
@@ -142,7 +143,16 @@ async def test_seeded_sampling_same_alone_or_batched(tiny):
     assert res[0] == solo
 
 
-async def test_close_aborts_or_finishes(tiny):
+async def test_close_aborts_or_finishes(tiny, monkeypatch):
+    # steps slowed to 2 ms: the tiny model would otherwise finish 200 tokens before the close
+    from hearthlm.runtime.engine import Engine
+    fast_step = Engine.step
+
+    def slow_step(self):
+        time.sleep(0.002)
+        return fast_step(self)
+
+    monkeypatch.setattr(Engine, "step", slow_step)
     errors = []
     async with Session.open(tiny, n_ctx=256) as s:
         async def long():

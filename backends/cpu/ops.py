@@ -7,10 +7,42 @@ import math
 
 import numba
 import numpy as np
-from numba import prange
+from llvmlite import ir
+from numba import prange, types
+from numba.extending import intrinsic
 
 _JIT = dict(cache=True, fastmath=True, nogil=True)
 ATT_BLOCK = 32  # positions per step of attention's online softmax
+# positions per attention task: decode has one token and a few KV heads, too few tasks for the
+# cores without splitting the context; a fixed split, so a token's result never depends on its batch
+ATT_SPLIT = 128
+
+
+@intrinsic
+def _bits_as_f32(typingctx, i):
+    """The float32 whose bit pattern is the int32 i."""
+    def codegen(context, builder, sig, args):
+        return builder.bitcast(args[0], ir.FloatType())
+    return types.float32(types.int32), codegen
+
+
+@numba.njit(inline="always", **_JIT)
+def fexp(x):
+    """exp(x) in float32 for x in about [-87, 88] (clamped outside), to a few ulp: Cody-Waite
+    range reduction and a degree-6 polynomial (Cephes' expf), branch-free so that loops over it
+    vectorize (math.exp is a scalar libm call per element)."""
+    x = min(max(x, np.float32(-87.0)), np.float32(88.0))
+    n = np.floor(x * np.float32(1.44269504) + np.float32(0.5))
+    r = x - n * np.float32(0.693359375)  # ln 2 in two parts: n * the first is exact
+    r = r - n * np.float32(-2.12194440e-4)
+    p = np.float32(1.9875691500e-4)
+    p = p * r + np.float32(1.3981999507e-3)
+    p = p * r + np.float32(8.3334519073e-3)
+    p = p * r + np.float32(4.1665795894e-2)
+    p = p * r + np.float32(1.6666665459e-1)
+    p = p * r + np.float32(5.0000001201e-1)
+    p = p * r * r + r + np.float32(1.0)
+    return p * _bits_as_f32(np.int32((np.int32(n) + np.int32(127)) << np.int32(23)))
 
 
 @numba.njit(parallel=True, **_JIT)
@@ -30,14 +62,17 @@ def rms_norm(x, w, eps, out):
                 out[r, j] = x[r, j] * inv * w[j]
 
 
-@numba.njit(**_JIT)
+@numba.njit(inline="always", **_JIT)
 def _gelu(v):
-    return np.float32(0.5) * v * (np.float32(1.0) + math.tanh(np.float32(0.7978845608028654) * (v + np.float32(0.044715) * v * v * v)))
+    """tanh GELU, with tanh(u) = 1 - 2 / (exp(2u) + 1) on the vectorizing exp."""
+    u = np.float32(0.7978845608028654) * (v + np.float32(0.044715) * v * v * v)
+    th = np.float32(1.0) - np.float32(2.0) / (fexp(np.float32(2.0) * u) + np.float32(1.0))
+    return np.float32(0.5) * v * (np.float32(1.0) + th)
 
 
-@numba.njit(**_JIT)
+@numba.njit(inline="always", **_JIT)
 def _silu(v):
-    return v / (np.float32(1.0) + math.exp(-v))
+    return v / (np.float32(1.0) + fexp(-v))
 
 
 @numba.njit(parallel=True, **_JIT)
@@ -133,61 +168,97 @@ def set_rows(cache, src, slots):
         cache[slots[t]] = src[t]
 
 
+@numba.njit(**_JIT)
+def _attend(q, k_cache, v_cache, t, kh, group, seq, p_lo, p_hi, block_table, scale, block_size, m, l, acc):
+    """Online softmax of the GQA group's query heads of token t over positions p_lo..p_hi-1:
+    m (group,) running maxima, l (group,) sums of exp, acc (group, dv) exp-weighted V; updated.
+    Positions go ATT_BLOCK at a time (scores, then one max and rescale per block, then V), and
+    each K and V row read serves the whole group."""
+    d = q.shape[2]
+    dv = v_cache.shape[2]
+    h0 = kh * group
+    sc = np.empty((group, ATT_BLOCK), np.float32)
+    slots = np.empty(ATT_BLOCK, np.int64)
+    for p0 in range(p_lo, p_hi, ATT_BLOCK):
+        nb = min(ATT_BLOCK, p_hi - p0)
+        for i in range(nb):
+            p = p0 + i
+            slot = block_table[seq, p // block_size] * block_size + p % block_size
+            slots[i] = slot
+            kv = k_cache[slot, kh]
+            for g in range(group):
+                qv = q[t, h0 + g]
+                s = np.float32(0.0)
+                for j in range(d):
+                    s += qv[j] * kv[j]
+                sc[g, i] = s * scale
+        for g in range(group):
+            mb = m[g]
+            for i in range(nb):
+                mb = max(mb, sc[g, i])
+            if mb > m[g]:  # rescale what was accumulated under the old maximum
+                corr = np.float32(math.exp(m[g] - mb)) if m[g] > -np.inf else np.float32(0.0)
+                l[g] *= corr
+                for j in range(dv):
+                    acc[g, j] *= corr
+                m[g] = mb
+            ls = np.float32(0.0)
+            for i in range(nb):
+                e = fexp(sc[g, i] - mb)
+                sc[g, i] = e
+                ls += e
+            l[g] += ls
+        for i in range(nb):
+            vv = v_cache[slots[i], kh]
+            for g in range(group):
+                e = sc[g, i]
+                for j in range(dv):
+                    acc[g, j] += e * vv[j]
+
+
 @numba.njit(parallel=True, **_JIT)
 def attention(q, k_cache, v_cache, tok_seq, tok_pos, block_table, scale, block_size, window, out):
     """Flash-style attention with an online softmax: never holds a score matrix.
     q (n_tokens, n_head, d); caches (n_slots, n_head_kv, d_v); out (n_tokens, n_head, d_v).
-    One task per token and KV head: the GQA group's query heads share each K and V row read,
-    positions go ATT_BLOCK at a time (scores, then one max and rescale per block, then V)."""
+    A task per token, KV head and ATT_SPLIT positions of the token's context (its window); the
+    parts' (max, sum, weighted V) are then merged per token in a fixed order."""
     n_tokens, n_head, d = q.shape
     n_kv = k_cache.shape[1]
     dv = v_cache.shape[2]
     group = n_head // n_kv
-    for job in prange(n_tokens * n_kv):
-        t, kh = job // n_kv, job % n_kv
-        h0 = kh * group
+    first = np.empty(n_tokens + 1, np.int64)  # token t's parts: first[t]..first[t+1]-1
+    first[0] = 0
+    for t in range(n_tokens):
+        lo = max(0, tok_pos[t] - window + 1) if window > 0 else 0
+        first[t + 1] = first[t] + (tok_pos[t] - lo) // ATT_SPLIT + 1
+    n_parts = first[n_tokens]
+    pm = np.empty((n_parts, n_kv, group), np.float32)
+    pl = np.empty((n_parts, n_kv, group), np.float32)
+    pacc = np.empty((n_parts, n_kv, group, dv), np.float32)
+    for job in prange(n_parts * n_kv):
+        part, kh = job // n_kv, job % n_kv
+        t = np.searchsorted(first, part, side="right") - 1
         pos = tok_pos[t]
         lo = max(0, pos - window + 1) if window > 0 else 0
-        m = np.full(group, -np.inf, np.float32)
-        l = np.zeros(group, np.float32)
-        acc = np.zeros((group, dv), np.float32)
-        sc = np.empty((group, ATT_BLOCK), np.float32)
-        slots = np.empty(ATT_BLOCK, np.int64)
-        for p0 in range(lo, pos + 1, ATT_BLOCK):
-            nb = min(ATT_BLOCK, pos + 1 - p0)
-            for i in range(nb):
-                p = p0 + i
-                slot = block_table[tok_seq[t], p // block_size] * block_size + p % block_size
-                slots[i] = slot
-                kv = k_cache[slot, kh]
-                for g in range(group):
-                    qv = q[t, h0 + g]
-                    s = np.float32(0.0)
-                    for j in range(d):
-                        s += qv[j] * kv[j]
-                    sc[g, i] = s * scale
-            for g in range(group):
-                mb = m[g]
-                for i in range(nb):
-                    mb = max(mb, sc[g, i])
-                if mb > m[g]:  # rescale what was accumulated under the old maximum
-                    corr = np.float32(math.exp(m[g] - mb)) if m[g] > -np.inf else np.float32(0.0)
-                    l[g] *= corr
-                    for j in range(dv):
-                        acc[g, j] *= corr
-                    m[g] = mb
-                ls = np.float32(0.0)
-                for i in range(nb):
-                    e = np.float32(math.exp(sc[g, i] - mb))
-                    sc[g, i] = e
-                    ls += e
-                l[g] += ls
-            for i in range(nb):
-                vv = v_cache[slots[i], kh]
-                for g in range(group):
-                    e = sc[g, i]
-                    for j in range(dv):
-                        acc[g, j] += e * vv[j]
-        for g in range(group):
+        p_lo = lo + (part - first[t]) * ATT_SPLIT
+        pm[part, kh] = -np.inf
+        pl[part, kh] = 0.0
+        pacc[part, kh] = 0.0
+        _attend(q, k_cache, v_cache, t, kh, group, tok_seq[t], p_lo, min(p_lo + ATT_SPLIT, pos + 1),
+                block_table, scale, block_size, pm[part, kh], pl[part, kh], pacc[part, kh])
+    for job in prange(n_tokens * n_head):
+        t, h = job // n_head, job % n_head
+        kh, g = h // group, h % group
+        mx = np.float32(-np.inf)
+        for part in range(first[t], first[t + 1]):
+            mx = max(mx, pm[part, kh, g])
+        ls = np.float32(0.0)
+        for j in range(dv):
+            out[t, h, j] = 0.0
+        for part in range(first[t], first[t + 1]):
+            w = np.float32(math.exp(pm[part, kh, g] - mx))
+            ls += w * pl[part, kh, g]
             for j in range(dv):
-                out[t, h0 + g, j] = acc[g, j] / l[g]
+                out[t, h, j] += w * pacc[part, kh, g, j]
+        for j in range(dv):
+            out[t, h, j] /= ls
