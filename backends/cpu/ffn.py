@@ -8,7 +8,7 @@ import weakref
 import numpy as np
 
 from hearthlm.backends.cpu import ops
-from hearthlm.backends.cpu.matmul import matmul
+from hearthlm.backends.cpu.matmul import matmul, quantize_for
 from hearthlm.backends.cpu.qtypes import PackedWeight
 
 CHUNK = 512  # output columns per slab: a multiple of matmul.TILE_ROWS
@@ -33,10 +33,11 @@ def ffn_glu(wg: PackedWeight, wu: PackedWeight, x: np.ndarray, gelu: bool, out: 
     if x.shape[0] * wg.shape[0] <= WHOLE_MAX:  # decode: gate/up are a few KB, calls are the cost
         chunk = wg.shape[0]
     r0 = 0
+    xq = quantize_for(wg, x)  # once for all slabs of gate and up
     for g_w, u_w in zip(_row_slabs(wg, chunk), _row_slabs(wu, chunk)):
         r1 = r0 + g_w.shape[0]
-        g = matmul(g_w, x)  # (n_tokens, r1 - r0)
-        ops.glu(g, matmul(u_w, x), gelu, g)
+        g = matmul(g_w, x, xq=xq)  # (n_tokens, r1 - r0)
+        ops.glu(g, matmul(u_w, x, xq=xq), gelu, g)
         o[:, r0:r1] = g
         r0 = r1
     return out

@@ -29,14 +29,16 @@ HALF_BLAS_MIN_TOKENS = 8  # F16/BF16: their per-token kernel against widened til
 TILE_ROWS = 256  # rows dequantized per BLAS call: big enough for BLAS, small enough for L2
 
 
-def matmul(w: PackedWeight, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+def matmul(w: PackedWeight, x: np.ndarray, out: np.ndarray | None = None, xq=None) -> np.ndarray:
     """x (n_tokens, n_cols) float32 -> (n_tokens, n_rows) float32, written into `out` (a
-    C-contiguous buffer of that shape) when given."""
+    C-contiguous buffer of that shape) when given; `xq`: quantize_for(some weight, x)."""
     n_rows, n_cols = w.shape
     x = np.ascontiguousarray(x, dtype=np.float32)
     assert x.ndim == 2 and x.shape[1] == n_cols, (x.shape, w.shape)
     if w.layout in ("nib", "i8") and x.shape[0] < BLAS_MIN_TOKENS:
-        return _matmul_int(w, x, out)
+        if xq is None or xq[0] != (w.n_pad, w.sub, x.shape[0] >= MULTI_MIN_TOKENS):
+            xq = quantize_for(w, x)
+        return _matmul_int(w, x.shape[0], xq[1], out)
     if w.layout == "f32":
         y = x @ w.w.T
     elif w.layout == "half":
@@ -68,31 +70,24 @@ def _matmul_half(w: PackedWeight, x: np.ndarray) -> np.ndarray:
     return y
 
 
-# q, k and v (and gate and up) multiply the same activations: they are quantized once. The
-# key is the content (a copy is compared), so a reused buffer holding new data never hits;
-# the value is a pure function of it, so engines in other threads may share the slot.
-_last_x: list = [None]
-
-
-def _quantized(x: np.ndarray, n_pad: int, sub: int, multi: bool):
-    hit = _last_x[0]
-    if hit is not None and hit[1] == (n_pad, sub, multi) and hit[0].shape == x.shape and np.array_equal(hit[0], x):
-        return hit[2]
-    q = kernels.quantize_x(x, n_pad, sub)  # (n_tok, n_pad) int16, per-32 scales, per-sub sums
-    q = dot_multi.prepare_x(*q) if multi else q
-    _last_x[0] = (x.copy(), (n_pad, sub, multi), q)
-    return q
-
-
-def _matmul_int(w: PackedWeight, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+def quantize_for(w: PackedWeight, x: np.ndarray):
+    """x quantized for `w`'s integer kernels, to pass to several matmuls (gate and up) as `xq`;
+    None where w's kernels take x as it is."""
     n_tok = x.shape[0]
+    if w.layout not in ("nib", "i8") or n_tok >= BLAS_MIN_TOKENS:
+        return None
+    multi = n_tok >= MULTI_MIN_TOKENS
+    q = kernels.quantize_x(np.ascontiguousarray(x, dtype=np.float32), w.n_pad, w.sub)
+    return (w.n_pad, w.sub, multi), (dot_multi.prepare_x(*q) if multi else q)
+
+
+def _matmul_int(w: PackedWeight, n_tok: int, prepared, out: np.ndarray | None = None) -> np.ndarray:
     y = np.empty((n_tok, w.shape[0]), dtype=np.float32) if out is None else out  # (n_tokens, n_rows)
     if n_tok >= MULTI_MIN_TOKENS:
-        prepared = _quantized(x, w.n_pad, w.sub, True)
         yt = dot_multi.matmul_multi(w.shape[0], w.qs, w.d, w.m, w.ms, w.c, w.layout, w.sub, prepared)  # (n_rows, n_tok_pad)
         np.copyto(y, yt[:, :n_tok].T)  # one transposing copy, straight into the caller's buffer
         return y
-    xq, xd, xs = _quantized(x, w.n_pad, w.sub, False)
+    xq, xd, xs = prepared
     if w.layout == "nib":
         kern = dot.dot_nib32 if w.sub == 32 else dot.dot_nib16
     else:
