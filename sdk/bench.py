@@ -1,6 +1,10 @@
 """`hearthlm bench`: prefill tokens/s (a 512-token prompt), decode tokens/s, load time,
 time to first token and peak RSS, single stream; `--compare-llama-cpp` runs the same work
-through llama-cpp-python when it is importable (never a dependency)."""
+through llama-cpp-python when it is importable (never a dependency), in rounds taken in turn
+with hearthlm's, each figure the median of --repeat rounds. Each engine first runs
+a prompt of the same length with other tokens, as llama-bench warms up: the figures are steady
+state (hearthlm's first prompt of a new length also builds that shape's graph and loads its
+kernels from numba's cache, about 0.3 s once per process)."""
 from __future__ import annotations
 
 import argparse
@@ -25,6 +29,7 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--concurrency", default=None,
                    help="comma-separated levels, e.g. 1,4,16: aggregate tokens/s, p50/p99 time to first "
                         "token and inter-token latency with that many concurrent generations")
+    p.add_argument("--repeat", type=int, default=3, help="rounds of the single-stream measurements (median)")
     p.add_argument("--json", action="store_true")
 
 
@@ -36,43 +41,45 @@ def _peak_rss_mb() -> float:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def _prompt(n_vocab: int, n: int) -> list[int]:
+def _prompt(n_vocab: int, n: int, seed: int = 0) -> list[int]:
     # ordinary (non-special) ids, fixed so every run and llama.cpp see the same prompt
-    return [int(t) for t in np.random.default_rng(0).integers(1000, min(n_vocab, 30000), n)]
+    return [int(t) for t in np.random.default_rng(seed).integers(1000, min(n_vocab, 30000), n)]
 
 
-async def _bench_hearthlm(a) -> dict:
-    t0 = time.perf_counter()
-    async with Session.open(a.model, backend=a.backend, n_ctx=a.n_ctx, filename=a.filename,
-                            max_batch_tokens=max(512, a.prompt_tokens)) as s:
-        load_s = time.perf_counter() - t0
-        await s.generate([1000, 1001, 1002], max_tokens=2, temperature=0)  # warm the JIT caches
-        prompt = _prompt(s.model.n_vocab, a.prompt_tokens)
-        t = time.perf_counter()
-        await s.generate(prompt, max_tokens=1, temperature=0)
-        prefill_s = time.perf_counter() - t
-        t, first, n = time.perf_counter(), None, 0
-        async for c in s.stream(prompt[:8], max_tokens=a.decode_tokens, temperature=0, ignore_eos=True):
-            if first is None:
-                first = time.perf_counter() - t
-            n += len(c.token_ids)
-        decode_s = time.perf_counter() - t - first
-    return dict(engine="hearthlm", backend=a.backend, load_s=load_s, prefill_tok_s=a.prompt_tokens / prefill_s,
-                ttft_s=first, decode_tok_s=(n - 1) / decode_s if n > 1 else 0.0, decode_tokens=n,
-                peak_rss_mb=_peak_rss_mb())
+async def _hearthlm_round(s, a, rep: int) -> dict:
+    prompt = _prompt(s.model.n_vocab, a.prompt_tokens, seed=10 + rep)  # shares no prefix with earlier ones
+    t = time.perf_counter()
+    await s.generate(prompt, max_tokens=1, temperature=0)
+    prefill_s = time.perf_counter() - t
+    t, first, n = time.perf_counter(), None, 0
+    async for c in s.stream(prompt[:8], max_tokens=a.decode_tokens, temperature=0, ignore_eos=True):
+        if first is None:
+            first = time.perf_counter() - t
+        n += len(c.token_ids)
+    decode_s = time.perf_counter() - t - first
+    return dict(prefill_tok_s=a.prompt_tokens / prefill_s, ttft_s=first,
+                decode_tok_s=(n - 1) / decode_s if n > 1 else 0.0)
 
 
-def _bench_llama_cpp(a, path: str) -> dict | None:
+_llm = None  # the llama.cpp worker process's model, loaded by its first round
+
+
+def _llama_cpp_round(a, path: str, rep: int) -> dict | None:
+    global _llm
     try:
         from llama_cpp import Llama
     except ImportError:
         return None
-    threads = a.threads or len(__import__("os").sched_getaffinity(0))
-    t0 = time.perf_counter()
-    llm = Llama(model_path=path, n_ctx=a.n_ctx, n_threads=threads, n_batch=512, verbose=False)
-    load_s = time.perf_counter() - t0
-    prompt = _prompt(llm.n_vocab(), a.prompt_tokens)
-    llm.eval(prompt[:3]); llm.reset()
+    out = {}
+    if _llm is None:
+        threads = a.threads or len(__import__("os").sched_getaffinity(0))
+        t0 = time.perf_counter()
+        _llm = Llama(model_path=path, n_ctx=a.n_ctx, n_threads=threads, n_batch=512, verbose=False)
+        out["load_s"] = time.perf_counter() - t0
+        _llm.eval(_prompt(_llm.n_vocab(), a.prompt_tokens, seed=1))  # warm-up
+    llm = _llm
+    prompt = _prompt(llm.n_vocab(), a.prompt_tokens, seed=10 + rep)
+    llm.reset()
     t = time.perf_counter(); llm.eval(prompt); prefill_s = time.perf_counter() - t
     llm.reset()
     t, first, n = time.perf_counter(), None, 0
@@ -83,8 +90,42 @@ def _bench_llama_cpp(a, path: str) -> dict | None:
         if n >= a.decode_tokens:
             break
     decode_s = time.perf_counter() - t - first
-    return dict(engine="llama.cpp", backend="cpu", load_s=load_s, prefill_tok_s=a.prompt_tokens / prefill_s,
-                ttft_s=first, decode_tok_s=(n - 1) / decode_s, decode_tokens=n, peak_rss_mb=_peak_rss_mb())
+    return dict(out, prefill_tok_s=a.prompt_tokens / prefill_s, ttft_s=first, decode_tok_s=(n - 1) / decode_s,
+                peak_rss_mb=_peak_rss_mb())
+
+
+def _median_row(engine: str, backend: str, load_s: float, rounds: list[dict]) -> dict:
+    keys = ("ttft_s", "prefill_tok_s", "decode_tok_s")
+    return dict(engine=engine, backend=backend, load_s=load_s,
+                **{k: float(np.median([r[k] for r in rounds])) for k in keys},
+                peak_rss_mb=rounds[-1].get("peak_rss_mb", 0.0))
+
+
+async def _bench_single(a, ex, path: str) -> list[dict]:
+    """Rounds of (hearthlm, llama.cpp) in turn, so that a noisy spell of a shared machine hits
+    both; each figure is the median over the rounds."""
+    t0 = time.perf_counter()
+    async with Session.open(a.model, backend=a.backend, n_ctx=a.n_ctx, filename=a.filename,
+                            max_batch_tokens=max(512, a.prompt_tokens)) as s:
+        load_s = time.perf_counter() - t0
+        await s.generate(_prompt(s.model.n_vocab, a.prompt_tokens, seed=1), max_tokens=2, temperature=0)  # warm-up
+        ours, ref = [], []
+        for rep in range(a.repeat):
+            ours.append(await _hearthlm_round(s, a, rep))
+            if ex is not None:
+                r = await anyio.to_thread.run_sync(lambda: ex.submit(_llama_cpp_round, a, path, rep).result())
+                if r is None:
+                    print("llama-cpp-python is not importable; skipping the comparison")
+                    ex = None
+                else:
+                    ref.append(r)
+    rows = [_median_row("hearthlm", a.backend, load_s, ours)]
+    rows[0]["peak_rss_mb"] = _peak_rss_mb()
+    if ref:
+        rows.append(_median_row("llama.cpp", "cpu", ref[0]["load_s"], ref))
+        rows.append(dict(engine="ratio", backend="", **{
+            k: rows[0][k] / rows[1][k] for k in ("prefill_tok_s", "decode_tok_s")}))
+    return rows
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -190,17 +231,12 @@ def run_bench(a) -> None:
     if a.threads:
         import numba
         numba.set_num_threads(a.threads)
-    rows = [anyio.run(_bench_hearthlm, a)]
     if a.compare_llama_cpp:
-        # in a fresh process: its own peak RSS, and no numba threads beside it
+        # llama.cpp in its own process: its own peak RSS, and no numba threads beside it
         with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as ex:
-            ref = ex.submit(_bench_llama_cpp, a, str(resolve_model(a.model, filename=a.filename))).result()
-        if ref is None:
-            print("llama-cpp-python is not importable; skipping the comparison")
-        else:
-            rows.append(ref)
-            rows.append(dict(engine="ratio", backend="", **{
-                k: rows[0][k] / ref[k] for k in ("prefill_tok_s", "decode_tok_s")}))
+            rows = anyio.run(_bench_single, a, ex, str(resolve_model(a.model, filename=a.filename)))
+    else:
+        rows = anyio.run(_bench_single, a, None, "")
     if a.json:
         print(json.dumps(rows, indent=2))
         return

@@ -181,43 +181,60 @@ def _combine(typingctx, yT, r, t0, s, dk, xdc, kx, xsc, k, off):
 
 
 @numba.njit(inline="always", cache=True, nogil=True)
-def _term(yT, r, t0, s, d, m, ms, c, k, xdc, kx, xsc):
+def _term(tile, i, r, s, d, m, ms, c, k, xdc, kx, xsc):
+    """Sub-block k of row r (the tile's row i) for the chunk's tokens."""
     dk = d[r >> 4, k, r & 15]
-    _combine(yT, r, t0, s, dk, xdc, kx, xsc, k, m[(r >> 4) * ms, k, (r & 15) * ms] + c * dk)
+    _combine(tile, i, 0, s, dk, xdc, kx, xsc, k, m[(r >> 4) * ms, k, (r & 15) * ms] + c * dk)
 
 
 @numba.njit(inline="always", cache=True, nogil=True)
-def _zero(yT, r, t0, w):
+def _zero(tile, i, w):
     for t in range(w):
-        yT[r, t0 + t] = np.float32(0.0)
+        tile[i, t] = np.float32(0.0)
+
+
+@numba.njit(inline="always", cache=True, nogil=True)
+def _store(tile, y, r0, r1, t0):
+    """The tile (rows r0..r1-1 x tokens t0..) into y (n_tok, n_rows), padding tokens dropped."""
+    for u in range(min(tile.shape[1], y.shape[0] - t0)):
+        for i in range(r1 - r0):
+            y[t0 + u, r0 + i] = tile[i, u]
 
 
 @numba.njit(**_JIT)
-def mt_nib32(qs, d, m, ms, c, x2, xdT, xsT, yT, tb):
-    """4-bit codes, a scale per 32 (qtypes' blocked layout) -> yT (n_rows, n_tok_pad)."""
+def mt_nib32(qs, d, m, ms, c, x2, xdT, xsT, y, tb):
+    """4-bit codes, a scale per 32 (qtypes' blocked layout) -> y (n_tok, n_rows): the segment's
+    tokens tb.., a tile of a block's rows x a chunk's tokens at a time."""
     w = xdT.shape[2]
     for rb in prange(qs.shape[0]):
+        tile = np.empty((ROW_BLOCK, w), np.float32)  # the block's rows x one chunk's tokens
+        r0, r1 = rb * ROW_BLOCK, min(rb * ROW_BLOCK + ROW_BLOCK, y.shape[1])
         for ch in range(x2.shape[0]):
             xc, xdc, xsc, t0 = x2[ch], xdT[ch], xsT[ch], tb + ch * w
-            for r in range(rb * ROW_BLOCK, min(rb * ROW_BLOCK + ROW_BLOCK, yT.shape[0])):
-                _zero(yT, r, t0, w)
+            for r in range(r0, r1):
+                i = r - r0
+                _zero(tile, i, w)
                 for g in range(qs.shape[1]):  # 64 weights: low nibbles, then high nibbles
                     o = g * 32
                     s0 = _lo16(qs, r, o, xc, o, 0)
                     s1 = _hi16(qs, r, o, xc, o + 16, 0)
-                    _term(yT, r, t0, s0, d, m, ms, c, 2 * g, xdc, 2 * g, xsc)
-                    _term(yT, r, t0, s1, d, m, ms, c, 2 * g + 1, xdc, 2 * g + 1, xsc)
+                    _term(tile, i, r, s0, d, m, ms, c, 2 * g, xdc, 2 * g, xsc)
+                    _term(tile, i, r, s1, d, m, ms, c, 2 * g + 1, xdc, 2 * g + 1, xsc)
+            _store(tile, y, r0, r1, t0)
 
 
 @numba.njit(**_JIT)
-def mt_nib16(qs, d, m, ms, c, x2, xdT, xsT, yT, tb):
+def mt_nib16(qs, d, m, ms, c, x2, xdT, xsT, y, tb):
     """4-bit codes, a scale per 16 (Q2_K, Q3_K)."""
     w = xdT.shape[2]
     for rb in prange(qs.shape[0]):
+        tile = np.empty((ROW_BLOCK, w), np.float32)  # the block's rows x one chunk's tokens
+        r0, r1 = rb * ROW_BLOCK, min(rb * ROW_BLOCK + ROW_BLOCK, y.shape[1])
         for ch in range(x2.shape[0]):
             xc, xdc, xsc, t0 = x2[ch], xdT[ch], xsT[ch], tb + ch * w
-            for r in range(rb * ROW_BLOCK, min(rb * ROW_BLOCK + ROW_BLOCK, yT.shape[0])):
-                _zero(yT, r, t0, w)
+            for r in range(r0, r1):
+                i = r - r0
+                _zero(tile, i, w)
                 for g in range(qs.shape[1]):  # sub-blocks 4g..4g+3: low nibbles of 2 x 16 bytes, then high
                     o = g * 32
                     s0 = _lo8(qs, r, o, xc, o, 0)
@@ -225,38 +242,46 @@ def mt_nib16(qs, d, m, ms, c, x2, xdT, xsT, yT, tb):
                     s2 = _hi8(qs, r, o, xc, o + 16, 0)
                     s3 = _hi8(qs, r, o + 16, xc, o + 24, 0)
                     k = 4 * g
-                    _term(yT, r, t0, s0, d, m, ms, c, k, xdc, 2 * g, xsc)
-                    _term(yT, r, t0, s1, d, m, ms, c, k + 1, xdc, 2 * g, xsc)
-                    _term(yT, r, t0, s2, d, m, ms, c, k + 2, xdc, 2 * g + 1, xsc)
-                    _term(yT, r, t0, s3, d, m, ms, c, k + 3, xdc, 2 * g + 1, xsc)
+                    _term(tile, i, r, s0, d, m, ms, c, k, xdc, 2 * g, xsc)
+                    _term(tile, i, r, s1, d, m, ms, c, k + 1, xdc, 2 * g, xsc)
+                    _term(tile, i, r, s2, d, m, ms, c, k + 2, xdc, 2 * g + 1, xsc)
+                    _term(tile, i, r, s3, d, m, ms, c, k + 3, xdc, 2 * g + 1, xsc)
+            _store(tile, y, r0, r1, t0)
 
 
 @numba.njit(**_JIT)
-def mt_i8_32(qs, d, m, ms, c, x2, xdT, xsT, yT, tb):
+def mt_i8_32(qs, d, m, ms, c, x2, xdT, xsT, y, tb):
     """int8 codes, a scale per 32."""
     w = xdT.shape[2]
     for rb in prange(qs.shape[0]):
+        tile = np.empty((ROW_BLOCK, w), np.float32)  # the block's rows x one chunk's tokens
+        r0, r1 = rb * ROW_BLOCK, min(rb * ROW_BLOCK + ROW_BLOCK, y.shape[1])
         for ch in range(x2.shape[0]):
             xc, xdc, xsc, t0 = x2[ch], xdT[ch], xsT[ch], tb + ch * w
-            for r in range(rb * ROW_BLOCK, min(rb * ROW_BLOCK + ROW_BLOCK, yT.shape[0])):
-                _zero(yT, r, t0, w)
+            for r in range(r0, r1):
+                i = r - r0
+                _zero(tile, i, w)
                 for g in range(qs.shape[1]):
                     o = g * 64
                     s0 = _i8_16(qs, r, o, xc, o // 2, 0)
                     s1 = _i8_16(qs, r, o + 32, xc, o // 2 + 16, 0)
-                    _term(yT, r, t0, s0, d, m, ms, c, 2 * g, xdc, 2 * g, xsc)
-                    _term(yT, r, t0, s1, d, m, ms, c, 2 * g + 1, xdc, 2 * g + 1, xsc)
+                    _term(tile, i, r, s0, d, m, ms, c, 2 * g, xdc, 2 * g, xsc)
+                    _term(tile, i, r, s1, d, m, ms, c, 2 * g + 1, xdc, 2 * g + 1, xsc)
+            _store(tile, y, r0, r1, t0)
 
 
 @numba.njit(**_JIT)
-def mt_i8_16(qs, d, m, ms, c, x2, xdT, xsT, yT, tb):
+def mt_i8_16(qs, d, m, ms, c, x2, xdT, xsT, y, tb):
     """int8 codes, a scale per 16 (Q6_K)."""
     w = xdT.shape[2]
     for rb in prange(qs.shape[0]):
+        tile = np.empty((ROW_BLOCK, w), np.float32)  # the block's rows x one chunk's tokens
+        r0, r1 = rb * ROW_BLOCK, min(rb * ROW_BLOCK + ROW_BLOCK, y.shape[1])
         for ch in range(x2.shape[0]):
             xc, xdc, xsc, t0 = x2[ch], xdT[ch], xsT[ch], tb + ch * w
-            for r in range(rb * ROW_BLOCK, min(rb * ROW_BLOCK + ROW_BLOCK, yT.shape[0])):
-                _zero(yT, r, t0, w)
+            for r in range(r0, r1):
+                i = r - r0
+                _zero(tile, i, w)
                 for g in range(qs.shape[1]):
                     o = g * 64
                     s0 = _i8_8(qs, r, o, xc, o // 2, 0)
@@ -264,10 +289,11 @@ def mt_i8_16(qs, d, m, ms, c, x2, xdT, xsT, yT, tb):
                     s2 = _i8_8(qs, r, o + 32, xc, o // 2 + 16, 0)
                     s3 = _i8_8(qs, r, o + 48, xc, o // 2 + 24, 0)
                     k = 4 * g
-                    _term(yT, r, t0, s0, d, m, ms, c, k, xdc, 2 * g, xsc)
-                    _term(yT, r, t0, s1, d, m, ms, c, k + 1, xdc, 2 * g, xsc)
-                    _term(yT, r, t0, s2, d, m, ms, c, k + 2, xdc, 2 * g + 1, xsc)
-                    _term(yT, r, t0, s3, d, m, ms, c, k + 3, xdc, 2 * g + 1, xsc)
+                    _term(tile, i, r, s0, d, m, ms, c, k, xdc, 2 * g, xsc)
+                    _term(tile, i, r, s1, d, m, ms, c, k + 1, xdc, 2 * g, xsc)
+                    _term(tile, i, r, s2, d, m, ms, c, k + 2, xdc, 2 * g + 1, xsc)
+                    _term(tile, i, r, s3, d, m, ms, c, k + 3, xdc, 2 * g + 1, xsc)
+            _store(tile, y, r0, r1, t0)
 
 
 @numba.njit(cache=True, nogil=True)
@@ -319,11 +345,9 @@ def prepare_x(xq, xd, xs):
     return segments
 
 
-def matmul_multi(n_rows, qs, d, m, ms, c, layout, sub, prepared):
-    """`prepared` from prepare_x -> yT (n_rows, n_tok_pad) float32."""
-    x2, xdT, xsT, t_last = prepared[-1]
-    yT = np.empty((n_rows, t_last + x2.shape[0] * xdT.shape[2]), dtype=np.float32)
+def matmul_multi(qs, d, m, ms, c, layout, sub, prepared, y):
+    """`prepared` from prepare_x -> y (n_tok, n_rows) float32, written in place."""
     kern = KERNELS[(layout, sub)]
     for x2, xdT, xsT, tb in prepared:
-        kern(qs, d, m, ms, np.float32(c), x2, xdT, xsT, yT, tb)
-    return yT
+        kern(qs, d, m, ms, np.float32(c), x2, xdT, xsT, y, tb)
+    return y

@@ -84,9 +84,7 @@ def quantize_for(w: PackedWeight, x: np.ndarray):
 def _matmul_int(w: PackedWeight, n_tok: int, prepared, out: np.ndarray | None = None) -> np.ndarray:
     y = np.empty((n_tok, w.shape[0]), dtype=np.float32) if out is None else out  # (n_tokens, n_rows)
     if n_tok >= MULTI_MIN_TOKENS:
-        yt = dot_multi.matmul_multi(w.shape[0], w.qs, w.d, w.m, w.ms, w.c, w.layout, w.sub, prepared)  # (n_rows, n_tok_pad)
-        np.copyto(y, yt[:, :n_tok].T)  # one transposing copy, straight into the caller's buffer
-        return y
+        return dot_multi.matmul_multi(w.qs, w.d, w.m, w.ms, w.c, w.layout, w.sub, prepared, y)
     xq, xd, xs = prepared
     if w.layout == "nib":
         kern = dot.dot_nib32 if w.sub == 32 else dot.dot_nib16
