@@ -10,7 +10,7 @@ import numpy as np
 
 from hearthlm.backends.cpu import ops
 from hearthlm.backends.cpu.ffn import ffn_glu
-from hearthlm.backends.cpu.matmul import get_rows, matmul
+from hearthlm.backends.cpu.matmul import get_rows, matmul, matmul_add
 from hearthlm.backends.cpu.qtypes import SUPPORTED_TYPES, PackedWeight, pack_weight
 from hearthlm.runtime.graph import Op, Tensor
 from hearthlm.runtime.weights import QWeight
@@ -164,7 +164,7 @@ class CPUBackend:
         self.kernels = {
             Op.GET_ROWS: _get_rows,
             Op.MUL_MAT: _mul_mat,
-            Op.MUL_MAT_ADD: lambda n, w, x, r, out=None: np.add(matmul(w, x), r, out=out),
+            Op.MUL_MAT_ADD: lambda n, w, x, r, out=None: matmul_add(w, x, r, out),
             Op.RMS_NORM: _rms_norm,
             Op.RMS_NORM_MUL: _rms_norm,
             Op.RMS_NORM_MUL_ADD: _rms_norm_add,

@@ -294,3 +294,16 @@ def dot_i8_16(qs, d, m, ms, c, xq, xd, xs, y):
                     _i8_16m(qs, rb, g, xq, t, d, m, c, xd, xs, y)
                 else:
                     _i8_16(qs, rb, g, xq, t, d, m, c, xd, xs, y)
+
+
+@numba.njit(cache=True, nogil=True)
+def dot_any(kind, qs, d, m, ms, c, xq, xd, xs, y):
+    """The kernel of family `kind` (qtypes.KINDS), chosen inside compiled code."""
+    if kind == 0:
+        dot_nib32(qs, d, m, ms, c, xq, xd, xs, y)
+    elif kind == 1:
+        dot_nib16(qs, d, m, ms, c, xq, xd, xs, y)
+    elif kind == 2:
+        dot_i8_32(qs, d, m, ms, c, xq, xd, xs, y)
+    else:
+        dot_i8_16(qs, d, m, ms, c, xq, xd, xs, y)

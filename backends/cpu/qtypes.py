@@ -38,6 +38,7 @@ SUPPORTED_TYPES = frozenset(int(t) for t in (
 ))
 
 ROWS = 16  # rows per block of the quantized layouts
+KINDS = {("nib", 32): 0, ("nib", 16): 1, ("i8", 32): 2, ("i8", 16): 3}  # dot.py's kernel families
 
 FLOAT_TYPES = frozenset(int(t) for t in (T.F32, T.F16, T.BF16))
 
@@ -57,11 +58,16 @@ class PackedWeight:
     m: np.ndarray | None = None    # the same, or (1, n_pad // sub, 1) of zeros
     ms: int = 1                    # step of m's block and row index: 1, or 0 for the zeros
     c: float = 0.0                 # code offset: weight = d * (code + c) + m
+    # derived once (the decode path reads them per call): columns after padding to whole
+    # 64-weight groups, c as the kernels take it, and the integer kernel family (KINDS, or -1)
+    n_pad: int = dataclasses.field(init=False)
+    c32: np.float32 = dataclasses.field(init=False)
+    kind: int = dataclasses.field(init=False)
 
-    @property
-    def n_pad(self) -> int:
-        """Columns after padding to whole 64-weight groups (pad codes and scales are zero)."""
-        return self.shape[1] if self.d is None else self.d.shape[1] * self.sub
+    def __post_init__(self) -> None:
+        self.n_pad = self.shape[1] if self.d is None else self.d.shape[1] * self.sub
+        self.c32 = np.float32(self.c)
+        self.kind = KINDS.get((self.layout, self.sub), -1)
 
     def rows(self, r0: int, r1: int) -> "PackedWeight":
         """Rows r0..r1 as a PackedWeight of views (no copies); r0 a multiple of ROWS for the
