@@ -153,8 +153,9 @@ def test_pack_weight_rejects_mismatched_bytes():
 @pytest.mark.parametrize("qtype", [*QUANTIZABLE[2:], *KQUANTS], ids=lambda t: t.name)
 def test_matmul_is_batch_invariant(qtype):
     """A token's row of y is bitwise the same whatever else shares the call (batched decode must
-    give a request the tokens it gets alone): the one-token and the multi-token integer kernels
-    combine the exact sub-block sums with the same float operations in the same order."""
+    give a request the tokens it gets alone): the one-token fast path and the batched call
+    combine the exact sub-block sums with the same float operations in the same order, and 37
+    rows cover both the 16-row vector path and the scalar rows of a partial block."""
     from hearthlm.backends.cpu import matmul as mm
     rng = np.random.default_rng(int(qtype) + 11)
     n_rows, n_cols = 37, cols_for(qtype)[1]
@@ -162,7 +163,7 @@ def test_matmul_is_batch_invariant(qtype):
     x = rng.standard_normal((40, n_cols)).astype(np.float32)
     x[:, ::7] *= 30.0  # uneven magnitudes: activation scales differ per block
     ref = matmul(w, x[:1])  # token 0 alone
-    batches = [1, 2, 3, 4, 5, 8, 9, 16, 17, 24, 33, mm.BLAS_MIN_TOKENS - 1]  # every chunk plan
+    batches = [1, 2, 3, 4, 5, 8, 9, 16, 17, 24, 33, mm.BLAS_MIN_TOKENS - 1]
     for n_tok in batches:
         if n_tok >= mm.BLAS_MIN_TOKENS or n_tok > x.shape[0]:
             continue

@@ -1,31 +1,25 @@
 """Weight matmul and embedding lookup on the CPU: y = x @ W.T for every type in qtypes.
 
-Few tokens (decode): x is quantized to int16 blocks of 32 once per call (as ggml's q8_1,
-with codes, a scale, and the block sums that absorb the weights' offsets), and each weight
-row is an integer dot product per sub-block (dot.py, one token at a time), or, from
-MULTI_MIN_TOKENS tokens on (batched decode), each weight block is decoded once for a chunk of
-4, 8 or 16 tokens (dot_multi.py). Both combine the exact integer sums into floats in the same order with the same
-operations, so a token's result does not depend on the batch it came in. Many tokens (prefill):
-rows are dequantized a tile at a time and multiplied by BLAS, which wins once a tile is reused
-by enough tokens. F32 weights go to BLAS at any token count; F16/BF16 ones are widened
-to float32 a row at a time (halfs.py), or a tile at a time for BLAS.
+Up to BLAS_MIN_TOKENS tokens (decode, batches, prefill), x is quantized to int16 blocks of 32
+(as ggml's q8_1, with codes, a scale, and the block sums that absorb the weights' offsets), and
+each weight row is an integer dot product per sub-block (dot.py, 16 rows at a time, token by
+token), so a token's result does not depend on the batch it came in. Beyond, rows are
+dequantized a tile at a time and multiplied by BLAS. F32 weights go to BLAS at any token count;
+F16/BF16 ones are widened to float32 a row at a time (halfs.py), or a tile at a time for BLAS.
 """
 
 import numba
 import numpy as np
 from gguf.constants import GGMLQuantizationType
 
-from . import dot, dot_multi, halfs, kernels, ops
+from . import dot, halfs, kernels, ops
 from .qtypes import PackedWeight
 
-# the quantized types: one token at a time below MULTI_MIN_TOKENS, in chunks of 4/8/16 from there
-# (a 4-token chunk costs ~1.6 one-token calls on one thread: 2 and 3 tokens win by 1.2x and
-# 1.7x), and dequantize + BLAS from BLAS_MIN_TOKENS on. Measured on 2 cores with BLAS on one thread (as the
-# engine runs it): the multi-token kernels beat the tiles at every count tried, 16 to 512 tokens
-# (SmolLM2's matrices, and 1536x2048 for Q8_0/Q4_1/Q5_0/Q4_K/Q6_K/Q3_K: ~1.5x at 512), both
-# growing linearly; so the tiles stay only for counts beyond what was measured.
+# the quantized types: integer kernels below BLAS_MIN_TOKENS, dequantize + BLAS from there.
+# Measured on 2 cores with BLAS on one thread (as the engine runs it): the integer kernels beat
+# the tiles at every count tried, 16 to 512 tokens (~1.5x at 512), both growing linearly; so
+# the tiles stay only for counts beyond what was measured.
 BLAS_MIN_TOKENS = 4096
-MULTI_MIN_TOKENS = 2
 HALF_BLAS_MIN_TOKENS = 8  # F16/BF16: their per-token kernel against widened tiles + BLAS
 TILE_ROWS = 256  # rows dequantized per BLAS call: big enough for BLAS, small enough for L2
 
@@ -41,7 +35,7 @@ def matmul(w: PackedWeight, x: np.ndarray, out: np.ndarray | None = None, xq=Non
         _matvec(w.kind, w.qs, w.d, w.m, w.ms, w.c32, w.sub, x, y)
         return y
     if w.layout in ("nib", "i8") and x.shape[0] < BLAS_MIN_TOKENS:
-        if xq is None or xq[0] != (w.n_pad, w.sub, x.shape[0] >= MULTI_MIN_TOKENS):
+        if xq is None or xq[0] != (w.n_pad, w.sub):
             xq = quantize_for(w, x)
         return _matmul_int(w, x.shape[0], xq[1], out)
     if w.layout == "f32":
@@ -129,21 +123,12 @@ def quantize_for(w: PackedWeight, x: np.ndarray):
     n_tok = x.shape[0]
     if w.layout not in ("nib", "i8") or n_tok >= BLAS_MIN_TOKENS:
         return None
-    multi = n_tok >= MULTI_MIN_TOKENS
-    q = kernels.quantize_x(np.ascontiguousarray(x, dtype=np.float32), w.n_pad, w.sub)
-    return (w.n_pad, w.sub, multi), (dot_multi.prepare_x(*q) if multi else q)
+    return (w.n_pad, w.sub), kernels.quantize_x(np.ascontiguousarray(x, dtype=np.float32), w.n_pad, w.sub)
 
 
 def _matmul_int(w: PackedWeight, n_tok: int, prepared, out: np.ndarray | None = None) -> np.ndarray:
     y = np.empty((n_tok, w.shape[0]), dtype=np.float32) if out is None else out  # (n_tokens, n_rows)
-    if n_tok >= MULTI_MIN_TOKENS:
-        return dot_multi.matmul_multi(w.qs, w.d, w.m, w.ms, w.c, w.layout, w.sub, prepared, y)
-    xq, xd, xs = prepared
-    if w.layout == "nib":
-        kern = dot.dot_nib32 if w.sub == 32 else dot.dot_nib16
-    else:
-        kern = dot.dot_i8_32 if w.sub == 32 else dot.dot_i8_16
-    kern(w.qs, w.d, w.m, w.ms, np.float32(w.c), xq, xd, xs, y)
+    dot.dot_any(w.kind, w.qs, w.d, w.m, w.ms, w.c32, *prepared, y)
     return y
 
 
