@@ -71,6 +71,29 @@ def _madd(builder, a, b):
 _JIT = dict(cache=True, nogil=True, parallel=True)  # no fastmath: see the module docstring
 
 
+def _load_scales(context, builder, arrty, arr, inds, n):
+    """n (16, or 1 for a scalar) consecutive scales as float32: float32 ones as they are, float16
+    ones (stored as uint16 bits, see qtypes) widened, which is exact (vcvtph2ps)."""
+    half = arrty.dtype == types.uint16
+    ety = ir.IntType(16) if half else _F32
+    p = _ptr(context, builder, arrty, arr, inds)
+    v = builder.load(builder.bitcast(p, (ir.VectorType(ety, n) if n > 1 else ety).as_pointer()), align=2 if half else 4)
+    if half:
+        hty = ir.HalfType()
+        v = builder.fpext(builder.bitcast(v, ir.VectorType(hty, n) if n > 1 else hty), ir.VectorType(_F32, n) if n > 1 else _F32)
+    return v
+
+
+@intrinsic
+def f32(typingctx, v):
+    """A scale as float32: float16 bits (uint16) widened exactly, float32 as it is."""
+    def codegen(context, builder, sig, args):
+        if sig.args[0] == types.uint16:
+            return builder.fpext(builder.bitcast(args[0], ir.HalfType()), _F32)
+        return context.cast(builder, args[0], sig.args[0], types.float32)
+    return types.float32(v), codegen
+
+
 def _reduce_rows(builder, vecs, seg):
     """vecs: 16 <16 x i32> (one per row), each of segments of `seg` lanes (a sub-block's partial
     sums) -> seg vectors whose lanes are the segments' sums, in (row, segment) order."""
@@ -135,11 +158,11 @@ def _make_group(kind, sub, has_m):
 
             cv = splat(context.cast(builder, c_v, ta[7], types.float32))
             for k, s in sums:
-                dv = builder.load(_vec_ptr(context, builder, ta[5], d_v, [(rb, ip), (k, ip), (cst(0), ip)], vf), align=4)
+                dv = _load_scales(context, builder, ta[5], d_v, [(rb, ip), (k, ip), (cst(0), ip)], ROWS)
                 if has_m:
-                    mv = builder.load(_vec_ptr(context, builder, ta[6], m_v, [(rb, ip), (k, ip), (cst(0), ip)], vf), align=4)
+                    mv = _load_scales(context, builder, ta[6], m_v, [(rb, ip), (k, ip), (cst(0), ip)], ROWS)
                 else:
-                    mv = splat(builder.load(_ptr(context, builder, ta[6], m_v, [(cst(0), ip), (k, ip), (cst(0), ip)])))
+                    mv = splat(_load_scales(context, builder, ta[6], m_v, [(cst(0), ip), (k, ip), (cst(0), ip)], 1))
                 xk = k if sub == 32 else builder.udiv(k, cst(2))  # the activation scale covers 32 weights
                 xdv = splat(builder.load(_ptr(context, builder, ta[8], xd_v, [(t_v, ta[4]), (xk, ip)])))
                 xsv = splat(builder.load(_ptr(context, builder, ta[9], xs_v, [(t_v, ta[4]), (k, ip)])))
@@ -169,8 +192,8 @@ _i8_16, _i8_16m = _G[("i8", 16, False)], _G[("i8", 16, True)]
 @numba.njit(inline="always", cache=True, nogil=True)
 def _term(d, m, ms, c, r, k, xdv, s, xsv):
     """Sub-block k's share of row r's dot product, as the vector update computes it."""
-    dk = d[r >> 4, k, r & 15]
-    return dk * xdv * np.float32(s) + (m[(r >> 4) * ms, k, (r & 15) * ms] + c * dk) * xsv
+    dk = f32(d[r >> 4, k, r & 15])
+    return dk * xdv * np.float32(s) + (f32(m[(r >> 4) * ms, k, (r & 15) * ms]) + c * dk) * xsv
 
 
 @numba.njit(inline="always", cache=True, nogil=True)

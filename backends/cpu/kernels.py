@@ -8,6 +8,8 @@ import numba
 import numpy as np
 from numba import prange
 
+from .dot import f32
+
 _JIT = dict(cache=True, fastmath=True, nogil=True)
 
 
@@ -64,13 +66,13 @@ def quantize_x(x, n_pad, sub):
 @numba.njit(inline="always", **_JIT)
 def scale(d, r, k):
     """d of sub-block k of row r."""
-    return d[r >> 4, k, r & 15]
+    return f32(d[r >> 4, k, r & 15])
 
 
 @numba.njit(inline="always", **_JIT)
 def offset(d, m, ms, c, r, k):
     """The additive part of sub-block k of row r: m + c*d."""
-    return m[(r >> 4) * ms, k, (r & 15) * ms] + c * d[r >> 4, k, r & 15]
+    return f32(m[(r >> 4) * ms, k, (r & 15) * ms]) + c * f32(d[r >> 4, k, r & 15])
 
 
 @numba.njit(**_JIT)

@@ -17,7 +17,8 @@ a stored minimum an offset `m`: weight = d * (code + c) + m, with c a per-type c
 Q4_0's unsigned nibbles). d and m are (row block, sub-block, 16 rows): the kernels read a
 block's 16 scales of a sub-block as one vector. Types without a minimum keep a single zero of
 `m` per sub-block (step ms = 0) instead of one per row: that is a quarter of Q8_0's bytes.
-Scales are float32 because numba cannot take float16 arrays. Rows are padded to whole blocks
+Scales that are float16 in the file stay float16, as uint16 bits (numba has no float16 type; the
+kernels widen them, exactly); computed ones (K-quants') are float32. Rows are padded to whole blocks
 (zero codes and scales); the kernels never write the padding rows out.
 """
 
@@ -40,6 +41,8 @@ SUPPORTED_TYPES = frozenset(int(t) for t in (
 ROWS = 16  # rows per block of the quantized layouts
 KINDS = {("nib", 32): 0, ("nib", 16): 1, ("i8", 32): 2, ("i8", 16): 3}  # dot.py's kernel families
 
+HALF_SCALE_TYPES = frozenset(int(t) for t in (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0))
+
 FLOAT_TYPES = frozenset(int(t) for t in (T.F32, T.F16, T.BF16))
 
 
@@ -54,7 +57,7 @@ class PackedWeight:
     w: np.ndarray | None = None    # f32: (n_rows, n_cols) float32
     qs: np.ndarray | None = None   # nib: (n_blocks, n_pad // 64, ROWS, 32) uint8; i8: (..., 64) int8;
     #                                half: (n_rows, n_cols) uint16 bits of F16 or BF16
-    d: np.ndarray | None = None    # (n_blocks, n_pad // sub, ROWS) float32 scale
+    d: np.ndarray | None = None    # (n_blocks, n_pad // sub, ROWS) scale: float32, or float16 bits as uint16
     m: np.ndarray | None = None    # the same, or (1, n_pad // sub, 1) of zeros
     ms: int = 1                    # step of m's block and row index: 1, or 0 for the zeros
     c: float = 0.0                 # code offset: weight = d * (code + c) + m
@@ -125,9 +128,13 @@ def _pack_codes(ggml_type, shape, layout, sub, codes, d, m, c) -> PackedWeight:
     else:
         qs = codes.astype(np.int8, copy=False).reshape(n_blk * ROWS, n_pad // 64, 64)
     blocked = lambda a: np.ascontiguousarray(a.reshape(n_blk, ROWS, *a.shape[1:]).swapaxes(1, 2))
-    scales = lambda a: blocked(np.pad(np.asarray(a, dtype=np.float32), pad_s))
+    # float16 bits where every scale is a float16 of the file (the simple quants): a sixth of
+    # Q4_1's bytes, read at memory speed by decode; float32 where they are products (K-quants)
+    half = ggml_type in HALF_SCALE_TYPES
+    stored = lambda a: a.astype(np.float16).view(np.uint16) if half else a
+    scales = lambda a: blocked(stored(np.pad(np.asarray(a, dtype=np.float32), pad_s)))
     ms = 0 if m is None else 1
-    m = np.zeros((1, n_pad // sub, 1), dtype=np.float32) if m is None else scales(m)
+    m = stored(np.zeros((1, n_pad // sub, 1), dtype=np.float32)) if m is None else scales(m)
     return PackedWeight(ggml_type, shape, layout, sub, qs=blocked(qs), d=scales(d), m=m, ms=ms, c=float(c))
 
 
