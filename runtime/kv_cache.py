@@ -79,7 +79,8 @@ class KVCache:
         self.n_slots = n_blocks * block_size
         self.allocator = BlockAllocator(n_blocks)
         backends = backend if isinstance(backend, (list, tuple)) else [backend] * len(kv_dims)
-        alloc = lambda be, shape: be.from_host(np.zeros(shape, np.float32))  # noqa: E731
+        # each backend's own element type (the CPU's float16, as llama.cpp's), float32 by default
+        alloc = lambda be, shape: be.from_host(np.zeros(shape, getattr(be, "kv_dtype", np.float32)))  # noqa: E731
         self.k = [alloc(be, (self.n_slots, h, d)) for be, (h, d) in zip(backends, kv_dims)]
         self.v = [alloc(be, (self.n_slots, h, d)) for be, (h, d) in zip(backends, kv_dims)]
 

@@ -78,22 +78,27 @@ def _rope(node, x, pos, out=None):
     return out
 
 
+def _bits(cache: np.ndarray) -> np.ndarray:
+    """A KV cache as the kernels take it: float16 ones as their uint16 bits (numba has no float16)."""
+    return cache.view(np.uint16) if cache.dtype == np.float16 else cache
+
+
 def _set_rows(node, cache, src, slots):
-    ops.set_rows(cache, np.ascontiguousarray(src, np.float32).reshape(len(slots), *cache.shape[1:]), slots)
+    ops.set_rows(_bits(cache), np.ascontiguousarray(src, np.float32).reshape(len(slots), *cache.shape[1:]), slots)
     return cache
 
 
 def _rope_set_rows(node, cache, x, pos, slots):
     p = node.params
     ops.rope_set_rows(np.ascontiguousarray(x, np.float32), pos, slots, p["n_rot"], p["base"], p["freq_scale"],
-                      p["neox"], cache)
+                      p["neox"], _bits(cache))
     return cache
 
 
 def _attn(node, q, k, v, seq, pos, bt, out=None):
     p = node.params
     out = _buf(node, out)
-    ops.attention(np.ascontiguousarray(q, np.float32), k, v, seq, pos, bt, p["scale"], p["block_size"],
+    ops.attention(np.ascontiguousarray(q, np.float32), _bits(k), _bits(v), seq, pos, bt, p["scale"], p["block_size"],
                   p["window"], out.reshape(q.shape[0], q.shape[1], v.shape[2]))
     return out
 
@@ -102,7 +107,7 @@ def _gather_kv(node, cache, bt, out=None):
     bs = node.params["block_size"]
     slots = (bt[:, :, None] * bs + np.arange(bs, dtype=np.int32)).reshape(-1)
     out = _buf(node, out)
-    np.take(cache, slots, axis=0, out=out.reshape(len(slots), *cache.shape[1:]))
+    out.reshape(len(slots), *cache.shape[1:])[...] = cache[slots]  # float16 caches widen here
     return out
 
 
@@ -159,6 +164,7 @@ def _binary(ufunc):
 class CPUBackend:
     name = "cpu"
     plans_memory = True  # kernels accept out=: runtime.memory places intermediates in one arena
+    kv_dtype = np.float16  # as llama.cpp's default: half the memory and the bytes attention reads
 
     def __init__(self) -> None:
         self.kernels = {

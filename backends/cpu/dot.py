@@ -35,6 +35,7 @@ from numba import prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from .halfs import f32
 from .qtypes import ROWS  # rows per vector (one zmm of int32 or float32 lanes) and per block
 
 _I8, _I16, _I32, _F32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.FloatType()
@@ -82,16 +83,6 @@ def _load_scales(context, builder, arrty, arr, inds, n):
         hty = ir.HalfType()
         v = builder.fpext(builder.bitcast(v, ir.VectorType(hty, n) if n > 1 else hty), ir.VectorType(_F32, n) if n > 1 else _F32)
     return v
-
-
-@intrinsic
-def f32(typingctx, v):
-    """A scale as float32: float16 bits (uint16) widened exactly, float32 as it is."""
-    def codegen(context, builder, sig, args):
-        if sig.args[0] == types.uint16:
-            return builder.fpext(builder.bitcast(args[0], ir.HalfType()), _F32)
-        return context.cast(builder, args[0], sig.args[0], types.float32)
-    return types.float32(v), codegen
 
 
 def _reduce_rows(builder, vecs, seg):

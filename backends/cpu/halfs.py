@@ -10,9 +10,37 @@ Inf/NaN get an all-ones exponent first, which the multiply keeps.
 
 import numba
 import numpy as np
-from numba import prange
+from llvmlite import ir
+from numba import prange, types
+from numba.extending import intrinsic
 
 _JIT = dict(cache=True, fastmath=True, nogil=True)
+
+
+# float16 values held as uint16 bits (quantization scales, the KV cache): the conversions are
+# LLVM's fpext / fptrunc (vcvtph2ps / vcvtps2ph where the CPU has F16C), exact one way and
+# round-to-nearest-even the other, as numpy's float16 casts.
+
+@intrinsic
+def f32(typingctx, v):
+    """v as float32: float16 bits (uint16) widened, a float converted."""
+    def codegen(context, builder, sig, args):
+        if sig.args[0] == types.uint16:
+            return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
+        return context.cast(builder, args[0], sig.args[0], types.float32)
+    return types.float32(v), codegen
+
+
+@intrinsic
+def like(typingctx, arr, v):
+    """The float v as an element of arr: float16 bits for a uint16 array, else arr's float type."""
+    def codegen(context, builder, sig, args):
+        dt = sig.args[0].dtype
+        x = context.cast(builder, args[1], sig.args[1], types.float32)
+        if dt == types.uint16:
+            return builder.bitcast(builder.fptrunc(x, ir.HalfType()), ir.IntType(16))
+        return context.cast(builder, x, types.float32, dt)
+    return arr.dtype(arr, v), codegen
 ROWS_PER_TASK = 32  # rows sharing one widening buffer in the parallel loop
 _F16_REBIAS = np.float32(2.0**112)
 

@@ -8,7 +8,7 @@ import numba
 import numpy as np
 from numba import prange
 
-from .dot import f32
+from .halfs import f32
 
 _JIT = dict(cache=True, fastmath=True, nogil=True)
 

@@ -11,6 +11,8 @@ from llvmlite import ir
 from numba import prange, types
 from numba.extending import intrinsic
 
+from .halfs import f32, like
+
 _JIT = dict(cache=True, fastmath=True, nogil=True)
 ATT_BLOCK = 32  # positions per step of attention's online softmax
 # positions per attention task: decode has one token and a few KV heads, too few tasks for the
@@ -87,19 +89,20 @@ def glu(gate, up, act_gelu, out):
 
 @numba.njit(**_JIT)
 def _rope_token(x, p, n_rot, base, freq_scale, neox, out):
-    """x, out (n_heads, head_dim) of one token at position p; out may be x."""
+    """x, out (n_heads, head_dim) of one token at position p; out may be x, or a KV cache row
+    (float16 bits: see halfs)."""
     half = n_rot // 2
     for j in range(n_rot, x.shape[1]):
         for h in range(x.shape[0]):
-            out[h, j] = x[h, j]
+            out[h, j] = like(out, x[h, j])
     for i in range(half):
         theta = freq_scale * np.float64(p) * base ** (-2.0 * i / n_rot)
         c, s = np.float32(math.cos(theta)), np.float32(math.sin(theta))
         i0, i1 = (i, i + half) if neox else (2 * i, 2 * i + 1)
         for h in range(x.shape[0]):
             x0, x1 = x[h, i0], x[h, i1]
-            out[h, i0] = x0 * c - x1 * s
-            out[h, i1] = x0 * s + x1 * c
+            out[h, i0] = like(out, x0 * c - x1 * s)
+            out[h, i1] = like(out, x0 * s + x1 * c)
 
 
 @numba.njit(parallel=True, **_JIT)
@@ -163,9 +166,11 @@ def kqv(probs, v, tok_seq, out):
 
 @numba.njit(parallel=True, **_JIT)
 def set_rows(cache, src, slots):
-    """cache (n_slots, h, d)[slots[t]] = src[t]."""
+    """cache (n_slots, h, d)[slots[t]] = src[t] (float32, or float16 bits: see halfs)."""
     for t in prange(slots.shape[0]):
-        cache[slots[t]] = src[t]
+        for h in range(cache.shape[1]):
+            for j in range(cache.shape[2]):
+                cache[slots[t], h, j] = like(cache, src[t, h, j])
 
 
 @numba.njit(**_JIT)
@@ -190,7 +195,7 @@ def _attend(q, k_cache, v_cache, t, kh, group, seq, p_lo, p_hi, block_table, sca
                 qv = q[t, h0 + g]
                 s = np.float32(0.0)
                 for j in range(d):
-                    s += qv[j] * kv[j]
+                    s += qv[j] * f32(kv[j])
                 sc[g, i] = s * scale
         for g in range(group):
             mb = m[g]
@@ -213,13 +218,14 @@ def _attend(q, k_cache, v_cache, t, kh, group, seq, p_lo, p_hi, block_table, sca
             for g in range(group):
                 e = sc[g, i]
                 for j in range(dv):
-                    acc[g, j] += e * vv[j]
+                    acc[g, j] += e * f32(vv[j])
 
 
 @numba.njit(parallel=True, **_JIT)
 def attention(q, k_cache, v_cache, tok_seq, tok_pos, block_table, scale, block_size, window, out):
     """Flash-style attention with an online softmax: never holds a score matrix.
-    q (n_tokens, n_head, d); caches (n_slots, n_head_kv, d_v); out (n_tokens, n_head, d_v).
+    q (n_tokens, n_head, d); caches (n_slots, n_head_kv, d_v), float32 or float16 bits (halfs);
+    out (n_tokens, n_head, d_v).
     A task per token, KV head and ATT_SPLIT positions of the token's context (its window); the
     parts' (max, sum, weighted V) are then merged per token in a fixed order."""
     n_tokens, n_head, d = q.shape
