@@ -13,7 +13,7 @@ from typing import Callable
 import numpy as np
 
 from hearthlm.runtime.graph import Graph, Op, Tensor
-from hearthlm.runtime.weights import QWeight
+from hearthlm.runtime.weights import QWeight, release_pages
 
 COMMUTATIVE = (Op.ADD, Op.MUL)
 SIDE_EFFECTS = (Op.SET_ROWS, Op.ROPE_SET_ROWS)  # kept even when nothing reads their value
@@ -168,6 +168,8 @@ def stacked_weight(ws: list[QWeight]) -> QWeight:
     if key not in per_first:
         per_first[key] = QWeight("+".join(w.name for w in ws), ws[0].ggml_type,
                                  (sum(w.shape[0] for w in ws), ws[0].shape[1]), np.concatenate([w.raw for w in ws]))
+        for w in ws:  # read once, here: the stacked copy is what backends pack
+            release_pages(w.raw)
     return per_first[key]
 
 

@@ -2,6 +2,8 @@
 QWeight into their own layout once, with `Backend.prepare_weight`."""
 from __future__ import annotations
 
+import ctypes
+import mmap
 from dataclasses import dataclass
 
 import numpy as np
@@ -17,3 +19,23 @@ class QWeight:
     @property
     def nbytes(self) -> int:
         return int(self.raw.nbytes)
+
+
+_libc = None
+
+
+def release_pages(a: np.ndarray) -> None:
+    """Drop the resident pages of a read-only view of the model file, once a backend holds its
+    own copy of them: otherwise the file's copy stays in the process's RSS beside the packed one.
+    Pages touched again are read back from the page cache. Nothing happens for arrays that are
+    not a file's memmap (dropping anonymous pages would zero them)."""
+    global _libc
+    base = a
+    while base is not None and not isinstance(base, np.memmap):
+        base = getattr(base, "base", None)
+    if base is None or not hasattr(mmap, "MADV_DONTNEED") or a.nbytes == 0:
+        return
+    if _libc is None:
+        _libc = ctypes.CDLL(None, use_errno=True)
+    start = a.ctypes.data // mmap.PAGESIZE * mmap.PAGESIZE
+    _libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(a.ctypes.data + a.nbytes - start), mmap.MADV_DONTNEED)

@@ -173,3 +173,19 @@ def test_matmul_is_batch_invariant(qtype):
             assert np.array_equal(y[0], ref[0]), (qtype.name, n_tok, start)
             y_alone = np.concatenate([matmul(w, x[i:i + 1]) for i in idx[:4]])
             assert np.array_equal(y[:4], y_alone[:len(idx[:4])]), (qtype.name, n_tok, start)
+
+
+@pytest.mark.parametrize("qtype", [T.Q4_1, T.Q8_0, T.Q6_K], ids=lambda t: t.name)
+def test_packing_in_slices_equals_packing_whole(qtype, monkeypatch):
+    """Big weights are unpacked PACK_ROWS rows at a time into the final arrays: the same bytes
+    as one pass, for a row count that leaves a partial last slice and a partial last block."""
+    from hearthlm.backends.cpu import qtypes
+    rng = np.random.default_rng(int(qtype) + 5)
+    n_rows, n_cols = 77, cols_for(qtype)[1]
+    raw = make_raw(qtype, n_rows, n_cols, rng)
+    whole = pack_weight(int(qtype), raw, (n_rows, n_cols))
+    monkeypatch.setattr(qtypes, "PACK_ROWS", 32)
+    sliced = pack_weight(int(qtype), raw, (n_rows, n_cols))
+    for f in ("qs", "d", "m"):
+        assert np.array_equal(getattr(whole, f), getattr(sliced, f)), f
+    assert sliced.shape == whole.shape and sliced.ms == whole.ms

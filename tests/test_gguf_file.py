@@ -353,3 +353,18 @@ def test_real_smollm2():
         assert emb.shape == (49152, 576) and emb.raw().shape == (49152, 18 * 34)
         assert f.tensors["blk.0.attn_norm.weight"].array().dtype == np.float32
     assert elapsed < 1.0, f"parsing took {elapsed:.2f} s"
+
+
+def test_release_pages_drops_only_file_pages(tmp_path):
+    """Dropping a file view's resident pages leaves its data readable (re-read from the file);
+    an ordinary array is left alone (dropping anonymous pages would zero them)."""
+    from hearthlm.runtime.weights import release_pages
+    data = (np.arange(3 * 4096 + 123) % 251).astype(np.uint8)
+    path = tmp_path / "w.bin"
+    data.tofile(path)
+    view = np.memmap(path, dtype=np.uint8, mode="r")[100:9000].view(np.ndarray)
+    release_pages(view)
+    assert np.array_equal(view, data[100:9000])
+    anon = data.copy()
+    release_pages(anon)
+    assert np.array_equal(anon, data)

@@ -199,7 +199,7 @@ class CPUBackend:
         if len(w.shape) == 1:  # norms and biases: plain float32 vectors
             from hearthlm.backends.reference import dequantize
             return np.ascontiguousarray(dequantize(w))
-        return pack_weight(w.ggml_type, w.raw, w.shape)
+        return pack_weight(w.ggml_type, w.raw, w.shape)  # drops the file's pages of what it copies
 
     def supports(self, node: Tensor) -> bool:
         if node.op is Op.WEIGHT:

@@ -30,6 +30,7 @@ from gguf.constants import GGML_QUANT_SIZES
 from gguf.constants import GGMLQuantizationType as T
 
 from hearthlm.runtime.errors import UnsupportedModelError
+from hearthlm.runtime.weights import release_pages
 
 from .kquants import KQUANT_UNPACKERS, f16_field
 
@@ -39,6 +40,7 @@ SUPPORTED_TYPES = frozenset(int(t) for t in (
 ))
 
 ROWS = 16  # rows per block of the quantized layouts
+PACK_ROWS = 4096  # rows unpacked at a time (a multiple of ROWS)
 KINDS = {("nib", 32): 0, ("nib", 16): 1, ("i8", 32): 2, ("i8", 16): 3}  # dot.py's kernel families
 
 HALF_SCALE_TYPES = frozenset(int(t) for t in (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0))
@@ -110,8 +112,22 @@ def pack_weight(ggml_type: int, raw: np.ndarray, shape: tuple[int, int]) -> Pack
     if ggml_type in FLOAT_TYPES:  # F16, BF16
         bits = np.ascontiguousarray(raw).view(np.uint16).reshape(n_rows, n_cols)
         return PackedWeight(ggml_type, (n_rows, n_cols), "half", qs=bits)
-    layout, sub, codes, d, m, c = _UNPACKERS[ggml_type](raw, n_rows, n_cols)
-    return _pack_codes(ggml_type, (n_rows, n_cols), layout, sub, codes, d, m, c)
+    out = None
+    for r0 in range(0, n_rows, PACK_ROWS):  # a slice at a time: the temporaries stay small
+        r1 = min(r0 + PACK_ROWS, n_rows)
+        part = _pack_codes(ggml_type, (r1 - r0, n_cols), *_UNPACKERS[ggml_type](raw[r0:r1], r1 - r0, n_cols))
+        release_pages(raw[r0:r1])  # the file's copy of these rows is not read again
+        if r1 - r0 == n_rows:
+            return part
+        if out is None:
+            blk = lambda a: np.empty((-(-n_rows // ROWS), *a.shape[1:]), a.dtype)  # noqa: E731
+            out = dataclasses.replace(part, shape=(n_rows, n_cols), qs=blk(part.qs), d=blk(part.d),
+                                      m=blk(part.m) if part.ms else part.m)
+        b = slice(r0 // ROWS, r0 // ROWS + part.qs.shape[0])
+        out.qs[b], out.d[b] = part.qs, part.d
+        if part.ms:
+            out.m[b] = part.m
+    return out
 
 
 def _pack_codes(ggml_type, shape, layout, sub, codes, d, m, c) -> PackedWeight:
