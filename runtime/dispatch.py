@@ -16,7 +16,7 @@ from typing import Any, Callable, Mapping
 
 from hearthlm.runtime.errors import BackendError
 from hearthlm.runtime.graph import Graph, Op, Tensor
-from hearthlm.runtime.memory import ExecPlan, plan
+from hearthlm.runtime.memory import VIEWS, ExecPlan, plan
 from hearthlm.runtime.weights import QWeight
 
 
@@ -59,7 +59,7 @@ def copy(src, dst, value: Any) -> Any:
     return v.copy() if v is value else v  # host to host: the source's buffer goes back to the arena
 
 
-_INPUT, _STATIC, _CACHE, _COPY, _KERNEL = range(5)
+_INPUT, _STATIC, _CACHE, _COPY, _KERNEL, _VIEW = range(6)
 
 
 def compile_program(graph: Graph, store) -> list[tuple]:
@@ -72,6 +72,7 @@ def compile_program(graph: Graph, store) -> list[tuple]:
     p = plan_for(graph, {k: s.backend for k, s in stores.items()} if placed else store.backend)  # 0.
     index = {id(n): i for i, n in enumerate(graph.nodes)}
     prog = []
+    planned: set[int] = set()  # nodes whose value is an arena buffer or a view of one
     for i, node in enumerate(graph.nodes):
         st = stores[names[i]]
         backend, op = st.backend, node.op
@@ -89,6 +90,14 @@ def compile_program(graph: Graph, store) -> list[tuple]:
             k = backend.kernels.get(op)
             if k is None:
                 raise BackendError(f"backend {backend.name!r} has no kernel for {op.value} ({node.label})")
+            if op in VIEWS and srcs[0] in planned:
+                # a view of an arena buffer: made once and reused while the source's value is the
+                # same object (kernels that return their out= buffer make it so every step)
+                planned.add(i)
+                prog.append((i, _VIEW, [k, None, None], node, srcs, None, frees))
+                continue
+            if p.outs[i] is not None:
+                planned.add(i)
             prog.append((i, _KERNEL, k, node, srcs, p.outs[i], frees))
     return prog
 
@@ -107,6 +116,11 @@ def execute(graph: Graph, store, feed: Mapping[str, Any],
         if kind == _KERNEL:  # 2.
             args = [vals[j] for j in srcs]
             vals[i] = fn(node, *args) if out is None else fn(node, *args, out=out)
+        elif kind == _VIEW:  # fn: [kernel, the source value it last saw, the view it made]
+            v = vals[srcs[0]]
+            if v is not fn[1]:
+                fn[1], fn[2] = v, fn[0](node, v)
+            vals[i] = fn[2]
         elif kind == _STATIC:  # 1.
             vals[i] = fn
         elif kind == _INPUT:

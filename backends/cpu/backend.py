@@ -45,8 +45,10 @@ def _mul_mat(node, w, x, out=None):
 
 def _rms_norm(node, x, w=None, out=None):
     out = _buf(node, out)
-    ops.rms_norm(_rows(x), _NO_WEIGHT if w is None else np.ascontiguousarray(w, np.float32).reshape(-1),
-                 node.params["eps"], out.reshape(-1, x.shape[-1]))
+    x2 = _rows(x)
+    kern = ops.rms_norm if x2.shape[0] >= ops.PAR_MIN_ROWS else ops.rms_norm_1
+    kern(x2, _NO_WEIGHT if w is None else np.ascontiguousarray(w, np.float32).reshape(-1), node.params["eps"],
+         out.reshape(-1, x.shape[-1]))
     return out
 
 
@@ -74,7 +76,8 @@ def _act(gelu: bool):
 def _rope(node, x, pos, out=None):
     p = node.params
     out = _buf(node, out)
-    ops.rope(np.ascontiguousarray(x, np.float32), pos, p["n_rot"], p["base"], p["freq_scale"], p["neox"], out)
+    kern = ops.rope if x.shape[0] >= ops.PAR_MIN_ROWS else ops.rope_1
+    kern(np.ascontiguousarray(x, np.float32), pos, p["n_rot"], p["base"], p["freq_scale"], p["neox"], out)
     return out
 
 
@@ -84,14 +87,16 @@ def _bits(cache: np.ndarray) -> np.ndarray:
 
 
 def _set_rows(node, cache, src, slots):
-    ops.set_rows(_bits(cache), np.ascontiguousarray(src, np.float32).reshape(len(slots), *cache.shape[1:]), slots)
+    kern = ops.set_rows if len(slots) >= ops.PAR_MIN_ROWS else ops.set_rows_1
+    kern(_bits(cache), np.ascontiguousarray(src, np.float32).reshape(len(slots), *cache.shape[1:]), slots)
     return cache
 
 
 def _rope_set_rows(node, cache, x, pos, slots):
     p = node.params
-    ops.rope_set_rows(np.ascontiguousarray(x, np.float32), pos, slots, p["n_rot"], p["base"], p["freq_scale"],
-                      p["neox"], _bits(cache))
+    kern = ops.rope_set_rows if x.shape[0] >= ops.PAR_MIN_ROWS else ops.rope_set_rows_1
+    kern(np.ascontiguousarray(x, np.float32), pos, slots, p["n_rot"], p["base"], p["freq_scale"], p["neox"],
+         _bits(cache))
     return cache
 
 

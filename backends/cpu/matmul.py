@@ -95,7 +95,7 @@ def ffn_glu1(kind, qg, dg, mg, msg, cg, qu, du, mu, msu, cu, sub, x, gelu, out):
     u = np.empty(out.shape, dtype=np.float32)
     dot.dot_any(kind, qg, dg, mg, msg, cg, xq, xd, xs, g)
     dot.dot_any(kind, qu, du, mu, msu, cu, xq, xd, xs, u)
-    ops.glu(g, u, gelu, out)
+    ops.glu_1(g, u, gelu, out)
 
 
 def get_rows(w: PackedWeight, ids: np.ndarray) -> np.ndarray:

@@ -47,21 +47,37 @@ def fexp(x):
     return p * _bits_as_f32(np.int32((np.int32(n) + np.int32(127)) << np.int32(23)))
 
 
+# Each row-parallel kernel has a serial twin (name_1) for a few rows: a parallel launch costs a
+# few microseconds, more than a decode token's row of work; backend.py picks by row count.
+PAR_MIN_ROWS = 4
+
+
+@numba.njit(inline="always", **_JIT)
+def _rms_row(x, w, eps, out, r):
+    n = x.shape[1]
+    ss = 0.0
+    for j in range(n):
+        ss += np.float64(x[r, j]) * x[r, j]
+    inv = np.float32(1.0 / math.sqrt(ss / n + eps))
+    if w.shape[0] == 0:
+        for j in range(n):
+            out[r, j] = x[r, j] * inv
+    else:
+        for j in range(n):
+            out[r, j] = x[r, j] * inv * w[j]
+
+
 @numba.njit(parallel=True, **_JIT)
 def rms_norm(x, w, eps, out):
     """x, out (n_rows, n); w (n,) or empty (no weight)."""
-    n = x.shape[1]
     for r in prange(x.shape[0]):
-        ss = 0.0
-        for j in range(n):
-            ss += np.float64(x[r, j]) * x[r, j]
-        inv = np.float32(1.0 / math.sqrt(ss / n + eps))
-        if w.shape[0] == 0:
-            for j in range(n):
-                out[r, j] = x[r, j] * inv
-        else:
-            for j in range(n):
-                out[r, j] = x[r, j] * inv * w[j]
+        _rms_row(x, w, eps, out, r)
+
+
+@numba.njit(**_JIT)
+def rms_norm_1(x, w, eps, out):
+    for r in range(x.shape[0]):
+        _rms_row(x, w, eps, out, r)
 
 
 @numba.njit(inline="always", **_JIT)
@@ -77,14 +93,25 @@ def _silu(v):
     return v / (np.float32(1.0) + fexp(-v))
 
 
+@numba.njit(inline="always", **_JIT)
+def _glu_row(gate, up, act_gelu, out, r):
+    for j in range(gate.shape[1]):
+        g = gate[r, j]
+        a = _gelu(g) if act_gelu else _silu(g)
+        out[r, j] = a * (up[r, j] if up.shape[0] else np.float32(1.0))
+
+
 @numba.njit(parallel=True, **_JIT)
 def glu(gate, up, act_gelu, out):
     """out = act(gate) * up; (n_rows, n) each. act_gelu selects GELU(tanh) over SiLU."""
     for r in prange(gate.shape[0]):
-        for j in range(gate.shape[1]):
-            g = gate[r, j]
-            a = _gelu(g) if act_gelu else _silu(g)
-            out[r, j] = a * (up[r, j] if up.shape[0] else np.float32(1.0))
+        _glu_row(gate, up, act_gelu, out, r)
+
+
+@numba.njit(**_JIT)
+def glu_1(gate, up, act_gelu, out):
+    for r in range(gate.shape[0]):
+        _glu_row(gate, up, act_gelu, out, r)
 
 
 @numba.njit(**_JIT)
@@ -112,10 +139,22 @@ def rope(x, pos, n_rot, base, freq_scale, neox, out):
         _rope_token(x[t], pos[t], n_rot, base, freq_scale, neox, out[t])
 
 
+@numba.njit(**_JIT)
+def rope_1(x, pos, n_rot, base, freq_scale, neox, out):
+    for t in range(x.shape[0]):
+        _rope_token(x[t], pos[t], n_rot, base, freq_scale, neox, out[t])
+
+
 @numba.njit(parallel=True, **_JIT)
 def rope_set_rows(x, pos, slots, n_rot, base, freq_scale, neox, cache):
     """cache[slots[t]] = rope(x[t]): K goes into the cache rotated, with no rotated copy."""
     for t in prange(x.shape[0]):
+        _rope_token(x[t], pos[t], n_rot, base, freq_scale, neox, cache[slots[t]])
+
+
+@numba.njit(**_JIT)
+def rope_set_rows_1(x, pos, slots, n_rot, base, freq_scale, neox, cache):
+    for t in range(x.shape[0]):
         _rope_token(x[t], pos[t], n_rot, base, freq_scale, neox, cache[slots[t]])
 
 
@@ -164,13 +203,24 @@ def kqv(probs, v, tok_seq, out):
                     out[t, h, j] += w * v[s, p, kh, j]
 
 
+@numba.njit(inline="always", **_JIT)
+def _set_row(cache, src, slots, t):
+    for h in range(cache.shape[1]):
+        for j in range(cache.shape[2]):
+            cache[slots[t], h, j] = like(cache, src[t, h, j])
+
+
 @numba.njit(parallel=True, **_JIT)
 def set_rows(cache, src, slots):
     """cache (n_slots, h, d)[slots[t]] = src[t] (float32, or float16 bits: see halfs)."""
     for t in prange(slots.shape[0]):
-        for h in range(cache.shape[1]):
-            for j in range(cache.shape[2]):
-                cache[slots[t], h, j] = like(cache, src[t, h, j])
+        _set_row(cache, src, slots, t)
+
+
+@numba.njit(**_JIT)
+def set_rows_1(cache, src, slots):
+    for t in range(slots.shape[0]):
+        _set_row(cache, src, slots, t)
 
 
 @numba.njit(**_JIT)
