@@ -189,3 +189,21 @@ def test_packing_in_slices_equals_packing_whole(qtype, monkeypatch):
     for f in ("qs", "d", "m"):
         assert np.array_equal(getattr(whole, f), getattr(sliced, f)), f
     assert sliced.shape == whole.shape and sliced.ms == whole.ms
+
+
+def test_one_token_matmul_first_in_a_fresh_process():
+    """The one-token drivers reach numba's parallel kernels from inside compiled code, which
+    needs numba's thread pool started first: a process whose first kernel is one of them
+    crashed (segfault) before matmul.py started the pool at import."""
+    import subprocess
+    import sys
+    code = ("import numpy as np\n"
+            "from gguf.constants import GGMLQuantizationType as T\n"
+            "from hearthlm.backends.cpu.bench_kernels import random_raw\n"
+            "from hearthlm.backends.cpu.qtypes import pack_weight\n"
+            "from hearthlm.backends.cpu.matmul import matmul\n"
+            "w = pack_weight(int(T.Q4_1), random_raw(T.Q4_1, 64, 576, np.random.default_rng(0)), (64, 576))\n"
+            "print(float(matmul(w, np.ones((1, 576), np.float32)).sum()))\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert np.isfinite(float(r.stdout.strip()))

@@ -60,6 +60,9 @@ def matmul_add(w: PackedWeight, x: np.ndarray, r: np.ndarray, out: np.ndarray | 
     return np.add(matmul(w, x2).reshape(r.shape), r, out=out)
 
 
+ops.start_threads(np.zeros(2, np.int64))  # before any driver below reaches a parallel kernel
+
+
 # One token: quantizing x and the dot products (and what follows them) in one compiled call
 # each, as a decode step makes a few of these per layer and each Python-level call costs
 # microseconds. The arithmetic is the same as the general path's, so results are bitwise equal.

@@ -52,6 +52,15 @@ def fexp(x):
 PAR_MIN_ROWS = 4
 
 
+@numba.njit(parallel=True, cache=True)
+def start_threads(x):
+    """Called once through its own dispatcher, which starts numba's thread pool: parallel
+    kernels reached only from inside other compiled code (the decode drivers in matmul.py)
+    would otherwise run before it exists, and crash."""
+    for i in prange(x.shape[0]):
+        x[i] = i
+
+
 @numba.njit(inline="always", **_JIT)
 def _rms_row(x, w, eps, out, r):
     n = x.shape[1]
