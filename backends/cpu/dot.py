@@ -100,9 +100,10 @@ def _reduce_rows(builder, vecs, seg):
     return vecs
 
 
-def _make_group(kind, sub, has_m):
+def _make_group(kind, sub, has_m, n_tok):
     """An intrinsic group(qs, rb, g, xq, t, d, m, c, xd, xs, y): weights g*64..g*64+63 of the
-    rows of block rb against token t, added into y[t, 16rb:16rb+16] sub-block by sub-block."""
+    rows of block rb against tokens t..t+n_tok-1, added into y[t', 16rb:16rb+16] sub-block by
+    sub-block. With 2 tokens the codes are loaded and unpacked once for both."""
 
     @intrinsic
     def group(typingctx, qs, rb, g, xq, t, d, m, c, xd, xs, y):
@@ -115,14 +116,17 @@ def _make_group(kind, sub, has_m):
             cst = lambda v: context.get_constant(ip, v)
             rb = context.cast(builder, rb_v, ta[1], ip)
             g = context.cast(builder, g_v, ta[2], ip)
+            t0 = context.cast(builder, t_v, ta[4], ip)
+            toks = [builder.add(t0, cst(u)) for u in range(n_tok)]
             vf = ir.VectorType(_F32, ROWS)
             v16 = ir.VectorType(_I16, 32)
-            sums = []  # (sub-block index, xd index, <16 x i32> of the 16 rows' sums)
+            sums = [[] for _ in toks]  # per token: (sub-block index, <16 x i32> of the 16 rows' sums)
             for h in range(2):  # the group's two halves of 32 weights
-                px = _vec_ptr(context, builder, ta[3], xq_v, [(t_v, ta[4]), (builder.add(builder.mul(g, cst(64)), cst(32 * h)), ip)], v16)
-                xv = builder.load(px, align=2)
+                col = builder.add(builder.mul(g, cst(64)), cst(32 * h))
+                xvs = [builder.load(_vec_ptr(context, builder, ta[3], xq_v, [(tu, ip), (col, ip)], v16), align=2)
+                       for tu in toks]
                 q0 = cst(0 if kind == "nib" else 32 * h)
-                parts = []
+                parts = [[] for _ in toks]
                 for i in range(ROWS):
                     pb = _vec_ptr(context, builder, ta[0], qs_v, [(rb, ip), (g, ip), (cst(i), ip), (q0, ip)], ir.VectorType(_I8, 32))
                     b = builder.load(pb, align=1)
@@ -132,35 +136,38 @@ def _make_group(kind, sub, has_m):
                         codes = builder.and_(builder.zext(b, v16), ir.Constant(v16, [15] * 32))
                     else:
                         codes = builder.lshr(builder.zext(b, v16), ir.Constant(v16, [4] * 32))
-                    parts.append(_madd(builder, codes, xv))
-                red = _reduce_rows(builder, parts, sub // 2)
-                if sub == 32:
-                    sums.append((builder.add(builder.mul(g, cst(2)), cst(h)), red[0]))
-                else:  # two vectors of (row, sub-block) pairs, rows 0-7 then 8-15: split by sub-block
-                    for e in range(2):
-                        s = builder.shuffle_vector(red[0], red[1], ir.Constant(ir.VectorType(_I32, 16), list(range(e, 32, 2))))
-                        sums.append((builder.add(builder.mul(g, cst(4)), cst(2 * h + e)), s))
-            py = _vec_ptr(context, builder, ta[10], y_v, [(t_v, ta[4]), (builder.mul(rb, cst(ROWS)), ip)], vf)
-            yv = builder.load(py, align=4)
+                    for u, xv in enumerate(xvs):
+                        parts[u].append(_madd(builder, codes, xv))
+                for u in range(n_tok):
+                    red = _reduce_rows(builder, parts[u], sub // 2)
+                    if sub == 32:
+                        sums[u].append((builder.add(builder.mul(g, cst(2)), cst(h)), red[0]))
+                    else:  # two vectors of (row, sub-block) pairs, rows 0-7 then 8-15: split by sub-block
+                        for e in range(2):
+                            v = builder.shuffle_vector(red[0], red[1], ir.Constant(ir.VectorType(_I32, 16), list(range(e, 32, 2))))
+                            sums[u].append((builder.add(builder.mul(g, cst(4)), cst(2 * h + e)), v))
 
             def splat(x):
                 v = builder.insert_element(ir.Constant(vf, ir.Undefined), x, ir.Constant(_I32, 0))
                 return builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, ROWS), [0] * ROWS))
 
             cv = splat(context.cast(builder, c_v, ta[7], types.float32))
-            for k, s in sums:
-                dv = _load_scales(context, builder, ta[5], d_v, [(rb, ip), (k, ip), (cst(0), ip)], ROWS)
-                if has_m:
-                    mv = _load_scales(context, builder, ta[6], m_v, [(rb, ip), (k, ip), (cst(0), ip)], ROWS)
-                else:
-                    mv = splat(_load_scales(context, builder, ta[6], m_v, [(cst(0), ip), (k, ip), (cst(0), ip)], 1))
-                xk = k if sub == 32 else builder.udiv(k, cst(2))  # the activation scale covers 32 weights
-                xdv = splat(builder.load(_ptr(context, builder, ta[8], xd_v, [(t_v, ta[4]), (xk, ip)])))
-                xsv = splat(builder.load(_ptr(context, builder, ta[9], xs_v, [(t_v, ta[4]), (k, ip)])))
-                a = builder.fmul(builder.fmul(dv, xdv), builder.sitofp(s, vf))
-                b = builder.fmul(builder.fadd(mv, builder.fmul(cv, dv)), xsv)
-                yv = builder.fadd(yv, builder.fadd(a, b))
-            builder.store(yv, py, align=4)
+            for tu, tok_sums in zip(toks, sums):
+                py = _vec_ptr(context, builder, ta[10], y_v, [(tu, ip), (builder.mul(rb, cst(ROWS)), ip)], vf)
+                yv = builder.load(py, align=4)
+                for k, s in tok_sums:
+                    dv = _load_scales(context, builder, ta[5], d_v, [(rb, ip), (k, ip), (cst(0), ip)], ROWS)
+                    if has_m:
+                        mv = _load_scales(context, builder, ta[6], m_v, [(rb, ip), (k, ip), (cst(0), ip)], ROWS)
+                    else:
+                        mv = splat(_load_scales(context, builder, ta[6], m_v, [(cst(0), ip), (k, ip), (cst(0), ip)], 1))
+                    xk = k if sub == 32 else builder.udiv(k, cst(2))  # the activation scale covers 32 weights
+                    xdv = splat(builder.load(_ptr(context, builder, ta[8], xd_v, [(tu, ip), (xk, ip)])))
+                    xsv = splat(builder.load(_ptr(context, builder, ta[9], xs_v, [(tu, ip), (k, ip)])))
+                    a = builder.fmul(builder.fmul(dv, xdv), builder.sitofp(s, vf))
+                    b = builder.fmul(builder.fadd(mv, builder.fmul(cv, dv)), xsv)
+                    yv = builder.fadd(yv, builder.fadd(a, b))
+                builder.store(yv, py, align=4)
             return context.get_dummy_value()
 
         return sig, codegen
@@ -168,12 +175,12 @@ def _make_group(kind, sub, has_m):
     return group
 
 
-_G = {(kind, sub, has_m): _make_group(kind, sub, has_m)
-      for kind in ("nib", "i8") for sub in (32, 16) for has_m in (False, True)}
-_nib32, _nib32m = _G[("nib", 32, False)], _G[("nib", 32, True)]
-_nib16, _nib16m = _G[("nib", 16, False)], _G[("nib", 16, True)]
-_i8_32, _i8_32m = _G[("i8", 32, False)], _G[("i8", 32, True)]
-_i8_16, _i8_16m = _G[("i8", 16, False)], _G[("i8", 16, True)]
+_G = {(kind, sub, has_m, n): _make_group(kind, sub, has_m, n)
+      for kind in ("nib", "i8") for sub in (32, 16) for has_m in (False, True) for n in (1, 2)}
+_nib32, _nib32m, _nib32_2, _nib32m_2 = (_G[("nib", 32, hm, n)] for n in (1, 2) for hm in (False, True))
+_nib16, _nib16m, _nib16_2, _nib16m_2 = (_G[("nib", 16, hm, n)] for n in (1, 2) for hm in (False, True))
+_i8_32, _i8_32m, _i8_32_2, _i8_32m_2 = (_G[("i8", 32, hm, n)] for n in (1, 2) for hm in (False, True))
+_i8_16, _i8_16m, _i8_16_2, _i8_16m_2 = (_G[("i8", 16, hm, n)] for n in (1, 2) for hm in (False, True))
 
 
 # The scalar loops (rows past the last whole 16) keep constant trip counts and several
@@ -278,15 +285,24 @@ def _row_i8_16(qs, d, m, ms, c, xq, xd, xs, r, t):
 def dot_nib32(qs, d, m, ms, c, xq, xd, xs, y):
     """4-bit codes, a scale per 32."""
     nb = y.shape[1] // ROWS
+    n_tok = xq.shape[0]
     for rb in prange(nb + 1):
-        for t in range(xq.shape[0]):
-            if rb == nb:
+        if rb == nb:
+            for t in range(n_tok):
                 for r in range(nb * ROWS, y.shape[1]):
                     y[t, r] = _row_nib32(qs, d, m, ms, c, xq, xd, xs, r, t)
-                continue
+            continue
+        for t in range(0, n_tok, 2):  # tokens in pairs: one load and unpack of the codes for two
             y[t, rb * ROWS:rb * ROWS + ROWS] = 0
+            if t + 1 < n_tok:
+                y[t + 1, rb * ROWS:rb * ROWS + ROWS] = 0
             for g in range(qs.shape[1]):
-                if ms:
+                if t + 1 < n_tok:
+                    if ms:
+                        _nib32m_2(qs, rb, g, xq, t, d, m, c, xd, xs, y)
+                    else:
+                        _nib32_2(qs, rb, g, xq, t, d, m, c, xd, xs, y)
+                elif ms:
                     _nib32m(qs, rb, g, xq, t, d, m, c, xd, xs, y)
                 else:
                     _nib32(qs, rb, g, xq, t, d, m, c, xd, xs, y)
@@ -296,15 +312,24 @@ def dot_nib32(qs, d, m, ms, c, xq, xd, xs, y):
 def dot_nib16(qs, d, m, ms, c, xq, xd, xs, y):
     """4-bit codes, a scale per 16 (Q2_K, Q3_K)."""
     nb = y.shape[1] // ROWS
+    n_tok = xq.shape[0]
     for rb in prange(nb + 1):
-        for t in range(xq.shape[0]):
-            if rb == nb:
+        if rb == nb:
+            for t in range(n_tok):
                 for r in range(nb * ROWS, y.shape[1]):
                     y[t, r] = _row_nib16(qs, d, m, ms, c, xq, xd, xs, r, t)
-                continue
+            continue
+        for t in range(0, n_tok, 2):  # tokens in pairs: one load and unpack of the codes for two
             y[t, rb * ROWS:rb * ROWS + ROWS] = 0
+            if t + 1 < n_tok:
+                y[t + 1, rb * ROWS:rb * ROWS + ROWS] = 0
             for g in range(qs.shape[1]):
-                if ms:
+                if t + 1 < n_tok:
+                    if ms:
+                        _nib16m_2(qs, rb, g, xq, t, d, m, c, xd, xs, y)
+                    else:
+                        _nib16_2(qs, rb, g, xq, t, d, m, c, xd, xs, y)
+                elif ms:
                     _nib16m(qs, rb, g, xq, t, d, m, c, xd, xs, y)
                 else:
                     _nib16(qs, rb, g, xq, t, d, m, c, xd, xs, y)
@@ -314,15 +339,24 @@ def dot_nib16(qs, d, m, ms, c, xq, xd, xs, y):
 def dot_i8_32(qs, d, m, ms, c, xq, xd, xs, y):
     """int8 codes, a scale per 32."""
     nb = y.shape[1] // ROWS
+    n_tok = xq.shape[0]
     for rb in prange(nb + 1):
-        for t in range(xq.shape[0]):
-            if rb == nb:
+        if rb == nb:
+            for t in range(n_tok):
                 for r in range(nb * ROWS, y.shape[1]):
                     y[t, r] = _row_i8_32(qs, d, m, ms, c, xq, xd, xs, r, t)
-                continue
+            continue
+        for t in range(0, n_tok, 2):  # tokens in pairs: one load and unpack of the codes for two
             y[t, rb * ROWS:rb * ROWS + ROWS] = 0
+            if t + 1 < n_tok:
+                y[t + 1, rb * ROWS:rb * ROWS + ROWS] = 0
             for g in range(qs.shape[1]):
-                if ms:
+                if t + 1 < n_tok:
+                    if ms:
+                        _i8_32m_2(qs, rb, g, xq, t, d, m, c, xd, xs, y)
+                    else:
+                        _i8_32_2(qs, rb, g, xq, t, d, m, c, xd, xs, y)
+                elif ms:
                     _i8_32m(qs, rb, g, xq, t, d, m, c, xd, xs, y)
                 else:
                     _i8_32(qs, rb, g, xq, t, d, m, c, xd, xs, y)
@@ -332,15 +366,24 @@ def dot_i8_32(qs, d, m, ms, c, xq, xd, xs, y):
 def dot_i8_16(qs, d, m, ms, c, xq, xd, xs, y):
     """int8 codes, a scale per 16 (Q6_K)."""
     nb = y.shape[1] // ROWS
+    n_tok = xq.shape[0]
     for rb in prange(nb + 1):
-        for t in range(xq.shape[0]):
-            if rb == nb:
+        if rb == nb:
+            for t in range(n_tok):
                 for r in range(nb * ROWS, y.shape[1]):
                     y[t, r] = _row_i8_16(qs, d, m, ms, c, xq, xd, xs, r, t)
-                continue
+            continue
+        for t in range(0, n_tok, 2):  # tokens in pairs: one load and unpack of the codes for two
             y[t, rb * ROWS:rb * ROWS + ROWS] = 0
+            if t + 1 < n_tok:
+                y[t + 1, rb * ROWS:rb * ROWS + ROWS] = 0
             for g in range(qs.shape[1]):
-                if ms:
+                if t + 1 < n_tok:
+                    if ms:
+                        _i8_16m_2(qs, rb, g, xq, t, d, m, c, xd, xs, y)
+                    else:
+                        _i8_16_2(qs, rb, g, xq, t, d, m, c, xd, xs, y)
+                elif ms:
                     _i8_16m(qs, rb, g, xq, t, d, m, c, xd, xs, y)
                 else:
                     _i8_16(qs, rb, g, xq, t, d, m, c, xd, xs, y)
