@@ -32,6 +32,14 @@ def f32(typingctx, v):
 
 
 @intrinsic
+def bits_as_f32(typingctx, i):
+    """The float32 whose bit pattern is the int32 i."""
+    def codegen(context, builder, sig, args):
+        return builder.bitcast(args[0], ir.FloatType())
+    return types.float32(types.int32), codegen
+
+
+@intrinsic
 def like(typingctx, arr, v):
     """The float v as an element of arr: float16 bits for a uint16 array, else arr's float type."""
     def codegen(context, builder, sig, args):

@@ -8,35 +8,44 @@ import numba
 import numpy as np
 from numba import prange
 
-from .halfs import f32
+from .halfs import bits_as_f32, f32
 
 _JIT = dict(cache=True, fastmath=True, nogil=True)
 
 
-@numba.njit(cache=True, nogil=True)  # no fastmath: the NaN test below must stay
+@numba.njit(cache=True, nogil=True)  # no fastmath: NaN and inf must be seen, and rint kept
 def _quantize_row(x, xq, xd, xs, sub, t):
+    """Per 32 columns: amax from the integer max of |x|'s bit patterns (the order of
+    non-negative floats; inf and NaN sort above every finite value, so the same max says
+    whether the block is finite), then codes rint(x * 32767 / amax): loops that vectorize."""
     n_cols = x.shape[1]
+    xi = x.view(np.int32)
     for b in range(xd.shape[1]):
         c0 = b * 32
         c1 = min(c0 + 32, n_cols)
-        amax = np.float32(0.0)
+        abits = np.int32(0)
         for c in range(c0, c1):
-            amax = max(amax, abs(x[t, c]))
-        scale = amax / np.float32(32767.0)
-        inv = np.float32(1.0) / scale if scale > 0 else np.float32(0.0)
-        for c in range(c0, c1):
-            xq[t, c] = np.int16(np.rint(x[t, c] * inv)) if inv < np.inf else 0
+            abits = max(abits, np.int32(xi[t, c] & np.int32(0x7FFFFFFF)))
+        scale = bits_as_f32(abits) / np.float32(32767.0)
+        if abits >= np.int32(0x7F800000):  # a NaN or inf in x must reach y as NaN, not vanish in the cast
+            xd[t, b] = np.float32(np.nan)
+            for c in range(c0, c0 + 32):
+                xq[t, c] = 0
+            continue
+        xd[t, b] = scale
+        if scale > 0:
+            inv = np.float32(1.0) / scale
+            for c in range(c0, c1):
+                xq[t, c] = np.int16(np.rint(x[t, c] * inv))
+        else:
+            for c in range(c0, c1):
+                xq[t, c] = 0
         for c in range(max(c1, c0), c0 + 32):  # padding columns
             xq[t, c] = 0
-        nonfinite = False
-        for c in range(c0, c1):
-            nonfinite |= not np.isfinite(x[t, c])
-        # a NaN or inf in x must reach y as NaN, not vanish in the int16 cast
-        xd[t, b] = np.float32(np.nan) if nonfinite else scale
     for k in range(xs.shape[1]):
-        acc = 0
+        acc = np.int32(0)
         for j in range(sub):
-            acc += xq[t, k * sub + j]
+            acc += np.int32(xq[t, k * sub + j])
         xs[t, k] = np.float32(acc) * xd[t, (k * sub) // 32]
 
 

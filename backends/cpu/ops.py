@@ -7,25 +7,15 @@ import math
 
 import numba
 import numpy as np
-from llvmlite import ir
-from numba import prange, types
-from numba.extending import intrinsic
+from numba import prange
 
-from .halfs import f32, like
+from .halfs import bits_as_f32, f32, like
 
 _JIT = dict(cache=True, fastmath=True, nogil=True)
 ATT_BLOCK = 32  # positions per step of attention's online softmax
 # positions per attention task: decode has one token and a few KV heads, too few tasks for the
 # cores without splitting the context; a fixed split, so a token's result never depends on its batch
 ATT_SPLIT = 128
-
-
-@intrinsic
-def _bits_as_f32(typingctx, i):
-    """The float32 whose bit pattern is the int32 i."""
-    def codegen(context, builder, sig, args):
-        return builder.bitcast(args[0], ir.FloatType())
-    return types.float32(types.int32), codegen
 
 
 @numba.njit(inline="always", **_JIT)
@@ -44,7 +34,7 @@ def fexp(x):
     p = p * r + np.float32(1.6666665459e-1)
     p = p * r + np.float32(5.0000001201e-1)
     p = p * r * r + r + np.float32(1.0)
-    return p * _bits_as_f32(np.int32((np.int32(n) + np.int32(127)) << np.int32(23)))
+    return p * bits_as_f32(np.int32((np.int32(n) + np.int32(127)) << np.int32(23)))
 
 
 # Each row-parallel kernel has a serial twin (name_1) for a few rows: a parallel launch costs a
