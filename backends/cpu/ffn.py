@@ -8,7 +8,7 @@ import weakref
 import numpy as np
 
 from hearthlm.backends.cpu import ops
-from hearthlm.backends.cpu.matmul import ffn_glu1, matmul, quantize_for
+from hearthlm.backends.cpu.matmul import ffn_glu1, matmul, quantize_for, start_pool
 from hearthlm.backends.cpu.qtypes import PackedWeight
 
 CHUNK = 512  # output columns per slab: a multiple of matmul.TILE_ROWS
@@ -31,6 +31,7 @@ def ffn_glu(wg: PackedWeight, wu: PackedWeight, x: np.ndarray, gelu: bool, out: 
     x = np.ascontiguousarray(x, np.float32).reshape(-1, wg.shape[1])
     o = out.reshape(x.shape[0], wg.shape[0])
     if x.shape[0] == 1 and wg.kind >= 0 and (wg.kind, wg.n_pad, wg.sub) == (wu.kind, wu.n_pad, wu.sub):
+        start_pool()
         ffn_glu1(wg.kind, wg.qs, wg.d, wg.m, wg.ms, wg.c32, wu.qs, wu.d, wu.m, wu.ms, wu.c32, wg.sub, x, gelu, o)
         return out
     if x.shape[0] * wg.shape[0] <= WHOLE_MAX:  # decode: gate/up are a few KB, calls are the cost

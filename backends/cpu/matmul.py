@@ -31,6 +31,8 @@ def matmul(w: PackedWeight, x: np.ndarray, out: np.ndarray | None = None, xq=Non
     x = np.ascontiguousarray(x, dtype=np.float32)
     assert x.ndim == 2 and x.shape[1] == n_cols, (x.shape, w.shape)
     if x.shape[0] == 1 and w.kind >= 0:  # decode: quantize and multiply in one compiled call
+        if not _pool:
+            start_pool()
         y = np.empty((1, n_rows), dtype=np.float32) if out is None else out
         _matvec(w.kind, w.qs, w.d, w.m, w.ms, w.c32, w.sub, x, y)
         return y
@@ -54,13 +56,26 @@ def matmul_add(w: PackedWeight, x: np.ndarray, r: np.ndarray, out: np.ndarray | 
     """x @ W.T + r (a residual of the output's shape)."""
     x2 = np.ascontiguousarray(x, dtype=np.float32).reshape(-1, w.shape[1])
     if x2.shape[0] == 1 and w.kind >= 0 and r.dtype == np.float32 and r.size == w.shape[0]:
+        if not _pool:
+            start_pool()
         y = np.empty((1, w.shape[0]), dtype=np.float32) if out is None else out.reshape(1, -1)
         _matvec_add(w.kind, w.qs, w.d, w.m, w.ms, w.c32, w.sub, x2, np.ascontiguousarray(r).reshape(1, -1), y)
         return y.reshape(r.shape) if out is None else out
     return np.add(matmul(w, x2).reshape(r.shape), r, out=out)
 
 
-ops.start_threads(np.zeros(2, np.int64))  # before any driver below reaches a parallel kernel
+_pool = []  # numba's thread pool started (by start_pool)
+
+
+def start_pool() -> None:
+    """Start numba's thread pool, once, from the calling thread, before the drivers below reach
+    a parallel kernel from compiled code (without a pool that crashes). Lazily, from the first
+    thread that multiplies: started from the main thread at import, the pool left the engine's
+    worker thread at a third of its speed (OpenMP teams of a thread other than the one that
+    made the first; measured), while one started from the worker serves every thread."""
+    if not _pool:
+        ops.start_threads(np.zeros(2, np.int64))
+        _pool.append(True)
 
 
 # One token: quantizing x and the dot products (and what follows them) in one compiled call

@@ -44,9 +44,7 @@ PAR_MIN_ROWS = 4
 
 @numba.njit(parallel=True, cache=True)
 def start_threads(x):
-    """Called once through its own dispatcher, which starts numba's thread pool: parallel
-    kernels reached only from inside other compiled code (the decode drivers in matmul.py)
-    would otherwise run before it exists, and crash."""
+    """Called through its own dispatcher, which starts numba's thread pool (matmul.start_pool)."""
     for i in prange(x.shape[0]):
         x[i] = i
 
