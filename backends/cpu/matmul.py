@@ -2,8 +2,8 @@
 
 Up to BLAS_MIN_TOKENS tokens (decode, batches, prefill), x is quantized to int16 blocks of 32
 (as ggml's q8_1, with codes, a scale, and the block sums that absorb the weights' offsets), and
-each weight row is an integer dot product per sub-block (dot.py, 16 rows at a time, token by
-token), so a token's result does not depend on the batch it came in. Beyond, rows are
+each weight row is an integer dot product per sub-block (dot.py, 16 rows at a time, tokens in
+pairs), so a token's result does not depend on the batch it came in. Beyond, rows are
 dequantized a tile at a time and multiplied by BLAS. F32 weights go to BLAS at any token count;
 F16/BF16 ones are widened to float32 a row at a time (halfs.py), or a tile at a time for BLAS.
 """
@@ -31,8 +31,7 @@ def matmul(w: PackedWeight, x: np.ndarray, out: np.ndarray | None = None, xq=Non
     x = np.ascontiguousarray(x, dtype=np.float32)
     assert x.ndim == 2 and x.shape[1] == n_cols, (x.shape, w.shape)
     if x.shape[0] == 1 and w.kind >= 0:  # decode: quantize and multiply in one compiled call
-        if not _pool:
-            start_pool()
+        start_pool()
         y = np.empty((1, n_rows), dtype=np.float32) if out is None else out
         _matvec(w.kind, w.qs, w.d, w.m, w.ms, w.c32, w.sub, x, y)
         return y
@@ -56,8 +55,7 @@ def matmul_add(w: PackedWeight, x: np.ndarray, r: np.ndarray, out: np.ndarray | 
     """x @ W.T + r (a residual of the output's shape)."""
     x2 = np.ascontiguousarray(x, dtype=np.float32).reshape(-1, w.shape[1])
     if x2.shape[0] == 1 and w.kind >= 0 and r.dtype == np.float32 and r.size == w.shape[0]:
-        if not _pool:
-            start_pool()
+        start_pool()
         y = np.empty((1, w.shape[0]), dtype=np.float32) if out is None else out.reshape(1, -1)
         _matvec_add(w.kind, w.qs, w.d, w.m, w.ms, w.c32, w.sub, x2, np.ascontiguousarray(r).reshape(1, -1), y)
         return y.reshape(r.shape) if out is None else out
