@@ -1,4 +1,5 @@
-"""Integer dot products of packed weight rows with int16-quantized activations (decode path).
+"""Integer dot products of packed weight rows with int16-quantized activations (every matmul
+of the quantized types below matmul.BLAS_MIN_TOKENS tokens).
 
 Sub-block k of a row holds weight = d*(code + c) + m; activations are x = xd*xq per 32, and
 xs = xd*sum(xq) per sub-block, so the sub-block's share of the dot product is
@@ -15,8 +16,9 @@ the products (2.5-3x slower, measured on cache-resident weights). The intrinsics
 LLVM IR that any target lowers, plus pmaddwd where the host has AVX-512BW.
 Rows past the last whole 16 take the scalar loops below, which compute the same thing.
 
-Many tokens (batched decode, prefill) go through the same kernels, token after token within
-each block of rows, whose codes stay in L1 meanwhile: measured on 2 cores, this beat a kernel
+Many tokens (batched decode, prefill) go through the same kernels, two tokens at a time within
+each block of rows (a block's codes loaded and unpacked once for both, and in L1 for the next
+pair): measured on 2 cores, going token by token this way already beat a kernel
 that decoded each weight block once for chunks of 4-16 tokens (vpdpwssd over token lanes) at
 every count tried, 1 to 512 tokens (1.1-1.2x at 16-512, 2-7x below 16).
 
@@ -66,7 +68,6 @@ def _madd(builder, a, b):
     odd = ir.Constant(v32, list(range(1, 32, 2)))
     ext = lambda v, mask: builder.sext(builder.shuffle_vector(v, v, mask), v32)
     return builder.add(builder.mul(ext(a, even), ext(b, even)), builder.mul(ext(a, odd), ext(b, odd)))
-
 
 
 _JIT = dict(cache=True, nogil=True, parallel=True)  # no fastmath: see the module docstring
