@@ -207,3 +207,44 @@ def test_one_token_matmul_first_in_a_fresh_process():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     assert np.isfinite(float(r.stdout.strip()))
+
+
+def test_portable_target_without_avx512_or_f16c(tmp_path):
+    """NUMBA_CPU_NAME=generic compiles for baseline x86-64 (as for caches that travel): the
+    kernels must then skip the AVX-512BW intrinsic and widen float16 scales with integer
+    arithmetic (LLVM's own conversion would call compiler-rt, absent from numba's JIT). Checked
+    in a fresh process with its own cache: every float16 bit pattern, and matmuls of a 4-bit
+    family with float16 scales and an int8 one with float32 scales against dequantization."""
+    import os
+    import subprocess
+    import sys
+    code = """
+import numba, numpy as np
+from gguf import quants
+from gguf.constants import GGMLQuantizationType as T
+from hearthlm.backends.cpu import dot, halfs
+from hearthlm.backends.cpu.bench_kernels import random_raw
+from hearthlm.backends.cpu.matmul import matmul
+from hearthlm.backends.cpu.qtypes import pack_weight
+assert not halfs.NATIVE_HALF and not dot._HAS_BW
+@numba.njit
+def widen_all(h, out):
+    for i in range(h.shape[0]):
+        out[i] = halfs.f32(h[i])
+h = np.arange(65536, dtype=np.uint16); out = np.empty(65536, np.float32); widen_all(h, out)
+ref = h.view(np.float16).astype(np.float32)
+assert np.array_equal(np.isnan(out), np.isnan(ref)) and np.array_equal(out[~np.isnan(ref)], ref[~np.isnan(ref)])
+rng = np.random.default_rng(0)
+for qt in (T.Q4_1, T.Q6_K):
+    raw = random_raw(qt, 37, 512, rng)
+    w = pack_weight(int(qt), raw, (37, 512))
+    for n in (1, 3):
+        x = rng.standard_normal((n, 512)).astype(np.float32)
+        r = x @ quants.dequantize(raw, qt).reshape(37, 512).T
+        err = float(((matmul(w, x) - r) ** 2).sum() / (r ** 2).sum())
+        assert err < 5e-4, (qt.name, n, err)
+print("ok")
+"""
+    env = dict(os.environ, NUMBA_CPU_NAME="generic", NUMBA_CACHE_DIR=str(tmp_path))
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, env=env)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]

@@ -10,6 +10,7 @@ import numpy as np
 
 from hearthlm.backends.cpu import ops
 from hearthlm.backends.cpu.ffn import ffn_glu
+from hearthlm.backends.cpu.halfs import NATIVE_HALF
 from hearthlm.backends.cpu.matmul import get_rows, matmul, matmul_add
 from hearthlm.backends.cpu.qtypes import SUPPORTED_TYPES, PackedWeight, pack_weight
 from hearthlm.runtime.graph import Op, Tensor
@@ -169,7 +170,9 @@ def _binary(ufunc):
 class CPUBackend:
     name = "cpu"
     plans_memory = True  # kernels accept out=: runtime.memory places intermediates in one arena
-    kv_dtype = np.float16  # as llama.cpp's default: half the memory and the bytes attention reads
+    # float16 as llama.cpp's default (half the memory and the bytes attention reads), where the
+    # CPU converts natively (halfs.NATIVE_HALF)
+    kv_dtype = np.float16 if NATIVE_HALF else np.float32
 
     def __init__(self) -> None:
         self.kernels = {

@@ -29,7 +29,6 @@ in sub-block order, is plain IEEE operations (no fastmath: no reassociation, no 
 contraction; the integer sums are exact in any order), the same in the vector and scalar paths.
 """
 
-import llvmlite.binding as llb
 import numba
 import numpy as np
 from llvmlite import ir
@@ -37,11 +36,11 @@ from numba import prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .halfs import f32
+from .halfs import TARGET_FEATURES, f32, widen
 from .qtypes import ROWS  # rows per vector (one zmm of int32 or float32 lanes) and per block
 
 _I8, _I16, _I32, _F32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.FloatType()
-_HAS_BW = "+avx512bw" in llb.get_host_cpu_features().flatten()
+_HAS_BW = "+avx512bw" in TARGET_FEATURES  # the target numba compiles for (halfs)
 
 
 def _ptr(context, builder, arrty, arr, inds):
@@ -80,10 +79,7 @@ def _load_scales(context, builder, arrty, arr, inds, n):
     ety = ir.IntType(16) if half else _F32
     p = _ptr(context, builder, arrty, arr, inds)
     v = builder.load(builder.bitcast(p, (ir.VectorType(ety, n) if n > 1 else ety).as_pointer()), align=2 if half else 4)
-    if half:
-        hty = ir.HalfType()
-        v = builder.fpext(builder.bitcast(v, ir.VectorType(hty, n) if n > 1 else hty), ir.VectorType(_F32, n) if n > 1 else _F32)
-    return v
+    return widen(builder, v) if half else v
 
 
 def _reduce_rows(builder, vecs, seg):

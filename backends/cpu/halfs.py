@@ -8,6 +8,7 @@ a uint32 buffer viewed as float32. F16: sign | exponent+mantissa << 13 is the va
 Inf/NaN get an all-ones exponent first, which the multiply keeps.
 """
 
+import llvmlite.binding as llb
 import numba
 import numpy as np
 from llvmlite import ir
@@ -17,16 +18,42 @@ from numba.extending import intrinsic
 _JIT = dict(cache=True, fastmath=True, nogil=True)
 
 
-# float16 values held as uint16 bits (quantization scales, the KV cache): the conversions are
-# LLVM's fpext / fptrunc (vcvtph2ps / vcvtps2ph where the CPU has F16C), exact one way and
-# round-to-nearest-even the other, as numpy's float16 casts.
+# float16 values held as uint16 bits (quantization scales, the KV cache). Where the target CPU
+# converts natively (x86 with F16C: vcvtph2ps / vcvtps2ph; ARMv8), these are LLVM's fpext /
+# fptrunc, exact one way and round-to-nearest-even the other, as numpy's casts. Elsewhere LLVM
+# would call compiler-rt, which numba's JIT does not link: widening is then the bit arithmetic
+# of _widen_row below, and narrowing is not offered (the CPU backend keeps a float32 KV cache).
+# numba compiles for the host unless NUMBA_CPU_NAME names a target (e.g. "generic", for caches
+# that travel): features are the target's.
+TARGET_FEATURES = (llb.get_host_cpu_features().flatten() if numba.config.CPU_NAME in (None, "host")
+                   else (numba.config.CPU_FEATURES or ""))
+NATIVE_HALF = "+f16c" in TARGET_FEATURES or not llb.get_process_triple().startswith(("x86", "i386", "i686"))
+
+
+def widen(builder, bits):
+    """LLVM IR: i16 (or <n x i16>) float16 bits -> float (or <n x float>), exactly."""
+    vec = isinstance(bits.type, ir.VectorType)
+    n = bits.type.count if vec else 1
+    fty = ir.VectorType(ir.FloatType(), n) if vec else ir.FloatType()
+    if NATIVE_HALF:
+        return builder.fpext(builder.bitcast(bits, ir.VectorType(ir.HalfType(), n) if vec else ir.HalfType()), fty)
+    ity = ir.VectorType(ir.IntType(32), n) if vec else ir.IntType(32)
+    c = lambda v: ir.Constant(ity, [v] * n if vec else v)  # noqa: E731
+    h = builder.zext(bits, ity)
+    body = builder.shl(builder.and_(h, c(0x7FFF)), c(13))  # the value times 2**-112, subnormals too
+    special = builder.icmp_unsigned(">=", builder.and_(h, c(0x7C00)), c(0x7C00))  # inf, NaN
+    body = builder.select(special, builder.or_(body, c(0x7F800000)), body)
+    mag = builder.fmul(builder.bitcast(body, fty), ir.Constant(fty, [2.0**112] * n if vec else 2.0**112))
+    sign = builder.shl(builder.and_(h, c(0x8000)), c(16))
+    return builder.bitcast(builder.or_(builder.bitcast(mag, ity), sign), fty)
+
 
 @intrinsic
 def f32(typingctx, v):
     """v as float32: float16 bits (uint16) widened, a float converted."""
     def codegen(context, builder, sig, args):
         if sig.args[0] == types.uint16:
-            return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
+            return widen(builder, args[0])
         return context.cast(builder, args[0], sig.args[0], types.float32)
     return types.float32(v), codegen
 
@@ -41,7 +68,11 @@ def bits_as_f32(typingctx, i):
 
 @intrinsic
 def like(typingctx, arr, v):
-    """The float v as an element of arr: float16 bits for a uint16 array, else arr's float type."""
+    """The float v as an element of arr: float16 bits for a uint16 array (targets with native
+    conversions only), else arr's float type."""
+    if arr.dtype == types.uint16 and not NATIVE_HALF:
+        raise numba.core.errors.TypingError("float16 stores need a CPU that converts natively (F16C)")
+
     def codegen(context, builder, sig, args):
         dt = sig.args[0].dtype
         x = context.cast(builder, args[1], sig.args[1], types.float32)
@@ -49,6 +80,8 @@ def like(typingctx, arr, v):
             return builder.bitcast(builder.fptrunc(x, ir.HalfType()), ir.IntType(16))
         return context.cast(builder, x, types.float32, dt)
     return arr.dtype(arr, v), codegen
+
+
 ROWS_PER_TASK = 32  # rows sharing one widening buffer in the parallel loop
 _F16_REBIAS = np.float32(2.0**112)
 
