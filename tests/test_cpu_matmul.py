@@ -248,3 +248,20 @@ print("ok")
     env = dict(os.environ, NUMBA_CPU_NAME="generic", NUMBA_CACHE_DIR=str(tmp_path))
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, env=env)
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
+
+
+@pytest.mark.parametrize("n_tok", [1, 3])
+def test_matmul_add_in_place_over_the_residual(n_tok):
+    """MUL_MAT_ADD may write over its residual (memory.INPLACE): the one-token driver must read
+    the residual before the product lands in the same buffer."""
+    from hearthlm.backends.cpu.matmul import matmul_add
+    rng = np.random.default_rng(3)
+    n_rows, n_cols = 40, 128
+    w = pack_weight(int(T.Q4_1), make_raw(T.Q4_1, n_rows, n_cols, rng), (n_rows, n_cols))
+    x = rng.standard_normal((n_tok, n_cols)).astype(np.float32)
+    r = rng.standard_normal((n_tok, n_rows)).astype(np.float32)
+    expect = matmul(w, x) + r
+    assert np.array_equal(matmul_add(w, x, r.copy()), expect)
+    buf = r.copy()
+    assert matmul_add(w, x, buf, out=buf) is buf
+    assert np.array_equal(buf, expect)
