@@ -34,7 +34,7 @@ import numpy as np
 from llvmlite import ir
 from numba import prange, types
 from numba.core import cgutils
-from numba.extending import intrinsic
+from numba.extending import intrinsic, overload
 
 from .halfs import TARGET_FEATURES, f32, widen
 from .qtypes import ROWS  # rows per vector (one zmm of int32 or float32 lanes) and per block
@@ -387,14 +387,33 @@ def dot_i8_16(qs, d, m, ms, c, xq, xd, xs, y):
                     _i8_16(qs, rb, g, xq, t, d, m, c, xd, xs, y)
 
 
+def _family(kind, qs, d, m, ms, c, xq, xd, xs, y):
+    """The kernel of family `kind` (qtypes.KINDS); compiled code only (see the overload)."""
+    raise NotImplementedError
+
+
+@overload(_family)
+def _family_for_codes(kind, qs, d, m, ms, c, xq, xd, xs, y):
+    # chosen by the codes' type when a caller is compiled: 4-bit families hold uint8, int8 ones
+    # int8, so each caller compiles two kernels rather than all four (a first run compiles the
+    # kernels for every weight type a model has: this halves that wait)
+    if qs.dtype == types.uint8:
+        def nib(kind, qs, d, m, ms, c, xq, xd, xs, y):
+            if kind == 0:
+                dot_nib32(qs, d, m, ms, c, xq, xd, xs, y)
+            else:
+                dot_nib16(qs, d, m, ms, c, xq, xd, xs, y)
+        return nib
+
+    def i8(kind, qs, d, m, ms, c, xq, xd, xs, y):
+        if kind == 2:
+            dot_i8_32(qs, d, m, ms, c, xq, xd, xs, y)
+        else:
+            dot_i8_16(qs, d, m, ms, c, xq, xd, xs, y)
+    return i8
+
+
 @numba.njit(cache=True, nogil=True)
 def dot_any(kind, qs, d, m, ms, c, xq, xd, xs, y):
     """The kernel of family `kind` (qtypes.KINDS), chosen inside compiled code."""
-    if kind == 0:
-        dot_nib32(qs, d, m, ms, c, xq, xd, xs, y)
-    elif kind == 1:
-        dot_nib16(qs, d, m, ms, c, xq, xd, xs, y)
-    elif kind == 2:
-        dot_i8_32(qs, d, m, ms, c, xq, xd, xs, y)
-    else:
-        dot_i8_16(qs, d, m, ms, c, xq, xd, xs, y)
+    _family(kind, qs, d, m, ms, c, xq, xd, xs, y)
