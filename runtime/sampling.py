@@ -89,7 +89,10 @@ def sample(logits: np.ndarray, p: SamplingParams, rng: np.random.Generator, hist
     logits = apply_penalties(logits, p, history)
     if p.greedy:
         return int(np.argmax(logits))
-    z = logits.astype(np.float64) / p.temperature
+    # the max comes off before dividing: logits / 1e-310 would overflow to inf (inf - inf: NaN)
+    z = logits.astype(np.float64)
+    with np.errstate(over="ignore"):  # far below the max: -inf, a probability of 0
+        z = (z - z.max()) / p.temperature
     if p.top_k and p.top_k < z.shape[0]:
         cand = np.argpartition(-z, p.top_k - 1)[: p.top_k]
     else:
