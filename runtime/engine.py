@@ -254,6 +254,10 @@ class Engine:
             r.tokens.append(tok)
             r.n_generated += 1
             self.counters["tokens_generated"] += 1
-            r.on_token(tok, tlp)
+            try:
+                r.on_token(tok, tlp)
+            except Exception as e:  # the caller's callback fails its own request only
+                self._finish(r, "error", HearthError(f"token callback failed: {type(e).__name__}: {e}"))
+                continue
             if r.n_generated >= r.max_tokens or len(r.tokens) >= self.n_ctx:
                 self._finish(r, "length")

@@ -1,7 +1,8 @@
 """Bad input ends in a HearthError that names the problem, never a numpy/struct error or a
 crash, and leaves the session usable: empty, non-GGUF, truncated and absurd-count files,
-unknown architectures, incomplete llama files (all through the public `Session.open`), and
-bad requests inside one open session on the real SmolLM2 model."""
+unknown architectures, incomplete llama files (all through the public `Session.open`),
+bad requests inside one open session on the real SmolLM2 model, and a fault injected into
+one request (its sampler or its token callback raising) on a tiny model."""
 from __future__ import annotations
 
 import math
@@ -18,6 +19,7 @@ from hearthlm import (BackendError, ContextLengthError, GGUFError, HearthError, 
                       ModelLoadError, ModelNotFoundError, Session, SessionClosedError,
                       UnsupportedModelError)
 from hearthlm.model_zoo.gguf_file import GGUFFile
+from tiny_gguf import write_tiny as write_tiny_model
 
 N_CTX = 256
 
@@ -383,26 +385,83 @@ async def test_unvalidated_request_arguments(smollm2_path, kwargs):
         assert len((await s.generate("Hello", max_tokens=1, temperature=0)).token_ids) == 1
 
 
-async def test_bad_request_does_not_fail_its_neighbours(smollm2_path):
-    async with Session.open(str(smollm2_path), n_ctx=N_CTX) as s:
-        alone = await s.generate("Once upon a time", max_tokens=16, temperature=0)
-        chunks, error = [], None
+# --- fault injection: one request's sampler or token callback raises -------------------
 
-        async def bad():
-            with pytest.raises(HearthError):
-                await s.generate("Hi", max_tokens=4, temperature=0.5, top_k=2.5)
+FAULTY_SEED = 666  # marks the faulty request (greedy, so the seed changes nothing else)
+# the tiny model greedily repeats its last token; a huge presence penalty makes each step pick
+# the best unseen token, so every token depends on the step's logits
+GREEDY = dict(max_tokens=8, temperature=0, ignore_eos=True, presence_penalty=1000.0)
 
-        async with anyio.create_task_group() as tg:
-            try:
-                async for ch in s.stream("Once upon a time", max_tokens=16, temperature=0):
-                    if not chunks:
-                        tg.start_soon(bad)  # joins the batch while this request runs
-                    chunks.append(ch)
-            except HearthError as e:  # raised outside the task group, not as an ExceptionGroup
-                error = e
-        if error is not None:
-            raise error
-        assert [t for ch in chunks for t in ch.token_ids] == alone.token_ids
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    return str(write_tiny_model(tmp_path_factory.mktemp("fault") / "tiny.gguf", "llama", n_layer=2))
+
+
+def fault_prompt(i: int) -> list[int]:
+    return [3 + (i * 7 + k * 13) % 250 for k in range(12)]
+
+
+async def run_four(s) -> dict[int, list[int] | BaseException]:
+    """Four greedy requests at once; request 2 is the one a fault is injected into."""
+    out: dict[int, list[int] | BaseException] = {}
+
+    async def one(i):
+        try:
+            out[i] = (await s.generate(fault_prompt(i), **GREEDY, seed=FAULTY_SEED if i == 2 else i)).token_ids
+        except HearthError as e:
+            out[i] = e
+    async with anyio.create_task_group() as tg:
+        for i in range(4):
+            tg.start_soon(one, i)
+    return out
+
+
+def fail_after(n: int, fn):
+    """fn, raising from its (n+1)-th call on."""
+    calls = [0]
+
+    def wrapped(*a, **kw):
+        calls[0] += 1
+        if calls[0] > n:
+            raise RuntimeError("injected fault")
+        return fn(*a, **kw)
+    return wrapped
+
+
+def inject_sampler_fault(monkeypatch):
+    import hearthlm.runtime.engine as engine
+    real = engine.sample
+    faulty = fail_after(3, real)
+    monkeypatch.setattr(engine, "sample", lambda lg, p, rng, hist: (faulty if p.seed == FAULTY_SEED else real)(
+        lg, p, rng, hist))
+
+
+def inject_callback_fault(monkeypatch):
+    import hearthlm.session as session
+    real = session.Request
+
+    def request(**kw):
+        if kw["params"].seed == FAULTY_SEED:
+            kw["on_token"] = fail_after(3, kw["on_token"])
+        return real(**kw)
+    monkeypatch.setattr(session, "Request", request)
+
+
+@pytest.mark.parametrize("inject", [inject_sampler_fault, inject_callback_fault], ids=["sampler", "callback"])
+async def test_fault_in_one_request_leaves_the_others_exact(tiny_model, monkeypatch, inject):
+    async with Session.open(tiny_model, n_ctx=128) as s:
+        clean = await run_four(s)
+        assert all(isinstance(v, list) and len(v) == GREEDY["max_tokens"] for v in clean.values())
+        inject(monkeypatch)
+        faulty = await run_four(s)
+        monkeypatch.undo()
+        assert isinstance(faulty[2], HearthError) and "injected fault" in str(faulty[2])
+        assert {i: faulty[i] for i in (0, 1, 3)} == {i: clean[i] for i in (0, 1, 3)}
+        # and the session keeps serving, the faulty request's KV blocks given back
+        assert (await s.generate(fault_prompt(2), **GREEDY, seed=FAULTY_SEED)).token_ids == clean[2]
+        st = s.stats()
+        assert st["running_requests"] == 0 and st["kv_blocks_used"] == 0
 
 
 async def test_request_in_flight_when_session_exits(smollm2_path):
