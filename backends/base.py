@@ -1,28 +1,58 @@
-"""The Backend protocol. A backend runs one graph node at a time on arrays it owns;
-`runtime.dispatch` walks the graph, keeps values alive only as long as needed, and calls
-`run`. Backends import nothing of ours but the graph's op definitions."""
+"""The Backend protocol, as a base class every backend derives from: what runtime calls,
+and the optional capabilities with their defaults, so runtime never probes with getattr.
+A backend runs one graph node at a time (`kernels[op](node, *srcs, out=None)`) on values
+it owns; `runtime.dispatch` walks the graph. Backends import nothing of ours but the
+graph's op definitions and the weight record."""
 from __future__ import annotations
 
-from typing import Any, Callable, Protocol
+from typing import Any, Callable
+
+import numpy as np
 
 from hearthlm.runtime.graph import Op, Tensor
 from hearthlm.runtime.weights import QWeight
 
-Kernel = Callable[..., Any]  # kernel(node, *src_values) -> value
+Kernel = Callable[..., Any]  # kernel(node, *src_values[, out=buffer]) -> value
 
 
-class Backend(Protocol):
-    name: str
-    kernels: dict[Op, Kernel]
+class Backend:
+    name: str = ""
+    kernels: dict[Op, Kernel]          # op -> kernel; an op missing here is not supported
+    weight_types: frozenset[int] = frozenset()  # ggml types prepare_weight takes
+
+    # ---- optional capabilities (the defaults suit a host backend that allocates) ----
+    plans_memory: bool = False         # kernels take out= buffers placed in one host arena
+    kv_dtype: np.dtype = np.dtype(np.float32)  # element type of the K/V cache it holds
 
     def prepare_weight(self, w: QWeight) -> Any:
         """Repack/upload a weight once; the result is what kernels receive for WEIGHT nodes."""
+        raise NotImplementedError
 
     def supports(self, node: Tensor) -> bool:
-        """Whether this backend can run `node` (op and weight type)."""
+        """Whether this backend can run `node` (its op, and a weight's type)."""
+        if node.op is Op.WEIGHT:
+            return int(node.params["weight"].ggml_type) in self.weight_types
+        return node.op in self.kernels or node.op in (Op.INPUT, Op.CACHE)
 
-    def to_host(self, value: Any) -> Any:
-        """A numpy view of a value (identity on CPU backends)."""
+    def to_host(self, value: Any) -> np.ndarray:
+        """A numpy array of a value (identity on host backends)."""
+        return value
 
-    def from_host(self, array: Any) -> Any:
-        """Place a numpy array where this backend's kernels read it."""
+    def from_host(self, array: np.ndarray) -> Any:
+        """A numpy array placed where this backend's kernels read it."""
+        return array
+
+    def copy_from(self, src: "Backend", value: Any) -> Any:
+        """A value of backend `src` as one of this backend's own: a round trip through host
+        memory by default (a device backend overrides it with an async copy). Always a new
+        buffer: the source's may go back to its arena at once."""
+        v = self.from_host(src.to_host(value))
+        return v.copy() if v is value else v
+
+    def bind_thread(self) -> None:
+        """Called in the engine's worker thread before it runs any kernel (a GPU backend
+        makes its device current there: kernels run in that thread, not the caller's)."""
+
+    def loaded(self) -> None:
+        """Called once the weights a session needs at start are prepared (a GPU backend
+        frees its upload staging memory)."""

@@ -8,8 +8,9 @@ import numpy as np
 from gguf import GGMLQuantizationType as T
 from gguf import quants
 
+from hearthlm.backends.base import Backend
 from hearthlm.runtime.errors import UnsupportedModelError
-from hearthlm.runtime.graph import Op, Tensor
+from hearthlm.runtime.graph import Op
 from hearthlm.runtime.weights import QWeight
 
 
@@ -120,8 +121,10 @@ def _act(node, x):
     return silu(x) if node.params["act"] == "silu" else gelu(x)
 
 
-class ReferenceBackend:
+class ReferenceBackend(Backend):
     name = "reference"
+    # what gguf.quants dequantizes; prepare_weight names a type it cannot
+    weight_types = frozenset(int(t) for t in T)
 
     def __init__(self) -> None:
         self.kernels = {
@@ -160,12 +163,3 @@ class ReferenceBackend:
 
     def prepare_weight(self, w: QWeight) -> np.ndarray:
         return dequantize(w)
-
-    def supports(self, node: Tensor) -> bool:
-        return node.op in self.kernels or node.op in (Op.INPUT, Op.WEIGHT, Op.CACHE)
-
-    def to_host(self, value):
-        return value
-
-    def from_host(self, array):
-        return array

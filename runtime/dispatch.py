@@ -1,134 +1,125 @@
-"""Runs a graph on its backends. Passes, in order:
-0. plan, once per graph (runtime.memory; cached graphs carry theirs): liveness, and where
-   a backend takes out= buffers, its intermediates' places in one host arena (a placed
-   graph: the nodes of such backends; the others, and COPY nodes, allocate their own);
-1. bind leaves: inputs from the step's feed (each backend uploads its own), weights from
-   the node's backend's prepared store, caches from the KV cache;
-2. walk nodes in order, calling the node's backend's kernel, `kernel(node, *srcs)` or,
-   with a planned buffer, `kernel(node, *srcs, out=buffer)`; a COPY moves its source to
-   its backend (`copy`);
-3. drop each value after its last consumer (planned buffers stay in the arena).
-Fusion ran before (runtime.fusion), then placement (runtime.placement: which backend runs
-each node, the split into runs, the COPY nodes), when the graph was cached."""
+"""Runs a graph on its backends. `compile_graph` resolves, once per cached graph, the passes:
+0. place (runtime.placement, after fusion): which backend runs each node, the split into
+   runs and the COPY nodes between them; one backend is the trivial placement;
+1. plan (runtime.memory): liveness, and one host arena for the intermediates of the
+   backends that take out= buffers;
+2. bind: per node a step record: a weight's prepared value from its backend's store, an
+   input's upload, a cache's lookup, a kernel with its planned buffer, a view, a copy.
+`execute` then walks the steps in order each engine step: calls `kernel(node, *srcs)` (or
+with `out=buffer`), and drops each value after its last consumer (planned buffers stay in
+the arena)."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
+import numpy as np
+
+from hearthlm.backends.base import Backend
 from hearthlm.runtime.errors import BackendError
 from hearthlm.runtime.graph import Graph, Op, Tensor
-from hearthlm.runtime.memory import VIEWS, ExecPlan, plan
-from hearthlm.runtime.weights import QWeight
+from hearthlm.runtime.memory import ExecPlan, plan
+from hearthlm.runtime.placement import Placement, place
+from hearthlm.runtime.weights import WeightStore
+
+# step kinds
+INPUT, STATIC, CACHE, COPY, KERNEL, VIEW = "input", "static", "cache", "copy", "kernel", "view"
 
 
-class WeightStore:
-    """Prepared (packed/uploaded) weights of one backend, made once on first use."""
-
-    def __init__(self, backend) -> None:
-        self.backend = backend
-        self._prepared: dict[str, Any] = {}
-
-    def get(self, w: QWeight) -> Any:
-        p = self._prepared.get(w.name)
-        if p is None:
-            p = self._prepared[w.name] = self.backend.prepare_weight(w)
-        return p
-
-
-def plan_for(graph: Graph, backend) -> ExecPlan:
-    """`backend`: the one backend, or {name: backend} of a placed graph (graph.backends)."""
-    if graph.plan is None:
-        if graph.backends is None:
-            graph.plan = plan(graph, arena=getattr(backend, "plans_memory", False))
-        else:  # one host arena, shared by the nodes of the backends that take out= buffers
-            own = [getattr(backend[b], "plans_memory", False) and n.op is not Op.COPY
-                   for n, b in zip(graph.nodes, graph.backends)]
-            p = plan(graph, arena=any(own))
-            p.outs = [o if mine else None for o, mine in zip(p.outs, own)]
-            graph.plan = p
-    return graph.plan
+@dataclass(slots=True, eq=False)
+class Step:
+    kind: str               # one of the kinds above
+    index: int              # the node's index: where its value goes
+    node: Tensor
+    srcs: tuple[int, ...]   # indices of the source values
+    frees: tuple[int, ...]  # indices of values to drop after this step
+    fn: Any = None          # KERNEL/VIEW: the kernel; INPUT: the upload (from_host)
+    value: Any = None       # STATIC: the prepared weight
+    out: Any = None         # KERNEL: the planned buffer, or None (the kernel allocates)
+    src: Any = None         # COPY: the backend the value leaves
+    dst: Any = None         # COPY: the backend it goes to
+    seen: Any = None        # VIEW: the source value last seen, and the view made of it
+    view: Any = None
 
 
-def copy(src, dst, value: Any) -> Any:
-    """`value` of backend `src` on backend `dst`: the destination's own copy where it has one
-    (the CUDA backend's: async, on its copy stream, through pinned host buffers), else a
-    round trip through host memory."""
-    copy_from = getattr(dst, "copy_from", None)
-    if copy_from is not None:
-        return copy_from(src, value)
-    v = dst.from_host(src.to_host(value))
-    return v.copy() if v is value else v  # host to host: the source's buffer goes back to the arena
+@dataclass
+class CompiledGraph:
+    graph: Graph                 # fused (where asked), then split: nodes read sources on their own backend
+    backends: list[str]          # per node: the name of the backend that runs it
+    plan: ExecPlan
+    steps: list[Step]
+    outputs: list[tuple[int, Backend]]  # node index of each output, and the backend it comes back through
+    n_splits: int                # runs of compute nodes on one backend
+    n_copies: int                # COPY nodes between them
 
 
-_INPUT, _STATIC, _CACHE, _COPY, _KERNEL, _VIEW = range(6)
-
-
-def compile_program(graph: Graph, store) -> list[tuple]:
-    """The graph as a flat list of steps (node index, kind, callable or value, node, source
-    indices, out buffer, indices to free): the per-node work of passes 1-3 resolved once per
-    graph, so a cached graph's step costs a tuple unpack and a call per node."""
-    placed = graph.backends is not None
-    stores = store if placed else {None: store}
-    names = graph.backends if placed else [None] * len(graph.nodes)
-    p = plan_for(graph, {k: s.backend for k, s in stores.items()} if placed else store.backend)  # 0.
-    index = {id(n): i for i, n in enumerate(graph.nodes)}
-    prog = []
+def compile_graph(graph: Graph, placement: Placement, stores: Mapping[str, WeightStore]) -> CompiledGraph:
+    """Passes 0-2 for `graph` (fused or not); binding prepares the weights it reads."""
+    s = place(graph, placement)  # 0.
+    g, names = s.graph, s.backends
+    be = [placement.backends[b] for b in names]
+    p = plan(g, arena=[b.plans_memory and not n.op.props.moves for n, b in zip(g.nodes, be)])  # 1.
+    index = {id(n): i for i, n in enumerate(g.nodes)}
+    steps: list[Step] = []
     planned: set[int] = set()  # nodes whose value is an arena buffer or a view of one
-    for i, node in enumerate(graph.nodes):
-        st = stores[names[i]]
-        backend, op = st.backend, node.op
-        srcs = tuple(index[id(s)] for s in node.srcs)
-        frees = tuple(index[id(d)] for d in p.frees[i])
-        if op is Op.INPUT:  # 1.
-            prog.append((i, _INPUT, backend.from_host, node, srcs, None, frees))
+    for i, (node, backend) in enumerate(zip(g.nodes, be)):  # 2.
+        op = node.op
+        st = Step(INPUT, i, node, tuple(index[id(x)] for x in node.srcs), tuple(index[id(d)] for d in p.frees[i]))
+        if op is Op.INPUT:
+            st.fn = backend.from_host
         elif op is Op.WEIGHT:
-            prog.append((i, _STATIC, st.get(node.params["weight"]), node, srcs, None, frees))
+            st.kind, st.value = STATIC, stores[names[i]].get(node.params["weight"])
         elif op is Op.CACHE:
-            prog.append((i, _CACHE, None, node, srcs, None, frees))
-        elif op is Op.COPY:  # 2.
-            prog.append((i, _COPY, (stores[node.params["src"]].backend, backend), node, srcs, None, frees))
+            st.kind = CACHE
+        elif op.props.moves:
+            st.kind, st.src, st.dst = COPY, placement.backends[node.params["src"]], backend
         else:
             k = backend.kernels.get(op)
             if k is None:
                 raise BackendError(f"backend {backend.name!r} has no kernel for {op.value} ({node.label})")
-            if op in VIEWS and srcs[0] in planned:
+            st.fn = k
+            if op.props.view and st.srcs[0] in planned:
                 # a view of an arena buffer: made once and reused while the source's value is the
                 # same object (kernels that return their out= buffer make it so every step)
+                st.kind = VIEW
                 planned.add(i)
-                prog.append((i, _VIEW, [k, None, None], node, srcs, None, frees))
-                continue
-            if p.outs[i] is not None:
-                planned.add(i)
-            prog.append((i, _KERNEL, k, node, srcs, p.outs[i], frees))
-    return prog
+            else:
+                st.kind, st.out = KERNEL, p.outs[i]
+                if st.out is not None:
+                    planned.add(i)
+        steps.append(st)
+    outs = [(index[id(o)], be[index[id(o)]]) for o in g.outputs]
+    return CompiledGraph(g, names, p, steps, outs, s.n_splits, s.n_copies)
 
 
-def execute(graph: Graph, store, feed: Mapping[str, Any],
-            cache_of: Callable[[Tensor], Any]) -> list[Any]:
-    """`store`: the WeightStore of the one backend, or {name: WeightStore} for a placed graph."""
-    key = tuple(sorted((k, id(v)) for k, v in store.items())) if isinstance(store, dict) else id(store)
-    if graph.program is None or graph.program[0] != key:
-        index = {id(n): i for i, n in enumerate(graph.nodes)}
-        outs = [(index[id(o)], (store[graph.backends[index[id(o)]]] if isinstance(store, dict) else store).backend)
-                for o in graph.outputs]  # each output comes back through its own backend
-        graph.program = (key, compile_program(graph, store), outs)
-    vals: list[Any] = [None] * len(graph.nodes)
-    for i, kind, fn, node, srcs, out, frees in graph.program[1]:
-        if kind == _KERNEL:  # 2.
-            args = [vals[j] for j in srcs]
-            vals[i] = fn(node, *args) if out is None else fn(node, *args, out=out)
-        elif kind == _VIEW:  # fn: [kernel, the source value it last saw, the view it made]
-            v = vals[srcs[0]]
-            if v is not fn[1]:
-                fn[1], fn[2] = v, fn[0](node, v)
-            vals[i] = fn[2]
-        elif kind == _STATIC:  # 1.
-            vals[i] = fn
-        elif kind == _INPUT:
-            vals[i] = fn(feed[node.name])
-        elif kind == _CACHE:
-            vals[i] = cache_of(node)
-        else:
-            vals[i] = copy(fn[0], fn[1], vals[srcs[0]])
-        for j in frees:  # 3.
+def execute(cg: CompiledGraph, feed: Mapping[str, np.ndarray], cache_of: Callable[[Tensor], Any]) -> list[np.ndarray]:
+    """One run of a compiled graph: the outputs as numpy arrays."""
+    vals: list[Any] = [None] * len(cg.steps)
+    for st in cg.steps:
+        kind = st.kind
+        if kind is KERNEL:
+            args = [vals[j] for j in st.srcs]
+            vals[st.index] = st.fn(st.node, *args) if st.out is None else st.fn(st.node, *args, out=st.out)
+        elif kind is VIEW:
+            v = vals[st.srcs[0]]
+            if v is not st.seen:
+                st.seen, st.view = v, st.fn(st.node, v)
+            vals[st.index] = st.view
+        elif kind is STATIC:
+            vals[st.index] = st.value
+        elif kind is INPUT:
+            vals[st.index] = st.fn(feed[st.node.name])
+        elif kind is CACHE:
+            vals[st.index] = cache_of(st.node)
+        else:  # COPY
+            vals[st.index] = st.dst.copy_from(st.src, vals[st.srcs[0]])
+        for j in st.frees:
             vals[j] = None
-    return [b.to_host(vals[j]) for j, b in graph.program[2]]
+    return [b.to_host(vals[j]) for j, b in cg.outputs]
+
+
+def run(graph: Graph, where: Backend | Placement, feed: Mapping[str, np.ndarray],
+        cache_of: Callable[[Tensor], Any], n_layer: int = 0) -> list[np.ndarray]:
+    """Compile and execute once, with fresh weight stores (tests and tools)."""
+    p = where if isinstance(where, Placement) else Placement.single(where, n_layer)
+    return execute(compile_graph(graph, p, {n: WeightStore(b) for n, b in p.backends.items()}), feed, cache_of)

@@ -16,12 +16,11 @@ from hearthlm.runtime.batcher import Batcher, StepPlan
 from hearthlm.runtime.dispatch import execute
 from hearthlm.runtime.errors import (ContextLengthError, HearthError, InvalidRequestError, QueueFull,
                                      SessionClosedError)
-from hearthlm.runtime.fusion import enabled as fusion_enabled, fuse
-from hearthlm.runtime.graph import Graph
+from hearthlm.runtime.dispatch import CompiledGraph
 from hearthlm.runtime.graph_cache import GraphCache, bucket
 from hearthlm.runtime.kv_cache import KVCache
 from hearthlm.runtime.log import get_logger
-from hearthlm.runtime.placement import Placement, prepare_weights
+from hearthlm.runtime.placement import Placement
 from hearthlm.runtime.request import Request
 from hearthlm.runtime.sampling import sample, top_logprobs
 
@@ -48,24 +47,30 @@ class Engine:
                  block_size: int = 16, max_batch_tokens: int = 512, max_seqs: int = 64,
                  max_queued_requests: int = 1024, fusion: bool | None = None, graph_cache: bool = True) -> None:
         """`model` provides build_graph(shape) -> Graph, weights, kv_dims, n_vocab, eog_ids.
-        `backend`: one backend, or a runtime.placement.Placement (layers over several).
-        `fusion`: None follows HEARTHLM_NO_FUSION; `graph_cache=False` rebuilds every step."""
+        `backend`: one backend (the trivial placement), or a runtime.placement.Placement of
+        layers over several. `fusion`: None follows HEARTHLM_NO_FUSION; `graph_cache=False`
+        rebuilds every step."""
         self.model = model
         self.n_ctx = n_ctx
         self.max_queued_requests = max_queued_requests
-        # each backend holds the weights its (fused) graphs read, and its layers' K/V
-        build = (lambda shape: fuse(model.build_graph(shape))) if fusion_enabled(fusion) else model.build_graph
-        self.store = prepare_weights(backend, build, block_size)
-        kv_backend = backend.layer_backends() if isinstance(backend, Placement) else backend
+        self.placement = (backend if isinstance(backend, Placement)
+                          else Placement.single(backend, len(model.kv_dims)))
+        # each layer's K/V lives on the backend that runs its attention
         blocks_per_seq = -(-n_ctx // block_size)
-        self.kv = KVCache(model.kv_dims, max(kv_blocks or 0, blocks_per_seq) + 1, block_size, kv_backend)
+        self.kv = KVCache(model.kv_dims, max(kv_blocks or 0, blocks_per_seq) + 1, block_size,
+                          self.placement.layer_backends())
         self.scratch_block = self.kv.allocator.alloc(1)[0]  # padding tokens write here; no sequence reads it
         self.batcher = Batcher(self.kv, max_batch_tokens=max_batch_tokens, max_seqs=max_seqs)
         self.max_blocks = blocks_per_seq  # block-table width at most; bucketed per step (the KV-length bucket)
         self.max_batch_tokens, self.max_seqs = max_batch_tokens, max_seqs
         self.running: list[Request] = []
         self.waiting: deque[Request] = deque()
-        self.graphs = GraphCache(model.build_graph, backend, fusion_on=fusion, enabled=graph_cache)
+        self.graphs = GraphCache(model.build_graph, self.placement, fusion_on=fusion, enabled=graph_cache)
+        # weights packed at load, not at the first step: compiling the single-stream decode graph
+        # binds what it reads (a later graph that reads more prepares it on first use)
+        self.graphs.prepare(self._shape(n_tokens=1, n_seqs=1, n_out=1, need_blocks=1))
+        for b in self.placement.backends.values():
+            b.loaded()
         self._cv = threading.Condition()
         self._incoming: list[Request] = []
         self._aborts: set[int] = set()
@@ -133,6 +138,8 @@ class Engine:
 
     # ---- engine thread --------------------------------------------------------------
     def _loop(self) -> None:
+        for b in self.placement.backends.values():  # kernels run in this thread
+            b.bind_thread()
         while True:
             with self._cv:
                 while not (self._incoming or self._aborts or self.running or self.waiting or self._closing):
@@ -169,8 +176,7 @@ class Engine:
             return
         try:
             feed, shape = self._assemble(plan)
-            graph = self._graph(shape)
-            (logits,) = execute(graph, self.store, feed, self.kv.cache_of)
+            (logits,) = execute(self._graph(shape), feed, self.kv.cache_of)
             # counted before _update wakes the callers, so their stats() see this step
             self.counters["steps"] += 1
             self.counters["tokens_computed"] += plan.n_tokens
@@ -191,13 +197,11 @@ class Engine:
         tokens (id 0, position 0) write K/V into the scratch block and attend from a padding
         sequence row (the scratch block), or row 0 when the rows are full: harmless reads;
         padding output rows repeat row 0 and are ignored."""
-        n, bs = plan.n_tokens, self.kv.block_size
-        n_pad = bucket(n, self.max_batch_tokens)
-        n_seqs = bucket(len(plan.seqs), self.max_seqs)
-        # KV-length bucket: the fused attention reads only up to each token's position, so its
-        # graph takes the full width (one bucket); the unfused one gathers the whole width
+        bs = self.kv.block_size
+        out_wanted = sum(1 for s in plan.seqs if s.wants_logits)
         need = max(-(-(s.req.n_computed + s.n_tokens) // bs) for s in plan.seqs)
-        width = self.max_blocks if self.graphs.fused else min(bucket(max(need, MIN_KV_BLOCKS)), self.max_blocks)
+        shape = self._shape(n_tokens=plan.n_tokens, n_seqs=len(plan.seqs), n_out=out_wanted, need_blocks=need)
+        n_pad, n_seqs, width = shape.n_tokens, shape.n_seqs, shape.max_blocks
         tokens, pos = np.zeros(n_pad, np.int32), np.zeros(n_pad, np.int32)
         tok_seq = np.full(n_pad, len(plan.seqs) if n_seqs > len(plan.seqs) else 0, np.int32)
         slots = self.scratch_block * bs + np.arange(n_pad, dtype=np.int32) % bs
@@ -215,14 +219,22 @@ class Engine:
             if s.wants_logits:
                 out_rows.append(off + k - 1)
             off += k
-        n_out = bucket(len(out_rows), n_seqs) if out_rows else 0
         feed = dict(tokens=tokens, pos=pos, tok_seq=tok_seq, slots=slots, block_table=block_table,
-                    out_rows=np.asarray(out_rows + [0] * (n_out - len(out_rows)), np.int32))
-        shape = BatchShape(n_tokens=n_pad, n_seqs=n_seqs, max_blocks=width, n_out=n_out,
-                           n_slots=self.kv.n_slots, block_size=bs)
+                    out_rows=np.asarray(out_rows + [0] * (shape.n_out - len(out_rows)), np.int32))
         return feed, shape
 
-    def _graph(self, shape: BatchShape) -> Graph:
+    def _shape(self, *, n_tokens: int, n_seqs: int, n_out: int, need_blocks: int) -> BatchShape:
+        """The bucketed shape a step's graph is cached by. KV-length bucket: the fused attention
+        reads only up to each token's position, so its graph takes the full width (one bucket);
+        the unfused one gathers the whole width."""
+        n_seqs_pad = bucket(n_seqs, self.max_seqs)
+        width = (self.max_blocks if self.graphs.fused
+                 else min(bucket(max(need_blocks, MIN_KV_BLOCKS)), self.max_blocks))
+        return BatchShape(n_tokens=bucket(n_tokens, self.max_batch_tokens), n_seqs=n_seqs_pad, max_blocks=width,
+                          n_out=bucket(n_out, n_seqs_pad) if n_out else 0, n_slots=self.kv.n_slots,
+                          block_size=self.kv.block_size)
+
+    def _graph(self, shape: BatchShape) -> CompiledGraph:
         """Built, fused and planned once per bucketed shape; later steps only rewrite inputs."""
         return self.graphs.get(shape)
 

@@ -6,17 +6,12 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import weakref
 from dataclasses import dataclass
 from typing import Callable
 
-import numpy as np
-
 from hearthlm.runtime.graph import Graph, Op, Tensor
-from hearthlm.runtime.weights import QWeight, release_pages
+from hearthlm.runtime.weights import stacked_weight
 
-COMMUTATIVE = (Op.ADD, Op.MUL)
-SIDE_EFFECTS = (Op.SET_ROWS, Op.ROPE_SET_ROWS)  # kept even when nothing reads their value
 
 
 @dataclass(frozen=True)
@@ -106,7 +101,7 @@ def _match(p: Pat, node: Tensor, uses: dict, m: dict, root: bool) -> bool:
         return True
     if len(p.srcs) != len(node.srcs):
         return False
-    orders = [p.srcs, p.srcs[::-1]] if node.op in COMMUTATIVE and len(p.srcs) == 2 else [p.srcs]
+    orders = [p.srcs, p.srcs[::-1]] if node.op.props.commutative and len(p.srcs) == 2 else [p.srcs]
     for srcs in orders:
         trial = dict(m)
         if all(_match(sp, s, uses, trial, False) for sp, s in zip(srcs, node.srcs)):
@@ -158,21 +153,6 @@ def fuse(graph: Graph, rules: list[Rule] = RULES) -> Graph:
     return prune(stack_matmuls(out))
 
 
-_stacked: "weakref.WeakKeyDictionary[QWeight, dict]" = weakref.WeakKeyDictionary()
-
-
-def stacked_weight(ws: list[QWeight]) -> QWeight:
-    """One weight holding the rows of `ws` in order (made once per tuple of weights)."""
-    per_first = _stacked.setdefault(ws[0], {})
-    key = tuple(id(w) for w in ws)
-    if key not in per_first:
-        per_first[key] = QWeight("+".join(w.name for w in ws), ws[0].ggml_type,
-                                 (sum(w.shape[0] for w in ws), ws[0].shape[1]), np.concatenate([w.raw for w in ws]))
-        for w in ws:  # read once, here: the stacked copy is what backends pack
-            release_pages(w.raw)
-    return per_first[key]
-
-
 def stack_matmuls(graph: Graph) -> Graph:
     """Projections of the same activations (q, k and v) as one MUL_MAT over their stacked
     weights and a column SLICE each: one kernel launch and one quantization of x, not three."""
@@ -215,7 +195,7 @@ def stack_matmuls(graph: Graph) -> Graph:
 def prune(graph: Graph) -> Graph:
     """Drop nodes nothing needs: what the rewrites absorbed."""
     keep: set[int] = set()
-    stack = [*graph.outputs, *(n for n in graph.nodes if n.op in SIDE_EFFECTS)]
+    stack = [*graph.outputs, *(n for n in graph.nodes if n.op.props.writes_cache)]  # kept though unread
     while stack:
         n = stack.pop()
         if id(n) not in keep:

@@ -10,39 +10,66 @@ from typing import Any
 import numpy as np
 
 
+@dataclass(frozen=True)
+class OpProps:
+    """What runtime needs to know of an op besides its kernels, in one place: the memory
+    planner, fusion, placement and dispatch read these, never tables of their own."""
+    bound: bool = False         # a leaf whose value is bound, not computed (feed, weights, KV cache)
+    per_backend: bool = False   # a bound leaf each backend binds its own of (uploads, packs): never copied
+    writes_cache: bool = False  # writes its first source (a cache) in place and returns it: kept though
+                                # unread, runs where the cache lives, never planned
+    view: bool = False          # shares its first source's buffer
+    inplace: tuple[int, ...] = ()  # sources whose buffer the output may take (each element read before written)
+    commutative: bool = False   # binary op whose sources fusion patterns may match in either order
+    moves: bool = False         # dispatch runs it (a copy between backends), not a backend kernel
+
+
+_LEAF = OpProps(bound=True, per_backend=True)
+
+
 class Op(enum.Enum):
-    INPUT = "input"          # per-step data (token ids, positions, KV slots, ...)
-    WEIGHT = "weight"        # model parameter; backends hold it packed (see prepare_weight)
-    CACHE = "cache"          # persistent buffer (a layer's K or V cache), mutated in place
+    def __new__(cls, value: str, props: OpProps = OpProps()):
+        obj = object.__new__(cls)
+        obj._value_ = value
+        obj.props = props
+        return obj
+
+    INPUT = "input", _LEAF    # per-step data (token ids, positions, KV slots, ...)
+    WEIGHT = "weight", _LEAF  # model parameter; backends hold it packed (see prepare_weight)
+    CACHE = "cache", OpProps(bound=True)  # persistent buffer (a layer's K or V cache), mutated in place
     GET_ROWS = "get_rows"    # (table, ids) -> table[ids]; table is a weight or an activation
     MUL_MAT = "mul_mat"      # (w, x) -> x @ w.T
-    RMS_NORM = "rms_norm"    # (x,) over the last axis; params: eps
-    MUL = "mul"              # (a, b) broadcast
-    ADD = "add"              # (a, b) broadcast
-    SCALE = "scale"          # (x,) * params["s"]
-    SILU = "silu"
-    GELU = "gelu"            # tanh approximation, as ggml_gelu
-    ROPE = "rope"            # (x (n_tokens, n_heads, head_dim), pos (n_tokens,)); params: n_rot, base, freq_scale, neox
-    SET_ROWS = "set_rows"    # (cache, src, slots): cache[slots] = src; returns the cache (orders later reads)
-    RESHAPE = "reshape"      # (x,) params: shape
-    SLICE = "slice"          # (x,) -> x[..., start:stop], a view; params: start, stop
+    RMS_NORM = "rms_norm", OpProps(inplace=(0,))  # (x,) over the last axis; params: eps
+    MUL = "mul", OpProps(inplace=(0, 1), commutative=True)  # (a, b) broadcast
+    ADD = "add", OpProps(inplace=(0, 1), commutative=True)  # (a, b) broadcast
+    SCALE = "scale", OpProps(inplace=(0,))  # (x,) * params["s"]
+    SILU = "silu", OpProps(inplace=(0,))
+    GELU = "gelu", OpProps(inplace=(0,))    # tanh approximation, as ggml_gelu
+    # (x (n_tokens, n_heads, head_dim), pos (n_tokens,)); params: n_rot, base, freq_scale, neox
+    ROPE = "rope", OpProps(inplace=(0,))
+    # (cache, src, slots): cache[slots] = src; returns the cache (orders later reads)
+    SET_ROWS = "set_rows", OpProps(writes_cache=True)
+    RESHAPE = "reshape", OpProps(view=True)  # (x,) params: shape
+    SLICE = "slice", OpProps(view=True)      # (x,) -> x[..., start:stop], a view; params: start, stop
     # attention, unfused: what the builders emit (runtime.fusion turns it into ATTN)
     GATHER_KV = "gather_kv"  # (cache (n_slots, h, d), block_table (n_seqs, mb)) -> (n_seqs, mb*block_size, h, d)
     KQ = "kq"                # (q (n_tokens, n_head, d), k (n_seqs, n_kv, h_kv, d), tok_seq) -> (n_tokens, n_head, n_kv); GQA
     KQ_MASK = "kq_mask"      # (pos (n_tokens,)) -> (n_tokens, 1, n_kv): 0 on [pos-window+1 (or 0), pos], else -inf
-    SOFT_MAX = "soft_max"    # (x,) over the last axis
+    SOFT_MAX = "soft_max", OpProps(inplace=(0,))  # (x,) over the last axis
     KQV = "kqv"              # (probs (n_tokens, n_head, n_kv), v (n_seqs, n_kv, h_kv, dv), tok_seq) -> (n_tokens, n_head, dv)
-    ADD_N = "add_n"          # (a, b, c, ...) -> their sum, one pass
+    ADD_N = "add_n", OpProps(inplace=(0, 1, 2, 3))  # (a, b, c, ...) -> their sum, one pass
     # fused ops (runtime.fusion rewrites into these)
     ATTN = "attn"            # (q, k_cache, v_cache, tok_seq, tok_pos, block_table) -> (n_tokens, n_head*head_dim)
-    RMS_NORM_MUL = "rms_norm_mul"  # (x, w) = rms_norm(x) * w
-    RMS_NORM_MUL_ADD = "rms_norm_mul_add"  # (x, w, r) = rms_norm(x) * w + r (a post-norm into the residual)
-    GLU = "glu"                    # (gate, up) = act(gate) * up; params: act ("silu" | "gelu")
-    FFN_GLU = "ffn_glu"            # (w_gate, w_up, x) = act(x @ w_gate.T) * (x @ w_up.T); params: act
-    MUL_MAT_ADD = "mul_mat_add"    # (w, x, r) = x @ w.T + r (a projection into the residual)
-    ROPE_SET_ROWS = "rope_set_rows"  # (cache, x, pos, slots): cache[slots] = rope(x, pos); rope params
+    RMS_NORM_MUL = "rms_norm_mul", OpProps(inplace=(0,))  # (x, w) = rms_norm(x) * w
+    # (x, w, r) = rms_norm(x) * w + r (a post-norm into the residual)
+    RMS_NORM_MUL_ADD = "rms_norm_mul_add", OpProps(inplace=(2, 0))
+    GLU = "glu", OpProps(inplace=(0, 1))  # (gate, up) = act(gate) * up; params: act ("silu" | "gelu")
+    FFN_GLU = "ffn_glu"      # (w_gate, w_up, x) = act(x @ w_gate.T) * (x @ w_up.T); params: act
+    MUL_MAT_ADD = "mul_mat_add", OpProps(inplace=(2,))  # (w, x, r) = x @ w.T + r (a projection into the residual)
+    # (cache, x, pos, slots): cache[slots] = rope(x, pos); rope params
+    ROPE_SET_ROWS = "rope_set_rows", OpProps(writes_cache=True)
     # multi-device (runtime.placement inserts it; runtime.dispatch runs it, not a backend kernel)
-    COPY = "copy"            # (x,) -> the same values on this node's backend; params: src (backend it leaves)
+    COPY = "copy", OpProps(moves=True)  # (x,) -> the same values on this node's backend; params: src (backend it leaves)
 
 
 @dataclass(eq=False)
@@ -74,11 +101,6 @@ class Graph:
         self.nodes: list[Tensor] = []
         self.inputs: dict[str, Tensor] = {}
         self.outputs: list[Tensor] = []
-        self.plan: Any = None  # runtime.memory.ExecPlan, set once when the graph is cached
-        self.program: Any = None  # runtime.dispatch's compiled steps, made at first execution
-        # set by runtime.placement.place on multi-backend graphs; None: one backend runs all
-        self.backends: list[str] | None = None  # per node: the name of the backend that runs it
-        self.n_splits, self.n_copies = 1, 0      # runs of nodes on one backend; COPY nodes between them
 
     def _add(self, op: Op, srcs, shape, name: str, il: int = -1, dtype=F32, **params) -> Tensor:
         t = Tensor(op, tuple(srcs), tuple(int(s) for s in shape), np.dtype(dtype), name, il, params)
@@ -199,9 +221,10 @@ class Graph:
         """x's value moved from backend `src` to `dst` (ggml's split input, named as ggml does)."""
         return self._add(Op.COPY, (x,), x.shape, f"{x.name}#{dst}", x.layer, x.dtype, src=src)
 
-    def dump(self, backend: str = "") -> str:
+    def dump(self, backends: list[str] | None = None) -> str:
+        """A table of the nodes; `backends`: each node's, where the graph is placed."""
         rows = [f"{'#':>4}  {'node':<24} {'op':<16} {'shape':<22} {'dtype':<8} backend"]
         for i, t in enumerate(self.nodes):
-            where = self.backends[i] if self.backends else backend
+            where = backends[i] if backends else ""
             rows.append(f"{i:>4}  {t.label:<24} {t.op.value:<16} {str(t.shape):<22} {str(t.dtype):<8} {where}")
         return "\n".join(rows)

@@ -12,10 +12,11 @@ from typing import Any, Callable
 
 from hearthlm.runtime import fusion
 from hearthlm.runtime.batch import BatchShape
-from hearthlm.runtime.dispatch import plan_for
+from hearthlm.runtime.dispatch import CompiledGraph, compile_graph
 from hearthlm.runtime.graph import Graph
 from hearthlm.runtime.log import get_logger
-from hearthlm.runtime.placement import Placement, place
+from hearthlm.runtime.placement import Placement
+from hearthlm.runtime.weights import WeightStore
 
 log = get_logger("hearthlm.graph_cache")
 
@@ -32,14 +33,14 @@ def bucket(n: int, cap: int | None = None) -> int:
 @dataclass(frozen=True)
 class Signature:
     shape: BatchShape  # bucketed tokens, sequences, output rows; block-table width = the KV-length bucket
-    placement: str     # the backend's name, or a Placement's key ("cpu:0-14|cuda:15-29")
+    placement: str     # the Placement's key: "cpu", or "cpu:0-14|cuda:15-29"
     fused: bool
 
 
 @dataclass
 class CachedGraph:
     sig: Signature
-    graph: Graph        # fused (if sig.fused), placed (if a Placement) and planned
+    compiled: CompiledGraph  # fused (if sig.fused), placed, planned and bound
     n_unfused: int      # nodes as built
     n_fused: int        # nodes after fusion (before placement adds copies and per-backend leaves)
 
@@ -51,12 +52,12 @@ def can_reuse(cached: CachedGraph, sig: Signature) -> bool:
 
 
 class GraphCache:
-    def __init__(self, build: Callable[[BatchShape], Graph], backend: Any, *, fusion_on: bool | None = None,
+    def __init__(self, build: Callable[[BatchShape], Graph], placement: Placement, *, fusion_on: bool | None = None,
                  enabled: bool = True, max_graphs: int = 16) -> None:
-        """`backend`: one backend, or a runtime.placement.Placement over several."""
-        self.build, self.backend = build, backend
-        self.placement = backend if isinstance(backend, Placement) else None
-        self.key = self.placement.key if self.placement else backend.name
+        self.build, self.placement = build, placement
+        self.key = placement.key
+        # each backend's prepared weights, shared by all the graphs compiled here
+        self.stores = {name: WeightStore(b) for name, b in placement.backends.items()}
         self.fused = fusion.enabled(fusion_on)
         self.enabled = enabled  # False: build every step (to measure what reuse saves)
         self.max_graphs = max_graphs
@@ -66,7 +67,7 @@ class GraphCache:
                              graph_reuse_time_s=0.0, graph_arena_bytes=0, graph_no_reuse_bytes=0,
                              graph_splits=1, graph_copies=0)
 
-    def get(self, shape: BatchShape) -> Graph:
+    def get(self, shape: BatchShape) -> CompiledGraph:
         t0 = time.perf_counter()
         sig = Signature(shape, self.key, self.fused)
         hit = self._graphs.get(sig) if self.enabled else None
@@ -74,7 +75,7 @@ class GraphCache:
             self._graphs.move_to_end(sig)
             self.counters["graph_cache_hits"] += 1
             self.counters["graph_reuse_time_s"] += time.perf_counter() - t0
-            return hit.graph
+            return hit.compiled
         entry = self._make(sig)
         if self.enabled:
             self._graphs[sig] = entry
@@ -84,23 +85,28 @@ class GraphCache:
         c = self.counters
         c["graph_cache_misses"] += 1
         c["graph_build_time_s"] += dt
+        cg = entry.compiled
         c.update(graph_build_last_ms=dt * 1e3, graph_nodes_unfused=entry.n_unfused, graph_nodes_fused=entry.n_fused,
-                 graph_arena_bytes=entry.graph.plan.arena_bytes, graph_no_reuse_bytes=entry.graph.plan.no_reuse_bytes,
-                 graph_splits=entry.graph.n_splits, graph_copies=entry.graph.n_copies)
+                 graph_arena_bytes=cg.plan.arena_bytes, graph_no_reuse_bytes=cg.plan.no_reuse_bytes,
+                 graph_splits=cg.n_splits, graph_copies=cg.n_copies)
         log.debug("graph_cache_miss", shape=shape, fused=self.fused, nodes_unfused=entry.n_unfused,
-                  nodes=entry.n_fused, arena_bytes=entry.graph.plan.arena_bytes, ms=round(dt * 1e3, 2))
-        return entry.graph
+                  nodes=entry.n_fused, arena_bytes=cg.plan.arena_bytes, ms=round(dt * 1e3, 2))
+        return cg
+
+    def prepare(self, shape: BatchShape) -> None:
+        """At load: compile the graph of `shape` (binding packs the weights it reads) and keep
+        it, counting no miss: the first step of that shape then finds it ready."""
+        sig = Signature(shape, self.key, self.fused)
+        entry = self._make(sig)
+        if self.enabled:
+            self._graphs[sig] = entry
 
     def _make(self, sig: Signature) -> CachedGraph:
         g = self.build(sig.shape)
         n_unfused = len(g.nodes)
-        if sig.fused:
+        if sig.fused:  # before placement: a fused node is placed (and split around) as one
             g = fusion.fuse(g)
-        n_fused = len(g.nodes)
-        if self.placement:  # after fusion: a fused node is placed (and split around) as one
-            g = place(g, self.placement)
-        plan_for(g, self.placement.backends if self.placement else self.backend)
-        return CachedGraph(sig, g, n_unfused, n_fused)
+        return CachedGraph(sig, compile_graph(g, self.placement, self.stores), n_unfused, len(g.nodes))
 
     def stats(self) -> dict[str, Any]:
         c = dict(self.counters)

@@ -7,6 +7,7 @@ from collections import OrderedDict
 
 import numpy as np
 
+from hearthlm.backends.base import Backend
 from hearthlm.runtime.graph import Tensor
 
 
@@ -71,16 +72,17 @@ def block_hash(parent: int | None, tokens) -> int:
 
 
 class KVCache:
-    def __init__(self, kv_dims: list[tuple[int, int]], n_blocks: int, block_size: int, backend) -> None:
-        """kv_dims: per layer (n_head_kv, head_dim). `backend`: one for all layers, or a list
-        with each layer's (its K/V live where its attention runs)."""
+    def __init__(self, kv_dims: list[tuple[int, int]], n_blocks: int, block_size: int,
+                 backends: list[Backend]) -> None:
+        """kv_dims and backends: per layer, (n_head_kv, head_dim) and the backend that runs its
+        attention, where its K/V live."""
+        assert len(backends) == len(kv_dims), (len(backends), len(kv_dims))
         self.block_size = block_size
         self.n_blocks = n_blocks
         self.n_slots = n_blocks * block_size
         self.allocator = BlockAllocator(n_blocks)
-        backends = backend if isinstance(backend, (list, tuple)) else [backend] * len(kv_dims)
-        # each backend's own element type (the CPU's float16, as llama.cpp's), float32 by default
-        alloc = lambda be, shape: be.from_host(np.zeros(shape, getattr(be, "kv_dtype", np.float32)))  # noqa: E731
+        # each backend's own element type (the CPU's float16, as llama.cpp's)
+        alloc = lambda be, shape: be.from_host(np.zeros(shape, be.kv_dtype))  # noqa: E731
         self.k = [alloc(be, (self.n_slots, h, d)) for be, (h, d) in zip(backends, kv_dims)]
         self.v = [alloc(be, (self.n_slots, h, d)) for be, (h, d) in zip(backends, kv_dims)]
 

@@ -12,12 +12,6 @@ import numpy as np
 from hearthlm.runtime.graph import Graph, Op, Tensor
 
 ALIGN = 64  # bytes: a cache line, and what SIMD loads like
-UNPLANNED = (Op.INPUT, Op.WEIGHT, Op.CACHE, Op.SET_ROWS, Op.ROPE_SET_ROWS)  # fed, prepared or persistent
-VIEWS = (Op.RESHAPE, Op.SLICE)  # share their source's buffer
-# op -> which sources the output may overwrite (the kernel reads each element before writing it)
-INPLACE = {Op.ADD: (0, 1), Op.MUL: (0, 1), Op.SCALE: (0,), Op.SILU: (0,), Op.GELU: (0,), Op.ROPE: (0,),
-           Op.RMS_NORM: (0,), Op.RMS_NORM_MUL: (0,), Op.RMS_NORM_MUL_ADD: (2, 0), Op.GLU: (0, 1),
-           Op.SOFT_MAX: (0,), Op.MUL_MAT_ADD: (2,), Op.ADD_N: (0, 1, 2, 3)}
 
 
 @dataclass
@@ -82,21 +76,24 @@ class _FreeList:
         self.blocks = merged
 
 
-def plan(graph: Graph, *, arena: bool) -> ExecPlan:
-    """Liveness for every graph; arena offsets (and numpy views) when `arena` (the backend
-    takes out= buffers). Outputs keep fresh arrays: the caller holds them past the step."""
+def plan(graph: Graph, *, arena: bool | list[bool]) -> ExecPlan:
+    """Liveness for every graph; arena offsets for all intermediates, and numpy views of one
+    arena as the buffers of the nodes whose backend takes out= buffers: `arena`, per node
+    (or one bool for all). Outputs keep fresh arrays: the caller holds them past the step."""
     nodes = graph.nodes
     last = last_uses(graph)
     # 1. views: a RESHAPE shares its root's buffer, which then lives until the view's last use
     root: dict[int, Tensor] = {}
     for n in nodes:
-        root[id(n)] = root[id(n.srcs[0])] if n.op in VIEWS else n
+        root[id(n)] = root[id(n.srcs[0])] if n.op.props.view else n
     end: dict[int, int] = {}
     for n in nodes:
         r = root[id(n)]
         end[id(r)] = max(end.get(id(r), -1), last.get(id(n), -1))
     outs = {id(root[id(o)]) for o in graph.outputs}
-    planned = lambda n: n.op not in UNPLANNED and n.op not in VIEWS and id(n) not in outs  # noqa: E731
+    # fed, prepared, persistent, views and copies have buffers of their own
+    planned = lambda n: not (n.op.props.bound or n.op.props.writes_cache or n.op.props.view  # noqa: E731
+                             or n.op.props.moves) and id(n) not in outs
     # 2. frees: what dispatch drops after each node (unplanned values, and all of them when no arena)
     frees: list[list[Tensor]] = [[] for _ in nodes]
     for n in nodes:
@@ -114,7 +111,7 @@ def plan(graph: Graph, *, arena: bool) -> ExecPlan:
             live += size
             peak = max(peak, live)
             donor = None
-            for j in INPLACE.get(n.op, ()):
+            for j in n.op.props.inplace:
                 s = root[id(n.srcs[j])] if j < len(n.srcs) else None
                 if (s is not None and id(s) in p.offsets and end[id(s)] == i and nbytes(s) == nbytes(n)
                         and n.srcs[j].shape == n.shape and s.dtype == n.dtype):
@@ -131,10 +128,10 @@ def plan(graph: Graph, *, arena: bool) -> ExecPlan:
                 fl.free(p.offsets[id(d)], _align(nbytes(d)))
             live -= _align(nbytes(d))
     p.arena_bytes, p.liveness_peak_bytes = fl.end, peak
-    if arena:
-        buf = np.empty(max(p.arena_bytes, 1), np.uint8)
-        p.outs = [None if id(n) not in p.offsets else
-                  buf[p.offsets[id(n)]:p.offsets[id(n)] + nbytes(n)].view(n.dtype).reshape(n.shape) for n in nodes]
-    else:  # offsets stay, as the plan's record (and for tests); kernels allocate
-        p.outs = [None] * len(nodes)
+    own = [arena] * len(nodes) if isinstance(arena, bool) else arena
+    buf = np.empty(max(p.arena_bytes, 1), np.uint8) if any(own) else None
+    # offsets stay for the other nodes, as the plan's record (and for tests); their kernels allocate
+    p.outs = [None if id(n) not in p.offsets or not mine else
+              buf[p.offsets[id(n)]:p.offsets[id(n)] + nbytes(n)].view(n.dtype).reshape(n.shape)
+              for n, mine in zip(nodes, own)]
     return p

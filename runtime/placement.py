@@ -14,17 +14,15 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Any, Callable, Mapping
+from dataclasses import dataclass
+from typing import Callable, Mapping
 
-from hearthlm.runtime.batch import BatchShape, one_token
-from hearthlm.runtime.dispatch import WeightStore
+from hearthlm.backends.base import Backend
 from hearthlm.runtime.errors import BackendError, InvalidRequestError
 from hearthlm.runtime.graph import Graph, Op, Tensor
 from hearthlm.runtime.log import get_logger
 
 log = get_logger("hearthlm.placement")
-LEAVES = (Op.INPUT, Op.WEIGHT)  # bound per backend (uploaded, prepared), never copied
-IN_PLACE = (Op.SET_ROWS, Op.ROPE_SET_ROWS)  # write their cache: they run where it lives, no fallback
 _BLK = re.compile(r"blk\.(\d+)\.")
 
 
@@ -32,13 +30,18 @@ class Placement:
     """Backends by name (the first is the host: embeddings, inputs, fallbacks) and, per
     layer, the name of the backend holding its weights and K/V cache."""
 
-    def __init__(self, backends: Mapping[str, Any], layers: list[str]) -> None:
-        self.backends = dict(backends)
+    def __init__(self, backends: Mapping[str, Backend], layers: list[str]) -> None:
+        self.backends: dict[str, Backend] = dict(backends)
         self.layers = list(layers)
         self.host = next(iter(self.backends))
         unknown = set(self.layers) - set(self.backends)
         if unknown:
             raise BackendError(f"layers placed on unknown backends {sorted(unknown)}; have {list(self.backends)}")
+
+    @classmethod
+    def single(cls, backend: Backend, n_layer: int) -> "Placement":
+        """One backend running everything."""
+        return cls({backend.name: backend}, [backend.name] * n_layer)
 
     @property
     def output(self) -> str:
@@ -48,12 +51,15 @@ class Placement:
     def of_layer(self, il: int) -> str:
         return self.layers[il] if 0 <= il < len(self.layers) else self.output
 
-    def layer_backends(self) -> list[Any]:
+    def layer_backends(self) -> list[Backend]:
         return [self.backends[b] for b in self.layers]
 
     @property
     def key(self) -> str:
-        """What the graph cache tells placements apart by, e.g. "cpu:0-14|cuda:15-29"."""
+        """What the graph cache tells placements apart by, e.g. "cpu:0-14|cuda:15-29", or
+        "cpu" for one backend."""
+        if len(self.backends) == 1:
+            return self.host
         runs: list[list] = []
         for il, b in enumerate(self.layers):
             if runs and runs[-1][0] == b:
@@ -69,19 +75,19 @@ class Placement:
         return f"Placement({self.key})"
 
 
-def offload(backends: Mapping[str, Any], n_layer: int, n_gpu_layers: int | None) -> Any:
+def offload(backends: Mapping[str, Backend], n_layer: int, n_gpu_layers: int | None) -> Placement:
     """llama.cpp's -ngl over (host, device): the last n_gpu_layers layers (None: all; more
     than n_layer: all) and the output head on the device. One backend, or none offloaded:
-    the host backend itself (the single-backend path, no placement)."""
+    the host backend alone."""
     names = list(backends)
     k = n_layer if n_gpu_layers is None else min(n_gpu_layers, n_layer)
     if len(names) == 1 or k <= 0:
-        return backends[names[0]]
+        return Placement.single(backends[names[0]], n_layer)
     host, dev = names[0], names[1]
     return Placement({host: backends[host], dev: backends[dev]}, [host] * (n_layer - k) + [dev] * k)
 
 
-def open_device(device: str, n_gpu_layers: int | None, make_backend: Callable[[str], Any]) -> dict[str, Any]:
+def open_device(device: str, n_gpu_layers: int | None, make_backend: Callable[[str], Backend]) -> dict[str, Backend]:
     """The backends of `device`: {"cpu"}, or {"cpu", "cuda"} for "cuda" (BackendError where
     CuPy or a GPU is missing) and for "auto" where a GPU answers."""
     if n_gpu_layers is not None and (isinstance(n_gpu_layers, bool) or not isinstance(n_gpu_layers, int)
@@ -121,8 +127,8 @@ def assign(graph: Graph, p: Placement) -> list[str]:
             b = p.of_layer(int(m.group(1))) if m else p.host if table_only.get(id(n)) else p.output
         elif n.op is Op.CACHE:
             b = p.of_layer(n.layer)
-        elif n.op in IN_PLACE:
-            where[id(n)] = where[id(n.srcs[0])]  # a copy of the cache would take the write
+        elif n.op.props.writes_cache:
+            where[id(n)] = where[id(n.srcs[0])]  # a copy of the cache would take the write: no fallback
             continue
         else:
             w = next((s for s in n.srcs if s.op is Op.WEIGHT), None)
@@ -132,7 +138,15 @@ def assign(graph: Graph, p: Placement) -> list[str]:
     return [where[id(n)] for n in graph.nodes]
 
 
-def split(graph: Graph, where: list[str]) -> Graph:
+@dataclass
+class Split:
+    graph: Graph          # every node reads sources on its own backend
+    backends: list[str]   # per node of graph: the name of the backend that runs it
+    n_splits: int         # runs of compute nodes on one backend
+    n_copies: int         # COPY nodes between them
+
+
+def split(graph: Graph, where: list[str]) -> Split:
     """2. and 3. A new graph where every node reads sources on its own backend."""
     out = Graph()
     out.inputs, names = dict(graph.inputs), []
@@ -150,7 +164,7 @@ def split(graph: Graph, where: list[str]) -> Graph:
             return s
         t = moved.get((id(s), b))
         if t is None:
-            if s.op in LEAVES:
+            if s.op.props.per_backend:
                 out.nodes.append(t := dataclasses.replace(s))
             else:
                 t = out.copy(s, src=home[id(s)], dst=b)  # the builder appends it
@@ -163,32 +177,12 @@ def split(graph: Graph, where: list[str]) -> Graph:
         out.nodes.append(t)
         new[id(n)] = note(t, b)
     out.outputs = [new[id(o)] for o in graph.outputs]
-    out.backends = names
-    runs = [b for t, b in zip(out.nodes, names) if t.op not in LEAVES and t.op is not Op.CACHE]
-    out.n_splits = sum(1 for i, b in enumerate(runs) if i == 0 or runs[i - 1] != b)
-    out.n_copies = sum(1 for t in out.nodes if t.op is Op.COPY)
-    return out
+    runs = [b for t, b in zip(out.nodes, names) if not t.op.props.bound]
+    n_splits = sum(1 for i, b in enumerate(runs) if i == 0 or runs[i - 1] != b)
+    return Split(out, names, n_splits, sum(1 for t in out.nodes if t.op.props.moves))
 
 
-def place(graph: Graph, p: Placement) -> Graph:
-    g = split(graph, assign(graph, p))
-    log.debug("placed", placement=p.key, nodes=len(g.nodes), splits=g.n_splits, copies=g.n_copies)
-    return g
-
-
-def prepare_weights(p, build: Callable[[BatchShape], Graph], block_size: int):
-    """Weights packed at load, not at the first step: those a one-token graph reads. For a
-    Placement, one WeightStore per backend holding what the graph places there (a step that
-    needs another, after a fallback, prepares it on first use); else one WeightStore."""
-    if not isinstance(p, Placement):
-        store = WeightStore(p)
-        for t in build(one_token(block_size)).nodes:
-            if t.op is Op.WEIGHT:
-                store.get(t.params["weight"])
-        return store
-    stores = {name: WeightStore(b) for name, b in p.backends.items()}
-    g = place(build(one_token(block_size)), p)
-    for t, b in zip(g.nodes, g.backends):
-        if t.op is Op.WEIGHT:
-            stores[b].get(t.params["weight"])
-    return stores
+def place(graph: Graph, p: Placement) -> Split:
+    s = split(graph, assign(graph, p))
+    log.debug("placed", placement=p.key, nodes=len(s.graph.nodes), splits=s.n_splits, copies=s.n_copies)
+    return s

@@ -20,7 +20,7 @@ def add_graph_args(p: argparse.ArgumentParser) -> None:
 
 
 def _dump(title: str, g: Graph, backend) -> str:
-    p = plan(g, arena=getattr(backend, "plans_memory", False))
+    p = plan(g, arena=backend.plans_memory)
     rows = [f"{'#':>5}  {'node':<26} {'op':<16} {'shape':<24} {'dtype':<8} backend"]
     for i, t in enumerate(g.nodes):
         where = backend.name if backend.supports(t) else "-"

@@ -68,14 +68,14 @@ class Session:
             raise InvalidRequestError(f"pass backend= or device=, not both (got {backend!r} and {device!r})")
         if device is None and n_gpu_layers is not None:
             raise InvalidRequestError("n_gpu_layers needs device='cuda' or 'auto'")
-        be = get_backend(backend) if device is None else open_device(device, n_gpu_layers, get_backend)
+        backends = ({backend: get_backend(backend)} if device is None
+                    else open_device(device, n_gpu_layers, get_backend))
         m = load_model(resolve_model(model, filename=filename))
-        try:
-            if device is not None:  # the layers over the device's backends, once their count is known
-                be = offload(be, m.config.n_layer, n_gpu_layers)
+        try:  # the layers over the backends, once their count is known
+            placement = offload(backends, m.config.n_layer, n_gpu_layers)
             n_ctx = min(n_ctx, m.config.n_ctx_train)
             kv_tokens = kv_cache_tokens or 4 * n_ctx
-            engine = Engine(m, be, n_ctx=n_ctx, kv_blocks=math.ceil(kv_tokens / 16), **engine_opts)
+            engine = Engine(m, placement, n_ctx=n_ctx, kv_blocks=math.ceil(kv_tokens / 16), **engine_opts)
         except BaseException:
             m.close()
             raise

@@ -10,7 +10,7 @@ from synth import build, step_feed, weights
 from hearthlm.backends.cpu.backend import CPUBackend
 from hearthlm.backends.reference import ReferenceBackend
 from hearthlm.runtime import fusion
-from hearthlm.runtime.dispatch import WeightStore, execute
+from hearthlm.runtime.dispatch import run as run_graph
 from hearthlm.runtime.graph import Op
 from test_ops import nmse
 
@@ -31,7 +31,7 @@ N_LAYER = {"llama": 2, "gemma3": 6}  # gemma3: five sliding-window layers and on
 
 def run(graph, backend, feed, caches):
     local = {k: v.copy() for k, v in caches.items()}
-    (out,) = execute(graph, WeightStore(backend), feed, lambda n: local[(n.name, n.layer)])
+    (out,) = run_graph(graph, backend, feed, lambda n: local[(n.name, n.layer)])
     return out, local
 
 

@@ -8,9 +8,11 @@ from synth import build, step_feed, weights
 from hearthlm.backends.cpu.backend import CPUBackend
 from hearthlm.runtime import fusion
 from hearthlm.runtime.batch import BatchShape
-from hearthlm.runtime.dispatch import WeightStore, execute
+from hearthlm.runtime.dispatch import compile_graph, execute
+from hearthlm.runtime.placement import Placement
+from hearthlm.runtime.weights import WeightStore
 from hearthlm.runtime.graph import Op
-from hearthlm.runtime.memory import VIEWS, _align, last_uses, nbytes, plan
+from hearthlm.runtime.memory import _align, last_uses, nbytes, plan
 from test_ops import nmse
 
 SMOLLM2 = dict(n_embd=576, n_head=9, n_head_kv=3, head_dim=64, n_ff=1536, n_vocab=49152)
@@ -30,7 +32,7 @@ def check_no_overlap(g, p):
     end = {}
     for n in g.nodes:  # a view keeps its root alive
         r = n
-        while r.op in VIEWS:
+        while r.op.props.view:
             r = r.srcs[0]
         end[id(r)] = max(end.get(id(r), -1), last.get(id(n), -1), idx[id(n)])
     spans = [(idx[k], end[k], off, off + _align(nbytes(g.nodes[idx[k]]))) for k, off in p.offsets.items()]
@@ -70,11 +72,17 @@ def test_planned_equals_unplanned_on_cpu(arch, fused):
     for arena in (True, False):
         g = build(arch, ws, shape, n_layer)
         g = fusion.fuse(g) if fused else g
-        g.plan = plan(g, arena=arena)
+        be = CPUBackend() if arena else Unplanned()
         local = {k: v.copy() for k, v in caches.items()}
-        outs.append(execute(g, WeightStore(CPUBackend()), feed, lambda n: local[(n.name, n.layer)])[0])
-        if arena:
-            # most computed values (not leaves, views or outputs) live in the arena
-            computed = [n for n in g.nodes if n.op not in (Op.INPUT, Op.WEIGHT, Op.CACHE, Op.RESHAPE, Op.SLICE)]
-            assert sum(o is not None for o in g.plan.outs) >= len(computed) - len(g.outputs) - 4
+        cg = compile_graph(g, Placement.single(be, n_layer), {be.name: WeightStore(be)})
+        outs.append(execute(cg, feed, lambda n: local[(n.name, n.layer)])[0])
+        # most computed values (not leaves, views or outputs) live in the arena, where the backend takes it
+        computed = [n for n in g.nodes if n.op not in (Op.INPUT, Op.WEIGHT, Op.CACHE, Op.RESHAPE, Op.SLICE)]
+        n_planned = sum(o is not None for o in cg.plan.outs)
+        assert n_planned >= len(computed) - len(g.outputs) - 4 if arena else n_planned == 0
     assert nmse(outs[0], outs[1]) < 1e-12
+
+
+class Unplanned(CPUBackend):
+    """The CPU's kernels, allocating their results: the capability declared off."""
+    plans_memory = False

@@ -21,10 +21,11 @@ from hearthlm import BackendError, InvalidRequestError, Session
 from hearthlm.backends.cpu.backend import CPUBackend
 from hearthlm.backends.reference import ReferenceBackend
 from hearthlm.runtime import fusion
-from hearthlm.runtime.dispatch import WeightStore, execute
+from hearthlm.runtime.dispatch import compile_graph, execute
 from hearthlm.runtime.engine import Engine
 from hearthlm.runtime.graph import Op
 from hearthlm.runtime.placement import Placement, offload, place
+from hearthlm.runtime.weights import WeightStore
 from hearthlm.runtime.request import Request
 from hearthlm.runtime.sampling import SamplingParams
 
@@ -73,34 +74,45 @@ def two(host="cpu0", dev="cpu1"):
     return {host: Tagged(host), dev: Tagged(dev)}
 
 
-def run(graph, store, feed, caches, backend_of_layer=None):
+def compiled(graph, where):
+    """`graph` compiled for a Placement, or for one backend (the trivial placement)."""
+    p = where if isinstance(where, Placement) else Placement.single(where, 0)
+    return compile_graph(graph, p, {name: WeightStore(b) for name, b in p.backends.items()})
+
+
+def run(graph, where, feed, caches):
+    return run_compiled(compiled(graph, where), where, feed, caches)
+
+
+def run_compiled(cg, where, feed, caches):
     """Logits and the K/V caches after the step; each layer's caches uploaded to its backend."""
-    local = {k: (backend_of_layer(k[1]).from_host(v) if backend_of_layer else v.copy()) for k, v in caches.items()}
-    (out,) = execute(graph, store, feed, lambda n: local[(n.name, n.layer)])
+    up = (lambda il: where.backends[where.layers[il]]) if isinstance(where, Placement) else None
+    local = {k: (up(k[1]).from_host(v) if up else v.copy()) for k, v in caches.items()}
+    (out,) = execute(cg, feed, lambda n: local[(n.name, n.layer)])
     host = {k: np.asarray(v) for k, v in local.items()}
     return out, host
 
 
-def check_split(g):
+def check_split(cg):
     """Every COPY goes between two backends; each backend's compute nodes form one run."""
-    for t, b in zip(g.nodes, g.backends):
+    g = cg.graph
+    for t, b in zip(g.nodes, cg.backends):
         for s in t.srcs:
-            where = g.backends[g.nodes.index(s)]
+            where = cg.backends[g.nodes.index(s)]
             assert where == (t.params["src"] if t.op is Op.COPY else b), f"{t.label} on {b} reads {s.label} on {where}"
         if t.op is Op.COPY:
             assert t.params["src"] != b, t
-    runs = [b for t, b in zip(g.nodes, g.backends) if t.op not in (Op.INPUT, Op.WEIGHT, Op.CACHE)]
+    runs = [b for t, b in zip(g.nodes, cg.backends) if t.op not in (Op.INPUT, Op.WEIGHT, Op.CACHE)]
     firsts = [b for i, b in enumerate(runs) if i == 0 or runs[i - 1] != b]
-    assert len(firsts) == len(set(firsts)) == g.n_splits, firsts
+    assert len(firsts) == len(set(firsts)) == cg.n_splits, firsts
 
 
 def placed_run(arch, ws, shape, feed, caches, p: Placement, fused: bool):
     n = N_LAYER[arch]
     g = build(arch, ws, shape, n)
-    g = place(fusion.fuse(g) if fused else g, p)
-    stores = {name: WeightStore(b) for name, b in p.backends.items()}
-    out, kv = run(g, stores, feed, caches, lambda il: p.backends[p.layers[il]])
-    return g, out, kv
+    cg = compiled(fusion.fuse(g) if fused else g, p)
+    out, kv = run_compiled(cg, p, feed, caches)
+    return cg, out, kv
 
 
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "unfused"])
@@ -110,7 +122,7 @@ def test_split_points_match_one_device(arch, fused):
     feed, shape, caches = step_feed(np.random.default_rng(1), n)
     ws = weights(arch, n, seed=2)
     one = build(arch, ws, shape, n)
-    base, base_kv = run(fusion.fuse(one) if fused else one, WeightStore(CPUBackend()), feed, caches)
+    base, base_kv = run(fusion.fuse(one) if fused else one, CPUBackend(), feed, caches)
     for k in sorted({0, 1, n // 2, n}):
         bes = two()
         p = Placement(bes, ["cpu0"] * (n - k) + ["cpu1"] * k)
@@ -123,7 +135,7 @@ def test_split_points_match_one_device(arch, fused):
         # the output head sits with the last layer, so nothing comes back
         assert (g.n_splits, g.n_copies) == ((1, 0) if k == 0 else (2, 1)), (k, g.n_splits, g.n_copies)
         assert bes["cpu1"].copies == g.n_copies and bes["cpu0"].copies == 0
-        copied = [t.srcs[0].label for t in g.nodes if t.op is Op.COPY]
+        copied = [t.srcs[0].label for t in g.graph.nodes if t.op is Op.COPY]
         assert copied == ([] if k == 0 else [("inp_scaled" if arch == "gemma3" else "inp_embd")] if k == n
                           else [f"l_out-{n - k - 1}"]), copied
 
@@ -134,7 +146,7 @@ def test_plain_cpu_pair_copies_through_host():
     arch, n = "gemma3", N_LAYER["gemma3"]
     feed, shape, caches = step_feed(np.random.default_rng(7), n)
     ws = weights(arch, n, seed=8)
-    base, _ = run(fusion.fuse(build(arch, ws, shape, n)), WeightStore(CPUBackend()), feed, caches)
+    base, _ = run(fusion.fuse(build(arch, ws, shape, n)), CPUBackend(), feed, caches)
     for k in (1, 3, n):
         p = offload({"cpu0": CPUBackend(), "cpu1": CPUBackend()}, n, k)
         _, out, _ = placed_run(arch, ws, shape, feed, caches, p, fused=True)
@@ -147,16 +159,16 @@ def test_weights_and_inputs_bind_per_backend():
     n = 2
     _, shape, _ = step_feed(np.random.default_rng(0), n)
     p = offload(two(), n, 1)
-    g = place(fusion.fuse(build("llama", weights("llama", n, raw=False), shape, n)), p)
+    cg = place(fusion.fuse(build("llama", weights("llama", n, raw=False), shape, n)), p)  # shapes only: no binding
     where = {}
-    for t, b in zip(g.nodes, g.backends):
+    for t, b in zip(cg.graph.nodes, cg.backends):
         if t.op in (Op.WEIGHT, Op.INPUT):
             where.setdefault(t.name, set()).add(b)
     assert where["token_embd.weight"] == {"cpu0", "cpu1"}
     assert where["blk.0.attn_output.weight"] == {"cpu0"} and where["blk.1.attn_output.weight"] == {"cpu1"}
     assert where["output_norm.weight"] == {"cpu1"}
     assert where["tokens"] == {"cpu0"} and where["pos"] == where["out_rows"] == {"cpu0", "cpu1"}
-    assert "cpu1" in g.dump()
+    assert "cpu1" in cg.graph.dump(cg.backends)
 
 
 @pytest.mark.parametrize("host", ["reference", "cpu"])
@@ -166,7 +178,7 @@ def test_mixed_reference_and_cpu(host):
     arch, n = "gemma3", N_LAYER["gemma3"]
     feed, shape, caches = step_feed(np.random.default_rng(3), n)
     ws = weights(arch, n, seed=4)
-    base, base_kv = run(fusion.fuse(build(arch, ws, shape, n)), WeightStore(ReferenceBackend()), feed, caches)
+    base, base_kv = run(fusion.fuse(build(arch, ws, shape, n)), ReferenceBackend(), feed, caches)
     dev = "cpu" if host == "reference" else "reference"
     make = dict(reference=ReferenceBackend, cpu=CPUBackend)
     for k in (1, 3, n):
@@ -192,24 +204,25 @@ def test_fallback_to_host_when_the_device_lacks_an_op():
     arch, n = "llama", 2
     feed, shape, caches = step_feed(np.random.default_rng(5), n)
     ws = weights(arch, n, seed=6)
-    base, base_kv = run(fusion.fuse(build(arch, ws, shape, n)), WeightStore(CPUBackend()), feed, caches)
+    base, base_kv = run(fusion.fuse(build(arch, ws, shape, n)), CPUBackend(), feed, caches)
     p = Placement({"cpu0": Tagged("cpu0"), "cpu1": NoAttn("cpu1")}, ["cpu1"] * n)
     g, out, kv = placed_run(arch, ws, shape, feed, caches, p, fused=True)
     assert np.array_equal(out, base)
     for key in caches:
         assert np.array_equal(kv[key], base_kv[key])
-    assert all(b == "cpu0" for t, b in zip(g.nodes, g.backends) if t.op is Op.ATTN)
-    for t, b in zip(g.nodes, g.backends):
+    assert all(b == "cpu0" for t, b in zip(g.graph.nodes, g.backends) if t.op is Op.ATTN)
+    for t, b in zip(g.graph.nodes, g.backends):
         if t.op is Op.COPY:
             assert t.params["src"] != b
     assert g.n_copies == 1 + 4 * n  # embeddings; per layer q, K and V caches over, the result back
 
 
 def test_placement_keys():
-    bes = {"cpu": object(), "cuda": object()}
+    bes = {"cpu": CPUBackend(), "cuda": ReferenceBackend()}
     assert offload(bes, 30, 15).key == "cpu:0-14|cuda:15-29"
     assert offload(bes, 30, None).key == offload(bes, 30, 99).key == "cpu:embd|cuda:0-29"
-    assert offload(bes, 30, 0) is bes["cpu"] and offload({"cpu": bes["cpu"]}, 30, 5) is bes["cpu"]
+    for p in (offload(bes, 30, 0), offload({"cpu": bes["cpu"]}, 30, 5)):  # the trivial placement
+        assert p.key == "cpu" and p.backends == {"cpu": bes["cpu"]} and p.layers == ["cpu"] * 30
     with pytest.raises(BackendError, match="unknown"):
         Placement(bes, ["cpu", "tpu"])
 
@@ -246,7 +259,8 @@ def test_engine_on_two_backends(arch):
     assert [type(k).__name__ for k in e.kv.k] == ["On_cpu0", "On_cpu1", "On_cpu1"]
     assert p.backends["cpu1"].copies > 0 and p.backends["cpu0"].copies == 0
     assert (e.stats()["graph_splits"], e.stats()["graph_copies"]) == (2, 1)
-    assert "blk.2.ffn_up.weight" in e.store["cpu1"]._prepared and "blk.2.ffn_up.weight" not in e.store["cpu0"]._prepared
+    stores = e.graphs.stores
+    assert "blk.2.ffn_up.weight" in stores["cpu1"]._prepared and "blk.2.ffn_up.weight" not in stores["cpu0"]._prepared
 
 
 # ---- Session: device= and n_gpu_layers= ------------------------------------------------

@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import numpy as np
 
+from hearthlm.backends.base import Backend
 from hearthlm.backends.cpu import ops
 from hearthlm.backends.cpu.ffn import ffn_glu
 from hearthlm.backends.cpu.halfs import NATIVE_HALF
 from hearthlm.backends.cpu.matmul import get_rows, matmul, matmul_add
 from hearthlm.backends.cpu.qtypes import SUPPORTED_TYPES, PackedWeight, pack_weight
-from hearthlm.runtime.graph import Op, Tensor
+from hearthlm.runtime.graph import Op
 from hearthlm.runtime.weights import QWeight
 
 _NO_WEIGHT = np.zeros(0, np.float32)
@@ -167,12 +168,13 @@ def _binary(ufunc):
     return lambda n, a, b, out=None: ufunc(a, b, out=out, dtype=np.float32)
 
 
-class CPUBackend:
+class CPUBackend(Backend):
     name = "cpu"
+    weight_types = SUPPORTED_TYPES
     plans_memory = True  # kernels accept out=: runtime.memory places intermediates in one arena
     # float16 as llama.cpp's default (half the memory and the bytes attention reads), where the
     # CPU converts natively (halfs.NATIVE_HALF)
-    kv_dtype = np.float16 if NATIVE_HALF else np.float32
+    kv_dtype = np.dtype(np.float16 if NATIVE_HALF else np.float32)
 
     def __init__(self) -> None:
         self.kernels = {
@@ -208,14 +210,3 @@ class CPUBackend:
             from hearthlm.backends.reference import dequantize
             return np.ascontiguousarray(dequantize(w))
         return pack_weight(w.ggml_type, w.raw, w.shape)  # drops the file's pages of what it copies
-
-    def supports(self, node: Tensor) -> bool:
-        if node.op is Op.WEIGHT:
-            return node.params["weight"].ggml_type in SUPPORTED_TYPES
-        return node.op in self.kernels or node.op in (Op.INPUT, Op.CACHE)
-
-    def to_host(self, value):
-        return value
-
-    def from_host(self, array):
-        return array
