@@ -1,6 +1,9 @@
-"""The comparison of ../shared/golden/README.md (vLLM's criterion against a reference):
-walk both greedy sequences; at the first difference each side's token must be in the other
-side's top 5 at that step; then stop. The first step's top-1 log-prob must also agree."""
+"""Real models against llama.cpp's outputs, recorded once with llama-cpp-python 0.3.36 (CPU,
+2 threads, n_ctx 1024) into tests/data/<model>.visible.json: per case the prompt's ids,
+32 greedy steps and each step's top 5 (ids, log-probs). The comparison is vLLM's criterion
+against a reference: walk both greedy sequences; at the first difference each side's token
+must be in the other side's top 5 at that step; then stop. The first step's top-1 log-prob
+must also agree."""
 from hearthlm import Session
 
 # llama.cpp quantizes activations to 8 bits inside its matmuls; our kernels keep them
