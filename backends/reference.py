@@ -74,7 +74,7 @@ def attention(q, k_cache, v_cache, tok_seq, tok_pos, block_table, *, scale, bloc
         s = np.exp(s - s.max(axis=1, keepdims=True))
         s /= s.sum(axis=1, keepdims=True)
         out[t] = np.einsum("hk,khd->hd", s, v)
-    return out.reshape(n_tokens, -1)
+    return out.reshape(n_tokens, n_head * v_cache.shape[2])  # -1 cannot size 0 tokens
 
 
 def gather_kv(cache, block_table, block_size):

@@ -373,26 +373,9 @@ CASES = [
 ]
 
 
-# bugs this suite found outside the tests, until they are fixed: a listed case must still fail
-# (reported as xfail); once it passes, the test fails until its line here is dropped
-KNOWN_BUGS = [
-    (lambda be, build, kw: build is attention and kw["part"] == "attn" and kw["scen"] == "empty",
-     "backends/reference.py attention(): out.reshape(n_tokens, -1) raises for 0 tokens"),
-    (lambda be, build, kw: be.name == "cpu" and build is mul_mat and kw["n"] == 0,
-     "backends/cpu/backend.py _mul_mat(): out.reshape(0, -1) raises for an empty planned buffer"),
-]
-
-
 @pytest.mark.parametrize("build,kw", CASES)
 def test_op(backend, build, kw):
-    bug = next((why for hit, why in KNOWN_BUGS if hit(backend, build, kw)), None)
-    if bug is None:
-        return check(backend, *build(**kw))
-    try:
-        check(backend, *build(**kw))
-    except Exception:  # an AssertionError or the kernel's own (a skip is no Exception)
-        pytest.xfail(bug)
-    pytest.fail(f"fixed, so drop it from KNOWN_BUGS: {bug}")
+    check(backend, *build(**kw))
 
 
 # ---- what the cases must cover ----

@@ -41,7 +41,7 @@ def _mul_mat(node, w, x, out=None):
     x2 = x.reshape(-1, x.shape[-1])
     if out is None or not out.flags.c_contiguous:
         return _into(node, matmul(w, x2), out)
-    matmul(w, x2, out.reshape(x2.shape[0], -1))
+    matmul(w, x2, out.reshape(x2.shape[0], node.shape[-1]))  # -1 cannot size an empty batch
     return out
 
 
