@@ -12,7 +12,7 @@ from hearthlm.backends.reference import ReferenceBackend
 from hearthlm.runtime import fusion
 from hearthlm.runtime.dispatch import run as run_graph
 from hearthlm.runtime.graph import Op
-from test_ops import nmse
+from test_backend_ops import nmse
 
 RULES = {r.name: r for r in fusion.RULES}
 # rule -> (fused op, per layer in llama, per layer in gemma3, outside the layers); counted

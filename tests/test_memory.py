@@ -13,7 +13,7 @@ from hearthlm.runtime.placement import Placement
 from hearthlm.runtime.weights import WeightStore
 from hearthlm.runtime.graph import Op
 from hearthlm.runtime.memory import _align, last_uses, nbytes, plan
-from test_ops import nmse
+from test_backend_ops import nmse
 
 SMOLLM2 = dict(n_embd=576, n_head=9, n_head_kv=3, head_dim=64, n_ff=1536, n_vocab=49152)
 

@@ -14,7 +14,7 @@ import anyio
 import numpy as np
 import pytest
 from synth import FakeModel, build, step_feed, weights
-from test_ops import nmse
+from test_backend_ops import nmse
 from tiny_gguf import write_tiny
 
 from hearthlm import BackendError, InvalidRequestError, Session
