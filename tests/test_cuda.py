@@ -30,7 +30,9 @@ def test_kernels_compile_with_nvcc(tmp_path):
         (tmp_path / f).write_text(source(f))
         names.append(f)
     assert sorted(CU_FILES) == sorted(p.name for p in KERNEL_DIR.glob("*.cu")), "a .cu file is not in CU_FILES"
-    r = subprocess.run([nvcc, "-arch=sm_90", "-std=c++17", "-c", "--Werror", "all-warnings", *names],
+    # every warning is an error, ptxas's too (a register spill included): none goes unnoticed
+    r = subprocess.run([nvcc, "-arch=sm_90", "-std=c++17", "-c", "--Werror", "all-warnings",
+                        "-Xptxas", "--warn-on-spills,--warning-as-error", *names],
                        cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-4000:]
     for f in names:
@@ -125,7 +127,7 @@ def test_unpack_and_dot_on_host(host_quants, qtype):
 def test_imports_without_cupy_and_says_what_is_missing(monkeypatch):
     from hearthlm.backends.cuda import backend
     monkeypatch.setitem(sys.modules, "cupy", None)  # as if CuPy were not installed
-    with pytest.raises(BackendError, match=r"hearthlm\[gpu\]"):
+    with pytest.raises(BackendError, match=r"hearthlm\[gpu-cuda13\]"):
         backend.CUDABackend()
 
 
@@ -139,5 +141,5 @@ def test_no_device_is_a_backend_error():
         pass
     except Exception:  # CUDARuntimeError: no driver or device, which is what this test wants
         pass
-    with pytest.raises(BackendError, match=r"hearthlm\[gpu\]|no CUDA device"):
+    with pytest.raises(BackendError, match=r"hearthlm\[gpu-cuda13\]|no CUDA device"):
         CUDABackend()

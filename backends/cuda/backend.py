@@ -1,17 +1,26 @@
 """The CuPy GPU backend: raw GGUF blocks on the device read by the .cu kernels (kernels/),
 cuBLAS for float products. CuPy is imported when the backend is made, not when this
 module is: `hearthlm.backends.cuda` imports on any machine, and making the backend where
-CuPy or a device is missing raises BackendError saying which."""
+CuPy or a device is missing raises BackendError saying which.
+
+Streams: kernels run on the engine thread's current stream (the compute stream); uploads
+from other backends go on a copy stream of their own, ordered against it by events."""
 from __future__ import annotations
 
 from typing import Any
 
 import numpy as np
 
+from hearthlm.backends.base import Backend
 from hearthlm.backends.cuda.weights import SUPPORTED_TYPES
 from hearthlm.runtime.errors import BackendError
 from hearthlm.runtime.graph import Op, Tensor
 from hearthlm.runtime.weights import QWeight
+
+# CuPy ships one package per CUDA major, and two of them in one environment break `import
+# cupy`: hence one extra per major and no plain `gpu` extra that would pick one for the user
+INSTALL_HINT = ("pip install 'hearthlm[gpu-cuda13]' or 'hearthlm[gpu-cuda12]', for the CUDA version "
+                "`nvidia-smi` shows; an environment that has a CuPy already needs neither")
 
 
 def load_cupy():
@@ -19,8 +28,7 @@ def load_cupy():
     try:
         import cupy
     except ImportError as e:
-        raise BackendError("the cuda backend needs CuPy: pip install 'hearthlm[gpu]' "
-                           f"(cupy-cuda12x) ({e})") from e
+        raise BackendError(f"the cuda backend needs CuPy: {INSTALL_HINT} ({e})") from e
     try:
         n = cupy.cuda.runtime.getDeviceCount()
     except Exception as e:  # CUDARuntimeError when there is no driver or device
@@ -30,56 +38,42 @@ def load_cupy():
     return cupy
 
 
-class CUDABackend:
+class CUDABackend(Backend):
     name = "cuda"
+    weight_types = SUPPORTED_TYPES
     plans_memory = False  # kernels allocate from CuPy's memory pool; the planner's arena is host memory
+    kv_dtype = np.dtype(np.float32)  # the attention and rope_set_rows kernels read and write float32
 
     def __init__(self, device: int = 0) -> None:
         self.cp = load_cupy()
-        self.cp.cuda.Device(device).use()
+        self.device = self.cp.cuda.Device(device)
+        self.device.use()  # for the uploads at load, in the caller's thread; bind_thread for the engine's
         from hearthlm.backends.cuda import ops  # needs cupy
         self._copy_stream = self.cp.cuda.Stream(non_blocking=True)
-        self._inflight: list = []
-        self.kernels = {
-            Op.GET_ROWS: ops.get_rows,
-            Op.MUL_MAT: ops.mul_mat,
-            Op.MUL_MAT_ADD: ops.mul_mat_add,
-            Op.FFN_GLU: ops.ffn_glu,
-            Op.RMS_NORM: ops.rms_norm,
-            Op.RMS_NORM_MUL: ops.rms_norm,
-            Op.RMS_NORM_MUL_ADD: ops.rms_norm,
-            Op.MUL: lambda n, a, b, out=None: ops._into(self.cp.multiply(a, b, dtype=self.cp.float32), out),
-            Op.ADD: lambda n, a, b, out=None: ops._into(self.cp.add(a, b, dtype=self.cp.float32), out),
-            Op.ADD_N: ops.add_n,
-            Op.SCALE: lambda n, x, out=None: ops._into(
-                self.cp.multiply(x, np.float32(n.params["s"]), dtype=self.cp.float32), out),
-            Op.SILU: ops.activation("silu"),
-            Op.GELU: ops.activation("gelu"),
-            Op.GLU: ops.glu,
-            Op.RESHAPE: lambda n, x: x.reshape(n.params["new_shape"]),
-            Op.SLICE: lambda n, x: self.cp.ascontiguousarray(x[..., n.params["start"]:n.params["stop"]]),  # raw kernels need dense
-            Op.ROPE: ops.rope,
-            Op.SET_ROWS: ops.set_rows,
-            Op.ROPE_SET_ROWS: ops.rope_set_rows,
-            Op.ATTN: ops.attn,
-            Op.GATHER_KV: ops.gather_kv,
-            Op.KQ: ops.kq,
-            Op.KQ_MASK: ops.kq_mask,
-            Op.SOFT_MAX: ops.soft_max,
-            Op.KQV: ops.kqv,
-        }
+        self._inflight: list = []  # (event, pinned block) of uploads that may still be running
+        self.kernels = dict(ops.KERNELS)
+
+    def bind_thread(self) -> None:
+        self.device.use()  # the current device is per thread in CUDA
+
+    def loaded(self) -> None:
+        """cupy.asarray stages every upload in CuPy's pinned pool, which keeps its blocks
+        for reuse: the size of the biggest weights, for as long as the process lives."""
+        cp = self.cp
+        self.device.synchronize()
+        self._inflight.clear()
+        cp.cuda.alloc_pinned_memory(0)  # CuPy lets go of staging blocks whose copies are done on its next alloc
+        cp.get_default_pinned_memory_pool().free_all_blocks()
 
     def prepare_weight(self, w: QWeight) -> Any:
         from hearthlm.backends.cuda.weights import upload
         return upload(self.cp, w)
 
     def supports(self, node: Tensor) -> bool:
-        if node.op is Op.WEIGHT:
-            return int(node.params["weight"].ggml_type) in SUPPORTED_TYPES
         if node.op is Op.ATTN:
             from hearthlm.backends.cuda.ops import MAX_HEAD_DIM
             return max(node.srcs[0].shape[2], node.srcs[2].shape[2]) <= MAX_HEAD_DIM
-        return node.op in self.kernels or node.op in (Op.INPUT, Op.CACHE)
+        return super().supports(node)
 
     def to_host(self, value):
         return self.cp.asnumpy(value) if isinstance(value, self.cp.ndarray) else value
@@ -87,21 +81,27 @@ class CUDABackend:
     def from_host(self, array):
         return self.cp.asarray(array)
 
-    def copy_from(self, src_backend, value):
+    def copy_from(self, src: Backend, value):
         """A tensor from another split. Host data is staged into pinned memory (the source
-        buffer may be reused as soon as this returns), copied on the copy stream, and the
-        compute stream waits on an event: the copy overlaps the kernels queued before it."""
+        buffer may be reused as soon as this returns) and copied on the copy stream, so the
+        copy overlaps the kernels queued before it. The copy waits for the compute stream
+        first: the pool may hand out a block that kernels queued there still read. The
+        compute stream then waits for the copy."""
         cp = self.cp
         if isinstance(value, cp.ndarray):
             return value.copy()
-        host = np.ascontiguousarray(src_backend.to_host(value))
-        self._inflight = [(ev, mem) for ev, mem in self._inflight if not ev.done]  # pinned blocks in use
-        mem = cp.cuda.alloc_pinned_memory(max(host.nbytes, 1))
+        host = np.ascontiguousarray(src.to_host(value))
+        out = cp.empty(host.shape, host.dtype)  # from the compute stream's pool
+        if host.size == 0:
+            return out
+        self._inflight = [(ev, mem) for ev, mem in self._inflight if not ev.done]
+        mem = cp.cuda.alloc_pinned_memory(host.nbytes)
         staged = np.frombuffer(mem, host.dtype, host.size).reshape(host.shape)
         staged[...] = host
-        out = cp.empty(host.shape, host.dtype)
+        compute = cp.cuda.get_current_stream()
+        self._copy_stream.wait_event(compute.record())
         out.set(staged, stream=self._copy_stream)
         ev = self._copy_stream.record()
-        cp.cuda.get_current_stream().wait_event(ev)
+        compute.wait_event(ev)
         self._inflight.append((ev, mem))  # keep the pinned block alive until the copy is done
         return out

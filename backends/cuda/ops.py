@@ -2,7 +2,11 @@
 the .cu kernels (modules.py) for the quantized products, norms, activations, RoPE and the
 fused attention; cuBLAS (cupy.matmul) for float products and bigger batches; plain cupy for
 the ops that are one memory pass anyway (add, mul, scale, set_rows, the unfused attention
-parts). Imported only once CuPy and a device are known to be there (backend.py)."""
+parts). Imported only once CuPy and a device are known to be there (backend.py).
+
+A chunk that wants no logits (n_out == 0) sends empty tensors through the output head, and
+the driver rejects a launch on an empty grid: every launch goes through `_launch`, which
+skips empty grids, and cuBLAS products of no rows return their empty result unlaunched."""
 from __future__ import annotations
 
 from functools import lru_cache
@@ -13,6 +17,7 @@ import numpy as np
 from hearthlm.backends.cuda.modules import kernel
 from hearthlm.backends.cuda.weights import CudaWeight
 from hearthlm.runtime.errors import BackendError
+from hearthlm.runtime.graph import Op
 
 MAX_TOKENS = 8        # matmul.cu's MAX_TOKENS: mmvq up to this many tokens, dequantize + cuBLAS above
 ROWS = 4              # matmul.cu's ROWS_PER_BLOCK
@@ -39,6 +44,13 @@ def _i(x):
     return cp.ascontiguousarray(x, dtype=cp.int32)
 
 
+def _launch(file: str, fn: str, grid: tuple, block: tuple, args: tuple) -> None:
+    """Launch kernels/`file`'s `fn`, unless the grid is empty (the outputs, made by the caller,
+    are then empty too)."""
+    if min(grid) > 0:
+        kernel(file, fn)(grid, block, args)
+
+
 def _into(value, out):
     """Copy into a planned buffer, when dispatch gives one (this backend does not ask for them)."""
     if out is None:
@@ -54,7 +66,7 @@ def quantize_q8(x2):
     n_chunks = x2.size // 32
     xq = cp.empty(x2.shape, cp.int8)
     xd, xs = cp.empty(n_chunks, cp.float32), cp.empty(2 * n_chunks, cp.float32)
-    kernel("matmul.cu", "quantize_q8")((_cdiv(n_chunks, ROWS),), (32, ROWS), (x2, i64(n_chunks), xq, xd, xs))
+    _launch("matmul.cu", "quantize_q8", (_cdiv(n_chunks, ROWS),), (32, ROWS), (x2, i64(n_chunks), xq, xd, xs))
     return xq, xd, xs
 
 
@@ -62,12 +74,13 @@ def mmvq(w: CudaWeight, x2, mode: int = 0, w2: CudaWeight | None = None, r=None)
     """(n <= MAX_TOKENS, K) -> (n, n_rows); mode 1 adds r, 2/3 = silu/gelu(x @ w.T) * (x @ w2.T)."""
     n, k = x2.shape
     n_rows = w.shape[0]
-    xq, xd, xs = quantize_q8(x2)
     y = cp.empty((n, n_rows), cp.float32)
-    kernel("matmul.cu", "mmvq_" + w.kernel)(
-        (_cdiv(n_rows, ROWS),), (32, ROWS),
-        (w.raw, (w2 or w).raw, i64(w.raw.shape[1]), i32(n_rows), i32(k // 32), xq, xd, xs, i32(n),
-         _dummy() if r is None else r, y, i32(mode)))
+    if n == 0:
+        return y
+    xq, xd, xs = quantize_q8(x2)
+    _launch("matmul.cu", "mmvq_" + w.kernel, (_cdiv(n_rows, ROWS),), (32, ROWS),
+            (w.raw, (w2 or w).raw, i64(w.raw.shape[1]), i32(n_rows), i32(k // 32), xq, xd, xs, i32(n),
+             _dummy() if r is None else r, y, i32(mode)))
     return y
 
 
@@ -77,10 +90,9 @@ def dequant_rows(w: CudaWeight, ids=None, row0: int = 0, n_out: int | None = Non
     n_chunks = w.shape[1] // 32
     out = cp.empty((n_out, w.shape[1]), cp.float32)
     total = n_out * n_chunks
-    kernel("matmul.cu", "dequant_" + w.kernel)(
-        (_cdiv(total, 256),), (256,),
-        (w.raw, i64(w.raw.shape[1]), i32(n_chunks), _dummy(cp.int32) if ids is None else ids,
-         i32(ids is not None), i64(row0), i64(n_out), out))
+    _launch("matmul.cu", "dequant_" + w.kernel, (_cdiv(total, 256),), (256,),
+            (w.raw, i64(w.raw.shape[1]), i32(n_chunks), _dummy(cp.int32) if ids is None else ids,
+             i32(ids is not None), i64(row0), i64(n_out), out))
     return out
 
 
@@ -102,6 +114,8 @@ def _quantized(w) -> bool:
 
 def matmul2(w, x2):
     """x2 (n, K) float32 contiguous -> (n, n_rows)."""
+    if x2.shape[0] == 0:  # cuBLAS is not asked to multiply no rows
+        return cp.empty((0, w.shape[0]), cp.float32)
     if not isinstance(w, CudaWeight):
         return x2 @ _f(w).T
     if w.f is not None:
@@ -120,7 +134,7 @@ def mul_mat(node, w, x, out=None):
 def mul_mat_add(node, w, x, r, out=None):
     x2 = _rows(x)
     if _quantized(w) and x2.shape[0] <= MAX_TOKENS and r.shape == node.shape:
-        y = mmvq(w, x2, mode=1, r=_f(r).reshape(x2.shape[0], -1))
+        y = mmvq(w, x2, mode=1, r=_f(r).reshape(-1, w.shape[0]))  # not (n, -1): n may be 0
         return _into(y.reshape(node.shape), out)
     return _into(matmul2(w, x2).reshape(r.shape) + r, out)
 
@@ -158,10 +172,9 @@ def rms_norm(node, x, w=None, r=None, out=None):
     x2 = _f(x)
     y = cp.empty(x.shape, cp.float32)
     threads = min(256, 32 * _cdiv(n, 32))
-    kernel("norm_rope.cu", "rms_norm")(
-        (x2.size // n,), (threads,),
-        (x2, _dummy() if w is None else _f(w), _dummy() if r is None else _f(r), y, i32(n), f32(eps),
-         i32(w is not None), i32(r is not None)))
+    _launch("norm_rope.cu", "rms_norm", (x2.size // n,), (threads,),
+            (x2, _dummy() if w is None else _f(w), _dummy() if r is None else _f(r), y, i32(n), f32(eps),
+             i32(w is not None), i32(r is not None)))
     return _into(y, out)
 
 
@@ -170,9 +183,8 @@ def _glu(g, u, act: str):
     if u is not None and u.shape != g.shape:
         return _glu(g, None, act) * u  # a broadcast gate: activation here, product in cupy
     y = cp.empty(g.shape, cp.float32)
-    kernel("norm_rope.cu", "glu")((_cdiv(g.size, 256),), (256,),
-                                  (g, _dummy() if u is None else _f(u), y, i64(g.size), i32(act == "gelu"),
-                                   i32(u is not None)))
+    _launch("norm_rope.cu", "glu", (_cdiv(g.size, 256),), (256,),
+            (g, _dummy() if u is None else _f(u), y, i64(g.size), i32(act == "gelu"), i32(u is not None)))
     return y
 
 
@@ -190,11 +202,10 @@ def _rope_launch(node, x, pos, y, slots=None):
     p = node.params
     n_tokens, n_heads, head_dim = x.shape
     total = n_tokens * n_heads * (head_dim // 2)
-    kernel("norm_rope.cu", "rope")(
-        (_cdiv(total, 256),), (256,),
-        (x, _i(pos), _dummy(cp.int32) if slots is None else _i(slots), y, i32(n_tokens), i32(n_heads),
-         i32(head_dim), i32(p["n_rot"]), np.float64(p["base"]), np.float64(p["freq_scale"]), i32(bool(p["neox"])),
-         i32(slots is not None)))
+    _launch("norm_rope.cu", "rope", (_cdiv(total, 256),), (256,),
+            (x, _i(pos), _dummy(cp.int32) if slots is None else _i(slots), y, i32(n_tokens), i32(n_heads),
+             i32(head_dim), i32(p["n_rot"]), np.float64(p["base"]), np.float64(p["freq_scale"]),
+             i32(bool(p["neox"])), i32(slots is not None)))
 
 
 def rope(node, x, pos, out=None):
@@ -205,6 +216,8 @@ def rope(node, x, pos, out=None):
 
 
 def set_rows(node, cache, src, slots):
+    if slots.shape[0] == 0:
+        return cache
     cache[_i(slots)] = _f(src).reshape(int(slots.shape[0]), *cache.shape[1:])
     return cache
 
@@ -228,23 +241,24 @@ def attn(node, q, k_cache, v_cache, tok_seq, tok_pos, block_table, out=None):
     bt = _i(block_table)
     y = cp.empty((n_tokens, n_head * dv), cp.float32)
     heads = min(n_head, 8)
-    kernel("attention.cu", "attn_paged")(
-        (n_tokens, _cdiv(n_head, heads)), (32, heads),
-        (_f(q), _f(k_cache), _f(v_cache), _i(tok_seq), _i(tok_pos), bt, i32(bt.shape[1]), i32(n_head),
-         i32(n_head_kv), i32(d), i32(dv), f32(p["scale"]), i32(p["block_size"]), i32(p["window"]), y))
+    _launch("attention.cu", "attn_paged", (n_tokens, _cdiv(n_head, heads)), (32, heads),
+            (_f(q), _f(k_cache), _f(v_cache), _i(tok_seq), _i(tok_pos), bt, i32(bt.shape[1]), i32(n_head),
+             i32(n_head_kv), i32(d), i32(dv), f32(p["scale"]), i32(p["block_size"]), i32(p["window"]), y))
     return _into(y, out)
 
 
 def gather_kv(node, cache, block_table, out=None):
     bs = node.params["block_size"]
     bt = _i(block_table)
-    slots = (bt[:, :, None] * bs + cp.arange(bs, dtype=cp.int32)).reshape(bt.shape[0], -1)
+    slots = (bt[:, :, None] * bs + cp.arange(bs, dtype=cp.int32)).reshape(bt.shape[0], bt.shape[1] * bs)
     return _into(cache[slots], out)
 
 
 def kq(node, q, k, tok_seq, out=None):
     n_tokens, n_head, d = q.shape
     n_head_kv = k.shape[2]
+    if n_tokens == 0:
+        return _into(cp.empty(node.shape, cp.float32), out)
     kt = k[_i(tok_seq)].transpose(0, 2, 3, 1)  # (n_tokens, h_kv, d, n_kv)
     s = cp.matmul(_f(q).reshape(n_tokens, n_head_kv, n_head // n_head_kv, d), kt)
     return _into(s.reshape(node.shape), out)
@@ -258,6 +272,8 @@ def kq_mask(node, pos, out=None):
 
 
 def soft_max(node, x, out=None):
+    if x.size == 0:
+        return _into(cp.empty(x.shape, cp.float32), out)
     e = cp.exp(x - x.max(axis=-1, keepdims=True))
     return _into(e / e.sum(axis=-1, keepdims=True), out)
 
@@ -265,6 +281,8 @@ def soft_max(node, x, out=None):
 def kqv(node, probs, v, tok_seq, out=None):
     n_tokens, n_head, n_kv = probs.shape
     n_head_kv = v.shape[2]
+    if n_tokens == 0:
+        return _into(cp.empty(node.shape, cp.float32), out)
     vt = v[_i(tok_seq)].transpose(0, 2, 1, 3)  # (n_tokens, h_kv, n_kv, dv)
     o = cp.matmul(_f(probs).reshape(n_tokens, n_head_kv, n_head // n_head_kv, n_kv), vt)
     return _into(o.reshape(node.shape), out)
@@ -275,3 +293,34 @@ def add_n(node, *xs, out=None):
     for x in xs[2:]:
         y += x
     return _into(y, out)
+
+
+def mul(node, a, b, out=None):
+    return _into(cp.multiply(a, b, dtype=cp.float32), out)
+
+
+def add(node, a, b, out=None):
+    return _into(cp.add(a, b, dtype=cp.float32), out)
+
+
+def scale(node, x, out=None):
+    return _into(cp.multiply(x, f32(node.params["s"]), dtype=cp.float32), out)
+
+
+def reshape(node, x):
+    return x.reshape(node.params["new_shape"])
+
+
+def slice_(node, x):
+    return cp.ascontiguousarray(x[..., node.params["start"]:node.params["stop"]])  # raw kernels need dense
+
+
+KERNELS = {
+    Op.GET_ROWS: get_rows, Op.MUL_MAT: mul_mat, Op.MUL_MAT_ADD: mul_mat_add, Op.FFN_GLU: ffn_glu,
+    Op.RMS_NORM: rms_norm, Op.RMS_NORM_MUL: rms_norm, Op.RMS_NORM_MUL_ADD: rms_norm,
+    Op.MUL: mul, Op.ADD: add, Op.ADD_N: add_n, Op.SCALE: scale,
+    Op.SILU: activation("silu"), Op.GELU: activation("gelu"), Op.GLU: glu,
+    Op.RESHAPE: reshape, Op.SLICE: slice_,
+    Op.ROPE: rope, Op.SET_ROWS: set_rows, Op.ROPE_SET_ROWS: rope_set_rows,
+    Op.ATTN: attn, Op.GATHER_KV: gather_kv, Op.KQ: kq, Op.KQ_MASK: kq_mask, Op.SOFT_MAX: soft_max, Op.KQV: kqv,
+}

@@ -1,0 +1,191 @@
+"""The cuda backend's launches, checked without a GPU: backends/cuda/ops.py is imported over
+numpy standing in for cupy, and each kernel launch is checked and recorded instead of run.
+Every op of ops.KERNELS runs on an empty batch (a prompt chunk that wants no logits) and on
+a small one. Checked: no launch on an empty grid (the driver rejects it), results shaped as
+the graph node, and each launch's arguments against the kernel's parameters in the .cu
+source (count, scalar width, pointer element type): CuPy passes a numpy scalar by its own
+width, so an int64 where the kernel takes an int would shift every later argument.
+What the kernels compute is the op suite's business, on a GPU (tests/test_backend_ops.py)."""
+import importlib
+import re
+import sys
+import types
+
+import numpy as np
+import pytest
+from gguf import quants
+from gguf.constants import GGMLQuantizationType as T
+
+from hearthlm.backends.cuda.modules import CU_FILES, source
+from hearthlm.backends.cuda.weights import QUANT_KERNELS, upload
+from hearthlm.runtime.graph import Graph, Op
+from hearthlm.runtime.weights import QWeight
+
+SCALARS = {"int": np.int32, "long long": np.int64, "float": np.float32, "double": np.float64}
+POINTEES = {"float": np.float32, "int": np.int32, "u8": np.uint8, "i8": np.int8}
+_SIG = re.compile(r'extern "C" __global__ void (\w+?)(##name)?\s*\(([^)]*)\)', re.S)
+
+
+def _param(text: str):
+    """'const float* __restrict__ x' -> ('ptr', float32); 'long long n' -> ('val', int64)."""
+    words = text.replace("\\", " ").replace("__restrict__", " ").replace("const", " ").split()
+    ctype = " ".join(words[:-1])
+    if ctype.endswith("*"):
+        return "ptr", POINTEES[ctype[:-1].strip()]
+    return "val", SCALARS[ctype]
+
+
+def signatures() -> dict[tuple[str, str], list]:
+    """{(file, kernel): [(kind, dtype) per parameter]}, INSTANTIATE(T, name)'s kernels expanded."""
+    sigs = {}
+    for f in CU_FILES:
+        text = source(f)
+        names = re.findall(r"^INSTANTIATE\(\w+, (\w+)\)", text, re.M)
+        for fn, templated, params in _SIG.findall(text):
+            ps = [_param(p) for p in params.split(",")]
+            for suffix in (names if templated else [""]):
+                sigs[(f, fn + suffix)] = ps
+    return sigs
+
+
+SIGS = signatures()
+
+
+def test_signatures_were_read():
+    assert {("matmul.cu", "mmvq_" + k) for k in QUANT_KERNELS.values()} <= set(SIGS)
+    assert {("matmul.cu", "quantize_q8"), ("norm_rope.cu", "rms_norm"), ("norm_rope.cu", "glu"),
+            ("norm_rope.cu", "rope"), ("attention.cu", "attn_paged")} <= set(SIGS)
+    assert SIGS[("norm_rope.cu", "rope")][-4:] == [("val", np.float64)] * 2 + [("val", np.int32)] * 2
+
+
+def _launcher(file: str, fn: str, launches: list):
+    assert (file, fn) in SIGS, f"no kernel {fn} in {file}"
+
+    def launch(grid, block, args):
+        assert all(int(d) > 0 for d in (*grid, *block)), f"{fn}: empty launch grid {grid} block {block}"
+        params = SIGS[(file, fn)]
+        assert len(args) == len(params), f"{fn}: {len(args)} arguments for {len(params)} parameters"
+        for i, (a, (kind, dt)) in enumerate(zip(args, params)):
+            if kind == "ptr":
+                assert isinstance(a, np.ndarray) and a.dtype == dt and a.flags.c_contiguous, \
+                    f"{fn} argument {i}: want a dense {np.dtype(dt)} array, got {getattr(a, 'dtype', type(a))}"
+            else:
+                assert type(a) is dt, f"{fn} argument {i}: want {dt.__name__}, got {type(a).__name__}"
+        launches.append((fn, tuple(grid)))
+    return launch
+
+
+@pytest.fixture
+def fake_ops(monkeypatch):
+    """ops imported afresh with numpy as `cupy`; put back as it was afterwards."""
+    fake = types.ModuleType("cupy")
+    fake.__getattr__ = lambda name: getattr(np, name)
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    pkg = importlib.import_module("hearthlm.backends.cuda")
+    saved = sys.modules.pop("hearthlm.backends.cuda.ops", None), pkg.__dict__.pop("ops", None)
+    try:
+        ops = importlib.import_module("hearthlm.backends.cuda.ops")
+        launches: list = []
+        ops.kernel = lambda file, fn: _launcher(file, fn, launches)
+        yield ops, fake, launches
+    finally:
+        sys.modules.pop("hearthlm.backends.cuda.ops", None)
+        pkg.__dict__.pop("ops", None)
+        if saved[0] is not None:
+            sys.modules["hearthlm.backends.cuda.ops"] = saved[0]
+        if saved[1] is not None:
+            pkg.ops = saved[1]
+
+
+E, H, HKV, D, FF, BS, N_SLOTS = 64, 4, 2, 16, 96, 4, 32
+rng = np.random.default_rng(3)
+
+
+def _weight(name, qtype, rows, cols):
+    w = rng.standard_normal((rows, cols)).astype(np.float32)
+    raw = w if qtype == T.F32 else quants.quantize(w, qtype)
+    return QWeight(name, int(qtype), (rows, cols), np.ascontiguousarray(raw).view(np.uint8).reshape(rows, -1))
+
+
+def _case(op: Op, n: int, qtype=T.Q8_0):
+    """(graph node of `op` over n tokens, values of its inputs by name)."""
+    g = Graph()
+    f = lambda name, *shape: g.input(name, shape, np.float32)  # noqa: E731
+    i = lambda name, *shape: g.input(name, shape)  # noqa: E731
+    w = lambda name, rows, cols: g.weight(_weight(name, qtype, rows, cols))  # noqa: E731
+    x, xh = f("x", n, E), f("xh", n, H, D)
+    seq, pos, slots, bt = i("seq", n), i("pos", n), i("slots", n), i("bt", 2, 3)
+    kc, vc = g.cache("kc", (N_SLOTS, HKV, D), 0), g.cache("vc", (N_SLOTS, HKV, D), 0)
+    rope = dict(n_rot=D, base=10000.0, freq_scale=1.0, neox=True)
+    node = {
+        Op.GET_ROWS: lambda: g.get_rows(w("emb", 50, E), i("ids", n), "r"),
+        Op.MUL_MAT: lambda: g.mul_mat(w("w", 40, E), x, "y"),
+        Op.MUL_MAT_ADD: lambda: g.mul_mat_add(w("w", E, E), x, f("r", n, E), "y"),
+        Op.FFN_GLU: lambda: g.ffn_glu(w("g", FF, E), w("u", FF, E), x, "gelu", "y"),
+        Op.RMS_NORM: lambda: g.rms_norm(x, 1e-5, "n"),
+        Op.RMS_NORM_MUL: lambda: g.rms_norm_mul(xh, f("wd", D), 1e-5, "n"),
+        Op.RMS_NORM_MUL_ADD: lambda: g.rms_norm_mul_add(x, f("we", E), f("r", n, E), 1e-5, "n"),
+        Op.MUL: lambda: g.mul(x, f("we", E), "m"),
+        Op.ADD: lambda: g.add(x, f("r", n, E), "a"),
+        Op.ADD_N: lambda: g.add_n([x, f("r", n, E), x], "a"),
+        Op.SCALE: lambda: g.scale(x, 0.5, "s"),
+        Op.SILU: lambda: g.silu(x, "s"),
+        Op.GELU: lambda: g.gelu(x, "s"),
+        Op.GLU: lambda: g.glu(x, f("r", n, E), "silu", "s"),
+        Op.RESHAPE: lambda: g.reshape(x, (n, H, D), "r"),
+        Op.SLICE: lambda: g.slice(x, 8, 24, "s"),
+        Op.ROPE: lambda: g.rope(xh, pos, name="r", **rope),
+        Op.SET_ROWS: lambda: g.set_rows(kc, f("k", n, HKV, D), slots, "kw"),
+        Op.ROPE_SET_ROWS: lambda: g.rope_set_rows(kc, f("k", n, HKV, D), pos, slots, name="kw", **rope),
+        Op.ATTN: lambda: g.attn(xh, kc, vc, seq, pos, bt, scale=0.25, block_size=BS, name="a"),
+        Op.GATHER_KV: lambda: g.gather_kv(kc, bt, block_size=BS, name="k"),
+        Op.KQ: lambda: g.kq(xh, f("kg", 2, 3 * BS, HKV, D), seq, "kq"),
+        Op.KQ_MASK: lambda: g.kq_mask(pos, n_kv=3 * BS, name="m"),
+        Op.SOFT_MAX: lambda: g.soft_max(f("s", n, H, 3 * BS), "p"),
+        Op.KQV: lambda: g.kqv(f("p", n, H, 3 * BS), f("vg", 2, 3 * BS, HKV, D), seq, "o"),
+    }[op]()
+    feed = {"seq": np.arange(n, dtype=np.int32) % 2, "pos": np.arange(n, dtype=np.int32) % 10 + 1,
+            "bt": np.array([[5, 2, 7], [1, 6, 3]], np.int32), "ids": np.arange(n, dtype=np.int32) * 3}
+    feed["slots"] = np.array([feed["bt"][s, p // BS] * BS + p % BS for s, p in zip(feed["seq"], feed["pos"])],
+                             np.int32).reshape(n)
+    return node, feed
+
+
+def _values(node, feed, cp):
+    """The node's source values: weights uploaded as the backend does, inputs and caches made up."""
+    out = []
+    for s in node.srcs:
+        if s.op is Op.WEIGHT:
+            out.append(upload(cp, s.params["weight"]))
+        elif s.name in feed:
+            out.append(feed[s.name])
+        else:
+            out.append(rng.standard_normal(s.shape).astype(np.float32))
+    return out
+
+
+@pytest.mark.parametrize("n", [0, 3, 12], ids=lambda n: f"{n}tok")  # 12 > MAX_TOKENS: dequantize + cuBLAS
+@pytest.mark.parametrize("op", [op for op in Op if op not in (Op.INPUT, Op.WEIGHT, Op.CACHE, Op.COPY)],
+                         ids=lambda op: op.value)
+def test_launches(fake_ops, op, n):
+    ops, cp, launches = fake_ops
+    assert op in ops.KERNELS, f"the cuda backend has no kernel for {op.value}"
+    node, feed = _case(op, n)
+    y = ops.KERNELS[op](node, *_values(node, feed, cp))
+    assert y.shape == node.shape
+    if n == 0:
+        assert launches == [], "an empty batch launched kernels"
+
+
+@pytest.mark.parametrize("qtype", [T(t) for t in QUANT_KERNELS], ids=lambda t: t.name)
+def test_every_quant_type_has_its_kernels(fake_ops, qtype):
+    """mmvq and dequant of each type: the kernel exists, and its arguments fit."""
+    ops, cp, launches = fake_ops
+    cols = 256  # a K-quant super-block
+    block, size = quants.GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, (8, cols // block * size), dtype=np.uint8)
+    w = upload(cp, QWeight("w", int(qtype), (8, cols), raw))
+    x = rng.standard_normal((2, cols)).astype(np.float32)
+    assert ops.mmvq(w, x).shape == (2, 8)
+    assert ops.dequant_rows(w, ids=np.array([1, 7], np.int32)).shape == (2, cols)
+    assert [fn for fn, _ in launches] == ["quantize_q8", "mmvq_" + w.kernel, "dequant_" + w.kernel]
