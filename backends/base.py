@@ -49,6 +49,18 @@ class Backend:
         v = self.from_host(src.to_host(value))
         return v.copy() if v is value else v
 
+    def memory_available(self) -> int | None:
+        """Bytes this backend's buffers (the KV cache) can still take; None if unknown. Host
+        memory by default: the kernel's MemAvailable."""
+        try:
+            with open("/proc/meminfo") as f:
+                for line in f:
+                    if line.startswith("MemAvailable:"):
+                        return int(line.split()[1]) * 1024
+        except OSError:
+            pass
+        return None
+
     def bind_thread(self) -> None:
         """Called in the engine's worker thread before it runs any kernel (a GPU backend
         makes its device current there: kernels run in that thread, not the caller's)."""

@@ -19,10 +19,32 @@ from jinja2 import nodes
 from jinja2.ext import Extension
 from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
 
+from hearthlm.model_zoo.template_limits import DEFAULT_LIMITS, BoundedOps, TemplateLimitError, TemplateLimits, bounded
 from hearthlm.runtime.errors import InvalidRequestError
 
 
 class _Sandbox(ImmutableSandboxedEnvironment):
+    # sizes checked where values are built (template_limits); time and steps by its tracer
+    intercepted_binops = frozenset(["+", "*", "%", "**"])
+
+    def __init__(self, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.ops = BoundedOps()
+
+    def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+        return self.ops.binop(operator, left, right)
+
+    def call(__self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: N805 (Jinja's names)
+        budget = __self.ops.budget
+        if budget is None:
+            return super().call(__context, __obj, *args, **kwargs)
+        return budget.check(super().call(__context, __obj, *args, **kwargs))
+
+    def wrap_str_format(self, value: Any) -> Any:  # `"...".format` reached: refuse huge widths up front
+        if self.ops.budget is not None and isinstance(getattr(value, "__self__", None), str):
+            self.ops.budget.check_format(value.__self__)
+        return super().wrap_str_format(value)
+
     # Jinja's sandbox answers a forbidden attribute with an Undefined that renders as ""
     # and fails only when used further; refuse at once instead, so an escape is an error.
     def unsafe_undefined(self, obj: Any, attribute: str) -> Any:
@@ -78,16 +100,27 @@ def _strftime_now(fmt: str) -> str:
 @functools.lru_cache(maxsize=32)
 def compile_template(template: str) -> jinja2.Template:
     """The compiled template, once per distinct template string."""
-    env = _Sandbox(trim_blocks=True, lstrip_blocks=True,
+    if len(template) > DEFAULT_LIMITS.template_chars:
+        raise TemplateLimitError(f"chat template is {len(template)} characters long; "
+                                 f"the limit is {DEFAULT_LIMITS.template_chars}")
+    # optimized=False: no constant folding at compile time, where filters would run unbounded
+    env = _Sandbox(trim_blocks=True, lstrip_blocks=True, optimized=False,
                    extensions=[_Generation, "jinja2.ext.loopcontrols"])
     env.filters["tojson"] = _tojson
+    env.filters = {name: env.ops.after(f) for name, f in env.filters.items()}
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
     try:
-        return env.from_string(template)
+        t = env.from_string(template)
     except jinja2.TemplateSyntaxError as e:
         raise InvalidRequestError(f"chat template has a syntax error (line {e.lineno}): "
                                   f"{e.message}") from e
+    except RecursionError as e:  # deeply nested syntax
+        raise InvalidRequestError("chat template is nested too deeply to compile") from e
+    ns = t.root_render_func.__globals__  # the compiled module's: `~` joins through these names
+    for name in ("str_join", "markup_join"):
+        ns[name] = env.ops.join(ns[name])
+    return t
 
 
 def _check_messages(messages: Any) -> None:
@@ -106,36 +139,50 @@ def _check_messages(messages: Any) -> None:
 
 
 def render_chat(template: str, messages: list[dict], *, add_generation_prompt: bool = True,
-                bos_token: str = "", eos_token: str = "", **extra: Any) -> str:
+                bos_token: str = "", eos_token: str = "", limits: TemplateLimits = DEFAULT_LIMITS,
+                **extra: Any) -> str:
     """The prompt text for `messages` under `template`; `extra` become template variables
-    (tools, date_string, ...). Raises InvalidRequestError on any failure."""
+    (tools, date_string, ...). Raises InvalidRequestError on any failure, and within
+    `limits` of time, steps and size (template_limits)."""
     if not isinstance(template, str) or not template:
         raise InvalidRequestError("the model has no chat template; pass a prompt instead")
     _check_messages(messages)
     compiled = compile_template(template)
+    out, n = [], 0
     try:
-        return compiled.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                               bos_token=bos_token, eos_token=eos_token, **extra)
+        with bounded(compiled.environment.ops, limits):
+            for piece in compiled.generate(messages=messages, add_generation_prompt=add_generation_prompt,
+                                           bos_token=bos_token, eos_token=eos_token, **extra):
+                n += len(piece)
+                if n > limits.output_chars:
+                    raise TemplateLimitError(f"chat template rendered more than {limits.output_chars} characters")
+                out.append(piece)
+    except InvalidRequestError:
+        raise
     except SecurityError as e:
         raise InvalidRequestError(f"chat template refused by the sandbox: {e}") from e
     except jinja2.TemplateError as e:
         raise InvalidRequestError(f"chat template error: {e}") from e
+    except MemoryError as e:
+        raise InvalidRequestError("chat template ran out of memory") from e
     except Exception as e:  # a template bug (None + str, bad index, ...), not ours
         raise InvalidRequestError(f"chat template failed: {type(e).__name__}: {e}") from e
+    return "".join(out)
 
 
 _MARK = "\x00hearthlm-msg-{}\x00"
 _MARK_RE = re.compile("\x00hearthlm-msg-(\\d+)\x00")
 
 
-def encode_chat(tokenizer, template: str, messages: list[dict], *, add_generation_prompt: bool = True) -> list[int]:
+def encode_chat(tokenizer, template: str, messages: list[dict], *, add_generation_prompt: bool = True,
+                limits: TemplateLimits = DEFAULT_LIMITS) -> list[int]:
     """Token ids of a chat prompt in which only the template's own text can produce special
     tokens: message contents are tokenized as plain text, so a user typing `<|im_end|>`
     cannot close a turn. Contents are located by rendering with markers in their place."""
     _check_messages(messages)
     bos = tokenizer.token_text(tokenizer.bos_id) if tokenizer.bos_id is not None else ""
     eos = tokenizer.token_text(tokenizer.eos_id) if tokenizer.eos_id is not None else ""
-    kw = dict(add_generation_prompt=add_generation_prompt, bos_token=bos, eos_token=eos)
+    kw = dict(add_generation_prompt=add_generation_prompt, bos_token=bos, eos_token=eos, limits=limits)
     real = render_chat(template, messages, **kw)
     marked = render_chat(template, [dict(m, content=_MARK.format(i)) for i, m in enumerate(messages)], **kw)
     pieces = _MARK_RE.split(marked)  # template, index, template, index, ...

@@ -11,12 +11,12 @@ from typing import Any
 
 import numpy as np
 from threadpoolctl import threadpool_limits
+
 from hearthlm.runtime.batch import BatchShape
 from hearthlm.runtime.batcher import Batcher, StepPlan
-from hearthlm.runtime.dispatch import execute
-from hearthlm.runtime.errors import (ContextLengthError, HearthError, InvalidRequestError, QueueFull,
-                                     SessionClosedError)
-from hearthlm.runtime.dispatch import CompiledGraph
+from hearthlm.runtime.dispatch import CompiledGraph, execute
+from hearthlm.runtime.errors import (ContextLengthError, EngineFailedError, HearthError, InvalidRequestError,
+                                     QueueFull, SessionClosedError)
 from hearthlm.runtime.graph_cache import GraphCache, bucket
 from hearthlm.runtime.kv_cache import KVCache
 from hearthlm.runtime.log import get_logger
@@ -39,6 +39,21 @@ def _blas_single_threaded(delta: int) -> None:
         elif delta < 0 and _blas["engines"] == 0:
             _blas["limit"].restore_original_limits()
             _blas["limit"] = None
+def _check_kv_fits(kv_dims: list[tuple[int, int]], n_slots: int, placement: Placement) -> None:
+    """Refuse at open a KV cache that its backends cannot hold (a host's zeroed pages are only
+    taken when written: it would fail much later, mid-generation, out of memory)."""
+    need: dict[str, int] = {}
+    for (h, d), name in zip(kv_dims, placement.layers):
+        be = placement.backends[name]
+        need[name] = need.get(name, 0) + 2 * n_slots * h * d * np.dtype(be.kv_dtype).itemsize
+    for name, n in need.items():
+        avail = placement.backends[name].memory_available()
+        if avail is not None and n > avail:
+            raise InvalidRequestError(
+                f"the KV cache ({n_slots} token slots) needs {n / 2**30:.2f} GiB on {name}, where "
+                f"{avail / 2**30:.2f} GiB is available: lower n_ctx or kv_cache_tokens")
+
+
 MIN_KV_BLOCKS = 16  # smallest KV-length bucket of unfused graphs (256 tokens at block size 16)
 
 
@@ -57,8 +72,9 @@ class Engine:
                           else Placement.single(backend, len(model.kv_dims)))
         # each layer's K/V lives on the backend that runs its attention
         blocks_per_seq = -(-n_ctx // block_size)
-        self.kv = KVCache(model.kv_dims, max(kv_blocks or 0, blocks_per_seq) + 1, block_size,
-                          self.placement.layer_backends())
+        n_blocks = max(kv_blocks or 0, blocks_per_seq) + 1
+        _check_kv_fits(model.kv_dims, n_blocks * block_size, self.placement)
+        self.kv = KVCache(model.kv_dims, n_blocks, block_size, self.placement.layer_backends())
         self.scratch_block = self.kv.allocator.alloc(1)[0]  # padding tokens write here; no sequence reads it
         self.batcher = Batcher(self.kv, max_batch_tokens=max_batch_tokens, max_seqs=max_seqs)
         self.max_blocks = blocks_per_seq  # block-table width at most; bucketed per step (the KV-length bucket)
@@ -75,6 +91,7 @@ class Engine:
         self._incoming: list[Request] = []
         self._aborts: set[int] = set()
         self._closing: str | None = None  # None, "finish" or "abort"
+        self._failed: HearthError | None = None  # set when the loop itself broke: nothing runs any more
         self._thread: threading.Thread | None = None
         self.counters = dict(steps=0, tokens_computed=0, tokens_generated=0, step_time_s=0.0,
                              preemptions=0)
@@ -93,16 +110,18 @@ class Engine:
         n = len(req.prompt)
         if n == 0:
             raise InvalidRequestError("the prompt is empty")
-        bad = [t for t in req.prompt if not 0 <= t < self.model.n_vocab]
-        if bad:
-            raise InvalidRequestError(f"token id {bad[0]} is outside the vocabulary (0..{self.model.n_vocab - 1})")
-        if n >= self.n_ctx:
+        if n >= self.n_ctx:  # lengths first: the vocabulary check below is a pass over the ids
             raise ContextLengthError(f"the prompt has {n} tokens; the context holds {self.n_ctx} "
                                      "(prompt plus at least one generated token)")
         if n + req.max_tokens > self.n_ctx:
             raise ContextLengthError(f"prompt ({n} tokens) + max_tokens ({req.max_tokens}) exceeds the "
                                      f"context of {self.n_ctx} tokens")
+        bad = [t for t in req.prompt if not 0 <= t < self.model.n_vocab]
+        if bad:
+            raise InvalidRequestError(f"token id {bad[0]} is outside the vocabulary (0..{self.model.n_vocab - 1})")
         with self._cv:
+            if self._failed is not None:
+                raise EngineFailedError(str(self._failed))
             if self._closing:
                 raise SessionClosedError("the session is closed")
             if len(self._incoming) + len(self.waiting) >= self.max_queued_requests:
@@ -125,6 +144,12 @@ class Engine:
             self._thread = None
             _blas_single_threaded(-1)
 
+    def health(self) -> dict[str, Any]:
+        """ok: the engine takes and runs requests; else `error` says why not."""
+        alive = self._thread is not None and self._thread.is_alive()
+        error = str(self._failed) if self._failed else None if alive or self._thread is None else "stopped"
+        return dict(ok=error is None and not self._closing, error=error, closing=bool(self._closing))
+
     def stats(self) -> dict[str, Any]:
         c = dict(self.counters, prefix_cache_hit_tokens=self.batcher.reused_tokens)
         ttft = sorted(self._ttft)
@@ -134,12 +159,33 @@ class Engine:
             tokens_per_s=c["tokens_generated"] / c["step_time_s"] if c["step_time_s"] else 0.0,
             time_to_first_token_s=ttft[len(ttft) // 2] if ttft else None)
         c.update(self.graphs.stats())  # graph_cache_hits/misses, graph_nodes_unfused/fused, build/reuse times
+        c.update(healthy=self._failed is None, engine_error=str(self._failed) if self._failed else None)
         return c
 
     # ---- engine thread --------------------------------------------------------------
     def _loop(self) -> None:
-        for b in self.placement.backends.values():  # kernels run in this thread
-            b.bind_thread()
+        try:
+            for b in self.placement.backends.values():  # kernels run in this thread
+                b.bind_thread()
+            self._serve()
+        except BaseException as e:  # outside any one step's guard: nothing more can run
+            self._fail_everything(e)
+
+    def _fail_everything(self, e: BaseException) -> None:
+        """Every pending request, and every later submit, fails at once with the reason."""
+        log.error("engine failed", error=f"{type(e).__name__}: {e}", exc_info=e)
+        err = EngineFailedError(f"the engine stopped after an internal error: {type(e).__name__}: {e}")
+        with self._cv:
+            self._failed = err
+            pending = [*self.running, *self.waiting, *self._incoming]
+            self.running, self.waiting, self._incoming = [], deque(), []
+        for req in pending:
+            try:
+                req.on_finish("error", err)
+            except Exception:  # the caller's callback; the others still get theirs
+                log.exception("on_finish callback failed")
+
+    def _serve(self) -> None:
         while True:
             with self._cv:
                 while not (self._incoming or self._aborts or self.running or self.waiting or self._closing):
@@ -165,12 +211,22 @@ class Engine:
         elif req in self.waiting:
             self.waiting.remove(req)
         self.batcher.release(req)
-        req.on_finish(reason, error)
+        try:
+            req.on_finish(reason, error)
+        except Exception:  # the caller's callback: the request is finished all the same
+            log.exception("on_finish callback failed", request=req.id)
 
     def step(self) -> None:
         """plan -> graph -> dispatch -> sample -> update."""
         t0 = time.perf_counter()
-        plan = self.batcher.plan(self.running, self.waiting)
+        try:
+            plan = self.batcher.plan(self.running, self.waiting)
+        except Exception as e:  # which request caused it is unknown: fail all it considered
+            log.exception("engine planning failed")
+            err = HearthError(f"the engine could not plan a step: {type(e).__name__}: {e}")
+            for r in [*self.running, *self.waiting]:
+                self._finish(r, "error", err)
+            return
         self.counters["preemptions"] += len(plan.preempted)
         if not plan.seqs:
             return

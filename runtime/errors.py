@@ -42,5 +42,10 @@ class SessionClosedError(HearthError):
     """The session is closed (or its engine failed) and takes no more requests."""
 
 
+class EngineFailedError(SessionClosedError):
+    """The engine stopped after an internal error: every pending and later request fails
+    with this, and `Session.health()` says why."""
+
+
 class BackendError(HearthError):
     """A backend cannot run (unknown name, missing optional dependency, unsupported op)."""

@@ -12,23 +12,33 @@ import numpy as np
 from hearthlm._wake import Channel, loop_waker
 from hearthlm.backends import get_backend
 from hearthlm.model_zoo.chat_template import encode_chat
+from hearthlm.model_zoo.template_limits import DEFAULT_LIMITS, TemplateLimits
 from hearthlm.model_zoo.model import Model, load_model
 from hearthlm.model_zoo.resolve import DEFAULT_MODEL, resolve_model
 from hearthlm.model_zoo.tokenizer import StreamDecoder
 from hearthlm.runtime.engine import Engine
-from hearthlm.runtime.errors import InvalidRequestError, RequestTimeoutError, SessionClosedError
+from hearthlm.runtime.errors import ContextLengthError, InvalidRequestError, RequestTimeoutError, SessionClosedError
 from hearthlm.runtime.placement import offload, open_device
 from hearthlm.runtime.request import Request
 from hearthlm.runtime.sampling import SamplingParams
 from hearthlm.types import Chunk, Completion
 
 
+# per-request limits, checked before any work (a request past them is refused, not truncated)
+MAX_MESSAGES = 10_000
+MAX_STOPS = 64            # stop strings per request
+MAX_STOP_CHARS = 1_000    # characters per stop string (each is searched for at every token)
+PROMPT_CHARS_PER_TOKEN = 64  # a prompt text longer than this many characters per context token cannot fit
+OFF_LOOP_CHARS = 4_096    # prompts longer than this are tokenized in a worker thread, not on the event loop
+
+
 class Session:
     """One loaded model and its engine. Open with `async with Session.open(...) as s`."""
 
-    def __init__(self, model: Model, engine: Engine) -> None:
+    def __init__(self, model: Model, engine: Engine, template_limits: TemplateLimits = DEFAULT_LIMITS) -> None:
         self.model = model
         self.engine = engine
+        self.template_limits = template_limits
         self._closed = False
 
     # ---- lifecycle -------------------------------------------------------------------
@@ -37,7 +47,8 @@ class Session:
              n_gpu_layers: int | None = None, n_ctx: int = 2048,
              filename: str | None = None, kv_cache_tokens: int | None = None,
              max_batch_tokens: int = 512, max_seqs: int = 64, max_queued_requests: int = 1024,
-             abort_on_close: bool = True, fusion: bool | None = None):
+             abort_on_close: bool = True, fusion: bool | None = None,
+             template_limits: TemplateLimits = DEFAULT_LIMITS):
         """Async context manager yielding a ready Session. `model`: a .gguf path, a Hub repo
         id (`filename` picks the file, a glob), or a model-zoo name. Leaving it aborts the
         requests still running (their callers get SessionClosedError), or with
@@ -45,7 +56,8 @@ class Session:
         (debugging; None follows HEARTHLM_NO_FUSION). `backend` runs everything on one backend
         ("cpu", "reference", "cuda"); `device` ("cpu", "cuda", "auto": cuda where a GPU answers)
         with `n_gpu_layers` (None: all) puts the last n_gpu_layers layers and the output head
-        on the GPU and the rest on the CPU, as llama.cpp's -ngl."""
+        on the GPU and the rest on the CPU, as llama.cpp's -ngl. `template_limits` bounds the
+        chat template's rendering (time, steps, sizes): it is untrusted data from the file."""
         @asynccontextmanager
         async def _cm():
             s = await anyio.to_thread.run_sync(lambda: cls._load(
@@ -53,6 +65,7 @@ class Session:
                 filename=filename, kv_cache_tokens=kv_cache_tokens,
                 max_batch_tokens=max_batch_tokens, max_seqs=max_seqs, max_queued_requests=max_queued_requests,
                 fusion=fusion))
+            s.template_limits = template_limits
             try:
                 yield s
             finally:
@@ -104,15 +117,39 @@ class Session:
     def stats(self) -> dict[str, Any]:
         return self.engine.stats()
 
+    def health(self) -> dict[str, Any]:
+        """{"ok": bool, "error": str | None, "closing": bool}: ok while the engine serves."""
+        return self.engine.health()
+
+    async def _prompt_ids_off_loop(self, prompt, messages) -> list[int]:
+        """Chat templates (their rendering time is the file's, not ours) and long prompts are
+        prepared in a worker thread, so the application's event loop keeps running."""
+        big = messages is not None or (isinstance(prompt, str) and len(prompt) > OFF_LOOP_CHARS) or \
+            (isinstance(prompt, (list, tuple, np.ndarray)) and len(prompt) > OFF_LOOP_CHARS)
+        if big:
+            return await anyio.to_thread.run_sync(self._prompt_ids, prompt, messages)
+        return self._prompt_ids(prompt, messages)
+
     def _prompt_ids(self, prompt, messages) -> list[int]:
         tok = self.model.tokenizer
         if (prompt is None) == (messages is None):
             raise InvalidRequestError("pass exactly one of prompt or messages=")
+        max_chars = PROMPT_CHARS_PER_TOKEN * self.n_ctx
         if messages is not None:
             if not self.model.chat_template:
                 raise InvalidRequestError("this model has no chat template; pass prompt= instead")
-            return encode_chat(tok, self.model.chat_template, messages)
+            if isinstance(messages, list) and len(messages) > MAX_MESSAGES:
+                raise InvalidRequestError(f"{len(messages)} messages; at most {MAX_MESSAGES} are taken")
+            chars = sum(len(m["content"]) for m in messages if isinstance(m, dict) and isinstance(m.get("content"), str)) \
+                if isinstance(messages, list) else 0
+            if chars > max_chars:
+                raise ContextLengthError(f"the messages hold {chars} characters: more than a context of "
+                                         f"{self.n_ctx} tokens can take")
+            return encode_chat(tok, self.model.chat_template, messages, limits=self.template_limits)
         if isinstance(prompt, str):
+            if len(prompt) > max_chars:
+                raise ContextLengthError(f"the prompt has {len(prompt)} characters: more than a context of "
+                                         f"{self.n_ctx} tokens can take")
             return tok.encode(prompt, add_special=True, parse_special=True)
         if isinstance(prompt, (bytes, bytearray)) or not isinstance(prompt, (Sequence, np.ndarray)) \
                 or any(isinstance(t, bool) or not isinstance(t, (int, np.integer)) for t in prompt):
@@ -152,7 +189,7 @@ class Session:
         except TypeError as e:
             raise InvalidRequestError(str(e)) from e
         max_tokens, stops, timeout = _check_limits(max_tokens, stop, timeout)
-        ids = self._prompt_ids(prompt, messages)
+        ids = await self._prompt_ids_off_loop(prompt, messages)
         chan = Channel(loop_waker())
         req = Request(prompt=ids, params=params,
                       max_tokens=max_tokens if max_tokens is not None else max(self.n_ctx - len(ids), 0),
@@ -212,7 +249,12 @@ def _check_limits(max_tokens, stop, timeout) -> tuple[int | None, list[str], flo
     if stops is None:
         stops = []
     if not isinstance(stops, (list, tuple)) or any(not isinstance(x, str) or not x for x in stops):
-        raise InvalidRequestError(f"stop must be a non-empty string or a list of them, got {stop!r}")
+        raise InvalidRequestError(f"stop must be a non-empty string or a list of them, got {stop!r}"[:300])
+    if len(stops) > MAX_STOPS:
+        raise InvalidRequestError(f"{len(stops)} stop strings; at most {MAX_STOPS} are taken")
+    if any(len(x) > MAX_STOP_CHARS for x in stops):
+        raise InvalidRequestError(f"a stop string of {max(len(x) for x in stops)} characters; "
+                                  f"at most {MAX_STOP_CHARS} are taken")
     if timeout is not None:
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout >= 0:
             raise InvalidRequestError(f"timeout must be a number of seconds >= 0, got {timeout!r}")
