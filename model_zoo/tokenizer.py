@@ -203,6 +203,8 @@ class Tokenizer:
 
     def _encode_text(self, text: str, prev_special: bool) -> list[int]:
         if self.kind == "bpe":
+            if len(text) > 4096:  # encode_batch releases the GIL (encode does not): other threads run
+                return self._bpe.encode_batch([text], add_special_tokens=False)[0].ids
             return self._bpe.encode(text, add_special_tokens=False).ids
         if self.add_space_prefix and prev_special:
             text = " " + text

@@ -210,11 +210,13 @@ class Engine:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
-        self.batcher.release(req)
         try:
-            req.on_finish(reason, error)
-        except Exception:  # the caller's callback: the request is finished all the same
-            log.exception("on_finish callback failed", request=req.id)
+            self.batcher.release(req)
+        finally:  # the caller hears of it even if releasing broke (then the loop fails the rest)
+            try:
+                req.on_finish(reason, error)
+            except Exception:  # the caller's callback: the request is finished all the same
+                log.exception("on_finish callback failed", request=req.id)
 
     def step(self) -> None:
         """plan -> graph -> dispatch -> sample -> update."""
