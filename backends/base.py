@@ -42,6 +42,10 @@ class Backend:
         """A numpy array placed where this backend's kernels read it."""
         return array
 
+    def zeros(self, shape: tuple[int, ...], dtype: np.dtype) -> Any:
+        """A zero-filled buffer of this backend's (the KV cache), made where it lives."""
+        return self.from_host(np.zeros(shape, dtype))
+
     def copy_from(self, src: "Backend", value: Any) -> Any:
         """A value of backend `src` as one of this backend's own: a round trip through host
         memory by default (a device backend overrides it with an async copy). Always a new

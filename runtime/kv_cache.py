@@ -82,9 +82,8 @@ class KVCache:
         self.n_slots = n_blocks * block_size
         self.allocator = BlockAllocator(n_blocks)
         # each backend's own element type (the CPU's float16, as llama.cpp's)
-        alloc = lambda be, shape: be.from_host(np.zeros(shape, be.kv_dtype))  # noqa: E731
-        self.k = [alloc(be, (self.n_slots, h, d)) for be, (h, d) in zip(backends, kv_dims)]
-        self.v = [alloc(be, (self.n_slots, h, d)) for be, (h, d) in zip(backends, kv_dims)]
+        self.k = [be.zeros((self.n_slots, h, d), be.kv_dtype) for be, (h, d) in zip(backends, kv_dims)]
+        self.v = [be.zeros((self.n_slots, h, d), be.kv_dtype) for be, (h, d) in zip(backends, kv_dims)]
 
     def blocks_for(self, n_tokens: int) -> int:
         return -(-n_tokens // self.block_size)

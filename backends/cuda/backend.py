@@ -75,6 +75,13 @@ class CUDABackend(Backend):
             return max(node.srcs[0].shape[2], node.srcs[2].shape[2]) <= MAX_HEAD_DIM
         return super().supports(node)
 
+    def memory_available(self) -> int | None:
+        free, _total = self.cp.cuda.runtime.memGetInfo()
+        return int(free) + int(self.cp.get_default_memory_pool().free_bytes())  # the pool's spare blocks too
+
+    def zeros(self, shape, dtype):
+        return self.cp.zeros(shape, dtype)  # made on the device, not uploaded through pinned memory
+
     def to_host(self, value):
         return self.cp.asnumpy(value) if isinstance(value, self.cp.ndarray) else value
 
