@@ -138,3 +138,33 @@ def test_lipsum_of_a_huge_count(call):
     count, and its size is checked only on return: a hang."""
     with wall_limit(3), pytest.raises(InvalidRequestError):
         render_chat("{{ " + call + " }}", MESSAGES)
+
+
+def _status_mb(field: str) -> float:
+    line = next(x for x in Path("/proc/self/status").read_text().splitlines() if x.startswith(field + ":"))
+    return int(line.split()[1]) / 1024
+
+
+@pytest.mark.xfail(strict=True, reason="renderer: a width taken from the arguments is checked only after the string is built")
+@pytest.mark.parametrize("expr", ["'%*d' % (300000000, 1)", "'{:{}}'.format('a', 300000000)",
+                                  "'%.*f' % (300000000, 1.0)"])
+def test_format_width_from_the_arguments(expr):
+    """template fuzz: the wide-format check reads digits in the format string; a width or
+    precision passed as an argument (`*`, a nested `{}`) builds the string first: 10**9
+    makes 1 GB, then a TemplateLimitError."""
+    Path("/proc/self/clear_refs").write_text("5")  # peak RSS from here
+    before = _status_mb("VmRSS")
+    with pytest.raises(InvalidRequestError):
+        render_chat("{{ " + expr + " }}", MESSAGES)
+    assert _status_mb("VmHWM") - before < 100
+
+
+@pytest.mark.xfail(strict=True, reason="renderer: a filter's own work runs outside the time limit")
+def test_wordwrap_of_a_long_word():
+    """template fuzz: textwrap runs untraced; on one 3,000,000-character word it runs for
+    minutes, though the string is within the size limit."""
+    with wall_limit(3):
+        try:
+            render_chat("{{ ('a' * 3000000) | wordwrap(5) }}", MESSAGES)
+        except InvalidRequestError:
+            pass

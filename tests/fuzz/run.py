@@ -53,8 +53,8 @@ def summary(out: Path) -> dict:
                 key = f"{f['kind']} {f['where']} {f['error'][:80]}"
                 findings.setdefault(key, dict(f, count=0))["count"] += f["count"]
         died = [p.read_text().strip() for p in sorted(out.glob(f"{t}-*.died"))]
-        artifacts = sorted(str(p) for p in (out / "findings" / t).glob("*-*") if p.suffix not in (".bin", ".txt")) \
-            if (out / "findings" / t).exists() else []
+        artifacts = sorted(str(p) for kind in ("crash", "timeout", "oom", "leak")  # libFuzzer's, when it ends a process
+                           for p in (out / "findings" / t).glob(f"{kind}-*") if not p.suffix)
         rows[t] = dict(seconds=sum(r["seconds"] for r in runs), cpu_seconds=sum(r.get("cpu_seconds", 0) for r in runs),
                        execs=sum(r["execs"] for r in runs), starts=len(runs), died=died,
                        libfuzzer_artifacts=artifacts, findings=list(findings.values()))

@@ -23,7 +23,7 @@ warnings.filterwarnings("ignore", category=SyntaxWarning)  # Python compiling a 
 
 _INTS = [0, 1, 2, -1, 3, 7, 10, 100, 1000, 100000, 10**6, 2**31, 2**63, 10**9, 10**20]
 _STRS = ["", "a", "user", "assistant", "system", "content", "role", "<|im_start|>", "<|im_end|>", "\n",
-         "%s", "{0}", "{0:>99999999}", "%099999999d", "\x00hearthlm-msg-0\x00", "\u00e9\U0001F642", "\ud800",
+         "%s", "{0}", "{0:>99999999}", "%099999999d", "%*d", "%.*f", "{:{}}", "{0:{1}}", "\x00hearthlm-msg-0\x00", "\u00e9\U0001F642", "\ud800",
          "'", '"', "\\", "{{", "{%", "__class__", "os", "mro", "x" * 100]
 _VARS = ["messages", "m", "message", "x", "y", "ns", "loop", "bos_token", "eos_token", "add_generation_prompt",
          "tools", "nothing", "range", "lipsum", "dict", "cycler", "joiner", "namespace", "raise_exception",
@@ -137,7 +137,8 @@ class Grammar:
         if k == 7:
             return t(d.pick(["break", "continue"])) if self.loops else t("set ns = namespace(x=0)")
         if k == 8:
-            return "{% raw %}{{ x }}{% endraw %}" if d.bool() else "{# " + d.pick(_TEXTS) + " #}"
+            return d.pick(["{% raw %}{{ x }}{% endraw %}", "{# " + d.pick(_TEXTS) + " #}", "{% include 'x' %}",
+                           "{% import 'x' as y %}", "{% extends 'x' %}", "{% from 'x' import y %}"])
         if k == 9:
             return t("generation") + self.block(depth) + t("endgeneration")
         if k == 10:
