@@ -1,6 +1,5 @@
 """Regression tests for what the fuzzers (tests/fuzz/) found: each was an exception other than
-a HearthError, or a hang, on input a model file or a caller controls. The renderer's are
-xfail until its owner fixes them (strict: a fix makes them fail until the mark goes)."""
+a HearthError, a hang or a memory blow-up, on input that a model file or a caller controls."""
 from __future__ import annotations
 
 import signal
@@ -99,7 +98,7 @@ def test_chat_template_of_the_wrong_type(tmp_path, value):
         load_model(tiny_with(tmp_path, tokenizer__chat_template=value))
 
 
-# --- the template renderer (chat_template.py): reported to its owner ---------------------
+# --- the template renderer (chat_template.py, template_limits.py) ----------------------------
 
 class Hang(BaseException):
     """Not an Exception: the renderer's `except Exception` must not turn it into an error."""
@@ -119,23 +118,22 @@ def wall_limit(seconds: float):
         signal.signal(signal.SIGALRM, old)
 
 
-@pytest.mark.xfail(strict=True, reason="renderer: a Python SyntaxError escapes compile_template")
 @pytest.mark.parametrize("template", [
     "{% for m in messages %}{% generation %}{% continue %}{% endgeneration %}{% endfor %}",
     "{% macro f() %}{{ caller() }}{% endmacro %}{% for m in messages %}{% call f() %}{% break %}{% endcall %}{% endfor %}",
 ])
 def test_loop_control_inside_a_block_body(template):
     """template fuzz: break/continue in a {% generation %} or {% call %} body inside a loop
-    passes Jinja's parser, then Python's compiler refuses it (the body is a nested function)."""
+    passed Jinja's parser, then Python's compiler refused it (the body is a nested function):
+    a SyntaxError out of render_chat."""
     with pytest.raises(InvalidRequestError):
         render_chat(template, MESSAGES)
 
 
-@pytest.mark.xfail(strict=True, reason="renderer: lipsum's own loop runs outside the step and time limits")
 @pytest.mark.parametrize("call", ["lipsum(100000000)", "lipsum(1, False, 100000000, 100000001)"])
 def test_lipsum_of_a_huge_count(call):
-    """template fuzz: the global lipsum(n) loops in Jinja's code, which the tracer does not
-    count, and its size is checked only on return: a hang."""
+    """template fuzz: the global lipsum(n) looped in Jinja's own code, which the tracer does
+    not count, and its size was checked only on return: a hang."""
     with wall_limit(3), pytest.raises(InvalidRequestError):
         render_chat("{{ " + call + " }}", MESSAGES)
 
@@ -145,13 +143,12 @@ def _status_mb(field: str) -> float:
     return int(line.split()[1]) / 1024
 
 
-@pytest.mark.xfail(strict=True, reason="renderer: a width taken from the arguments is checked only after the string is built")
 @pytest.mark.parametrize("expr", ["'%*d' % (300000000, 1)", "'{:{}}'.format('a', 300000000)",
                                   "'%.*f' % (300000000, 1.0)"])
 def test_format_width_from_the_arguments(expr):
-    """template fuzz: the wide-format check reads digits in the format string; a width or
-    precision passed as an argument (`*`, a nested `{}`) builds the string first: 10**9
-    makes 1 GB, then a TemplateLimitError."""
+    """template fuzz: the wide-format check read digits in the format string; a width or
+    precision passed as an argument (`*`, a nested `{}`) built the string first: 10**9
+    made 1 GB, then a TemplateLimitError."""
     Path("/proc/self/clear_refs").write_text("5")  # peak RSS from here
     before = _status_mb("VmRSS")
     with pytest.raises(InvalidRequestError):
@@ -159,9 +156,8 @@ def test_format_width_from_the_arguments(expr):
     assert _status_mb("VmHWM") - before < 100
 
 
-@pytest.mark.xfail(strict=True, reason="renderer: a filter's own work runs outside the time limit")
 def test_wordwrap_of_a_long_word():
-    """template fuzz: textwrap runs untraced; on one 3,000,000-character word it runs for
+    """template fuzz: textwrap runs untraced; on one 3,000,000-character word it ran for
     minutes, though the string is within the size limit."""
     with wall_limit(3):
         try:
