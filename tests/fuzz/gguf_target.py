@@ -192,13 +192,13 @@ def field_edits(d: Draw, i: int, log: list) -> bytes:
             cut = off + d.int(size + 1)
             log.append(f"truncate at {cut} ({kind} @{off})")
             return bytes(b[:cut])
-        else:
-            at = off + d.int(size + 1)
-            n = d.int(16)
+        else:  # shift everything after: later offsets and lengths no longer agree
+            at, n = off + d.int(size + 1), d.int(16)
+            if n < 8:
+                b[at:at] = bytes(n + 1)
+            else:
+                del b[at:at + n - 7]
             log.append(f"{'insert' if n < 8 else 'delete'} {n % 8 + 1} bytes at {at} ({kind} @{off})")
-            b[at:at] = bytes(n % 8 + 1) if n < 8 else b""
-            if n >= 8:
-                del b[at:at + n % 8 + 1]
             continue
         v %= 1 << (8 * size)
         log.append(f"{kind} @{off} = {v}")
@@ -260,8 +260,8 @@ def typed_edits(d: Draw, i: int, log: list) -> bytes:
             kvs = [kv for kv in kvs if kv[0] != key]
             log.append(f"delete {key}")
         elif tensors:
-            i = d.int(len(tensors))
-            name, ne, tt, blob = tensors[i]
+            j = d.int(len(tensors))
+            name, ne, tt, blob = tensors[j]
             if op == 5:
                 ne = list(ne)
                 ne[d.int(len(ne))] = d.pick([1, 2, 8, 16, 31, 32, 33, 64, 96, 260, 261, 1 << 20])
@@ -270,7 +270,7 @@ def typed_edits(d: Draw, i: int, log: list) -> bytes:
                 tt = d.pick([0, 1, 2, 6, 8, 12, 14, 24, 26, 30, 39])
                 log.append(f"tensor {name} type {T(tt).name}")
             else:
-                tensors.pop(i)
+                tensors.pop(j)
                 log.append(f"drop tensor {name}")
                 continue
             try:
@@ -279,7 +279,7 @@ def typed_edits(d: Draw, i: int, log: list) -> bytes:
                 size = len(blob)
             # keep the file small; a tensor past the end of the file is the reader's to refuse
             blob = (blob + bytes(max(0, size - len(blob))))[:size] if size <= 1 << 20 else blob
-            tensors[i] = (name, ne, tt, blob)
+            tensors[j] = (name, ne, tt, blob)
     return serialize(kvs, tensors)
 
 
@@ -306,7 +306,14 @@ MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "conten
 def one_input(data: bytes) -> None:
     buf, _ = make_file(data)
     _PATH.write_bytes(buf)
-    with GGUFFile.open(_PATH) as f:
+    try:
+        check_file(_PATH)
+    finally:
+        _PATH.unlink()  # what is mapped stays readable
+
+
+def check_file(path: Path) -> None:
+    with GGUFFile.open(path) as f:
         for t in f.tensors.values():
             raw = t.raw()
             assert raw.nbytes == t.nbytes and raw.base is not None, t
@@ -314,7 +321,7 @@ def one_input(data: bytes) -> None:
             if t.ggml_type in _PLAIN_DTYPES:
                 assert t.array().shape == t.shape
         repr(f)
-    model = load_model(_PATH)
+    model = load_model(path)
     try:
         tok = model.tokenizer
         ids = tok.encode("Hello <|im_start|> w\u00f6rld \u2581 <s>", add_special=True, parse_special=True)

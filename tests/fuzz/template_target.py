@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 from fuzz.engine import Draw
@@ -202,46 +203,47 @@ def draw_messages(d: Draw):
 ESCAPE_SIGNS = ("<module '", "_wrap_close", "<class 'os.", "<class 'subprocess.", "<built-in function system")
 
 
-def one_input(data: bytes, log: list | None = None) -> None:
-    """Runs one case; with a log, only decodes it into the log (describe must not hang)."""
+def case(data: bytes) -> tuple[str, Callable[[], None]]:
+    """One input decoded: what it does (for a finding's report) and a thunk that does it, so
+    that describing a hang does not run it again."""
     from fuzz.tokenizer_target import tokenizers
+    from tiny_gguf import CHATML
     d = Draw(data)
-    note = log.append if log is not None else lambda x: None
     op = d.int(3)
     if op == 2:  # ChatML: contents must not add or close turns, whatever they hold
-        from tiny_gguf import CHATML
         tok, msgs = dict(tokenizers())["bpe-gpt2"], draw_messages(d)
-        note(f"encode_chat(bpe-gpt2, CHATML, {msgs!r})")
-        if log is not None:
-            return
-        ids = encode_chat(tok, CHATML, msgs)
-        start, end = tok.token_id("<|im_start|>"), tok.token_id("<|im_end|>")
-        assert ids.count(start) == len(msgs) + 1 and ids.count(end) == len(msgs), ids
-        return
+
+        def run() -> None:
+            ids = encode_chat(tok, CHATML, msgs)
+            start, end = tok.token_id("<|im_start|>"), tok.token_id("<|im_end|>")
+            assert ids.count(start) == len(msgs) + 1 and ids.count(end) == len(msgs), ids
+        return f"encode_chat(bpe-gpt2, CHATML, {msgs!r})", run
     kind, template = draw_template(d)
     msgs, gen = draw_messages(d), d.bool()
-    note(f"{kind} template:\n{template}\nmessages={msgs!r}, add_generation_prompt={gen}")
+    what = f"{kind} template:\n{template}\nmessages={msgs!r}, add_generation_prompt={gen}\n"
     if op == 0:
         tools = d.pick([None, [], [{"type": "function", "function": {"name": "f", "parameters": {}}}]])
-        note(f"render_chat(tools={tools!r})")
-        if log is not None:
-            return
-        out = render_chat(template, msgs, add_generation_prompt=gen, bos_token="<s>", eos_token="</s>", tools=tools)
-        assert isinstance(out, str), type(out)
-        assert not any(s in out for s in ESCAPE_SIGNS), out[:2000]
-    else:
-        name, tok = d.pick(tokenizers()[:3])
-        note(f"encode_chat with tokenizer {name}")
-        if log is not None:
-            return
+
+        def run() -> None:
+            out = render_chat(template, msgs, add_generation_prompt=gen, bos_token="<s>", eos_token="</s>", tools=tools)
+            assert isinstance(out, str), type(out)
+            assert not any(s in out for s in ESCAPE_SIGNS), out[:2000]
+        return what + f"render_chat(tools={tools!r})", run
+    name, tok = d.pick(tokenizers()[:3])
+
+    def run() -> None:
         ids = encode_chat(tok, template, msgs, add_generation_prompt=gen)
         assert all(type(i) is int and 0 <= i < tok.vocab_size for i in ids), ids
+    return what + f"encode_chat with tokenizer {name}", run
+
+
+def one_input(data: bytes) -> None:
+    case(data)[1]()
 
 
 def describe(data: bytes) -> str:
-    log: list = []
-    one_input(data, log)
-    return "\n".join(x if len(x) < 8000 else x[:8000] + "..." for x in log)
+    what = case(data)[0]
+    return what if len(what) < 16000 else what[:16000] + "..."
 
 
 def seeds() -> list[bytes]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -119,73 +120,74 @@ def _has_special(tok: Tokenizer, text: str) -> bool:
         tok.token_text(i) in text for i in range(tok.vocab_size) if tok.is_control(i))
 
 
-def one_input(data: bytes, log: list | None = None) -> None:
-    """Runs one case; with a log, only decodes it into the log (describe must not hang)."""
+def case(data: bytes) -> tuple[str, Callable[[], None]]:
+    """One input decoded: what it does (for a finding's report) and a thunk that does it, so
+    that describing a hang does not run it again."""
     d = Draw(data)
     name, tok = d.pick(tokenizers())
     op = d.int(6)
-    note = log.append if log is not None else lambda x: None
-    note(f"tokenizer {name}, op {op}")
     if op == 0:
         text, add, parse = draw_text(d, tok), d.bool(), d.bool()
-        note(f"encode({text!r}, add_special={add}, parse_special={parse})")
-        if log is not None:
-            return
-        ids = tok.encode(text, add_special=add, parse_special=parse)
-        assert all(type(i) is int and 0 <= i < tok.vocab_size for i in ids), ids
-        if tok.kind == "bpe" and not parse and not add:  # bytes without a token drop, as in llama.cpp
-            want = bytes(b for b in text.encode() if b not in _missing_bytes(tok))
-            assert b"".join(tok.token_bytes(i) for i in ids) == want, (name, text, ids)
-        elif tok.kind == "spm" and not add and tok.vocab_size < 1000 and not _has_special(tok, text):
-            assert tok.decode(ids) == text.replace("\u2581", " "), (name, text, ids)
-    elif op == 1:
+
+        def run() -> None:
+            ids = tok.encode(text, add_special=add, parse_special=parse)
+            assert all(type(i) is int and 0 <= i < tok.vocab_size for i in ids), ids
+            if tok.kind == "bpe" and not parse and not add:  # bytes without a token drop, as in llama.cpp
+                want = bytes(b for b in text.encode() if b not in _missing_bytes(tok))
+                assert b"".join(tok.token_bytes(i) for i in ids) == want, (name, text, ids)
+            elif tok.kind == "spm" and not add and tok.vocab_size < 1000 and not _has_special(tok, text):
+                assert tok.decode(ids) == text.replace("\u2581", " "), (name, text, ids)
+        return f"{name}: encode({text!r}, add_special={add}, parse_special={parse})", run
+    if op == 1:
         parts = [(draw_text(d, tok, 4), d.bool()) for _ in range(d.int(5))]
         if d.int(8) == 0:
             parts.append((d.pick([None, b"bytes", 7, ["x"]]), False))
         add = d.bool()
-        note(f"encode_parts({parts!r}, add_special={add})")
-        if log is not None:
-            return
-        ids = tok.encode_parts(parts, add_special=add)
-        assert all(0 <= i < tok.vocab_size for i in ids), ids
-    elif op == 2:
+
+        def run() -> None:
+            ids = tok.encode_parts(parts, add_special=add)
+            assert all(0 <= i < tok.vocab_size for i in ids), ids
+        return f"{name}: encode_parts({parts!r}, add_special={add})", run
+    if op == 2:
         ids, skip = draw_ids(d, tok), d.bool()
-        note(f"decode({ids!r}, skip_special={skip})")
-        if log is not None:
-            return
-        assert isinstance(tok.decode(ids, skip_special=skip), str)
-    elif op == 3:
+        return f"{name}: decode({ids!r}, skip_special={skip})", \
+            lambda: assert_type(tok.decode(ids, skip_special=skip), str)
+    if op == 3:
         ids, skip = draw_ids(d, tok, valid_only=d.bool()), d.bool()
         prompt = draw_ids(d, tok, True) if d.bool() else None
-        note(f"StreamDecoder(prompt_ids={prompt!r}, skip_special={skip}).push each of {ids!r}")
-        if log is not None:
-            return
-        dec = StreamDecoder(tok, prompt, skip_special=skip)
-        assert isinstance("".join(dec.push(i) for i in ids) + dec.flush(), str)
-        plain = StreamDecoder(tok)
-        whole = "".join(plain.push(i) for i in ids) + plain.flush()
-        if not tok.clean_spaces:  # decode's space clean-up is the one difference
-            assert whole == tok.decode(ids), (name, ids, whole)
-    elif op == 4:
+
+        def run() -> None:
+            dec = StreamDecoder(tok, prompt, skip_special=skip)
+            assert_type("".join(dec.push(i) for i in ids) + dec.flush(), str)
+            plain = StreamDecoder(tok)
+            whole = "".join(plain.push(i) for i in ids) + plain.flush()
+            if not tok.clean_spaces:  # decode's space clean-up is the one difference
+                assert whole == tok.decode(ids), (name, ids, whole)
+        return f"{name}: StreamDecoder(prompt_ids={prompt!r}, skip_special={skip}), push each of {ids!r}", run
+    if op == 4:
         tid, text = (draw_ids(d, tok) or [0])[0], draw_text(d, tok, 2)
-        note(f"accessors of id {tid!r}; token_id({text!r})")
-        if log is not None:
-            return
-        for f in (tok.token_to_piece, tok.token_bytes, tok.is_control, tok.is_eog, tok.token_text):
-            f(tid)
-        tok.token_id(text)
-    else:
-        text, skip = draw_text(d, tok), d.bool()
-        note(f"decode(encode({text!r}, add_special=True, parse_special=True), skip_special={skip})")
-        if log is not None:
-            return
-        assert isinstance(tok.decode(tok.encode(text, add_special=True, parse_special=True), skip_special=skip), str)
+
+        def run() -> None:
+            for f in (tok.token_to_piece, tok.token_bytes, tok.is_control, tok.is_eog, tok.token_text):
+                f(tid)
+            tok.token_id(text)
+        return f"{name}: the accessors of id {tid!r}; token_id({text!r})", run
+    text, skip = draw_text(d, tok), d.bool()
+    return f"{name}: decode(encode({text!r}, add_special=True, parse_special=True), skip_special={skip})", \
+        lambda: assert_type(tok.decode(tok.encode(text, add_special=True, parse_special=True), skip_special=skip), str)
+
+
+def assert_type(x: object, t: type) -> None:
+    assert isinstance(x, t), type(x)
+
+
+def one_input(data: bytes) -> None:
+    case(data)[1]()
 
 
 def describe(data: bytes) -> str:
-    log: list = []
-    one_input(data, log)
-    return "\n".join(x if len(x) < 4000 else x[:4000] + "..." for x in log)
+    what = case(data)[0]
+    return what if len(what) < 8000 else what[:8000] + "..."
 
 
 def seeds() -> list[bytes]:
