@@ -196,6 +196,8 @@ def draw_messages(d: Draw):
             m["tool_calls"] = [{"type": "function", "function": {"name": "f", "arguments": {"a": 1}}}]
         elif j == 2:
             m["name"] = draw_text(d)
+        elif j == 3:  # callers may pass roles through from their users too
+            m["role"] = d.pick(["user", ""]) + d.pick(_TEXTS) + draw_text(d)
         msgs.append(m)
     return msgs
 
@@ -216,7 +218,7 @@ def case(data: bytes) -> tuple[str, Callable[[], None]]:
         def run() -> None:
             ids = encode_chat(tok, CHATML, msgs)
             start, end = tok.token_id("<|im_start|>"), tok.token_id("<|im_end|>")
-            assert ids.count(start) == len(msgs) + 1 and ids.count(end) == len(msgs), ids
+            assert ids.count(start) == len(msgs) + 1 and ids.count(end) == len(msgs), f"turn markers injected: {ids}"
         return f"encode_chat(bpe-gpt2, CHATML, {msgs!r})", run
     kind, template = draw_template(d)
     msgs, gen = draw_messages(d), d.bool()

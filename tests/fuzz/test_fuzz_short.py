@@ -15,6 +15,9 @@ from fuzz.engine import TARGETS
 
 ENGINE = Path(__file__).parent / "engine.py"
 RUNS = {"gguf": 3000, "tokenizer": 600, "template": 2500}
+# Reported and xfail in tests/test_fuzz_regressions.py; tolerated here until fixed, so that
+# this run still catches anything new. Remove an entry when its fix lands.
+KNOWN = ["turn markers injected"]  # a role holding special-token text (test_special_token_text_in_a_role)
 
 
 @pytest.mark.parametrize("target", TARGETS)
@@ -25,5 +28,5 @@ def test_fuzz_bounded(target: str, tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr[-4000:]  # a libFuzzer timeout or a hard crash
     stats = json.loads((tmp_path / f"{target}.json").read_text())
     assert stats["final"] and stats["execs"] >= 50, stats
-    found = stats["findings"]
+    found = [f for f in stats["findings"] if not any(k in f["error"] for k in KNOWN)]
     assert not found, "\n\n".join(Path(f["file"]).read_text()[:4000] for f in found)
