@@ -5,10 +5,11 @@ over the same input bytes.
 
 An input may end in a result or a hearthlm.HearthError, nothing else. A finding is any other
 exception ("crash"), more than --time-limit CPU seconds ("hang"; CPU time, so that a niced run
-on shared cores is judged fairly), or a MemoryError / an input's peak RSS over --rss-step MB
-above its start ("memory"; issue 14 allows a hostile input 100 MB). Findings are recorded and the run goes on, so one long run reports them all:
-DIR/findings/TARGET/<kind>-<key>.bin (the input) and .txt (traceback and the decoded case);
-DIR/TARGET.json sums up executions and findings.
+on shared cores is judged fairly), or a MemoryError / an input's peak RSS more than --rss-step
+MB above its start ("memory"; issue 14 allows a hostile input 100 MB). Findings are recorded
+and the run goes on, so one long run reports them all: DIR/findings/TARGET/<kind>-<key>.bin
+(the input) and .txt (the decoded case and the traceback); DIR/TARGET.json sums up executions
+and findings.
 """
 from __future__ import annotations
 
