@@ -72,6 +72,13 @@ def test_token_accessors_refuse_ids_outside_the_vocab(tmp_path, tid):
         m.close()
 
 
+@pytest.mark.parametrize("value", [float("inf"), float("-inf")])
+def test_special_token_id_of_an_infinite_float(tmp_path, value):
+    """gguf typed edits (a probe through Session.open): padding_token_id = inf raised OverflowError from int()."""
+    with pytest.raises(ModelLoadError, match="padding_token_id"):
+        load_model(tiny_with(tmp_path, tokenizer__ggml__padding_token_id=(6, value)))
+
+
 # --- tokenizer_bpe.py ----------------------------------------------------------------------
 
 @pytest.mark.parametrize("merges", [["\u0120 t", "t t"], ["h e"]])
@@ -80,13 +87,6 @@ def test_bpe_merge_whose_result_is_not_in_the_vocab(tmp_path, merges):
     BaseException: it went through every `except Exception`, an application's too."""
     with pytest.raises(ModelLoadError, match="not in the vocab"):
         load_model(tiny_with(tmp_path, tokenizer__ggml__merges=(ARRAY, (STRING, merges))))
-
-
-@pytest.mark.parametrize("value", [float("inf"), float("-inf")])
-def test_special_token_id_of_an_infinite_float(tmp_path, value):
-    """gguf fuzz (through a session): padding_token_id = inf raised OverflowError from int()."""
-    with pytest.raises(ModelLoadError, match="padding_token_id"):
-        load_model(tiny_with(tmp_path, tokenizer__ggml__padding_token_id=(6, value)))
 
 
 # --- model.py ----------------------------------------------------------------------------
