@@ -38,12 +38,16 @@ def silu(x: np.ndarray) -> np.ndarray:
     return (x / (1.0 + np.exp(-x))).astype(np.float32)
 
 
-def rope(x: np.ndarray, pos: np.ndarray, n_rot: int, base: float, freq_scale: float, neox: bool) -> np.ndarray:
-    """x (n_tokens, n_heads, head_dim); rotates the first n_rot dims of each head."""
+def rope(x: np.ndarray, pos: np.ndarray, n_rot: int, base: float, freq_scale: float, neox: bool,
+         freqs=None, mscale: float = 1.0) -> np.ndarray:
+    """x (n_tokens, n_heads, head_dim); rotates the first n_rot dims of each head. `freqs`
+    (n_rot/2 per-dimension frequencies) replaces base and freq_scale where given (scaled RoPE);
+    `mscale` scales cos and sin."""
     half = n_rot // 2
-    inv_freq = base ** (-np.arange(half, dtype=np.float64) * 2.0 / n_rot)
-    theta = freq_scale * pos.astype(np.float64)[:, None] * inv_freq[None, :]  # (n_tokens, half)
-    cos, sin = np.cos(theta)[:, None, :], np.sin(theta)[:, None, :]
+    inv_freq = (np.asarray(freqs, np.float64) if freqs is not None
+                else freq_scale * base ** (-np.arange(half, dtype=np.float64) * 2.0 / n_rot))
+    theta = pos.astype(np.float64)[:, None] * inv_freq[None, :]  # (n_tokens, half)
+    cos, sin = mscale * np.cos(theta)[:, None, :], mscale * np.sin(theta)[:, None, :]
     out = x.astype(np.float32).copy()
     if neox:
         x0, x1 = x[..., :half], x[..., half:n_rot]
@@ -54,6 +58,11 @@ def rope(x: np.ndarray, pos: np.ndarray, n_rot: int, base: float, freq_scale: fl
         out[..., 0:n_rot:2] = x0 * cos - x1 * sin
         out[..., 1:n_rot:2] = x0 * sin + x1 * cos
     return out
+
+
+def _rope(n, x, pos):
+    p = n.params
+    return rope(x, pos, p["n_rot"], p["base"], p["freq_scale"], p["neox"], p.get("freqs"), p.get("mscale", 1.0))
 
 
 def attention(q, k_cache, v_cache, tok_seq, tok_pos, block_table, *, scale, block_size, window):
@@ -133,10 +142,10 @@ class ReferenceBackend:
             Op.SCALE: lambda n, x: (x * np.float32(n.params["s"])).astype(np.float32),
             Op.SILU: lambda n, x: silu(x),
             Op.GELU: lambda n, x: gelu(x),
+            Op.TANH: lambda n, x: np.tanh(x.astype(np.float64)).astype(np.float32),
             Op.RESHAPE: lambda n, x: x.reshape(n.params["new_shape"]),
             Op.SLICE: lambda n, x: x[..., n.params["start"]:n.params["stop"]],
-            Op.ROPE: lambda n, x, pos: rope(x, pos, n.params["n_rot"], n.params["base"],
-                                            n.params["freq_scale"], n.params["neox"]),
+            Op.ROPE: _rope,
             Op.SET_ROWS: _set_rows,
             Op.ATTN: lambda n, q, k, v, seq, pos, bt: attention(
                 q, k, v, seq, pos, bt, scale=n.params["scale"], block_size=n.params["block_size"],
@@ -154,8 +163,7 @@ class ReferenceBackend:
             Op.RMS_NORM_MUL_ADD: lambda n, x, w, r: (rms_norm(x, n.params["eps"]) * w).astype(np.float32) + r,
             Op.FFN_GLU: lambda n, wg, wu, x: _act(n, _mm(wg, x)) * _mm(wu, x),
             Op.MUL_MAT_ADD: lambda n, w, x, r: _mm(w, x) + r,
-            Op.ROPE_SET_ROWS: lambda n, cache, x, pos, slots: _set_rows(n, cache, rope(
-                x, pos, n.params["n_rot"], n.params["base"], n.params["freq_scale"], n.params["neox"]), slots),
+            Op.ROPE_SET_ROWS: lambda n, cache, x, pos, slots: _set_rows(n, cache, _rope(n, x, pos), slots),
         }
 
     def prepare_weight(self, w: QWeight) -> np.ndarray:

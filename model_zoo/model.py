@@ -3,6 +3,7 @@ the tokenizer and the chat template. What the engine needs is `build_graph`, `we
 `kv_dims`, `n_vocab` and `eog_ids`."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -10,6 +11,7 @@ from typing import Any
 
 from hearthlm.model_zoo.gguf_file import GGUFFile
 from hearthlm.model_zoo.models import get_architecture
+from hearthlm.model_zoo.tensors import check
 from hearthlm.model_zoo.tokenizer import Tokenizer
 from hearthlm.runtime.batch import BatchShape, one_token
 from hearthlm.runtime.errors import HearthError, ModelLoadError
@@ -46,14 +48,20 @@ class Model:
     def build_graph(self, shape: BatchShape) -> Graph:
         g = Graph()
 
-        def w(name: str, fallback: str | None = None):
+        def w(name: str, fallback: str | None = None, optional: bool = False):
             qw = self.weights.get(name) or (self.weights.get(fallback) if fallback else None)
             if qw is None:
+                if optional:
+                    return None
                 raise ModelLoadError(f"{self.path}: tensor {name!r} is missing ({self.arch_name} architecture)")
             return g.weight(qw)
 
         self.arch.build(self.config, g, w, shape)
         return g
+
+    def set_context(self, n_ctx: int) -> None:
+        """The context each sequence may reach: LongRoPE picks its factors by it."""
+        self.config = dataclasses.replace(self.config, rope=self.config.rope.for_context(n_ctx))
 
     def close(self) -> None:
         self.file.close()
@@ -67,16 +75,19 @@ def load_model(path) -> Model:
         arch_name = f.architecture
         arch = get_architecture(arch_name)
         try:
-            config = arch.Config.from_gguf(md)
+            config = arch.Config.from_gguf(md, arch_name)
         except (ModelLoadError, KeyError, TypeError, ValueError, ZeroDivisionError) as e:
             raise ModelLoadError(f"{path}: bad {arch_name} hyperparameters in metadata: {e}") from e
-        weights = {}
-        for t in f.tensors.values():
-            shape = t.shape if len(t.shape) <= 2 else (int(t.raw().shape[0]), t.shape[-1])
-            weights[t.name] = QWeight(t.name, int(t.ggml_type), tuple(shape), t.raw())
+        weights = {t.name: QWeight(t.name, int(t.ggml_type), tuple(t.shape), t.raw()) for t in f.tensors.values()}
         out = weights.get("output.weight") or weights.get("token_embd.weight")
         if out is None or len(out.shape) != 2:
             raise ModelLoadError(f"{path}: no 2-D output.weight or token_embd.weight tensor")
+        check(arch.tensors(config, out.shape[0]), {n: q.shape for n, q in weights.items()}, path=str(path),
+              arch=arch_name)
+        try:
+            config = dataclasses.replace(config, rope=config.rope.bind(weights))
+        except ModelLoadError as e:
+            raise ModelLoadError(f"{path}: {e}") from e
         try:
             tokenizer = Tokenizer.from_gguf_metadata(md)
         except (KeyError, TypeError, ValueError, IndexError) as e:  # metadata of the wrong shape

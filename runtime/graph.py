@@ -22,7 +22,8 @@ class Op(enum.Enum):
     SCALE = "scale"          # (x,) * params["s"]
     SILU = "silu"
     GELU = "gelu"            # tanh approximation, as ggml_gelu
-    ROPE = "rope"            # (x (n_tokens, n_heads, head_dim), pos (n_tokens,)); params: n_rot, base, freq_scale, neox
+    TANH = "tanh"            # (x,) elementwise (Gemma 2's logit soft-capping)
+    ROPE = "rope"            # (x (n_tokens, n_heads, head_dim), pos (n_tokens,)); params: n_rot, base, freq_scale, neox[, freqs, mscale]
     SET_ROWS = "set_rows"    # (cache, src, slots): cache[slots] = src; returns the cache (orders later reads)
     RESHAPE = "reshape"      # (x,) params: shape
     SLICE = "slice"          # (x,) -> x[..., start:stop], a view; params: start, stop
@@ -124,6 +125,9 @@ class Graph:
     def gelu(self, x: Tensor, name: str, il: int = -1) -> Tensor:
         return self._add(Op.GELU, (x,), x.shape, name, il)
 
+    def tanh(self, x: Tensor, name: str, il: int = -1) -> Tensor:
+        return self._add(Op.TANH, (x,), x.shape, name, il)
+
     def reshape(self, x: Tensor, shape, name: str, il: int = -1) -> Tensor:
         assert int(np.prod(shape)) == int(np.prod(x.shape)), f"{name}: {x.shape} -> {shape}"
         return self._add(Op.RESHAPE, (x,), shape, name, il, new_shape=tuple(shape))
@@ -133,10 +137,15 @@ class Graph:
         return self._add(Op.SLICE, (x,), (*x.shape[:-1], stop - start), name, il, start=int(start), stop=int(stop))
 
     def rope(self, x: Tensor, pos: Tensor, *, n_rot: int, base: float, freq_scale: float = 1.0,
-             neox: bool, name: str, il: int = -1) -> Tensor:
-        assert len(x.shape) == 3 and n_rot <= x.shape[2]
+             neox: bool, name: str, il: int = -1, freqs: tuple[float, ...] | None = None,
+             mscale: float = 1.0) -> Tensor:
+        """`freqs` (n_rot/2) replace base and freq_scale (scaled RoPE: theta_i = pos * freqs[i]),
+        `mscale` multiplies cos and sin; both are left out of params when unused."""
+        assert len(x.shape) == 3 and n_rot <= x.shape[2] and (freqs is None or len(freqs) == n_rot // 2)
+        extra = {} if freqs is None and mscale == 1.0 else dict(
+            freqs=None if freqs is None else tuple(float(f) for f in freqs), mscale=float(mscale))
         return self._add(Op.ROPE, (x, pos), x.shape, name, il, n_rot=int(n_rot), base=float(base),
-                         freq_scale=float(freq_scale), neox=bool(neox))
+                         freq_scale=float(freq_scale), neox=bool(neox), **extra)
 
     def set_rows(self, cache: Tensor, src: Tensor, slots: Tensor, name: str, il: int = -1) -> Tensor:
         return self._add(Op.SET_ROWS, (cache, src, slots), cache.shape, name, il)

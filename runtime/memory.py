@@ -15,7 +15,7 @@ ALIGN = 64  # bytes: a cache line, and what SIMD loads like
 UNPLANNED = (Op.INPUT, Op.WEIGHT, Op.CACHE, Op.SET_ROWS, Op.ROPE_SET_ROWS)  # fed, prepared or persistent
 VIEWS = (Op.RESHAPE, Op.SLICE)  # share their source's buffer
 # op -> which sources the output may overwrite (the kernel reads each element before writing it)
-INPLACE = {Op.ADD: (0, 1), Op.MUL: (0, 1), Op.SCALE: (0,), Op.SILU: (0,), Op.GELU: (0,), Op.ROPE: (0,),
+INPLACE = {Op.ADD: (0, 1), Op.MUL: (0, 1), Op.SCALE: (0,), Op.SILU: (0,), Op.GELU: (0,), Op.TANH: (0,), Op.ROPE: (0,),
            Op.RMS_NORM: (0,), Op.RMS_NORM_MUL: (0,), Op.RMS_NORM_MUL_ADD: (2, 0), Op.GLU: (0, 1),
            Op.SOFT_MAX: (0,), Op.MUL_MAT_ADD: (2,), Op.ADD_N: (0, 1, 2, 3)}
 

@@ -74,6 +74,7 @@ class Session:
             if device is not None:  # the layers over the device's backends, once their count is known
                 be = offload(be, m.config.n_layer, n_gpu_layers)
             n_ctx = min(n_ctx, m.config.n_ctx_train)
+            m.set_context(n_ctx)
             kv_tokens = kv_cache_tokens or 4 * n_ctx
             engine = Engine(m, be, n_ctx=n_ctx, kv_blocks=math.ceil(kv_tokens / 16), **engine_opts)
         except BaseException:

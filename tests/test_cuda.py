@@ -331,6 +331,19 @@ def test_rope(cuda, neox, n_rot):
     assert not np.allclose(gpu[3], x[3])
 
 
+@pytest.mark.gpu
+def test_rope_scaled(cuda):
+    x = f32(6, 4, 64)
+    pos = np.array([0, 1, 2, 100, 5000, 7], np.int32)
+    freqs = tuple(10000.0 ** (-np.arange(16) / 16) / np.linspace(1, 8, 16))
+
+    def build(g):
+        g.outputs.append(g.rope(_in(g, "x", x.shape), g.input("pos", (6,)), n_rot=32, base=10000.0, neox=True,
+                                name="r", freqs=freqs, mscale=1.2))
+    ref, gpu = run_both(cuda, build, {"x": x, "pos": pos})
+    assert nmse(gpu, ref) < 1e-7
+
+
 BS, N_SLOTS = 4, 32
 BT = np.array([[5, 2, 7, 0], [1, 6, 3, 0]], np.int32)
 SEQ = np.array([0, 0, 0, 0, 0, 0, 1], np.int32)

@@ -102,6 +102,22 @@ def test_rope(neox, n_rot):
     assert not np.allclose(cpu[3], x[3])  # it rotated something
 
 
+@pytest.mark.parametrize("neox", [False, True])
+def test_rope_scaled(neox):
+    """Scaled RoPE: per-dimension frequencies and a cos/sin magnitude (YaRN, Llama 3, LongRoPE)."""
+    x = rng.standard_normal((6, 4, 64)).astype(np.float32)
+    pos = np.array([0, 1, 2, 100, 5000, 7], np.int32)
+    freqs = tuple(10000.0 ** (-np.arange(16) / 16) / np.linspace(1, 8, 16))
+
+    def build(g):
+        g.outputs.append(g.rope(g.input("x", x.shape, np.float32), g.input("pos", (6,)), n_rot=32, base=10000.0,
+                                neox=neox, name="r", freqs=freqs, mscale=1.2))
+    ref, cpu = run_both(build, {"x": x, "pos": pos})
+    assert nmse(cpu, ref) < 1e-7
+    # position 0 only scales by mscale; rotated dims grow, the rest copy
+    assert np.allclose(ref[0, :, :32], 1.2 * x[0, :, :32], atol=1e-6) and np.array_equal(ref[0, :, 32:], x[0, :, 32:])
+
+
 @pytest.mark.parametrize("window", [0, 3])
 def test_kv_write_and_attention_paged(window):
     """Two sequences with scattered blocks, GQA 4:2, a prefill chunk and a decode token."""

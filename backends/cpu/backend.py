@@ -74,11 +74,24 @@ def _act(gelu: bool):
     return k
 
 
+_NO_FREQS = np.zeros(0, np.float64)
+_freqs: dict[tuple, np.ndarray] = {}
+
+
+def _rope_args(p) -> tuple:
+    """(n_rot, base, freq_scale, neox, freqs, mscale) for the kernels; scaled RoPE's
+    per-dimension frequencies as an array made once per tuple."""
+    f = p.get("freqs")
+    if f is not None and f not in _freqs:
+        _freqs[f] = np.array(f, np.float64)
+    return (p["n_rot"], p["base"], p["freq_scale"], p["neox"], _NO_FREQS if f is None else _freqs[f],
+            p.get("mscale", 1.0))
+
+
 def _rope(node, x, pos, out=None):
-    p = node.params
     out = _buf(node, out)
     kern = ops.rope if x.shape[0] >= ops.PAR_MIN_ROWS else ops.rope_1
-    kern(np.ascontiguousarray(x, np.float32), pos, p["n_rot"], p["base"], p["freq_scale"], p["neox"], out)
+    kern(np.ascontiguousarray(x, np.float32), pos, *_rope_args(node.params), out)
     return out
 
 
@@ -94,10 +107,8 @@ def _set_rows(node, cache, src, slots):
 
 
 def _rope_set_rows(node, cache, x, pos, slots):
-    p = node.params
     kern = ops.rope_set_rows if x.shape[0] >= ops.PAR_MIN_ROWS else ops.rope_set_rows_1
-    kern(np.ascontiguousarray(x, np.float32), pos, slots, p["n_rot"], p["base"], p["freq_scale"], p["neox"],
-         _bits(cache))
+    kern(np.ascontiguousarray(x, np.float32), pos, slots, *_rope_args(node.params), _bits(cache))
     return cache
 
 
@@ -188,6 +199,7 @@ class CPUBackend:
             Op.SCALE: lambda n, x, out=None: np.multiply(x, np.float32(n.params["s"]), out=out, dtype=np.float32),
             Op.SILU: _act(False),
             Op.GELU: _act(True),
+            Op.TANH: lambda n, x, out=None: np.tanh(x, out=out, dtype=np.float32),
             Op.GLU: _glu,
             Op.FFN_GLU: lambda n, wg, wu, x, out=None: ffn_glu(wg, wu, x, n.params["act"] == "gelu", _buf(n, out)),
             Op.RESHAPE: lambda n, x: x.reshape(n.params["new_shape"]),

@@ -55,6 +55,7 @@ class CUDABackend:
                 self.cp.multiply(x, np.float32(n.params["s"]), dtype=self.cp.float32), out),
             Op.SILU: ops.activation("silu"),
             Op.GELU: ops.activation("gelu"),
+            Op.TANH: lambda n, x, out=None: ops._into(self.cp.tanh(x, dtype=self.cp.float32), out),
             Op.GLU: ops.glu,
             Op.RESHAPE: lambda n, x: x.reshape(n.params["new_shape"]),
             Op.SLICE: lambda n, x: self.cp.ascontiguousarray(x[..., n.params["start"]:n.params["stop"]]),  # raw kernels need dense

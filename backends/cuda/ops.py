@@ -186,6 +186,19 @@ def activation(act: str):
 
 # ---- rope and the KV cache ----
 
+_freqs: dict[tuple, "cp.ndarray"] = {}
+
+
+def _rope_freqs(p):
+    """Scaled RoPE's per-dimension frequencies on the device, uploaded once per tuple."""
+    f = p.get("freqs")
+    if f is None:
+        return _dummy(cp.float64)
+    if f not in _freqs:
+        _freqs[f] = cp.asarray(np.array(f, np.float64))
+    return _freqs[f]
+
+
 def _rope_launch(node, x, pos, y, slots=None):
     p = node.params
     n_tokens, n_heads, head_dim = x.shape
@@ -194,7 +207,7 @@ def _rope_launch(node, x, pos, y, slots=None):
         (_cdiv(total, 256),), (256,),
         (x, _i(pos), _dummy(cp.int32) if slots is None else _i(slots), y, i32(n_tokens), i32(n_heads),
          i32(head_dim), i32(p["n_rot"]), np.float64(p["base"]), np.float64(p["freq_scale"]), i32(bool(p["neox"])),
-         i32(slots is not None)))
+         i32(slots is not None), _rope_freqs(p), i32(p.get("freqs") is not None), np.float64(p.get("mscale", 1.0))))
 
 
 def rope(node, x, pos, out=None):
