@@ -4,7 +4,7 @@ the tokenizer and the chat template. What the engine needs is `build_graph`, `we
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -32,6 +32,7 @@ class Model:
     tokenizer: Tokenizer
     chat_template: str | None
     n_vocab: int
+    _views: dict = field(default_factory=dict, repr=False)
 
     @property
     def metadata(self) -> dict[str, Any]:
@@ -48,16 +49,24 @@ class Model:
     def build_graph(self, shape: BatchShape) -> Graph:
         g = Graph()
 
-        def w(name: str, fallback: str | None = None, optional: bool = False):
+        def w(name: str, fallback: str | None = None, optional: bool = False, rows: tuple[int, int] | None = None):
             qw = self.weights.get(name) or (self.weights.get(fallback) if fallback else None)
             if qw is None:
                 if optional:
                     return None
                 raise ModelLoadError(f"{self.path}: tensor {name!r} is missing ({self.arch_name} architecture)")
-            return g.weight(qw)
+            return g.weight(qw if rows is None else self._rows(qw, *rows))
 
         self.arch.build(self.config, g, w, shape)
         return g
+
+    def _rows(self, qw: QWeight, start: int, stop: int) -> QWeight:
+        """Rows start..stop of a weight, a view of the file made once (Phi-3's gate and up halves
+        of ffn_up): the fusion rules then see two projections, as for any gated FFN."""
+        key = f"{qw.name}[{start}:{stop}]"
+        if key not in self._views:
+            self._views[key] = QWeight(key, qw.ggml_type, (stop - start, *qw.shape[1:]), qw.raw[start:stop])
+        return self._views[key]
 
     def set_context(self, n_ctx: int) -> None:
         """The context each sequence may reach: LongRoPE picks its factors by it."""

@@ -48,3 +48,27 @@ async def test_matches_llama_cpp(tmp_path, monkeypatch, variant, backend):
             if why:
                 failures.append(f"prompt {i}: {why}")
     assert not failures, "\n".join(failures)
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_fusion_rules_fire(tmp_path, variant):
+    """The fused graph of every architecture: flash attention (but under Gemma 2's logit
+    soft-capping), K's RoPE into the cache, and the gated FFN as one op (Phi-3's halves of
+    ffn_up included)."""
+    from hearthlm.model_zoo.model import load_model
+    from hearthlm.runtime import fusion
+    from hearthlm.runtime.batch import BatchShape
+    from hearthlm.runtime.graph import Op
+
+    m = load_model(write(tmp_path / "m.gguf", variant))
+    try:
+        g = fusion.fuse(m.build_graph(BatchShape(n_tokens=8, n_seqs=1, max_blocks=4, n_out=1, n_slots=64,
+                                                 block_size=16)))
+        ops = [n.op for n in g.nodes]
+        n = m.config.n_layer
+        assert ops.count(Op.ROPE_SET_ROWS) == n
+        assert ops.count(Op.ATTN) == (0 if m.arch_name == "gemma2" else n)
+        if not getattr(m.config, "n_expert", 0):
+            assert ops.count(Op.FFN_GLU) == n and Op.GLU not in ops
+    finally:
+        m.close()

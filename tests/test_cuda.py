@@ -299,6 +299,7 @@ def _unary(kind):
             "scale": lambda: g.scale(x, 0.3, "s"),
             "silu": lambda: g.silu(x, "s"),
             "gelu": lambda: g.gelu(x, "s"),
+            "tanh": lambda: g.tanh(x, "t"),
             "swiglu": lambda: g.glu(x, r, "silu", "s"),
             "geglu": lambda: g.glu(x, g.scale(x, 2.0, "x2"), "gelu", "s"),
             "reshape": lambda: g.reshape(x, (5, 3, 32), "r"),
@@ -308,7 +309,7 @@ def _unary(kind):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", ["rms_norm", "rms_norm_mul", "rms_norm_mul_add", "rms_norm_heads", "mul", "add",
-                                  "add_n", "scale", "silu", "gelu", "swiglu", "geglu", "reshape"])
+                                  "add_n", "scale", "silu", "gelu", "tanh", "swiglu", "geglu", "reshape"])
 def test_elementwise_and_norm(cuda, kind):
     # float32 expf/tanhf on the GPU vs numpy's differ by an ulp or two: NMSE ~1e-14, far under 1e-7
     feed = {"x": f32(5, 96) * 3, "w": f32(96), "r": f32(5, 96), "w32": f32(32)}

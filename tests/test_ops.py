@@ -71,6 +71,7 @@ def _unary(kind):
             "scale": lambda: g.scale(x, 0.3, "s"),
             "silu": lambda: g.silu(x, "s"),
             "gelu": lambda: g.gelu(x, "s"),
+            "tanh": lambda: g.tanh(x, "t"),
             "swiglu": lambda: g.glu(x, x, "silu", "s"),
             "geglu": lambda: g.glu(x, g.scale(x, 2.0, "x2"), "gelu", "s"),
             "reshape": lambda: g.reshape(x, (5, 3, 32), "r"),
@@ -78,7 +79,7 @@ def _unary(kind):
     return build
 
 
-@pytest.mark.parametrize("kind", ["rms_norm", "rms_norm_mul", "mul", "add", "scale", "silu", "gelu",
+@pytest.mark.parametrize("kind", ["rms_norm", "rms_norm_mul", "mul", "add", "scale", "silu", "gelu", "tanh",
                                   "swiglu", "geglu", "reshape"])
 def test_elementwise_and_norm(kind):
     feed = {"x": rng.standard_normal((5, 96)).astype(np.float32) * 3,

@@ -14,6 +14,7 @@ ARCHITECTURES = {  # general.architecture -> module
     "llama": "llama",
     "gemma2": "gemma2",
     "gemma3": "gemma3",
+    "phi3": "phi3",
     "qwen2": "qwen2",
     "qwen3": "qwen3",
 }

@@ -30,6 +30,10 @@ VARIANTS = {  # name -> (architecture, extra metadata, extra F32 tensors by name
     "llama-rope-yarn": ("llama", {"rope.scaling.type": "yarn", "rope.scaling.factor": 4.0,
                                   "rope.scaling.original_context_length": 64}, {}),
     "llama-rope-linear": ("llama", {"rope.scaling.type": "linear", "rope.scaling.factor": 2.0}, {}),
+    # LongRoPE: the context (256) is past the original one, so the long factors apply
+    "phi3-longrope": ("phi3", {"rope.scaling.original_context_length": 128, "rope.scaling.attn_factor": 1.19},
+                      {"rope_factors_long.weight": np.array([1.0, 1.5, 2.5, 4.0, 7.0, 11.0, 16.0, 23.0]),
+                       "rope_factors_short.weight": np.array([1.0, 1.0, 1.1, 1.2, 1.4, 1.6, 2.0, 2.4])}),
 }
 
 
