@@ -116,6 +116,18 @@ def kqv(probs, v, tok_seq):
     return np.einsum("thk,tkhd->thd", probs.astype(np.float64), vt).astype(np.float32)
 
 
+def top_k(x, k):
+    """Indices of the k largest per row, largest first (ties: lower index first)."""
+    return np.argsort(-x.astype(np.float64), axis=-1, kind="stable")[:, :k].astype(np.int32)
+
+
+def mul_mat_id(w, x, ids):
+    """w (E, rows, cols), x (n, cols) or (n, k, cols), ids (n, k) -> (n, k, rows)."""
+    n, k = ids.shape
+    xs = np.broadcast_to(x.reshape(n, -1, x.shape[-1]), (n, k, x.shape[-1])).astype(np.float64)
+    return np.einsum("tkc,tkrc->tkr", xs, w[ids].astype(np.float64)).astype(np.float32)
+
+
 def _set_rows(node, cache, src, slots):
     cache[slots] = src.reshape(len(slots), *cache.shape[1:])
     return cache
@@ -159,6 +171,11 @@ class ReferenceBackend:
             Op.SOFT_MAX: lambda n, x: soft_max(x),
             Op.KQV: lambda n, p, v, seq: kqv(p, v, seq),
             Op.ADD_N: lambda n, *xs: sum(xs[1:], xs[0]).astype(np.float32),
+            Op.TOP_K: lambda n, x: top_k(x, n.params["k"]),
+            Op.TAKE: lambda n, x, ids: np.take_along_axis(x, ids.astype(np.int64), axis=-1).astype(np.float32),
+            Op.SUM_ROWS: lambda n, x: x.astype(np.float64).sum(axis=-1, keepdims=True).astype(np.float32),
+            Op.DIV: lambda n, a, b: (a / b).astype(np.float32),
+            Op.MUL_MAT_ID: lambda n, w, x, ids: mul_mat_id(w, x, ids),
             # fused: each rounds where its unfused chain rounds, so fused == unfused here
             Op.RMS_NORM_MUL_ADD: lambda n, x, w, r: (rms_norm(x, n.params["eps"]) * w).astype(np.float32) + r,
             Op.FFN_GLU: lambda n, wg, wu, x: _act(n, _mm(wg, x)) * _mm(wu, x),

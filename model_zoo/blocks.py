@@ -116,3 +116,27 @@ def build_output(g: Graph, x: Tensor, inp: Inputs, *, norm: Tensor, output: Tens
                          "result_softcapped")
     g.outputs.append(logits)
     return logits
+
+
+def build_moe_ffn(g: Graph, x: Tensor, *, il: int, gate_inp: Tensor, up_exps: Tensor, gate_exps: Tensor,
+                  down_exps: Tensor, n_expert_used: int, norm_w: bool = True) -> Tensor:
+    """Mixture of experts as llama.cpp's build_moe_ffn (softmax gating, SwiGLU experts): the
+    router's softmax, the top n_expert_used experts per token weighted by their probabilities
+    (renormalized over the chosen ones with norm_w), their outputs summed."""
+    n_tokens, n_embd = x.shape
+    probs = g.soft_max(g.mul_mat(gate_inp, x, "ffn_moe_logits", il), "ffn_moe_probs", il)  # (n_tokens, n_expert)
+    ids = g.top_k(probs, n_expert_used, "ffn_moe_topk", il)  # (n_tokens, k)
+    w = g.take(probs, ids, "ffn_moe_weights", il)  # (n_tokens, k)
+    if norm_w:  # a softmax's top-k sum is >= k / n_expert: llama.cpp's clamp of the sum never binds
+        w = g.div(w, g.sum_rows(w, "ffn_moe_weights_sum", il), "ffn_moe_weights_norm", il)
+    up = g.mul_mat_id(up_exps, x, ids, "ffn_moe_up", il)  # (n_tokens, k, n_ff_exp)
+    gate = g.mul_mat_id(gate_exps, x, ids, "ffn_moe_gate", il)
+    act = g.glu(gate, up, "silu", "ffn_moe_swiglu", il)
+    experts = g.mul_mat_id(down_exps, act, ids, "ffn_moe_down", il)  # (n_tokens, k, n_embd)
+    experts = g.mul(experts, g.reshape(w, (n_tokens, n_expert_used, 1), "ffn_moe_weights_3d", il),
+                    "ffn_moe_weighted", il)
+    flat = g.reshape(experts, (n_tokens, n_expert_used * n_embd), "ffn_moe_flat", il)
+    out = g.slice(flat, 0, n_embd, "ffn_moe_exp_0", il)
+    for i in range(1, n_expert_used):  # views, then adds (fusion makes one add_n)
+        out = g.add(out, g.slice(flat, i * n_embd, (i + 1) * n_embd, f"ffn_moe_exp_{i}", il), "ffn_moe_out", il)
+    return out

@@ -34,6 +34,12 @@ class Op(enum.Enum):
     SOFT_MAX = "soft_max"    # (x,) over the last axis
     KQV = "kqv"              # (probs (n_tokens, n_head, n_kv), v (n_seqs, n_kv, h_kv, dv), tok_seq) -> (n_tokens, n_head, dv)
     ADD_N = "add_n"          # (a, b, c, ...) -> their sum, one pass
+    # mixture of experts (llama.cpp's build_moe_ffn)
+    TOP_K = "top_k"          # (x (n, E),) -> (n, k) int32: indices of the k largest, largest first; params: k
+    TAKE = "take"            # (x (n, E), ids (n, k)) -> (n, k): x[i, ids[i, j]]
+    SUM_ROWS = "sum_rows"    # (x (..., n),) -> (..., 1)
+    DIV = "div"              # (a, b) broadcast
+    MUL_MAT_ID = "mul_mat_id"  # (w (E, rows, cols), x (n, cols) or (n, k, cols), ids (n, k)) -> (n, k, rows): x @ w[ids].T (ggml's MUL_MAT_ID)
     # fused ops (runtime.fusion rewrites into these)
     ATTN = "attn"            # (q, k_cache, v_cache, tok_seq, tok_pos, block_table) -> (n_tokens, n_head*head_dim)
     RMS_NORM_MUL = "rms_norm_mul"  # (x, w) = rms_norm(x) * w
@@ -169,6 +175,26 @@ class Graph:
     def kqv(self, probs: Tensor, v: Tensor, tok_seq: Tensor, name: str, il: int = -1) -> Tensor:
         assert probs.shape[2] == v.shape[1], f"{name}: {probs.shape} vs {v.shape}"
         return self._add(Op.KQV, (probs, v, tok_seq), (probs.shape[0], probs.shape[1], v.shape[3]), name, il)
+
+    def top_k(self, x: Tensor, k: int, name: str, il: int = -1) -> Tensor:
+        assert len(x.shape) == 2 and 0 < k <= x.shape[1]
+        return self._add(Op.TOP_K, (x,), (x.shape[0], k), name, il, dtype=I32, k=int(k))
+
+    def take(self, x: Tensor, ids: Tensor, name: str, il: int = -1) -> Tensor:
+        assert len(x.shape) == 2 and ids.shape[0] == x.shape[0]
+        return self._add(Op.TAKE, (x, ids), ids.shape, name, il)
+
+    def sum_rows(self, x: Tensor, name: str, il: int = -1) -> Tensor:
+        return self._add(Op.SUM_ROWS, (x,), (*x.shape[:-1], 1), name, il)
+
+    def div(self, a: Tensor, b: Tensor, name: str, il: int = -1) -> Tensor:
+        return self._add(Op.DIV, (a, b), np.broadcast_shapes(a.shape, b.shape), name, il)
+
+    def mul_mat_id(self, w: Tensor, x: Tensor, ids: Tensor, name: str, il: int = -1) -> Tensor:
+        """Each token's x through the experts ids[t] selects of the stacked weights w."""
+        n, k = ids.shape
+        assert len(w.shape) == 3 and x.shape[-1] == w.shape[2] and x.shape[0] == n and x.shape[1:-1] in ((), (k,))
+        return self._add(Op.MUL_MAT_ID, (w, x, ids), (n, k, w.shape[1]), name, il)
 
     def add_n(self, xs, name: str, il: int = -1) -> Tensor:
         return self._add(Op.ADD_N, tuple(xs), np.broadcast_shapes(*(x.shape for x in xs)), name, il)

@@ -416,3 +416,26 @@ def test_big_weight_goes_through_slabs(cuda, monkeypatch):
         g.outputs.append(g.mul_mat(g.weight(w), _in(g, "x", x.shape), "y"))
     ref, gpu = run_both(cuda, build, {"x": x})
     assert nmse(gpu, ref) < 5e-4
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("per_slot", [False, True])
+def test_moe_ops(cuda, per_slot):
+    """The router's ops and the expert matmul (Q8_0 experts) against the reference."""
+    from gguf import GGMLQuantizationType as T
+    from gguf import quants
+
+    from hearthlm.runtime.weights import QWeight
+    n_exp, rows, cols, n, k = 6, 24, 256, 5, 2
+    raw = quants.quantize(np.random.default_rng(1).standard_normal((n_exp * rows, cols)).astype(np.float32), T.Q8_0)
+    qw = QWeight("exps", int(T.Q8_0), (n_exp, rows, cols), raw.view(np.uint8).reshape(n_exp * rows, -1))
+    x = f32(n, k, cols) if per_slot else f32(n, cols)
+    logits = f32(n, n_exp)
+
+    def build(g):
+        ids = g.top_k(_in(g, "l", logits.shape), k, "ids")
+        w = g.take(_in(g, "l", logits.shape), ids, "w")
+        g.outputs += [g.mul_mat_id(g.weight(qw), _in(g, "x", x.shape), ids, "y"),
+                      g.div(w, g.sum_rows(w, "s"), "wn")]
+    ref, gpu = run_both(cuda, build, {"x": x, "l": logits})
+    assert nmse(gpu, ref) < 5e-4

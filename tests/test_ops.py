@@ -151,3 +151,57 @@ def test_kv_write_and_attention_paged(window):
         p = np.exp(s - s.max(1, keepdims=True)); p /= p.sum(1, keepdims=True)
         want = np.einsum("hk,khd->hd", p, np.repeat(v, 2, axis=1)).reshape(-1)
         assert nmse(ref[5], want) < 1e-10
+
+
+def test_moe_routing_ops():
+    """top_k (largest first), take, sum_rows and div: the router's part of a MoE FFN."""
+    x = rng.standard_normal((7, 16)).astype(np.float32)
+
+    def build(g):
+        xi = g.input("x", x.shape, np.float32)
+        ids = g.top_k(xi, 3, "ids")
+        w = g.take(xi, ids, "w")
+        g.outputs += [ids, g.div(w, g.sum_rows(w, "s"), "wn")]
+    outs = []
+    for be in (ReferenceBackend(), CPUBackend()):
+        g = Graph()
+        build(g)
+        outs.append(execute(g, WeightStore(be), {"x": x}, None))
+    (ref_ids, ref_w), (cpu_ids, cpu_w) = outs
+    assert np.array_equal(ref_ids, cpu_ids) and np.array_equal(ref_ids, np.argsort(-x, axis=1)[:, :3])
+    assert nmse(cpu_w, ref_w) < 1e-7 and np.allclose(ref_w.sum(1), 1.0)
+
+
+@pytest.mark.parametrize("qtype", [T.F32, T.Q8_0, T.Q5_0])
+@pytest.mark.parametrize("per_slot", [False, True])
+def test_mul_mat_id(qtype, per_slot):
+    """Expert matmul: x (n, cols) or (n, k, cols) through the experts ids selects."""
+    n_exp, rows, cols, n, k = 6, 24, 256, 5, 2
+    w = rng.standard_normal((n_exp, rows, cols)).astype(np.float32)
+    raw = w.reshape(n_exp * rows, cols)
+    qw = qweight("exps", raw, qtype)
+    qw = QWeight("exps", qw.ggml_type, (n_exp, rows, cols), qw.raw)
+    x = rng.standard_normal((n, k, cols) if per_slot else (n, cols)).astype(np.float32)
+    ids = np.array([[0, 3], [3, 5], [5, 0], [3, 0], [5, 3]], np.int32)  # experts 1, 2, 4 unused
+
+    def build(g):
+        g.outputs.append(g.mul_mat_id(g.weight(qw), g.input("x", x.shape, np.float32), g.input("ids", ids.shape),
+                                      "y"))
+    ref, cpu = run_both(build, {"x": x, "ids": ids})
+    assert ref.shape == (n, k, rows) and nmse(cpu, ref) < 5e-4
+    xs = x if per_slot else np.repeat(x[:, None], k, axis=1)
+    assert nmse(ref, np.einsum("tkc,tkrc->tkr", xs, w[ids])) < (1e-10 if qtype == T.F32 else 5e-3)
+
+
+def test_mul_mat_id_reads_only_selected_experts():
+    from hearthlm.backends.cpu.backend import Experts
+    from hearthlm.backends.cpu.qtypes import pack_weight
+    w = rng.standard_normal((3, 8, 32)).astype(np.float32)
+    used = {e: pack_weight(int(T.F32), w[e].view(np.uint8), (8, 32)) for e in (0, 2)}
+    experts = Experts(used.get(e) for e in range(3))  # expert 1 absent: reading it would fail
+    g = Graph()
+    node = g.mul_mat_id(g.weight(QWeight("e", int(T.F32), (3, 8, 32), np.zeros((24, 128), np.uint8))),
+                        g.input("x", (2, 32), np.float32), g.input("ids", (2, 1)), "y")
+    x, ids = rng.standard_normal((2, 32)).astype(np.float32), np.array([[2], [0]], np.int32)
+    y = CPUBackend().kernels[node.op](node, experts, x, ids)
+    assert np.allclose(y[:, 0], np.stack([x[0] @ w[2].T, x[1] @ w[0].T]), atol=1e-4)

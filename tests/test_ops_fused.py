@@ -72,6 +72,19 @@ def test_add_n():
     assert nmse(cpu, ref) < 1e-7 and nmse(ref, xs[0] + xs[1] + xs[2]) < 1e-12
 
 
+@pytest.mark.parametrize("into", [0, 2])
+def test_add_n_into_any_source(into):
+    """The planner may give add_n any source's buffer (memory.INPLACE): the sum stays right."""
+    from hearthlm.backends.cpu.backend import CPUBackend
+    from hearthlm.runtime.graph import Graph, Op
+    xs = [f32(3, 40) for _ in range(3)]
+    want = xs[0] + xs[1] + xs[2]
+    g = Graph()
+    node = g.add_n([_i(g, f"x{i}", (3, 40)) for i in range(3)], "s")
+    got = CPUBackend().kernels[Op.ADD_N](node, *xs, out=xs[into])
+    assert np.allclose(got, want, atol=1e-6)
+
+
 def test_rms_norm_mul_add():
     x, w, r = f32(5, 96) * 3, f32(96), f32(5, 96)
 

@@ -68,10 +68,19 @@ class CUDABackend:
             Op.KQ_MASK: ops.kq_mask,
             Op.SOFT_MAX: ops.soft_max,
             Op.KQV: ops.kqv,
+            Op.TOP_K: ops.top_k,
+            Op.TAKE: lambda n, x, ids, out=None: ops._into(self.cp.take_along_axis(x, ids.astype(self.cp.int64), -1), out),
+            Op.SUM_ROWS: lambda n, x, out=None: ops._into(self.cp.sum(x, axis=-1, keepdims=True, dtype=self.cp.float32), out),
+            Op.DIV: lambda n, a, b, out=None: ops._into(self.cp.divide(a, b, dtype=self.cp.float32), out),
+            Op.MUL_MAT_ID: ops.mul_mat_id,
         }
 
     def prepare_weight(self, w: QWeight) -> Any:
         from hearthlm.backends.cuda.weights import upload
+        if len(w.shape) == 3:  # stacked experts: one device weight each
+            n_exp, rows = w.shape[0], w.shape[1]
+            return tuple(upload(self.cp, QWeight(f"{w.name}#{e}", w.ggml_type, w.shape[1:],
+                                                 w.raw[e * rows:(e + 1) * rows])) for e in range(n_exp))
         return upload(self.cp, w)
 
     def supports(self, node: Tensor) -> bool:

@@ -288,3 +288,25 @@ def add_n(node, *xs, out=None):
     for x in xs[2:]:
         y += x
     return _into(y, out)
+
+
+# ---- mixture of experts ----
+
+def top_k(node, x, out=None):
+    k = node.params["k"]
+    return _into(cp.argsort(-_f(x), axis=-1)[:, :k].astype(cp.int32), out)
+
+
+def mul_mat_id(node, experts, x, ids, out=None):
+    """Tokens grouped per expert on the host (the ids are a few ints): each selected expert's
+    weight runs once over its rows; unselected experts are not read."""
+    n, k = ids.shape
+    x3 = _f(x).reshape(n, -1, x.shape[-1])
+    y = cp.empty((n, k, experts[0].shape[0]), cp.float32)
+    flat = cp.asnumpy(ids).reshape(-1)
+    order = np.argsort(flat, kind="stable")
+    for e in np.unique(flat):
+        rows = order[flat[order] == e]
+        t, j = cp.asarray(rows // k), cp.asarray(rows % k)
+        y[t, j] = matmul2(experts[int(e)], cp.ascontiguousarray(x3[t, 0] if x3.shape[1] == 1 else x3[t, j]))
+    return _into(y, out)

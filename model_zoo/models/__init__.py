@@ -17,6 +17,7 @@ ARCHITECTURES = {  # general.architecture -> module
     "phi3": "phi3",
     "qwen2": "qwen2",
     "qwen3": "qwen3",
+    "qwen3moe": "qwen3moe",
 }
 
 
