@@ -5,6 +5,7 @@ they are, F32 weights scaled so the next-token distribution is peaked. Variants 
 a model family carries on top (RoPE scaling kinds)."""
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import gguf
@@ -71,12 +72,17 @@ class _Seen(dict):
         return super().__contains__(k)
 
 
-def write(path: Path, variant: str, seed: int = 0) -> Path:
+def write(path: Path, variant: str, seed: int = 0, *, defects: dict | None = None) -> Path:
+    """`defects` (bad-input tests): {"metadata": {key: value} written over what the
+    architecture reads, "drop": tensor name, "shape": {tensor name: shape}}."""
     arch, extra_md, extra_t = VARIANTS[variant]
+    d = defects or {}
     rng = np.random.default_rng(seed)
     md = _Seen({f"{arch}.{k}": v for k, v in {**HPARAMS, **extra_md}.items()})
     mod = get_architecture(arch)
     cfg = mod.Config.from_gguf(md, arch)
+    md.update({f"{arch}.{k}": v for k, v in d.get("metadata", {}).items()})
+    md.seen |= {f"{arch}.{k}" for k in d.get("metadata", {})}
     w = gguf.GGUFWriter(str(path), arch)
     for k, v in md.items():
         if k in md.seen:  # only the keys the architecture reads (an expert count would make llama MoE)
@@ -84,6 +90,9 @@ def write(path: Path, variant: str, seed: int = 0) -> Path:
     _vocab(w)
     specs = mod.tensors(cfg, N_VOCAB)
     for s in specs:
+        if s.name == d.get("drop"):
+            continue
+        s = dataclasses.replace(s, shape=tuple(d.get("shape", {}).get(s.name, s.shape)))
         if s.name in extra_t:
             data = np.asarray(extra_t[s.name], np.float32).reshape(s.shape)
         elif s.optional and not s.name.endswith((".bias", "output.weight")):
