@@ -72,3 +72,17 @@ def test_fusion_rules_fire(tmp_path, variant):
             assert ops.count(Op.FFN_GLU) == n and Op.GLU not in ops
     finally:
         m.close()
+
+
+async def test_an_alias_reads_its_own_keys(tmp_path, monkeypatch):
+    """A second name for the llama module (one registry line): its file's keys are under its
+    own prefix, and it computes what llama computes."""
+    from hearthlm.model_zoo import models as registry
+    monkeypatch.setitem(registry.ARCHITECTURES, "llama-alias", "llama")
+    monkeypatch.setitem(VARIANTS, "llama-alias", ("llama-alias", {}, {}))
+    path = write(tmp_path / "alias.gguf", "llama-alias")
+    case = RECORDED["llama"][0]
+    async with Session.open(str(path), backend="cpu", n_ctx=256) as s:
+        assert s.model.arch_name == "llama-alias" and "llama-alias.block_count" in s.model.metadata
+        c = await s.generate(case["prompt_ids"], max_tokens=len(case["greedy_ids"]), temperature=0)
+    assert c.token_ids == case["greedy_ids"]
