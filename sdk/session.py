@@ -87,6 +87,7 @@ class Session:
         try:  # the layers over the backends, once their count is known
             placement = offload(backends, m.config.n_layer, n_gpu_layers)
             n_ctx = min(n_ctx, m.config.n_ctx_train)
+            m.set_context(n_ctx)
             kv_tokens = kv_cache_tokens or 4 * n_ctx
             engine = Engine(m, placement, n_ctx=n_ctx, kv_blocks=math.ceil(kv_tokens / 16), **engine_opts)
         except BaseException:

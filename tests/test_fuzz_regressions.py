@@ -35,6 +35,29 @@ def token_types(overrides: dict[int, int]) -> tuple[int, tuple]:
     return ARRAY, (etype, [overrides.get(i, t) for i, t in enumerate(types)])
 
 
+class Hang(BaseException):
+    """Not an Exception: an `except Exception` in the code under test must not turn it into an error."""
+
+
+@contextmanager
+def wall_limit(seconds: float):
+    """A hang fails the test instead of the suite."""
+    def stop(signum, frame):
+        raise Hang(f"still running after {seconds} s")
+    old = signal.signal(signal.SIGALRM, stop)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+
+
+def _status_mb(field: str) -> float:
+    line = next(x for x in Path("/proc/self/status").read_text().splitlines() if x.startswith(field + ":"))
+    return int(line.split()[1]) / 1024
+
+
 # --- tokenizer.py ------------------------------------------------------------------------
 
 def test_byte_typed_token_with_other_text_decodes_as_its_text(tmp_path):
@@ -99,25 +122,19 @@ def test_chat_template_of_the_wrong_type(tmp_path, value):
         load_model(tiny_with(tmp_path, tokenizer__chat_template=value))
 
 
+@pytest.mark.parametrize("n_layer", [2**32, 244095056949372])
+def test_absurd_block_count(tmp_path, n_layer):
+    """gguf fuzz: a block_count far beyond the tensors in the file must fail fast, before
+    anything is built per layer (a list of specs for each of 2**32 layers hung, and grew
+    300 MB in its first 2 s)."""
+    Path("/proc/self/clear_refs").write_text("5")
+    before, start = _status_mb("VmRSS"), time.monotonic()
+    with wall_limit(5), pytest.raises(ModelLoadError):
+        load_model(tiny_with(tmp_path, llama__block_count=(10, n_layer)))
+    assert time.monotonic() - start < 2 and _status_mb("VmHWM") - before < 100
+
+
 # --- the template renderer (chat_template.py, template_limits.py) ----------------------------
-
-class Hang(BaseException):
-    """Not an Exception: the renderer's `except Exception` must not turn it into an error."""
-
-
-@contextmanager
-def wall_limit(seconds: float):
-    """A hang fails the test instead of the suite."""
-    def stop(signum, frame):
-        raise Hang(f"still rendering after {seconds} s")
-    old = signal.signal(signal.SIGALRM, stop)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, old)
-
 
 @pytest.mark.parametrize("template", [
     "{% for m in messages %}{% generation %}{% continue %}{% endgeneration %}{% endfor %}",
@@ -137,11 +154,6 @@ def test_lipsum_of_a_huge_count(call):
     not count, and its size was checked only on return: a hang."""
     with wall_limit(3), pytest.raises(InvalidRequestError):
         render_chat("{{ " + call + " }}", MESSAGES)
-
-
-def _status_mb(field: str) -> float:
-    line = next(x for x in Path("/proc/self/status").read_text().splitlines() if x.startswith(field + ":"))
-    return int(line.split()[1]) / 1024
 
 
 @pytest.mark.parametrize("expr", ["'%*d' % (300000000, 1)", "'{:{}}'.format('a', 300000000)",
