@@ -91,6 +91,8 @@ def load_model(path) -> Model:
         out = weights.get("output.weight") or weights.get("token_embd.weight")
         if out is None or len(out.shape) != 2:
             raise ModelLoadError(f"{path}: no 2-D output.weight or token_embd.weight tensor")
+        if config.n_layer > len(weights):  # every layer has tensors: refuse before a spec is built per layer
+            raise ModelLoadError(f"{path}: block_count {config.n_layer} is more than the {len(weights)} tensors in the file")
         check(arch.tensors(config, out.shape[0]), {n: q.shape for n, q in weights.items()}, path=str(path),
               arch=arch_name)
         try:
