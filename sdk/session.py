@@ -28,7 +28,7 @@ from hearthlm.types import Chunk, Completion
 MAX_MESSAGES = 10_000
 MAX_STOPS = 64            # stop strings per request
 MAX_STOP_CHARS = 1_000    # characters per stop string (each is searched for at every token)
-PROMPT_CHARS_PER_TOKEN = 64  # a prompt text longer than this many characters per context token cannot fit
+PROMPT_CHARS_PER_TOKEN = 32  # a prompt text longer than this many characters per context token cannot fit
 OFF_LOOP_CHARS = 4_096    # prompts longer than this are tokenized in a worker thread, not on the event loop
 
 
@@ -146,7 +146,8 @@ class Session:
             if chars > max_chars:
                 raise ContextLengthError(f"the messages hold {chars} characters: more than a context of "
                                          f"{self.n_ctx} tokens can take")
-            return encode_chat(tok, self.model.chat_template, messages, limits=self.template_limits)
+            return encode_chat(tok, self.model.chat_template, messages, limits=self.template_limits,
+                               max_chars=max_chars)
         if isinstance(prompt, str):
             if len(prompt) > max_chars:
                 raise ContextLengthError(f"the prompt has {len(prompt)} characters: more than a context of "
