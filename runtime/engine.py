@@ -311,7 +311,7 @@ class Engine:
             p = r.params
             try:
                 tok = sample(lg, p, r.rng, r.tokens)
-                tlp = top_logprobs(lg, p.top_logprobs) if p.top_logprobs else None
+                tlp = top_logprobs(lg, p.top_logprobs, tok) if p.top_logprobs else None
             except Exception as e:  # this request's sampling, not its neighbours'
                 self._finish(r, "error", HearthError(f"sampling failed: {type(e).__name__}: {e}"))
                 continue

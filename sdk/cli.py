@@ -1,5 +1,6 @@
 """Command line: `hearthlm generate "prompt"` streams text to stdout; `hearthlm bench`
-measures a model; `hearthlm graph` prints a step's compute graph. `python -m hearthlm` is the same."""
+measures a model; `hearthlm graph` prints a step's compute graph; `hearthlm serve` runs the
+OpenAI-compatible server. `python -m hearthlm` is the same."""
 from __future__ import annotations
 
 import argparse
@@ -49,10 +50,15 @@ def main(argv: list[str] | None = None) -> int:
     _add_model_args(gr)
     from hearthlm.graph_cmd import add_graph_args, run_graph
     add_graph_args(gr)
+    sv = sub.add_parser("serve", help="serve models over an OpenAI-compatible HTTP API (needs hearthlm[server])")
+    from hearthlm.serve.server import add_serve_args, run_serve
+    add_serve_args(sv)
     a = parser.parse_args(argv)
     try:
         if a.command == "generate":
             anyio.run(_generate, a)
+        elif a.command == "serve":
+            run_serve(a)
         elif a.command == "graph":
             run_graph(a)
         else:
