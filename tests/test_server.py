@@ -221,3 +221,18 @@ async def test_closed_session_is_503(tiny):
         finally:
             srv.should_exit = True
             await asyncio.wait_for(task, 30)
+
+
+def test_embeddings_endpoint(server, tiny):
+    c = client(server)
+    r = c.embeddings.create(model=tiny, input=["hello world", "a"])  # the client asks for base64
+    as_floats = c.embeddings.create(model=tiny, input=["hello world", "a"], encoding_format="float")
+    assert [d.index for d in r.data] == [0, 1] and len(r.data[0].embedding) == 64
+    for a, b in zip(r.data, as_floats.data):
+        assert abs(sum(x * x for x in a.embedding) - 1) < 1e-4
+        assert max(abs(x - y) for x, y in zip(a.embedding, b.embedding)) < 1e-6
+    assert r.usage.prompt_tokens == r.usage.total_tokens > 2
+    one = c.embeddings.create(model=tiny, input="hello world", encoding_format="float")
+    assert one.data[0].embedding == as_floats.data[0].embedding
+    with pytest.raises(openai.BadRequestError):
+        c.embeddings.create(model=tiny, input="x", dimensions=8)
