@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import hashlib
 import hmac
 import json
 from contextlib import AsyncExitStack, asynccontextmanager
@@ -97,13 +98,15 @@ def _make(host: Host, lifespan, api_key: str | None, max_body_bytes: int) -> Fas
     app.state.host = host
     metrics = Metrics(host)
     app.add_middleware(BodyLimit, limit=max_body_bytes)
+    key_digest = hashlib.sha256(api_key.encode()).digest() if api_key is not None else b""
 
     def check_key(request: Request) -> None:
         if api_key is None:
             return
         got = request.headers.get("authorization", "")
         token = got[7:] if got.lower().startswith("bearer ") else ""
-        if not hmac.compare_digest(token.encode(), api_key.encode()):  # constant time
+        # constant time, and over digests so that not even the key's length shows
+        if not hmac.compare_digest(hashlib.sha256(token.encode()).digest(), key_digest):
             raise APIError(401, "missing or wrong API key (Authorization: Bearer ...)", "invalid_api_key")
 
     def err(status: int, message: str, code: str | None = None) -> JSONResponse:
