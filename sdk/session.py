@@ -298,7 +298,7 @@ class Session:
                         break
                 text_out += new
                 if toks or new or done:
-                    yield Chunk(new, toks, reason, lps or None, len(ids) if done else None)
+                    yield Chunk(new, toks, reason, lps or None, prompt_tokens=len(ids) if done else None)
         finally:
             if not done:
                 self.engine.abort(req.id)

@@ -168,6 +168,8 @@ def _make(host: Host, lifespan, api_key: str | None, max_body_bytes: int) -> Fas
         if body.stream:
             def piece(c, first):
                 delta = {"role": "assistant", "content": c.text} if first else {"content": c.text}
+                if getattr(c, "tool_calls", None):  # from the structured-output layer, on the last chunk
+                    delta["tool_calls"] = [dict(index=i, **tc) for i, tc in enumerate(c.tool_calls)]
                 lp = {"content": logprob_entries(tok, c.token_ids, c.top_logprobs, k)} if body.logprobs else None
                 return dict(index=0, delta=delta, logprobs=lp, finish_reason=c.finish_reason)
             return await _sse(request, s.stream(messages=body.messages, **kw), "chat.completion.chunk",
