@@ -90,3 +90,12 @@ def test_offline_error_names_what_is_missing(tmp_path, model_bytes):
     assert r.returncode == 1 and "Traceback" not in r.stderr
     assert "owner/absent-GGUF" in r.stderr and "HF_HUB_OFFLINE" in r.stderr and "hearthlm pull" in r.stderr
     assert hub.log == []  # offline: not one request
+
+
+def test_offline_flag_read_in_a_fresh_interpreter():
+    """Issue 13's AttributeError: huggingface_hub 2.x loads `constants` lazily, so reading
+    huggingface_hub.constants without importing it failed whenever HF_HUB_OFFLINE was unset."""
+    env = {k: v for k, v in os.environ.items() if k != "HF_HUB_OFFLINE"}
+    code = "from hearthlm.model_zoo.resolve import _env_offline; print(_env_offline())"
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and r.stdout.strip() == "False", r.stderr
