@@ -158,7 +158,7 @@ def test_non_streamed_disconnect_aborts(server, tiny):
     """A client that gives up on a non-streamed request frees its KV blocks at once."""
     before = metrics(server)["hearthlm_generated_tokens_total"]
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(server + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"}, timeout=0.5,
+        httpx.post(server + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"}, timeout=0.2,
                    json=dict(model=tiny, prompt="go on", max_tokens=480, temperature=0))
     assert wait_for(lambda: metrics(server)["hearthlm_running_requests"] == 0, timeout=10)
     m = metrics(server)
