@@ -65,7 +65,7 @@ class Session:
         on the GPU and the rest on the CPU, as llama.cpp's -ngl. `template_limits` bounds the
         chat template's rendering (time, steps, sizes): it is untrusted data from the file.
         A Hub model not in the cache is downloaded first: `progress(filename, done_bytes,
-        total_bytes)` hears how far it got (default: a log line each 10%)."""
+        total_bytes)` hears how far it got (default: logged, its start as a warning)."""
         @asynccontextmanager
         async def _cm():
             s = await anyio.to_thread.run_sync(lambda: cls._load(
