@@ -167,6 +167,12 @@ def test_non_streamed_disconnect_aborts(server, tiny):
 
 
 def test_metrics_text(server, tiny):
+    from prometheus_client.parser import text_string_to_metric_families
+    client(server).completions.create(model=tiny, prompt="count me", max_tokens=2)
+    r = httpx.get(server + "/metrics")
+    assert r.headers["content-type"].startswith("text/plain")
+    kinds = {f.name: f.type for f in text_string_to_metric_families(r.text)}  # parses as Prometheus text
+    assert kinds["hearthlm_generated_tokens"] == "counter" and kinds["hearthlm_kv_blocks_used"] == "gauge"
     m = metrics(server)
     for name in ("hearthlm_generated_tokens_total", "hearthlm_time_to_first_token_seconds", "hearthlm_queue_depth",
                  "hearthlm_kv_blocks_used", "hearthlm_graph_cache_hits_total"):
