@@ -169,6 +169,7 @@ def test_non_streamed_disconnect_aborts(server, tiny):
 def test_metrics_text(server, tiny):
     from prometheus_client.parser import text_string_to_metric_families
     client(server).completions.create(model=tiny, prompt="count me", max_tokens=2)
+    assert httpx.get(server + "/v1/models/absent", headers={"Authorization": f"Bearer {KEY}"}).status_code == 404
     r = httpx.get(server + "/metrics")
     assert r.headers["content-type"].startswith("text/plain")
     kinds = {f.name: f.type for f in text_string_to_metric_families(r.text)}  # parses as Prometheus text
@@ -177,7 +178,7 @@ def test_metrics_text(server, tiny):
     for name in ("hearthlm_generated_tokens_total", "hearthlm_time_to_first_token_seconds", "hearthlm_queue_depth",
                  "hearthlm_kv_blocks_used", "hearthlm_graph_cache_hits_total"):
         assert name in m, name
-    assert m["hearthlm_generated_tokens_total"] > 0 and m["hearthlm_http_errors_total"] >= 0
+    assert m["hearthlm_generated_tokens_total"] > 0 and m["hearthlm_http_errors_total"] >= 1
 
 
 def test_queue_full_is_429(tiny):
