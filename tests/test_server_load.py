@@ -19,12 +19,12 @@ MAX_TOKENS, DROP_MAX_TOKENS = 24, 400  # the leavers ask for many: were they not
 
 def test_64_streams_with_disconnects(tmp_path):
     tiny = str(write_tiny(tmp_path / "tiny.gguf"))
-    with live_server(tiny, "--n-ctx", "512", "--max-seqs", "64") as url:
+    with live_server(f"tiny={tiny}", "--n-ctx", "512", "--max-seqs", "64") as url:
         async def client(i: int):
             c = openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=120)
             leaver = i % (N_CLIENTS // N_DROP) == 0 and i // (N_CLIENTS // N_DROP) < N_DROP
             stream = await c.chat.completions.create(
-                model=tiny, messages=[{"role": "user", "content": f"client {i} says hello"}], stream=True,
+                model="tiny", messages=[{"role": "user", "content": f"client {i} says hello"}], stream=True,
                 max_tokens=DROP_MAX_TOKENS if leaver else MAX_TOKENS, temperature=0)
             n, reason = 0, None
             async for ch in stream:
