@@ -107,7 +107,9 @@ def build_ffn(g: Graph, x: Tensor, *, il: int, gate: Tensor, up: Tensor, down: T
 def build_output(g: Graph, x: Tensor, inp: Inputs, *, norm: Tensor, output: Tensor, eps: float,
                  softcap: float = 0.0) -> Tensor:
     """Final norm and LM head on the output rows only (prefill tokens mostly need no logits);
-    `softcap`: logits = softcap * tanh(logits / softcap) (Gemma 2)."""
+    `softcap`: logits = softcap * tanh(logits / softcap) (Gemma 2). For steps with embedding
+    requests, every token's normed hidden state is a second output."""
+    hidden = x
     x = g.get_rows(x, inp.out_rows, "inp_out_ids")  # (n_out, n_embd)
     x = build_norm(g, x, norm, eps=eps, name="result_norm")
     logits = g.mul_mat(output, x, "result_output")  # (n_out, n_vocab)
@@ -115,6 +117,8 @@ def build_output(g: Graph, x: Tensor, inp: Inputs, *, norm: Tensor, output: Tens
         logits = g.scale(g.tanh(g.scale(logits, 1.0 / softcap, "result_scaled_1"), "result_tanh"), softcap,
                          "result_softcapped")
     g.outputs.append(logits)
+    if inp.shape.embd:  # second, after the logits
+        g.outputs.append(build_norm(g, hidden, norm, eps=eps, name="result_embd"))  # (n_tokens, n_embd)
     return logits
 
 

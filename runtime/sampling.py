@@ -63,11 +63,15 @@ def log_softmax(x: np.ndarray) -> np.ndarray:
     return x - (m + np.log(np.exp(x - m).sum()))
 
 
-def top_logprobs(logits: np.ndarray, k: int) -> list[tuple[int, float]]:
+def top_logprobs(logits: np.ndarray, k: int, sampled: int | None = None) -> list[tuple[int, float]]:
+    """The k most likely (id, logprob), then `sampled` when it is not among them (its logprob is
+    what OpenAI's `logprobs` reports, sampled or not)."""
     lp = log_softmax(logits)
     idx = np.argpartition(-lp, k - 1)[:k]
-    idx = idx[np.argsort(-lp[idx], kind="stable")]
-    return [(int(i), float(lp[i])) for i in idx]
+    idx = [int(i) for i in idx[np.argsort(-lp[idx], kind="stable")]]
+    if sampled is not None and sampled not in idx:
+        idx.append(sampled)
+    return [(i, float(lp[i])) for i in idx]
 
 
 def apply_penalties(logits: np.ndarray, p: SamplingParams, history: list[int]) -> np.ndarray:

@@ -1,5 +1,7 @@
 """Command line: `hearthlm generate "prompt"` streams text to stdout; `hearthlm bench`
-measures a model; `hearthlm graph` prints a step's compute graph. `python -m hearthlm` is the same."""
+measures a model; `hearthlm graph` prints a step's compute graph; `hearthlm serve` runs the
+OpenAI-compatible server; `hearthlm pull` and `hearthlm models` fetch and list model files.
+`python -m hearthlm` is the same."""
 from __future__ import annotations
 
 import argparse
@@ -49,10 +51,23 @@ def main(argv: list[str] | None = None) -> int:
     _add_model_args(gr)
     from hearthlm.graph_cmd import add_graph_args, run_graph
     add_graph_args(gr)
+    pl = sub.add_parser("pull", help="download a model from the Hugging Face Hub (resumes an interrupted one)")
+    from hearthlm.hub_cmd import add_pull_args, run_models, run_pull
+    add_pull_args(pl)
+    sub.add_parser("models", help="list the model-zoo names and the model files on disk")
+    sv = sub.add_parser("serve", help="serve models over an OpenAI-compatible HTTP API (needs hearthlm[server])")
+    from hearthlm.serve.server import add_serve_args, run_serve
+    add_serve_args(sv)
     a = parser.parse_args(argv)
     try:
         if a.command == "generate":
             anyio.run(_generate, a)
+        elif a.command == "pull":
+            run_pull(a)
+        elif a.command == "models":
+            run_models(a)
+        elif a.command == "serve":
+            run_serve(a)
         elif a.command == "graph":
             run_graph(a)
         else:

@@ -12,17 +12,22 @@ import numpy as np
 from hearthlm._wake import Channel, loop_waker
 from hearthlm.backends import get_backend
 from hearthlm.model_zoo.chat_template import encode_chat
+from hearthlm.model_zoo.hub import log_progress
 from hearthlm.model_zoo.template_limits import DEFAULT_LIMITS, TemplateLimits
 from hearthlm.model_zoo.model import Model, load_model
 from hearthlm.model_zoo.resolve import DEFAULT_MODEL, resolve_model
 from hearthlm.model_zoo.tokenizer import StreamDecoder
 from hearthlm.runtime.engine import Engine
-from hearthlm.runtime.errors import ContextLengthError, InvalidRequestError, RequestTimeoutError, SessionClosedError
+from hearthlm.runtime.log import get_logger
+from hearthlm.runtime.errors import (ContextLengthError, HearthError, InvalidRequestError, RequestTimeoutError,
+                                     SessionClosedError)
 from hearthlm.runtime.placement import offload, open_device
 from hearthlm.runtime.request import Request
 from hearthlm.runtime.sampling import SamplingParams
 from hearthlm.types import Chunk, Completion
 
+
+log = get_logger("hearthlm.session")
 
 # per-request limits, checked before any work (a request past them is refused, not truncated)
 MAX_MESSAGES = 10_000
@@ -30,6 +35,7 @@ MAX_STOPS = 64            # stop strings per request
 MAX_STOP_CHARS = 1_000    # characters per stop string (each is searched for at every token)
 PROMPT_CHARS_PER_TOKEN = 32  # a prompt text longer than this many characters per context token cannot fit
 OFF_LOOP_CHARS = 4_096    # prompts longer than this are tokenized in a worker thread, not on the event loop
+POOLINGS = {1: "mean", 2: "cls", 3: "last"}  # GGUF {arch}.pooling_type; 0 (none) or absent: mean
 
 
 class Session:
@@ -48,7 +54,7 @@ class Session:
              filename: str | None = None, kv_cache_tokens: int | None = None,
              max_batch_tokens: int = 512, max_seqs: int = 64, max_queued_requests: int = 1024,
              abort_on_close: bool = True, fusion: bool | None = None,
-             template_limits: TemplateLimits = DEFAULT_LIMITS):
+             template_limits: TemplateLimits = DEFAULT_LIMITS, progress=None):
         """Async context manager yielding a ready Session. `model`: a .gguf path, a Hub repo
         id (`filename` picks the file, a glob), or a model-zoo name. Leaving it aborts the
         requests still running (their callers get SessionClosedError), or with
@@ -57,14 +63,16 @@ class Session:
         ("cpu", "reference", "cuda"); `device` ("cpu", "cuda", "auto": cuda where a GPU answers)
         with `n_gpu_layers` (None: all) puts the last n_gpu_layers layers and the output head
         on the GPU and the rest on the CPU, as llama.cpp's -ngl. `template_limits` bounds the
-        chat template's rendering (time, steps, sizes): it is untrusted data from the file."""
+        chat template's rendering (time, steps, sizes): it is untrusted data from the file.
+        A Hub model not in the cache is downloaded first: `progress(filename, done_bytes,
+        total_bytes)` hears how far it got (default: logged, its start as a warning)."""
         @asynccontextmanager
         async def _cm():
             s = await anyio.to_thread.run_sync(lambda: cls._load(
                 model, backend=backend, device=device, n_gpu_layers=n_gpu_layers, n_ctx=n_ctx,
                 filename=filename, kv_cache_tokens=kv_cache_tokens,
                 max_batch_tokens=max_batch_tokens, max_seqs=max_seqs, max_queued_requests=max_queued_requests,
-                fusion=fusion))
+                fusion=fusion, progress=progress))
             s.template_limits = template_limits
             try:
                 yield s
@@ -74,7 +82,7 @@ class Session:
 
     @classmethod
     def _load(cls, model: str, *, backend: str, device: str | None, n_gpu_layers: int | None, n_ctx: int,
-              filename, kv_cache_tokens, **engine_opts) -> "Session":
+              filename, kv_cache_tokens, progress=None, **engine_opts) -> "Session":
         if isinstance(n_ctx, bool) or not isinstance(n_ctx, int) or n_ctx < 2:
             raise InvalidRequestError(f"n_ctx must be an int >= 2, got {n_ctx!r}")
         if device is not None and backend != "cpu":
@@ -83,7 +91,7 @@ class Session:
             raise InvalidRequestError("n_gpu_layers needs device='cuda' or 'auto'")
         backends = ({backend: get_backend(backend)} if device is None
                     else open_device(device, n_gpu_layers, get_backend))
-        m = load_model(resolve_model(model, filename=filename))
+        m = load_model(resolve_model(model, filename=filename, progress=progress or log_progress(log)))
         try:  # the layers over the backends, once their count is known
             placement = offload(backends, m.config.n_layer, n_gpu_layers)
             n_ctx = min(n_ctx, m.config.n_ctx_train)
@@ -157,6 +165,61 @@ class Session:
                 or any(isinstance(t, bool) or not isinstance(t, (int, np.integer)) for t in prompt):
             raise InvalidRequestError("prompt must be a string or a list of int token ids")
         return [int(t) for t in prompt]
+
+    # ---- embeddings ------------------------------------------------------------------
+    async def embed(self, texts: str | Sequence[str] | Sequence[Sequence[int]], *, normalize: bool = True,
+                    pooling: str | None = None) -> np.ndarray:
+        """Embeddings, float32 (len(texts), n_embd): each text (or list of token ids) runs
+        through the engine, batched with whatever else runs, and its final normed hidden
+        states are pooled ("mean", "cls": the first token, "last"; default: the GGUF's
+        pooling_type, else mean), then L2-normalized unless normalize=False. No KV is kept."""
+        if self._closed:
+            raise SessionClosedError("the session is closed")
+        pooling = pooling or self.default_pooling()
+        if pooling not in POOLINGS.values():
+            raise InvalidRequestError(f"pooling must be one of {sorted(POOLINGS.values())}, got {pooling!r}")
+        texts = [texts] if isinstance(texts, str) else list(texts)
+        if not texts:
+            raise InvalidRequestError("no texts to embed")
+        ids = [await self._prompt_ids_off_loop(t, None) for t in texts]
+        chan = Channel(loop_waker())
+        reqs = [Request(prompt=p, params=SamplingParams(), max_tokens=0, on_token=_no_token, pooling=pooling,
+                        on_finish=lambda reason, err, i=i: chan.put((i, reason, err))) for i, p in enumerate(ids)]
+        pending: set[int] = set()
+        window = self.engine.max_seqs  # submitted a batch at a time: a long list does not fill the queue
+        try:
+            for i, req in enumerate(reqs):
+                while len(pending) >= window:
+                    self._embed_done(await chan.get_all(), pending)
+                self.engine.submit(req)
+                pending.add(i)
+            while pending:
+                self._embed_done(await chan.get_all(), pending)
+        finally:
+            for i in pending:
+                self.engine.abort(reqs[i].id)
+        out = np.stack([r.pooled for r in reqs]).astype(np.float32)
+        if normalize:
+            out /= np.maximum(np.linalg.norm(out, axis=1, keepdims=True), 1e-12)
+        return out
+
+    def default_pooling(self) -> str:
+        """The pooling the GGUF names ({arch}.pooling_type), mean where it names none."""
+        kind = self.model.metadata.get(f"{self.model.arch_name}.pooling_type") or 0
+        if kind and kind not in POOLINGS:
+            raise InvalidRequestError(f"the model's pooling_type {kind} (e.g. rank, for rerankers) is not supported")
+        return POOLINGS.get(kind, "mean")
+
+    @staticmethod
+    def _embed_done(items, pending: set[int]) -> None:
+        for i, reason, err in items:
+            pending.discard(i)
+            if err is not None:
+                raise err
+            if reason == "closed":
+                raise SessionClosedError("the session was closed while the request ran")
+            if reason != "stop":
+                raise HearthError(f"the embedding request ended with {reason!r}")
 
     # ---- generation ------------------------------------------------------------------
     async def generate(self, prompt: str | Sequence[int] | None = None, **kwargs) -> Completion:
@@ -237,7 +300,7 @@ class Session:
                         break
                 text_out += new
                 if toks or new or done:
-                    yield Chunk(new, toks, reason, lps or None)
+                    yield Chunk(new, toks, reason, lps or None, prompt_tokens=len(ids) if done else None)
         finally:
             if not done:
                 self.engine.abort(req.id)
@@ -283,3 +346,7 @@ def _cut_at_stop(before: str, new: str, stops: list[str], *, final: bool) -> tup
                 hold = max(hold, k)
                 break
     return new[:len(new) - hold], new[len(new) - hold:], False
+
+
+def _no_token(tok: int, lp) -> None:  # embedding requests sample nothing
+    raise AssertionError("an embedding request got a token")

@@ -42,6 +42,9 @@ class SyncSession:
         finally:
             self._portal.call(agen.aclose)
 
+    def embed(self, texts, **kwargs: Any):
+        return self._portal.call(partial(self.session.embed, texts, **kwargs))
+
     def tokenize(self, text: str, add_special: bool = False) -> list[int]:
         return self.session.tokenize(text, add_special)
 

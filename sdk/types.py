@@ -3,7 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-TopLogprobs = list[tuple[int, float]]  # (token_id, logprob), most likely first
+# (token_id, logprob), most likely first; the sampled token last when it is not among the k
+TopLogprobs = list[tuple[int, float]]
 
 
 @dataclass
@@ -12,6 +13,7 @@ class Chunk:
     token_ids: list[int]            # tokens produced since the last chunk
     finish_reason: str | None = None  # set on the last chunk: "stop" | "length"
     top_logprobs: list[TopLogprobs] | None = None  # per token in token_ids, if asked for
+    prompt_tokens: int | None = None  # on the last chunk: the prompt's length in tokens (for usage)
 
 
 @dataclass

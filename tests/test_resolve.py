@@ -10,7 +10,7 @@ import huggingface_hub
 from huggingface_hub import errors as hf_errors
 import pytest
 
-from hearthlm.model_zoo import resolve
+from hearthlm.model_zoo import hub as hub_mod, resolve
 from hearthlm.model_zoo.resolve import DEFAULT_MODEL, ZOO, resolve_model
 from hearthlm.runtime.errors import ModelNotFoundError
 
@@ -191,6 +191,9 @@ def hub(monkeypatch):
         return f"/hub/{repo}/{filename}"
     monkeypatch.setattr(huggingface_hub, "list_repo_files", list_repo_files)
     monkeypatch.setattr(huggingface_hub, "hf_hub_download", hf_hub_download)
+    # online downloads go through hearthlm's resumable one (tests/test_pull.py runs it for real)
+    monkeypatch.setattr(hub_mod, "download", lambda repo, filename, **kw: Path(
+        hf_hub_download(repo, filename, local_files_only=False)))
     return state
 
 

@@ -1,0 +1,310 @@
+"""The OpenAI-compatible ASGI app: a thin layer over one Session per model (no second
+engine). `build_app` opens the sessions in the app's lifespan (the CLI and Ray use it);
+`create_app` serves sessions an application has already opened."""
+from __future__ import annotations
+
+import asyncio
+import base64
+import hashlib
+import hmac
+import json
+from contextlib import AsyncExitStack, asynccontextmanager
+from typing import Any, AsyncIterator, Mapping
+
+import numpy as np
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from sse_starlette.sse import EventSourceResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from hearthlm.runtime.errors import (ContextLengthError, HearthError, InvalidRequestError, QueueFull,
+                                     SessionClosedError)
+from hearthlm.serve.metrics import Metrics
+from hearthlm.serve.protocol import (ChatRequest, CompletionRequest, EmbeddingRequest, error_json,
+                                     legacy_logprobs, logprob_entries, new_id, now, usage)
+from hearthlm.session import Session
+
+MAX_BODY_BYTES = 16 * 2**20  # a request body over this is refused with 413 before it is parsed
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.code = status, code
+
+
+class ClientGone(Exception):
+    """The client disconnected: its request was aborted."""
+
+
+def _status(e: HearthError) -> tuple[int, str | None]:
+    if isinstance(e, QueueFull):
+        return 429, "queue_full"
+    if isinstance(e, SessionClosedError):
+        return 503, "unavailable"
+    if isinstance(e, ContextLengthError):
+        return 400, "context_length_exceeded"
+    if isinstance(e, InvalidRequestError):
+        return 400, None
+    return 500, None
+
+
+class Host:
+    """The served sessions by model name, and whether the app is shutting down."""
+
+    def __init__(self) -> None:
+        self.sessions: dict[str, Session] = {}
+        self.closing = False
+
+    def get(self, name: str) -> Session:
+        if self.closing:
+            raise APIError(503, "the server is shutting down")
+        s = self.sessions.get(name)
+        if s is None:
+            raise APIError(404, f"the model {name!r} does not exist; served: {sorted(self.sessions)}", "model_not_found")
+        return s
+
+
+def build_app(model: str | Mapping[str, str], *, api_key: str | None = None, max_body_bytes: int = MAX_BODY_BYTES,
+              **session_options: Any) -> FastAPI:
+    """An app that opens `model` (a name, path or Hub repo; or {served name: model}) with
+    Session.open(**session_options) when it starts and closes it when it stops."""
+    models = {model: model} if isinstance(model, str) else dict(model)
+    host = Host()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        async with AsyncExitStack() as stack:
+            for name, m in models.items():
+                host.sessions[name] = await stack.enter_async_context(Session.open(m, **session_options))
+            try:
+                yield
+            finally:
+                host.closing = True  # requests still arriving get 503 while the engines stop
+    return _make(host, lifespan, api_key, max_body_bytes)
+
+
+def create_app(sessions: Mapping[str, Session], *, api_key: str | None = None,
+               max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
+    """An app serving sessions opened (and closed) by the caller."""
+    host = Host()
+    host.sessions.update(sessions)
+    return _make(host, None, api_key, max_body_bytes)
+
+
+def _make(host: Host, lifespan, api_key: str | None, max_body_bytes: int) -> FastAPI:
+    app = FastAPI(title="hearthlm", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.host = host
+    metrics = Metrics(host)
+    app.add_middleware(BodyLimit, limit=max_body_bytes)
+    key_digest = hashlib.sha256(api_key.encode()).digest() if api_key is not None else b""
+
+    def check_key(request: Request) -> None:
+        if api_key is None:
+            return
+        got = request.headers.get("authorization", "")
+        token = got[7:] if got.lower().startswith("bearer ") else ""
+        # constant time, and over digests so that not even the key's length shows
+        if not hmac.compare_digest(hashlib.sha256(token.encode()).digest(), key_digest):
+            raise APIError(401, "missing or wrong API key (Authorization: Bearer ...)", "invalid_api_key")
+
+    def err(status: int, message: str, code: str | None = None) -> JSONResponse:
+        metrics.errors.labels(str(status)).inc()
+        return JSONResponse(error_json(status, message, code), status_code=status)
+
+    @app.exception_handler(APIError)
+    async def _api_error(_, e: APIError):
+        return err(e.status, str(e), e.code)
+
+    @app.exception_handler(HearthError)
+    async def _hearth_error(_, e: HearthError):
+        status, code = _status(e)
+        return err(status, str(e), code)
+
+    @app.exception_handler(ClientGone)
+    async def _gone(_, e: ClientGone):  # nobody reads it: nginx's 499
+        metrics.disconnects.inc()
+        return Response(status_code=499)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_, e: RequestValidationError):
+        msg = "; ".join(f"{'.'.join(str(x) for x in d['loc'][1:])}: {d['msg']}" for d in e.errors())
+        return err(400, msg or "invalid request body")
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_, e: StarletteHTTPException):
+        return err(e.status_code, str(e.detail))
+
+    auth = [Depends(check_key)]
+
+    @app.get("/health")
+    async def health():
+        bad = {n: s.health() for n, s in host.sessions.items() if not s.health()["ok"]}
+        if host.closing or bad or not host.sessions:
+            return JSONResponse({"status": "unavailable", "models": bad}, status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def prometheus():
+        body, ctype = metrics.render()
+        return Response(body, media_type=ctype)
+
+    @app.get("/v1/models", dependencies=auth)
+    async def list_models():
+        return {"object": "list", "data": [_model_card(n) for n in host.sessions]}
+
+    @app.get("/v1/models/{name:path}", dependencies=auth)
+    async def get_model(name: str):
+        host.get(name)
+        return _model_card(name)
+
+    @app.post("/v1/chat/completions", dependencies=auth)
+    async def chat(body: ChatRequest, request: Request):
+        s = host.get(body.model)
+        kw = body.session_kwargs()
+        k = body.top_logprobs or 0
+        tok = s.model.tokenizer
+        if body.stream:
+            def piece(c, first):
+                delta = {"role": "assistant", "content": c.text} if first else {"content": c.text}
+                if getattr(c, "tool_calls", None):  # from the structured-output layer, on the last chunk
+                    delta["tool_calls"] = [dict(index=i, **tc) for i, tc in enumerate(c.tool_calls)]
+                lp = {"content": logprob_entries(tok, c.token_ids, c.top_logprobs, k)} if body.logprobs else None
+                return dict(index=0, delta=delta, logprobs=lp, finish_reason=c.finish_reason)
+            return await _sse(request, s.stream(messages=body.messages, **kw), "chat.completion.chunk",
+                              body, piece, metrics)
+        c = await _until_disconnect(request, s.generate(messages=body.messages, **kw))
+        msg: dict[str, Any] = {"role": "assistant", "content": c.text}
+        if getattr(c, "tool_calls", None):  # from the structured-output layer, when it returns them
+            msg["tool_calls"] = c.tool_calls
+        lp = {"content": logprob_entries(tok, c.token_ids, c.top_logprobs, k)} if body.logprobs else None
+        return dict(id=new_id("chatcmpl"), object="chat.completion", created=now(), model=body.model,
+                    choices=[dict(index=0, message=msg, logprobs=lp, finish_reason=c.finish_reason)],
+                    usage=usage(c.prompt_tokens, len(c.token_ids)), system_fingerprint=None)
+
+    @app.post("/v1/completions", dependencies=auth)
+    async def complete(body: CompletionRequest, request: Request):
+        s = host.get(body.model)
+        prompt, kw = body.prompt_arg(), body.session_kwargs()
+        tok = s.model.tokenizer
+        if body.stream:
+            def piece(c, first):
+                lp = legacy_logprobs(tok, c.token_ids, c.top_logprobs, body.logprobs) if body.logprobs is not None else None
+                return dict(index=0, text=c.text, logprobs=lp, finish_reason=c.finish_reason)
+            return await _sse(request, s.stream(prompt, **kw), "text_completion", body, piece, metrics)
+        c = await _until_disconnect(request, s.generate(prompt, **kw))
+        lp = legacy_logprobs(tok, c.token_ids, c.top_logprobs, body.logprobs) if body.logprobs is not None else None
+        return dict(id=new_id("cmpl"), object="text_completion", created=now(), model=body.model,
+                    choices=[dict(index=0, text=c.text, logprobs=lp, finish_reason=c.finish_reason)],
+                    usage=usage(c.prompt_tokens, len(c.token_ids)))
+
+    @app.post("/v1/embeddings", dependencies=auth)
+    async def embeddings(body: EmbeddingRequest, request: Request):
+        s = host.get(body.model)
+        texts = body.texts()
+        vecs = await _until_disconnect(request, s.embed(texts))
+        n_tokens = sum(len(t) if isinstance(t, list) else len(s.tokenize(t, add_special=True)) for t in texts)
+        data = [dict(object="embedding", index=i,
+                     embedding=(base64.b64encode(v.astype("<f4").tobytes()).decode() if body.encoding_format == "base64"
+                                else v.astype(np.float32).tolist()))
+                for i, v in enumerate(vecs)]
+        return dict(object="list", data=data, model=body.model,
+                    usage=dict(prompt_tokens=n_tokens, total_tokens=n_tokens))
+
+    return app
+
+
+def _model_card(name: str) -> dict[str, Any]:
+    return dict(id=name, object="model", created=0, owned_by="hearthlm")
+
+
+async def _until_disconnect(request: Request, coro):
+    """Await `coro` unless the client goes away first: then it is cancelled (the Session
+    aborts its request and frees its KV blocks)."""
+    work = asyncio.ensure_future(coro)
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for t in (work, gone):
+            if not t.done():
+                t.cancel()
+        await asyncio.gather(work, gone, return_exceptions=True)
+    if work.cancelled():
+        raise ClientGone()
+    return work.result()
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _sse(request: Request, stream, kind: str, body, piece, metrics) -> EventSourceResponse:
+    """Server-sent events: the first chunk is awaited before the response starts, so that a
+    request refused at submission (full queue, bad arguments) gets its own status code."""
+    first = await _until_disconnect(request, anext(stream))
+    rid, created = new_id("chatcmpl" if kind.startswith("chat") else "cmpl"), now()
+    want_usage = bool(body.stream_options and body.stream_options.include_usage)
+
+    def event(choices, **extra) -> dict[str, str]:
+        obj = dict(id=rid, object=kind, created=created, model=body.model, choices=choices, **extra)
+        if want_usage and "usage" not in obj:
+            obj["usage"] = None
+        return {"data": json.dumps(obj)}
+
+    async def events():
+        c, n_out, is_first = first, 0, True
+        try:
+            while True:
+                n_out += len(c.token_ids)
+                yield event([piece(c, is_first)])
+                is_first = False
+                if c.finish_reason:
+                    break
+                c = await anext(stream)
+            if want_usage:
+                yield event([], usage=usage(c.prompt_tokens or 0, n_out))
+            yield {"data": "[DONE]"}
+        except HearthError as e:  # mid-stream: the status is sent already; the error goes as an event
+            yield {"data": json.dumps(error_json(_status(e)[0], str(e)))}
+        finally:
+            await stream.aclose()  # aborts the engine request if it still runs
+            metrics.streamed.inc()
+    return EventSourceResponse(events(), ping=15)
+
+
+class BodyLimit:
+    """ASGI middleware: a body over `limit` bytes (declared or counted) gets 413."""
+
+    def __init__(self, app, limit: int) -> None:
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope.get("headers") or []).get(b"content-length")
+        too_big = declared is not None and declared.isdigit() and int(declared) > self.limit
+        parts, n, more = [], 0, True
+        while more:  # read it all (dropping it once too big) so the client sees the answer
+            msg = await receive()
+            if msg["type"] == "http.disconnect":
+                return
+            chunk, more = msg.get("body", b""), msg.get("more_body", False)
+            n += len(chunk)
+            too_big = too_big or n > self.limit
+            if not too_big:
+                parts.append(chunk)
+        if too_big:
+            resp = JSONResponse(error_json(413, f"the request body is over {self.limit} bytes"), status_code=413)
+            return await resp(scope, receive, send)
+        body, replayed = b"".join(parts), False
+
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+        await self.app(scope, replay, send)
