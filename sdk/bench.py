@@ -31,6 +31,11 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
                         "token and inter-token latency with that many concurrent generations")
     p.add_argument("--repeat", type=int, default=3, help="rounds of the single-stream measurements (median)")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--startup", action="store_true",
+                   help="fresh processes that open the model and generate 1 token: start to first token and "
+                        "peak RSS (paired with llama-cpp-python when importable); --repeat runs each")
+    p.add_argument("--first-run", action="store_true",
+                   help="with --startup: also one start with empty kernel and weight caches (as after install)")
 
 
 def _peak_rss_mb() -> float:
@@ -204,6 +209,17 @@ async def _bench_concurrency(a) -> list[dict]:
 
 
 def run_bench(a) -> None:
+    if a.startup:
+        from hearthlm.startup_bench import bench_startup, first_run, print_rows
+        path = str(resolve_model(a.model, filename=a.filename))
+        rows = bench_startup(path, repeat=a.repeat, n_ctx=a.n_ctx)
+        if a.first_run:
+            rows.append(dict(engine="first run", **first_run(path, a.n_ctx)))
+        if a.json:
+            print(json.dumps(rows, indent=2))
+        else:
+            print_rows(rows, f"model: {a.model}  startup: medians of {a.repeat} fresh processes, 1 token each")
+        return
     if a.concurrency:
         rows = anyio.run(_bench_concurrency, a)
         if a.compare_llama_cpp:

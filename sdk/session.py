@@ -3,6 +3,7 @@ async streams. Works under asyncio and trio (anyio)."""
 from __future__ import annotations
 
 import math
+import os
 from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator, Sequence
 
@@ -21,6 +22,7 @@ from hearthlm.runtime.errors import ContextLengthError, InvalidRequestError, Req
 from hearthlm.runtime.placement import offload, open_device
 from hearthlm.runtime.request import Request
 from hearthlm.runtime.sampling import SamplingParams
+from hearthlm.runtime.weights import WeightCache, cache_dir
 from hearthlm.types import Chunk, Completion
 
 
@@ -48,7 +50,7 @@ class Session:
              filename: str | None = None, kv_cache_tokens: int | None = None,
              max_batch_tokens: int = 512, max_seqs: int = 64, max_queued_requests: int = 1024,
              abort_on_close: bool = True, fusion: bool | None = None,
-             template_limits: TemplateLimits = DEFAULT_LIMITS):
+             template_limits: TemplateLimits = DEFAULT_LIMITS, weight_cache: str | os.PathLike | bool | None = None):
         """Async context manager yielding a ready Session. `model`: a .gguf path, a Hub repo
         id (`filename` picks the file, a glob), or a model-zoo name. Leaving it aborts the
         requests still running (their callers get SessionClosedError), or with
@@ -57,14 +59,16 @@ class Session:
         ("cpu", "reference", "cuda"); `device` ("cpu", "cuda", "auto": cuda where a GPU answers)
         with `n_gpu_layers` (None: all) puts the last n_gpu_layers layers and the output head
         on the GPU and the rest on the CPU, as llama.cpp's -ngl. `template_limits` bounds the
-        chat template's rendering (time, steps, sizes): it is untrusted data from the file."""
+        chat template's rendering (time, steps, sizes): it is untrusted data from the file.
+        `weight_cache`: where packed weights are kept between starts (a directory; False for
+        nowhere; None: $HEARTHLM_CACHE_DIR, or the platform's cache directory)."""
         @asynccontextmanager
         async def _cm():
             s = await anyio.to_thread.run_sync(lambda: cls._load(
                 model, backend=backend, device=device, n_gpu_layers=n_gpu_layers, n_ctx=n_ctx,
                 filename=filename, kv_cache_tokens=kv_cache_tokens,
                 max_batch_tokens=max_batch_tokens, max_seqs=max_seqs, max_queued_requests=max_queued_requests,
-                fusion=fusion))
+                fusion=fusion, weight_cache=weight_cache))
             s.template_limits = template_limits
             try:
                 yield s
@@ -74,7 +78,7 @@ class Session:
 
     @classmethod
     def _load(cls, model: str, *, backend: str, device: str | None, n_gpu_layers: int | None, n_ctx: int,
-              filename, kv_cache_tokens, **engine_opts) -> "Session":
+              filename, kv_cache_tokens, weight_cache=None, **engine_opts) -> "Session":
         if isinstance(n_ctx, bool) or not isinstance(n_ctx, int) or n_ctx < 2:
             raise InvalidRequestError(f"n_ctx must be an int >= 2, got {n_ctx!r}")
         if device is not None and backend != "cpu":
@@ -88,7 +92,9 @@ class Session:
             placement = offload(backends, m.config.n_layer, n_gpu_layers)
             n_ctx = min(n_ctx, m.config.n_ctx_train)
             kv_tokens = kv_cache_tokens or 4 * n_ctx
-            engine = Engine(m, placement, n_ctx=n_ctx, kv_blocks=math.ceil(kv_tokens / 16), **engine_opts)
+            wdir = cache_dir(weight_cache)
+            engine = Engine(m, placement, n_ctx=n_ctx, kv_blocks=math.ceil(kv_tokens / 16),
+                            weight_cache=WeightCache(wdir, m.file.identity()) if wdir else None, **engine_opts)
         except BaseException:
             m.close()
             raise
