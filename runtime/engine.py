@@ -4,7 +4,6 @@ step; callers talk to it through `submit` / `abort` (thread-safe) and the reques
 callbacks."""
 from __future__ import annotations
 
-import ctypes
 import threading
 import time
 from collections import deque
@@ -55,21 +54,6 @@ def _check_kv_fits(kv_dims: list[tuple[int, int]], n_slots: int, placement: Plac
                 f"{avail / 2**30:.2f} GiB is available: lower n_ctx or kv_cache_tokens")
 
 
-def _trim_heap() -> None:
-    """Return the malloc heap's free pages to the system (glibc). The steps' temporaries (logits,
-    sampling) come from this thread's malloc arena, which keeps the high-water mark of a mix of
-    sizes: a mixed workload grew RSS by ~45 MB that way, all of it free memory."""
-    global _malloc_trim
-    if _malloc_trim is None:
-        try:
-            _malloc_trim = ctypes.CDLL(None).malloc_trim
-        except (AttributeError, OSError):  # not glibc
-            _malloc_trim = False
-    if _malloc_trim:
-        _malloc_trim(0)
-
-
-_malloc_trim = None
 MIN_KV_BLOCKS = 16  # smallest KV-length bucket of unfused graphs (256 tokens at block size 16)
 
 
@@ -208,8 +192,6 @@ class Engine:
     def _serve(self) -> None:
         while True:
             with self._cv:
-                if not (self._incoming or self._aborts or self.running or self.waiting or self._closing):
-                    _trim_heap()  # idle: give back what the steps' temporaries left free
                 while not (self._incoming or self._aborts or self.running or self.waiting or self._closing):
                     self._cv.wait()
                 self.waiting.extend(self._incoming)
