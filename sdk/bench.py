@@ -1,5 +1,6 @@
 """`hearthlm bench`: prefill tokens/s (a 512-token prompt), decode tokens/s, load time,
-time to first token and peak RSS, single stream; `--compare-llama-cpp` runs the same work
+time to first token and peak RSS, single stream, and decode as a fraction of the memory
+roofline (hearthlm.roofline: bytes read per token over the host's measured read bandwidth); `--compare-llama-cpp` runs the same work
 through llama-cpp-python when it is importable (never a dependency), in rounds taken in turn
 with hearthlm's, each figure the median of --repeat rounds. Each engine first runs
 a prompt of the same length with other tokens, as llama-bench warms up: the figures are steady
@@ -18,6 +19,7 @@ import anyio
 import numpy as np
 
 from hearthlm.model_zoo.resolve import resolve_model
+from hearthlm.roofline import gguf_bytes_per_token, hearthlm_bytes_per_token
 from hearthlm.session import Session
 
 
@@ -124,10 +126,23 @@ async def _bench_single(a, ex, path: str) -> list[dict]:
                     ex = None
                 else:
                     ref.append(r)
+        ctx = 8 + a.decode_tokens / 2  # the decode rounds' mean context
+        bpt = [hearthlm_bytes_per_token(s, ctx), gguf_bytes_per_token(s, ctx)]
+    bw = None
+    if a.backend == "cpu":
+        from hearthlm.backends.cpu.bandwidth import read_bandwidth
+        bw = read_bandwidth(threads=a.threads)
     rows = [_median_row("hearthlm", a.backend, load_s, ours)]
     rows[0]["peak_rss_mb"] = _peak_rss_mb()
     if ref:
         rows.append(_median_row("llama.cpp", "cpu", ref[0]["load_s"], ref))
+    for r, b in zip(rows, bpt):  # decode as a fraction of what the read bandwidth allows
+        r["mb_per_token"] = b / 1e6
+        if bw:
+            r["roofline"] = r["decode_tok_s"] * b / bw
+    if bw:
+        print(f"read bandwidth: {bw / 1e9:.1f} GB/s ({a.threads or 'all'} threads)")
+    if ref:
         rows.append(dict(engine="ratio", backend="", **{
             k: rows[0][k] / rows[1][k] for k in ("prefill_tok_s", "decode_tok_s")}))
     return rows
@@ -256,7 +271,8 @@ def run_bench(a) -> None:
     if a.json:
         print(json.dumps(rows, indent=2))
         return
-    cols = ["engine", "backend", "load_s", "ttft_s", "prefill_tok_s", "decode_tok_s", "peak_rss_mb"]
+    cols = ["engine", "backend", "load_s", "ttft_s", "prefill_tok_s", "decode_tok_s", "peak_rss_mb", "mb_per_token",
+            "roofline"]
     print(f"model: {a.model}  prompt: {a.prompt_tokens} tokens  decode: {a.decode_tokens} tokens")
     print("  ".join(f"{c:>13}" for c in cols))
     for r in rows:

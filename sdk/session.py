@@ -12,7 +12,6 @@ import numpy as np
 
 from hearthlm._wake import Channel, loop_waker
 from hearthlm.backends import get_backend
-from hearthlm.model_zoo.chat_template import encode_chat
 from hearthlm.model_zoo.template_limits import DEFAULT_LIMITS, TemplateLimits
 from hearthlm.model_zoo.model import Model, load_model
 from hearthlm.model_zoo.resolve import DEFAULT_MODEL, resolve_model
@@ -151,6 +150,7 @@ class Session:
             if chars > max_chars:
                 raise ContextLengthError(f"the messages hold {chars} characters: more than a context of "
                                          f"{self.n_ctx} tokens can take")
+            from hearthlm.model_zoo.chat_template import encode_chat  # Jinja, loaded by the first chat
             return encode_chat(tok, self.model.chat_template, messages, limits=self.template_limits)
         if isinstance(prompt, str):
             if len(prompt) > max_chars:
