@@ -114,3 +114,29 @@ def print_rows(rows: list[dict], title: str) -> None:
     for r in rows:
         print("  ".join(f"{r[c]:>16.3f}" if isinstance(r.get(c), float) else f"{str(r.get(c, '')):>16}"
                         for c in cols))
+
+
+async def _prepare(model: str, filename: str | None, say) -> None:
+    import anyio
+
+    from hearthlm.session import Session
+    t0 = time.perf_counter()
+    say("opening the model (weights packed into the cache the first time)")
+    async with Session.open(model, filename=filename, n_ctx=1024) as s:
+        prompt = s.tokenize("The hearth is where people gather ")
+        steps = [("one request: a short prompt and decoding", [prompt], 4),
+                 ("requests together: batched decoding", [prompt[:3], prompt[:5], prompt[:7]], 4),
+                 ("a long prompt: prefill in chunks", [(prompt * 1000)[:min(600, s.n_ctx - 4)]], 2)]
+        for what, prompts, n in steps:
+            say(f"{time.perf_counter() - t0:6.1f} s  compiling kernels for {what}")
+            async with anyio.create_task_group() as tg:
+                for p in prompts:
+                    tg.start_soon(lambda p=p: s.generate(p, max_tokens=n, temperature=0))
+    say(f"{time.perf_counter() - t0:6.1f} s  done: later starts load these from the caches")
+
+
+def prepare(model: str, filename: str | None = None, say=print) -> None:
+    """What a first start after install does, as a step of its own with progress: compile the
+    kernels a model needs into numba's cache and pack its weights into the weight cache."""
+    import anyio
+    anyio.run(_prepare, model, filename, say)
