@@ -66,6 +66,7 @@ def llama_cpp_importable() -> bool:
 def run_once(engine: str, path: str, n_ctx: int, env: dict | None = None) -> dict:
     """One fresh process of `engine` ("hearthlm" or "llama.cpp"): start to first token and its figures."""
     code = _HEARTHLM if engine == "hearthlm" else _LLAMA_CPP
+    cpu0 = _children_cpu()
     t = time.time()
     r = subprocess.run([sys.executable, "-c", code, path, str(n_ctx), PROMPT], capture_output=True, text=True,
                        env=env)
@@ -73,10 +74,17 @@ def run_once(engine: str, path: str, n_ctx: int, env: dict | None = None) -> dic
         raise RuntimeError(f"{engine} startup run failed ({r.returncode}): {r.stderr[-2000:]}")
     out = json.loads(r.stdout.strip().splitlines()[-1])
     out["start_to_token_s"] = out.pop("t_token") - t
+    out["cpu_s"] = _children_cpu() - cpu0  # less sensitive than wall time to a busy machine
     return out
 
 
-KEYS = ("start_to_token_s", "import_s", "open_s", "first_token_s", "peak_rss_mb")
+def _children_cpu() -> float:
+    import resource
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
+KEYS = ("start_to_token_s", "cpu_s", "import_s", "open_s", "first_token_s", "peak_rss_mb")
 
 
 def bench_startup(path: str, *, repeat: int = 5, n_ctx: int = 2048, compare: bool = True) -> list[dict]:
