@@ -117,7 +117,11 @@ async def _bench_single(a, ex, path: str) -> list[dict]:
         load_s = time.perf_counter() - t0
         await s.generate(_prompt(s.model.n_vocab, a.prompt_tokens, seed=1), max_tokens=2, temperature=0)  # warm-up
         ours, ref = [], []
+        bws = []  # read bandwidth, measured each round: a shared machine's load varies
         for rep in range(a.repeat):
+            if a.backend == "cpu":
+                from hearthlm.backends.cpu.bandwidth import read_bandwidth
+                bws.append(read_bandwidth(repeat=3, threads=a.threads))
             ours.append(await _hearthlm_round(s, a, rep))
             if ex is not None:
                 r = await anyio.to_thread.run_sync(lambda: ex.submit(_llama_cpp_round, a, path, rep).result())
@@ -128,10 +132,7 @@ async def _bench_single(a, ex, path: str) -> list[dict]:
                     ref.append(r)
         ctx = 8 + a.decode_tokens / 2  # the decode rounds' mean context
         bpt = [hearthlm_bytes_per_token(s, ctx), gguf_bytes_per_token(s, ctx)]
-    bw = None
-    if a.backend == "cpu":
-        from hearthlm.backends.cpu.bandwidth import read_bandwidth
-        bw = read_bandwidth(threads=a.threads)
+    bw = float(np.median(bws)) if bws else None
     rows = [_median_row("hearthlm", a.backend, load_s, ours)]
     rows[0]["peak_rss_mb"] = _peak_rss_mb()
     if ref:
