@@ -126,7 +126,8 @@ class WeightStore:
                 p = self.backend.import_weight(hit[0], hit[1])
             else:
                 p = self.backend.prepare_weight(w)
-                self._fresh += 1
+                if self.cache is not None and self.backend.export_weight(p) is not None:
+                    self._fresh += 1  # one the file should hold (not a view of the model file)
             self._prepared[w.name], self._weights[w.name] = p, w
         return p
 

@@ -49,6 +49,17 @@ def test_written_then_mapped_with_the_same_outputs(model, tmp_path):
     assert (ids, state) == (ref, "hit")
 
 
+def test_weights_left_in_the_model_file_do_not_rewrite_it(tmp_path):
+    """F16 matrices are used where they lie in the model file (not cached); their q/k/v stack
+    is a copy and is: the second start maps it and writes nothing."""
+    f32 = write_tiny(tmp_path / "f16.gguf", qtype=T.F16)
+    ref, state = run(f32, tmp_path)
+    assert state == "written"
+    before = cache_file(f32, tmp_path).stat().st_mtime_ns
+    assert run(f32, tmp_path) == (ref, "hit")
+    assert cache_file(f32, tmp_path).stat().st_mtime_ns == before
+
+
 def test_mapped_pages_belong_to_the_file(model, tmp_path):
     if not Path("/proc/self/smaps").exists():
         pytest.skip("needs /proc/self/smaps")
