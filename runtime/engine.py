@@ -160,6 +160,7 @@ class Engine:
         c.update(
             queue_depth=len(self.waiting) + len(self._incoming), running_requests=len(self.running),
             kv_blocks_used=self.kv.allocator.n_used - 1, kv_blocks_total=self.kv.n_blocks - 1,  # less the scratch block
+            kv_cache_bytes=sum(int(a.nbytes) for a in [*self.kv.k, *self.kv.v]),  # fixed at open; pages taken as first written
             tokens_per_s=c["tokens_generated"] / c["step_time_s"] if c["step_time_s"] else 0.0,
             time_to_first_token_s=ttft[len(ttft) // 2] if ttft else None)
         c.update(self.graphs.stats())  # graph_cache_hits/misses, graph_nodes_unfused/fused, build/reuse times

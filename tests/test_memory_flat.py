@@ -46,3 +46,4 @@ async def test_rss_flat_under_mixed_work(smollm2_path):
     assert st["graph_cache_misses"] > st0["graph_cache_misses"]  # new shapes did come
     assert st["graph_cache_bytes"] == st0["graph_cache_bytes"] > 0  # and fit the arena the long prompt sized
     assert rss1 - rss0 < 30, (rss0, rss1, st["graph_cache_graphs"])
+    assert st["kv_cache_bytes"] == sum(a.nbytes for a in [*s.engine.kv.k, *s.engine.kv.v]) > 0
