@@ -120,8 +120,8 @@ async def _bench_single(a, ex, path: str) -> list[dict]:
         bws = []  # read bandwidth, measured each round: a shared machine's load varies
         for rep in range(a.repeat):
             if a.backend == "cpu":
-                from hearthlm.backends.cpu.bandwidth import read_bandwidth
-                bws.append(read_bandwidth(repeat=3, threads=a.threads))
+                from hearthlm.backends.cpu.bandwidth import read_bandwidth_apart
+                bws.append(read_bandwidth_apart(a.threads))
             ours.append(await _hearthlm_round(s, a, rep))
             if ex is not None:
                 r = await anyio.to_thread.run_sync(lambda: ex.submit(_llama_cpp_round, a, path, rep).result())

@@ -21,3 +21,13 @@ def read_bandwidth(nbytes: int = 256 << 20, repeat: int = 5, threads: int | None
             list(ex.map(np.add.reduce, parts))
             best = min(best, time.perf_counter() - t)
     return a.nbytes / best
+
+
+def read_bandwidth_apart(threads: int | None = None, repeat: int = 3) -> float:
+    """read_bandwidth in a child process: its 256 MB array stays out of the caller's peak RSS."""
+    import subprocess
+    import sys
+    n = threads or numba.get_num_threads()
+    code = ("from hearthlm.backends.cpu.bandwidth import read_bandwidth as r; "
+            f"print(r(repeat={int(repeat)}, threads={int(n)}))")
+    return float(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
