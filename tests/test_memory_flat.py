@@ -43,6 +43,7 @@ async def test_rss_flat_under_mixed_work(smollm2_path):
         await mixed(s, 120, random.Random(0))
         await asyncio.sleep(0.2)
         rss1, st = rss_mb(), s.stats()
+    print(f"RSS {rss0:.1f} -> {rss1:.1f} MB; graphs {st['graph_cache_graphs']}, arena {st['graph_cache_bytes']} bytes")
     assert st["graph_cache_misses"] > st0["graph_cache_misses"]  # new shapes did come
     assert st["graph_cache_bytes"] == st0["graph_cache_bytes"] > 0  # and fit the arena the long prompt sized
     assert rss1 - rss0 < 30, (rss0, rss1, st["graph_cache_graphs"])
