@@ -23,9 +23,21 @@ class Backend:
     # ---- optional capabilities (the defaults suit a host backend that allocates) ----
     plans_memory: bool = False         # kernels take out= buffers placed in one host arena
     kv_dtype: np.dtype = np.dtype(np.float32)  # element type of the K/V cache it holds
+    weight_layout: str | None = None   # names (and versions) what export_weight gives: set, the
+    #                                    packed-weight cache on disk keeps this backend's weights
 
     def prepare_weight(self, w: QWeight) -> Any:
         """Repack/upload a weight once; the result is what kernels receive for WEIGHT nodes."""
+        raise NotImplementedError
+
+    def export_weight(self, prepared: Any) -> tuple[dict[str, Any], dict[str, np.ndarray]] | None:
+        """A prepared weight as (JSON-able metadata, named host arrays) for the disk cache; None
+        for one not worth keeping (a view of the model file, say). Needs `weight_layout`."""
+        return None
+
+    def import_weight(self, meta: dict[str, Any], arrays: dict[str, np.ndarray]) -> Any:
+        """The prepared weight again, from what export_weight gave (arrays now mapped from the
+        cache file: writable, but their pages are the file's only while nothing writes them)."""
         raise NotImplementedError
 
     def supports(self, node: Tensor) -> bool:

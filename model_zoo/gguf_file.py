@@ -9,6 +9,7 @@ file's single read-only memmap.
 """
 from __future__ import annotations
 
+import hashlib
 import os
 import struct
 from dataclasses import dataclass, field
@@ -301,6 +302,15 @@ class GGUFFile:
 
     def get(self, key: str, default: Any = None) -> Any:
         return self.metadata.get(key, default)
+
+    def identity(self) -> dict[str, Any]:
+        """What names this file's contents for caches built from it: its path, size, mtime,
+        and a hash of its first 64 KiB and its tensor table."""
+        st = self.path.stat()
+        h = hashlib.sha256(bytes(self._mapping.get()[:min(1 << 16, self.data_offset)]))
+        for t in self.tensors.values():
+            h.update(f"{t.name}|{int(t.ggml_type)}|{t.shape}|{t.offset}\n".encode())
+        return dict(path=str(self.path.resolve()), size=st.st_size, mtime_ns=st.st_mtime_ns, table=h.hexdigest())
 
     @property
     def architecture(self) -> str:

@@ -20,8 +20,6 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from jinja2.nodes import Impossible
-
 from hearthlm.runtime.errors import InvalidRequestError
 
 TEMPLATE_FILE = "<template>"  # the filename Jinja compiles templates under
@@ -152,6 +150,7 @@ class BoundedOps(threading.local):
         @functools.wraps(fn)  # keeps Jinja's pass_context / pass_environment marks
         def call(*args, **kwargs):
             if self.budget is None:  # Jinja folding a constant at compile time: leave it to the render
+                from jinja2.nodes import Impossible  # here: `import hearthlm` need not load Jinja
                 raise Impossible()
             self.budget.check_args(fn.__name__, args, kwargs)
             value = fn(*args, **kwargs)

@@ -18,7 +18,7 @@ import numpy as np
 from hearthlm.backends.base import Backend
 from hearthlm.runtime.errors import BackendError
 from hearthlm.runtime.graph import Graph, Op, Tensor
-from hearthlm.runtime.memory import ExecPlan, plan
+from hearthlm.runtime.memory import Arena, ExecPlan, plan
 from hearthlm.runtime.placement import Placement, place
 from hearthlm.runtime.weights import WeightStore
 
@@ -53,12 +53,14 @@ class CompiledGraph:
     n_copies: int                # COPY nodes between them
 
 
-def compile_graph(graph: Graph, placement: Placement, stores: Mapping[str, WeightStore]) -> CompiledGraph:
-    """Passes 0-2 for `graph` (fused or not); binding prepares the weights it reads."""
+def compile_graph(graph: Graph, placement: Placement, stores: Mapping[str, WeightStore],
+                  arena: Arena | None = None) -> CompiledGraph:
+    """Passes 0-2 for `graph` (fused or not); binding prepares the weights it reads. `arena`:
+    a host buffer shared with other graphs (else the graph gets its own)."""
     s = place(graph, placement)  # 0.
     g, names = s.graph, s.backends
     be = [placement.backends[b] for b in names]
-    p = plan(g, arena=[b.plans_memory and not n.op.props.moves for n, b in zip(g.nodes, be)])  # 1.
+    p = plan(g, arena=[b.plans_memory and not n.op.props.moves for n, b in zip(g.nodes, be)], shared=arena)  # 1.
     index = {id(n): i for i, n in enumerate(g.nodes)}
     steps: list[Step] = []
     planned: set[int] = set()  # nodes whose value is an arena buffer or a view of one

@@ -60,11 +60,13 @@ MIN_KV_BLOCKS = 16  # smallest KV-length bucket of unfused graphs (256 tokens at
 class Engine:
     def __init__(self, model: Any, backend: Any, *, n_ctx: int, kv_blocks: int | None = None,
                  block_size: int = 16, max_batch_tokens: int = 512, max_seqs: int = 64,
-                 max_queued_requests: int = 1024, fusion: bool | None = None, graph_cache: bool = True) -> None:
+                 max_queued_requests: int = 1024, fusion: bool | None = None, graph_cache: bool = True,
+                 weight_cache=None) -> None:
         """`model` provides build_graph(shape) -> Graph, weights, kv_dims, n_vocab, eog_ids.
         `backend`: one backend (the trivial placement), or a runtime.placement.Placement of
         layers over several. `fusion`: None follows HEARTHLM_NO_FUSION; `graph_cache=False`
-        rebuilds every step."""
+        rebuilds every step. `weight_cache`: a runtime.weights.WeightCache of the model's file
+        (packed weights mapped from disk, written there when packed afresh), or None."""
         self.model = model
         self.n_ctx = n_ctx
         self.max_queued_requests = max_queued_requests
@@ -81,10 +83,12 @@ class Engine:
         self.max_batch_tokens, self.max_seqs = max_batch_tokens, max_seqs
         self.running: list[Request] = []
         self.waiting: deque[Request] = deque()
-        self.graphs = GraphCache(model.build_graph, self.placement, fusion_on=fusion, enabled=graph_cache)
+        self.graphs = GraphCache(model.build_graph, self.placement, fusion_on=fusion, enabled=graph_cache,
+                                 weight_cache=weight_cache)
         # weights packed at load, not at the first step: compiling the single-stream decode graph
         # binds what it reads (a later graph that reads more prepares it on first use)
         self.graphs.prepare(self._shape(n_tokens=1, n_seqs=1, n_out=1, need_blocks=1))
+        self.graphs.persist_weights()
         for b in self.placement.backends.values():
             b.loaded()
         self._cv = threading.Condition()
@@ -156,6 +160,7 @@ class Engine:
         c.update(
             queue_depth=len(self.waiting) + len(self._incoming), running_requests=len(self.running),
             kv_blocks_used=self.kv.allocator.n_used - 1, kv_blocks_total=self.kv.n_blocks - 1,  # less the scratch block
+            kv_cache_bytes=sum(int(a.nbytes) for a in [*self.kv.k, *self.kv.v]),  # fixed at open; pages taken as first written
             tokens_per_s=c["tokens_generated"] / c["step_time_s"] if c["step_time_s"] else 0.0,
             time_to_first_token_s=ttft[len(ttft) // 2] if ttft else None)
         c.update(self.graphs.stats())  # graph_cache_hits/misses, graph_nodes_unfused/fused, build/reuse times

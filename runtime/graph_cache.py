@@ -12,7 +12,8 @@ from typing import Any, Callable
 
 from hearthlm.runtime import fusion
 from hearthlm.runtime.batch import BatchShape
-from hearthlm.runtime.dispatch import CompiledGraph, compile_graph
+from hearthlm.runtime import memory
+from hearthlm.runtime.dispatch import KERNEL, STATIC, VIEW, CompiledGraph, compile_graph
 from hearthlm.runtime.graph import Graph
 from hearthlm.runtime.log import get_logger
 from hearthlm.runtime.placement import Placement
@@ -45,6 +46,16 @@ class CachedGraph:
     n_fused: int        # nodes after fusion (before placement adds copies and per-backend leaves)
 
 
+def _rebind(cg: CompiledGraph, buf) -> None:
+    """Point a compiled graph's planned buffers at `buf` (on a miss only: steps stay as fast)."""
+    memory.bind(cg.plan, cg.graph.nodes, buf)
+    for st in cg.steps:
+        if st.kind is KERNEL and st.out is not None:
+            st.out = cg.plan.outs[st.index]
+        elif st.kind is VIEW:  # made again from the new buffer at the next run
+            st.seen = st.view = None
+
+
 def can_reuse(cached: CachedGraph, sig: Signature) -> bool:
     """Same shapes and placement: the graph's topology, buffers and arena fit; only the
     inputs differ."""
@@ -53,11 +64,13 @@ def can_reuse(cached: CachedGraph, sig: Signature) -> bool:
 
 class GraphCache:
     def __init__(self, build: Callable[[BatchShape], Graph], placement: Placement, *, fusion_on: bool | None = None,
-                 enabled: bool = True, max_graphs: int = 16) -> None:
+                 enabled: bool = True, max_graphs: int = 16, weight_cache=None) -> None:
         self.build, self.placement = build, placement
         self.key = placement.key
-        # each backend's prepared weights, shared by all the graphs compiled here
-        self.stores = {name: WeightStore(b) for name, b in placement.backends.items()}
+        # each backend's prepared weights, shared by all the graphs compiled here; mapped from
+        # `weight_cache` (a runtime.weights.WeightCache) where it holds them
+        self.stores = {name: WeightStore(b, weight_cache) for name, b in placement.backends.items()}
+        self.arena = memory.Arena()  # the planned intermediates of every graph here: one at a time runs
         self.fused = fusion.enabled(fusion_on)
         self.enabled = enabled  # False: build every step (to measure what reuse saves)
         self.max_graphs = max_graphs
@@ -101,15 +114,33 @@ class GraphCache:
         if self.enabled:
             self._graphs[sig] = entry
 
+    def persist_weights(self) -> None:
+        """Write the packed-weight cache where weights were prepared afresh; the graphs compiled
+        so far then bind the weights mapped from it (the packed copies in memory go)."""
+        changed = {name for name, st in self.stores.items() if st.persist()}
+        for entry in self._graphs.values() if changed else ():
+            cg = entry.compiled
+            for st in cg.steps:
+                if st.kind is STATIC and cg.backends[st.index] in changed:
+                    st.value = self.stores[cg.backends[st.index]].get(st.node.params["weight"])
+
     def _make(self, sig: Signature) -> CachedGraph:
         g = self.build(sig.shape)
         n_unfused = len(g.nodes)
         if sig.fused:  # before placement: a fused node is placed (and split around) as one
             g = fusion.fuse(g)
-        return CachedGraph(sig, compile_graph(g, self.placement, self.stores), n_unfused, len(g.nodes))
+        buf = self.arena.buf
+        cg = compile_graph(g, self.placement, self.stores, arena=self.arena)
+        if self.arena.buf is not buf:  # it grew: the graphs bound to the old buffer move over
+            for entry in self._graphs.values():
+                _rebind(entry.compiled, self.arena.buf)
+        return CachedGraph(sig, cg, n_unfused, len(g.nodes))
 
     def stats(self) -> dict[str, Any]:
         c = dict(self.counters)
+        c["weight_cache"] = {name: st.cache_state for name, st in self.stores.items()}
+        c["graph_cache_graphs"] = len(self._graphs)
+        c["graph_cache_bytes"] = self.arena.buf.nbytes  # the one arena all cached graphs share
         n = c["graph_cache_hits"] + c["graph_cache_misses"]
         c["graph_cache_hit_rate"] = c["graph_cache_hits"] / n if n else 0.0
         return c

@@ -22,6 +22,22 @@ class ExecPlan:
     no_reuse_bytes: int = 0            # every intermediate in its own buffer
     liveness_peak_bytes: int = 0       # fresh arrays dropped at last use (dispatch without a plan)
     outs: list[np.ndarray | None] = field(default_factory=list)  # per node index: its buffer
+    own: list[bool] = field(default_factory=list)  # per node index: its buffer is in the arena
+
+
+class Arena:
+    """The host buffer of planned intermediates, shared by all the graphs of a graph cache:
+    one graph runs at a time (the engine's one thread), so one buffer sized for the largest
+    plan serves them all, and memory stays that size whatever shapes come. Growing replaces
+    the buffer; graphs bound to the old one rebind (`bind`), and it goes with their views."""
+
+    def __init__(self) -> None:
+        self.buf = np.empty(0, np.uint8)
+
+    def fit(self, n: int) -> np.ndarray:
+        if n > self.buf.nbytes:
+            self.buf = np.empty(n, np.uint8)
+        return self.buf
 
 
 def nbytes(t: Tensor) -> int:
@@ -76,10 +92,11 @@ class _FreeList:
         self.blocks = merged
 
 
-def plan(graph: Graph, *, arena: bool | list[bool]) -> ExecPlan:
+def plan(graph: Graph, *, arena: bool | list[bool], shared: Arena | None = None) -> ExecPlan:
     """Liveness for every graph; arena offsets for all intermediates, and numpy views of one
-    arena as the buffers of the nodes whose backend takes out= buffers: `arena`, per node
-    (or one bool for all). Outputs keep fresh arrays: the caller holds them past the step."""
+    arena (its own, or `shared`) as the buffers of the nodes whose backend takes out= buffers:
+    `arena`, per node (or one bool for all). Outputs keep fresh arrays: the caller holds them
+    past the step."""
     nodes = graph.nodes
     last = last_uses(graph)
     # 1. views: a RESHAPE shares its root's buffer, which then lives until the view's last use
@@ -128,10 +145,17 @@ def plan(graph: Graph, *, arena: bool | list[bool]) -> ExecPlan:
                 fl.free(p.offsets[id(d)], _align(nbytes(d)))
             live -= _align(nbytes(d))
     p.arena_bytes, p.liveness_peak_bytes = fl.end, peak
-    own = [arena] * len(nodes) if isinstance(arena, bool) else arena
-    buf = np.empty(max(p.arena_bytes, 1), np.uint8) if any(own) else None
-    # offsets stay for the other nodes, as the plan's record (and for tests); their kernels allocate
+    p.own = [arena] * len(nodes) if isinstance(arena, bool) else list(arena)
+    if any(p.own):
+        bind(p, nodes, shared.fit(p.arena_bytes) if shared is not None else np.empty(max(p.arena_bytes, 1), np.uint8))
+    else:
+        p.outs = [None] * len(nodes)
+    return p
+
+
+def bind(p: ExecPlan, nodes: list[Tensor], buf: np.ndarray) -> None:
+    """The nodes' buffers as views of `buf` at their planned offsets. Offsets stay for the
+    nodes of backends that allocate, as the plan's record (and for tests)."""
     p.outs = [None if id(n) not in p.offsets or not mine else
               buf[p.offsets[id(n)]:p.offsets[id(n)] + nbytes(n)].view(n.dtype).reshape(n.shape)
-              for n, mine in zip(nodes, own)]
-    return p
+              for n, mine in zip(nodes, p.own)]

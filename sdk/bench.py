@@ -1,5 +1,6 @@
 """`hearthlm bench`: prefill tokens/s (a 512-token prompt), decode tokens/s, load time,
-time to first token and peak RSS, single stream; `--compare-llama-cpp` runs the same work
+time to first token and peak RSS, single stream, and decode as a fraction of the memory
+roofline (hearthlm.roofline: bytes read per token over the host's measured read bandwidth); `--compare-llama-cpp` runs the same work
 through llama-cpp-python when it is importable (never a dependency), in rounds taken in turn
 with hearthlm's, each figure the median of --repeat rounds. Each engine first runs
 a prompt of the same length with other tokens, as llama-bench warms up: the figures are steady
@@ -18,6 +19,7 @@ import anyio
 import numpy as np
 
 from hearthlm.model_zoo.resolve import resolve_model
+from hearthlm.roofline import gguf_bytes_per_token, hearthlm_bytes_per_token
 from hearthlm.session import Session
 
 
@@ -31,6 +33,11 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
                         "token and inter-token latency with that many concurrent generations")
     p.add_argument("--repeat", type=int, default=3, help="rounds of the single-stream measurements (median)")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--startup", action="store_true",
+                   help="fresh processes that open the model and generate 1 token: start to first token and "
+                        "peak RSS (paired with llama-cpp-python when importable); --repeat runs each")
+    p.add_argument("--first-run", action="store_true",
+                   help="with --startup: also one start with empty kernel and weight caches (as after install)")
 
 
 def _peak_rss_mb() -> float:
@@ -110,7 +117,11 @@ async def _bench_single(a, ex, path: str) -> list[dict]:
         load_s = time.perf_counter() - t0
         await s.generate(_prompt(s.model.n_vocab, a.prompt_tokens, seed=1), max_tokens=2, temperature=0)  # warm-up
         ours, ref = [], []
+        bws = []  # read bandwidth, measured each round: a shared machine's load varies
         for rep in range(a.repeat):
+            if a.backend == "cpu":
+                from hearthlm.backends.cpu.bandwidth import read_bandwidth_apart
+                bws.append(read_bandwidth_apart(a.threads))
             ours.append(await _hearthlm_round(s, a, rep))
             if ex is not None:
                 r = await anyio.to_thread.run_sync(lambda: ex.submit(_llama_cpp_round, a, path, rep).result())
@@ -119,10 +130,20 @@ async def _bench_single(a, ex, path: str) -> list[dict]:
                     ex = None
                 else:
                     ref.append(r)
+        ctx = 8 + a.decode_tokens / 2  # the decode rounds' mean context
+        bpt = [hearthlm_bytes_per_token(s, ctx), gguf_bytes_per_token(s, ctx)]
+    bw = float(np.median(bws)) if bws else None
     rows = [_median_row("hearthlm", a.backend, load_s, ours)]
     rows[0]["peak_rss_mb"] = _peak_rss_mb()
     if ref:
         rows.append(_median_row("llama.cpp", "cpu", ref[0]["load_s"], ref))
+    for r, b in zip(rows, bpt):  # decode as a fraction of what the read bandwidth allows
+        r["mb_per_token"] = b / 1e6
+        if bw:
+            r["roofline"] = r["decode_tok_s"] * b / bw
+    if bw:
+        print(f"read bandwidth: {bw / 1e9:.1f} GB/s ({a.threads or 'all'} threads)")
+    if ref:
         rows.append(dict(engine="ratio", backend="", **{
             k: rows[0][k] / rows[1][k] for k in ("prefill_tok_s", "decode_tok_s")}))
     return rows
@@ -204,6 +225,17 @@ async def _bench_concurrency(a) -> list[dict]:
 
 
 def run_bench(a) -> None:
+    if a.startup:
+        from hearthlm.startup_bench import bench_startup, first_run, print_rows
+        path = str(resolve_model(a.model, filename=a.filename))
+        rows = bench_startup(path, repeat=a.repeat, n_ctx=a.n_ctx)
+        if a.first_run:
+            rows.append(dict(engine="first run", **first_run(path, a.n_ctx)))
+        if a.json:
+            print(json.dumps(rows, indent=2))
+        else:
+            print_rows(rows, f"model: {a.model}  startup: medians of {a.repeat} fresh processes, 1 token each")
+        return
     if a.concurrency:
         rows = anyio.run(_bench_concurrency, a)
         if a.compare_llama_cpp:
@@ -240,7 +272,8 @@ def run_bench(a) -> None:
     if a.json:
         print(json.dumps(rows, indent=2))
         return
-    cols = ["engine", "backend", "load_s", "ttft_s", "prefill_tok_s", "decode_tok_s", "peak_rss_mb"]
+    cols = ["engine", "backend", "load_s", "ttft_s", "prefill_tok_s", "decode_tok_s", "peak_rss_mb", "mb_per_token",
+            "roofline"]
     print(f"model: {a.model}  prompt: {a.prompt_tokens} tokens  decode: {a.decode_tokens} tokens")
     print("  ".join(f"{c:>13}" for c in cols))
     for r in rows:

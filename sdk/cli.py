@@ -1,7 +1,8 @@
 """Command line: `hearthlm generate "prompt"` streams text to stdout; `hearthlm bench`
-measures a model; `hearthlm graph` prints a step's compute graph; `hearthlm serve` runs the
-OpenAI-compatible server; `hearthlm pull` and `hearthlm models` fetch and list model files.
-`python -m hearthlm` is the same."""
+measures a model; `hearthlm prepare` fills the kernel and weight caches with progress;
+`hearthlm graph` prints a step's compute graph; `hearthlm serve` runs the OpenAI-compatible
+server; `hearthlm pull` and `hearthlm models` fetch and list model files. `python -m hearthlm`
+is the same."""
 from __future__ import annotations
 
 import argparse
@@ -47,6 +48,9 @@ def main(argv: list[str] | None = None) -> int:
     _add_model_args(b)
     from hearthlm.bench import add_bench_args, run_bench
     add_bench_args(b)
+    pr = sub.add_parser("prepare", help="compile the kernels and pack the weights a model needs, with progress "
+                                        "(what the first start after an install does otherwise)")
+    _add_model_args(pr)
     gr = sub.add_parser("graph", help="print a step's compute graph before and after fusion")
     _add_model_args(gr)
     from hearthlm.graph_cmd import add_graph_args, run_graph
@@ -70,6 +74,9 @@ def main(argv: list[str] | None = None) -> int:
             run_serve(a)
         elif a.command == "graph":
             run_graph(a)
+        elif a.command == "prepare":
+            from hearthlm.startup_bench import prepare
+            prepare(a.model, a.filename)
         else:
             run_bench(a)
     except HearthError as e:

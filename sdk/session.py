@@ -3,6 +3,7 @@ async streams. Works under asyncio and trio (anyio)."""
 from __future__ import annotations
 
 import math
+import os
 from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator, Sequence
 
@@ -11,7 +12,6 @@ import numpy as np
 
 from hearthlm._wake import Channel, loop_waker
 from hearthlm.backends import get_backend
-from hearthlm.model_zoo.chat_template import encode_chat
 from hearthlm.model_zoo.hub import log_progress
 from hearthlm.model_zoo.template_limits import DEFAULT_LIMITS, TemplateLimits
 from hearthlm.model_zoo.model import Model, load_model
@@ -24,6 +24,7 @@ from hearthlm.runtime.errors import (ContextLengthError, HearthError, InvalidReq
 from hearthlm.runtime.placement import offload, open_device
 from hearthlm.runtime.request import Request
 from hearthlm.runtime.sampling import SamplingParams
+from hearthlm.runtime.weights import WeightCache, cache_dir
 from hearthlm.types import Chunk, Completion
 
 
@@ -54,7 +55,8 @@ class Session:
              filename: str | None = None, kv_cache_tokens: int | None = None,
              max_batch_tokens: int = 512, max_seqs: int = 64, max_queued_requests: int = 1024,
              abort_on_close: bool = True, fusion: bool | None = None,
-             template_limits: TemplateLimits = DEFAULT_LIMITS, progress=None):
+             template_limits: TemplateLimits = DEFAULT_LIMITS, progress=None,
+             weight_cache: str | os.PathLike | bool | None = None):
         """Async context manager yielding a ready Session. `model`: a .gguf path, a Hub repo
         id (`filename` picks the file, a glob), or a model-zoo name. Leaving it aborts the
         requests still running (their callers get SessionClosedError), or with
@@ -65,14 +67,16 @@ class Session:
         on the GPU and the rest on the CPU, as llama.cpp's -ngl. `template_limits` bounds the
         chat template's rendering (time, steps, sizes): it is untrusted data from the file.
         A Hub model not in the cache is downloaded first: `progress(filename, done_bytes,
-        total_bytes)` hears how far it got (default: logged, its start as a warning)."""
+        total_bytes)` hears how far it got (default: logged, its start as a warning).
+        `weight_cache`: where packed weights are kept between starts (a directory; False for
+        nowhere; None: $HEARTHLM_CACHE_DIR, or the platform's cache directory)."""
         @asynccontextmanager
         async def _cm():
             s = await anyio.to_thread.run_sync(lambda: cls._load(
                 model, backend=backend, device=device, n_gpu_layers=n_gpu_layers, n_ctx=n_ctx,
                 filename=filename, kv_cache_tokens=kv_cache_tokens,
                 max_batch_tokens=max_batch_tokens, max_seqs=max_seqs, max_queued_requests=max_queued_requests,
-                fusion=fusion, progress=progress))
+                fusion=fusion, progress=progress, weight_cache=weight_cache))
             s.template_limits = template_limits
             try:
                 yield s
@@ -82,7 +86,7 @@ class Session:
 
     @classmethod
     def _load(cls, model: str, *, backend: str, device: str | None, n_gpu_layers: int | None, n_ctx: int,
-              filename, kv_cache_tokens, progress=None, **engine_opts) -> "Session":
+              filename, kv_cache_tokens, progress=None, weight_cache=None, **engine_opts) -> "Session":
         if isinstance(n_ctx, bool) or not isinstance(n_ctx, int) or n_ctx < 2:
             raise InvalidRequestError(f"n_ctx must be an int >= 2, got {n_ctx!r}")
         if device is not None and backend != "cpu":
@@ -97,7 +101,9 @@ class Session:
             n_ctx = min(n_ctx, m.config.n_ctx_train)
             m.set_context(n_ctx)
             kv_tokens = kv_cache_tokens or 4 * n_ctx
-            engine = Engine(m, placement, n_ctx=n_ctx, kv_blocks=math.ceil(kv_tokens / 16), **engine_opts)
+            wdir = cache_dir(weight_cache)
+            engine = Engine(m, placement, n_ctx=n_ctx, kv_blocks=math.ceil(kv_tokens / 16),
+                            weight_cache=WeightCache(wdir, m.file.identity()) if wdir else None, **engine_opts)
         except BaseException:
             m.close()
             raise
@@ -154,6 +160,7 @@ class Session:
             if chars > max_chars:
                 raise ContextLengthError(f"the messages hold {chars} characters: more than a context of "
                                          f"{self.n_ctx} tokens can take")
+            from hearthlm.model_zoo.chat_template import encode_chat  # Jinja, loaded by the first chat
             return encode_chat(tok, self.model.chat_template, messages, limits=self.template_limits,
                                max_chars=max_chars)
         if isinstance(prompt, str):

@@ -45,3 +45,16 @@ def qwen2_path() -> Path:
 
 def load_json(name: str):
     return json.loads((DATA / name).read_text())
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _own_weight_cache(tmp_path_factory):
+    """Packed weights go to the run's own directory, not the user's cache (child processes
+    inherit it)."""
+    old = os.environ.get("HEARTHLM_CACHE_DIR")
+    os.environ["HEARTHLM_CACHE_DIR"] = str(tmp_path_factory.mktemp("hearthlm-cache"))
+    yield
+    if old is None:
+        os.environ.pop("HEARTHLM_CACHE_DIR", None)
+    else:
+        os.environ["HEARTHLM_CACHE_DIR"] = old

@@ -3,6 +3,7 @@
 unfused engines generate the same tokens; stats() reports the counters."""
 import threading
 
+import numpy as np
 import pytest
 from synth import FakeModel
 
@@ -86,3 +87,25 @@ def test_cache_off_builds_every_step():
     finally:
         e.close()
     assert st["graph_cache_hits"] == 0 and st["graph_cache_misses"] == st["steps"]
+
+
+def test_shapes_share_one_arena():
+    """A long prompt grows the one arena after short ones were cached: the graphs cached before
+    move to the new buffer and still decode the same (cpu: the backend that plans memory)."""
+    prompts = [[1, 2, 3], [i % 49 + 1 for i in range(120)]]
+    e = engine(backend="cpu")
+    try:
+        short = generate(e, prompts[:1], 8)  # the decode graph and a small prefill
+        small = e.stats()["graph_cache_bytes"]
+        generate(e, prompts[1:], 4)          # a larger prefill grows the arena
+        st = e.stats()
+        again = generate(e, prompts[:1], 8)  # the small graphs, rebound
+        both = generate(e, prompts, 8)       # and mixed shapes
+    finally:
+        e.close()
+    assert st["graph_cache_bytes"] > small > 0
+    assert st["graph_cache_bytes"] == max(g.compiled.plan.arena_bytes for g in e.graphs._graphs.values())
+    assert again == short and both[0] == short[0]
+    buf = e.graphs.arena.buf  # no graph holds on to an old buffer
+    outs = [o for g in e.graphs._graphs.values() for o in g.compiled.plan.outs if o is not None and o.size]
+    assert outs and all(np.shares_memory(o, buf) for o in outs)

@@ -13,7 +13,7 @@ from hearthlm.backends.cpu import ops
 from hearthlm.backends.cpu.ffn import ffn_glu
 from hearthlm.backends.cpu.halfs import NATIVE_HALF
 from hearthlm.backends.cpu.matmul import get_rows, matmul, matmul_add
-from hearthlm.backends.cpu.qtypes import SUPPORTED_TYPES, PackedWeight, pack_weight
+from hearthlm.backends.cpu.qtypes import LAYOUT_VERSION, SUPPORTED_TYPES, PackedWeight, pack_weight
 from hearthlm.runtime.graph import Op
 from hearthlm.runtime.weights import QWeight
 
@@ -226,6 +226,7 @@ class CPUBackend(Backend):
     # float16 as llama.cpp's default (half the memory and the bytes attention reads), where the
     # CPU converts natively (halfs.NATIVE_HALF)
     kv_dtype = np.dtype(np.float16 if NATIVE_HALF else np.float32)
+    weight_layout = f"cpu-qtypes-{LAYOUT_VERSION}"
 
     def __init__(self) -> None:
         self.kernels = {
@@ -271,3 +272,18 @@ class CPUBackend(Backend):
             return Experts(pack_weight(w.ggml_type, w.raw[e * rows:(e + 1) * rows], w.shape[1:])
                            for e in range(n_exp))
         return pack_weight(w.ggml_type, w.raw, w.shape)  # drops the file's pages of what it copies
+
+    def export_weight(self, p):
+        if isinstance(p, np.ndarray):
+            return {"kind": "vector"}, {"v": p}
+        if p.layout in ("f32", "half") and not (p.w if p.layout == "f32" else p.qs).flags.writeable:
+            return None  # a view of the (read-only) model file: nothing to save
+        meta = dict(kind="packed", ggml_type=p.ggml_type, shape=list(p.shape), layout=p.layout, sub=p.sub,
+                    ms=p.ms, c=p.c)
+        return meta, {k: a for k, a in (("w", p.w), ("qs", p.qs), ("d", p.d), ("m", p.m)) if a is not None}
+
+    def import_weight(self, meta, arrays):
+        if meta["kind"] == "vector":
+            return arrays["v"]
+        return PackedWeight(meta["ggml_type"], tuple(meta["shape"]), meta["layout"], meta["sub"], w=arrays.get("w"),
+                            qs=arrays.get("qs"), d=arrays.get("d"), m=arrays.get("m"), ms=meta["ms"], c=meta["c"])

@@ -39,6 +39,7 @@ SUPPORTED_TYPES = frozenset(int(t) for t in (
     T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K,
 ))
 
+LAYOUT_VERSION = 1  # of everything below: bump it when a layout changes (cached packed weights are rebuilt)
 ROWS = 16  # rows per block of the quantized layouts
 PACK_ROWS = 4096  # rows unpacked at a time (a multiple of ROWS)
 KINDS = {("nib", 32): 0, ("nib", 16): 1, ("i8", 32): 2, ("i8", 16): 3}  # dot.py's kernel families

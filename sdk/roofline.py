@@ -1,0 +1,46 @@
+"""Decode against the memory roofline: a decode step reads every weight it uses once, and the
+K/V of every earlier token, so tokens/s can be at most (read bandwidth) / (bytes per token).
+`hearthlm bench` reports decode tokens/s as a fraction of that, for hearthlm (its packed
+weights, as the decode graph binds them) and for llama.cpp (the GGUF's own tensors)."""
+from __future__ import annotations
+
+import numpy as np
+
+
+def _nbytes(v) -> int:
+    if isinstance(v, np.ndarray):
+        return v.nbytes
+    return int(getattr(v, "nbytes", 0))
+
+
+def kv_bytes_per_token(session, context: float, itemsize: int) -> float:
+    """K and V of `context` earlier tokens, every layer."""
+    return sum(2 * context * h * d * itemsize for h, d in session.model.kv_dims)
+
+
+def hearthlm_bytes_per_token(session, context: float) -> float:
+    """The prepared weights the one-token graph reads whole (each once; an embedding table that
+    is only looked up reads one row), plus the K/V it reads."""
+    from hearthlm.runtime.dispatch import STATIC
+    from hearthlm.runtime.graph import Op
+    graphs = session.engine.graphs._graphs
+    sig = min(graphs, key=lambda s: s.shape.n_tokens)  # the decode graph, compiled at open
+    steps = graphs[sig].compiled.steps
+    static = {st.index: st.value for st in steps if st.kind is STATIC}
+    seen: dict[int, int] = {}
+    for st in steps:
+        if st.node.op is not Op.GET_ROWS:
+            for j in st.srcs:
+                if j in static:
+                    seen[id(static[j])] = _nbytes(static[j])
+    kv = max(np.dtype(b.kv_dtype).itemsize for b in session.engine.placement.backends.values())
+    return sum(seen.values()) + kv_bytes_per_token(session, context, kv)
+
+
+def gguf_bytes_per_token(session, context: float) -> float:
+    """llama.cpp reads the file's tensors as they are; a tied embedding is read whole as the
+    output projection. K/V in float16, its default."""
+    tensors = session.model.file.tensors
+    lookup_only = "token_embd.weight" if "output.weight" in tensors else None
+    return (sum(t.nbytes for t in tensors.values() if t.name != lookup_only)
+            + kv_bytes_per_token(session, context, 2))

@@ -1,0 +1,178 @@
+"""The packed-weight cache on disk (runtime/weights.py's WeightCache, the CPU backend's
+export/import): written on a first open, mapped on the next with the same outputs; a corrupt
+or stale file is rebuilt, never used; a directory that cannot be written means no cache; two
+processes share one."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as T
+
+from hearthlm import SyncSession
+from hearthlm.backends.cpu.backend import CPUBackend
+from hearthlm.model_zoo.gguf_file import GGUFFile
+from hearthlm.runtime.weights import CACHE_FORMAT, WeightCache, cache_dir, default_cache_dir
+from tiny_gguf import write_tiny
+
+PROMPT = [5, 40, 77, 120, 9]
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> Path:
+    # Q4_1: a layout with per-row minimums (m); q/k/v are stacked by fusion
+    return write_tiny(tmp_path_factory.mktemp("m") / "tiny.gguf", n_embd=128, n_ff=256, qtype=T.Q4_1)
+
+
+def run(model, cache, n=6) -> tuple[list[int], str]:
+    with SyncSession(str(model), weight_cache=cache, n_ctx=64) as s:
+        ids = s.generate(PROMPT, max_tokens=n, temperature=0, ignore_eos=True).token_ids
+        return ids, s.stats()["weight_cache"]["cpu"]
+
+
+def cache_file(model, d: Path) -> Path:
+    with GGUFFile.open(model) as f:
+        return WeightCache(d / "weights", f.identity()).path(CPUBackend())
+
+
+def test_written_then_mapped_with_the_same_outputs(model, tmp_path):
+    ref, state = run(model, False)
+    assert state == "off"
+    ids, state = run(model, tmp_path)
+    assert (ids, state) == (ref, "written")
+    f = cache_file(model, tmp_path)
+    assert f.stat().st_size > 0 and not list(f.parent.glob(".tmp-*"))
+    ids, state = run(model, tmp_path)
+    assert (ids, state) == (ref, "hit")
+
+
+def test_weights_left_in_the_model_file_do_not_rewrite_it(tmp_path):
+    """F16 matrices are used where they lie in the model file (not cached); their q/k/v stack
+    is a copy and is: the second start maps it and writes nothing."""
+    f32 = write_tiny(tmp_path / "f16.gguf", qtype=T.F16)
+    ref, state = run(f32, tmp_path)
+    assert state == "written"
+    before = cache_file(f32, tmp_path).stat().st_mtime_ns
+    assert run(f32, tmp_path) == (ref, "hit")
+    assert cache_file(f32, tmp_path).stat().st_mtime_ns == before
+
+
+def test_mapped_pages_belong_to_the_file(model, tmp_path):
+    if not Path("/proc/self/smaps").exists():
+        pytest.skip("needs /proc/self/smaps")
+    run(model, tmp_path)
+    with SyncSession(str(model), weight_cache=tmp_path, n_ctx=64) as s:
+        s.generate(PROMPT, max_tokens=2, temperature=0)
+        name = cache_file(model, tmp_path).name
+        rss = anon = 0
+        cur = False
+        for line in Path("/proc/self/smaps").read_text().splitlines():
+            if "-" in line.split()[0] and len(line.split()) >= 5:
+                cur = line.endswith(name)
+            elif cur and line.startswith("Rss:"):
+                rss += int(line.split()[1])
+            elif cur and line.startswith("Anonymous:"):
+                anon += int(line.split()[1])
+        assert rss > 0 and anon == 0, (rss, anon)  # read through the mapping, never copied
+
+
+def _corruptions(f: Path):
+    data = f.read_bytes()
+    head_index = int.from_bytes(data[24:32], "little")  # data offset
+    yield "bad magic", b"XX" + data[2:]
+    yield "truncated", data[: len(data) // 2]
+    yield "empty", b""
+    yield "flipped data byte", data[:head_index + 100] + bytes([data[head_index + 100] ^ 0x10]) + data[head_index + 101:]
+    yield "garbage index", data[:40] + b"{" * 20 + data[60:]
+    yield "other format", data[:8] + (CACHE_FORMAT + 1).to_bytes(4, "little") + data[12:]
+
+
+def test_corrupt_file_is_rebuilt(model, tmp_path):
+    ref, _ = run(model, False)
+    run(model, tmp_path)
+    f = cache_file(model, tmp_path)
+    good = f.read_bytes()
+    with GGUFFile.open(model) as g:
+        identity = g.identity()
+    for what, bad in _corruptions(f):
+        f.write_bytes(bad)
+        _, state = WeightCache(tmp_path / "weights", identity).load(CPUBackend())
+        assert state in ("corrupt", "stale"), what
+        ids, state = run(model, tmp_path)
+        assert (ids, state) == (ref, "written"), what
+        assert f.read_bytes() == good, what  # rebuilt as it was
+    assert run(model, tmp_path) == (ref, "hit")
+
+
+def test_stale_file_is_rebuilt(model, tmp_path, monkeypatch):
+    ref, _ = run(model, False)
+    run(model, tmp_path)
+    st = os.stat(model)
+    os.utime(model, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # the model file changed
+    assert run(model, tmp_path) == (ref, "written")
+    assert run(model, tmp_path) == (ref, "hit")
+    monkeypatch.setattr(CPUBackend, "weight_layout", "cpu-qtypes-test")  # a new packing layout
+    assert run(model, tmp_path) == (ref, "written")
+
+
+def test_unwritable_directory_means_no_cache(model, tmp_path):
+    ref, _ = run(model, False)
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    assert run(model, blocker / "cache") == (ref, "unwritable")
+    if os.geteuid() == 0:
+        return  # root writes through permission bits
+    ro = tmp_path / "ro"
+    run(model, ro)  # a good file, then the directory goes read-only
+    (ro / "weights").chmod(0o555)
+    try:
+        assert run(model, ro) == (ref, "hit")
+        cache_file(model, ro).unlink(missing_ok=True) if os.access(ro / "weights", os.W_OK) else None
+    finally:
+        (ro / "weights").chmod(0o755)
+
+
+def test_cache_dir_option_and_environment(monkeypatch, tmp_path):
+    monkeypatch.delenv("HEARTHLM_CACHE_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    if sys.platform.startswith("linux"):
+        assert default_cache_dir() == tmp_path / "xdg" / "hearthlm"
+    assert cache_dir(None) == default_cache_dir() / "weights"
+    assert cache_dir(False) is None and cache_dir("off") is None
+    assert cache_dir(tmp_path) == tmp_path / "weights"
+    monkeypatch.setenv("HEARTHLM_CACHE_DIR", str(tmp_path / "env"))
+    assert cache_dir(None) == tmp_path / "env" / "weights"
+    monkeypatch.setenv("HEARTHLM_CACHE_DIR", "off")
+    assert cache_dir(None) is None
+
+
+_CHILD = r"""
+import json, sys
+from hearthlm import SyncSession
+with SyncSession(sys.argv[1], weight_cache=sys.argv[2], n_ctx=64) as s:
+    ids = s.generate([5, 40, 77, 120, 9], max_tokens=6, temperature=0, ignore_eos=True).token_ids
+    print(json.dumps([ids, s.stats()["weight_cache"]["cpu"]]))
+"""
+
+
+def test_two_processes_share_one_cache(model, tmp_path):
+    ref, _ = run(model, False)
+
+    def start():
+        return subprocess.Popen([sys.executable, "-c", _CHILD, str(model), str(tmp_path)],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    def result(p):
+        out, err = p.communicate(timeout=600)
+        assert p.returncode == 0, err[-2000:]
+        return json.loads(out.strip().splitlines()[-1])
+
+    both = [start(), start()]  # at once, on an empty cache: each may write it, neither breaks
+    outs = [result(p) for p in both]
+    assert all(ids == ref and state in ("written", "hit") for ids, state in outs), outs
+    both = [start(), start()]  # then both map the one file
+    assert [result(p) for p in both] == [[ref, "hit"]] * 2
+    assert not list((tmp_path / "weights").glob(".tmp-*"))
