@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 
@@ -33,6 +33,7 @@ class Request:
     n_preempted: int = 0
     first_token_at: float | None = None
     rng: np.random.Generator | None = None
+    matcher: Any = None  # runtime.constraint.Matcher: the grammar the output must follow
 
     def __post_init__(self) -> None:
         self.tokens = list(self.prompt)
