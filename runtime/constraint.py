@@ -119,16 +119,24 @@ class Matcher:
         if not self.m.consume_token(token):
             raise GrammarError(f"the grammar rejected token {token}: {self.m.get_error()}")
 
+    def forced(self, limit: int) -> list[int]:
+        """Up to `limit` tokens the grammar allows no alternative to (`", "name": "`), consumed."""
+        if limit <= 0 or self.m.is_stopped():
+            return []
+        ff = self.m.compute_ff_tokens()[:limit]
+        if ff and not self.m.consume_tokens(ff):
+            raise GrammarError(f"the grammar rejected its own forced tokens: {self.m.get_error()}")
+        return ff
+
     @property
     def done(self) -> bool:
         """Complete: only end-of-generation may follow."""
         return self.m.is_stopped()
 
-    def apply(self, logits: np.ndarray, mask: np.ndarray) -> np.ndarray:
-        """logits (n_vocab,) with the tokens `mask` (packed bits) forbids at -inf."""
+    def apply(self, logits: np.ndarray, allowed: np.ndarray) -> np.ndarray:
+        """logits (n_vocab,) with the tokens not `allowed` (bool, n_vocab) at -inf."""
         if self.m.is_error():
             raise GrammarError(f"grammar error: {self.m.get_error()}")
-        allowed = np.unpackbits(mask.view(np.uint8), bitorder="little", count=logits.shape[0]).astype(bool)
         if not allowed.any():
             raise GrammarError("the grammar allows no token here")
         return np.where(allowed, logits, np.float32(-np.inf)).astype(np.float32, copy=False)
@@ -139,7 +147,7 @@ class MaskWorker:
     they are ready when the forward pass (which runs meanwhile) is."""
 
     def __init__(self, n_vocab: int) -> None:
-        self.words = (n_vocab + 31) // 32
+        self.n_vocab, self.words = n_vocab, (n_vocab + 31) // 32
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="hearthlm-mask")
         self._llexec = llg.LLExecutor()
         self.compute_s = 0.0  # worker time spent filling masks
@@ -153,9 +161,11 @@ class MaskWorker:
         return self._pool.submit(self._fill, matchers)
 
     def _fill(self, matchers: list[Matcher]) -> np.ndarray:
+        """(len(matchers), n_vocab) bool: the allowed tokens, unpacked here, off the engine's path."""
         t0 = time.perf_counter()
         masks = np.zeros((len(matchers), self.words), np.int32)
         llg_np.fill_next_token_bitmask_par(self._llexec, [(m.m, i) for i, m in enumerate(matchers)], masks)
+        masks = np.unpackbits(masks.view(np.uint8), axis=1, bitorder="little", count=self.n_vocab).view(bool)
         with self._lock:
             self.compute_s += time.perf_counter() - t0
             self.n_masks += len(matchers)

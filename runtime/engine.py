@@ -329,8 +329,11 @@ class Engine:
                     lg = r.matcher.apply(lg, masks[id(r)])
                 tok = sample(lg, p, r.rng, r.tokens)
                 tlp = top_logprobs(lg, p.top_logprobs) if p.top_logprobs else None
+                ff = []  # tokens the grammar forces after tok: fed in the next step, unsampled
                 if r.matcher is not None and tok not in eog:
                     r.matcher.consume(tok)
+                    if not p.top_logprobs:
+                        ff = r.matcher.forced(min(r.max_tokens - r.n_generated, self.n_ctx - len(r.tokens)) - 1)
             except GrammarError as e:  # this request's grammar, not its neighbours'
                 self._finish(r, "error", e)
                 continue
@@ -343,11 +346,12 @@ class Engine:
             if (tok in eog and not p.ignore_eos) or tok in p.stop_token_ids:
                 self._finish(r, "stop")
                 continue
-            r.tokens.append(tok)
-            r.n_generated += 1
-            self.counters["tokens_generated"] += 1
             try:
-                r.on_token(tok, tlp)
+                for t, lp in [(tok, tlp), *((t, None) for t in ff)]:
+                    r.tokens.append(t)
+                    r.n_generated += 1
+                    self.counters["tokens_generated"] += 1
+                    r.on_token(t, lp)
             except Exception as e:  # the caller's callback fails its own request only
                 self._finish(r, "error", HearthError(f"token callback failed: {type(e).__name__}: {e}"))
                 continue

@@ -11,6 +11,7 @@ import argparse
 import multiprocessing
 import json
 import resource
+import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
 
@@ -246,6 +247,7 @@ async def _bench_json_schema(a) -> list[dict]:
                              ratio=float(c[0] / p[0]), plain_tokens_per_req=float(p[1]),
                              constrained_tokens_per_req=float(c[1]), mask_ms_per_token=float(np.median(mask_ms)),
                              mask_wait_ms_per_token=after["mask_wait_ms_per_token"]))
+            print(f"concurrency {n}: ratio {rows[-1]['ratio']:.3f}", file=sys.stderr, flush=True)
     return rows
 
 

@@ -145,8 +145,7 @@ class Session:
                 raise InvalidRequestError("this model has no chat template; pass prompt= instead")
             if isinstance(messages, list) and len(messages) > MAX_MESSAGES:
                 raise InvalidRequestError(f"{len(messages)} messages; at most {MAX_MESSAGES} are taken")
-            chars = sum(len(c) if isinstance(c, str) else sum(len(str(p)) for p in c) if isinstance(c, list) else 0
-                        for c in (m.get("content") for m in messages if isinstance(m, dict))) \
+            chars = sum(_chars(m.get("content")) for m in messages if isinstance(m, dict)) \
                 if isinstance(messages, list) else 0
             if chars > max_chars:
                 raise ContextLengthError(f"the messages hold {chars} characters: more than a context of "
@@ -277,6 +276,15 @@ class Session:
         finally:
             if not done:
                 self.engine.abort(req.id)
+
+
+def _chars(content: Any) -> int:
+    """Characters of a message's content: a string, or a list of text parts."""
+    if isinstance(content, str):
+        return len(content)
+    if not isinstance(content, list):
+        return 0
+    return sum(len(p["text"]) for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
 
 
 def _check_limits(max_tokens, stop, timeout) -> tuple[int | None, list[str], float | None]:
