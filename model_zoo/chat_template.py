@@ -108,6 +108,7 @@ def compile_template(template: str) -> jinja2.Template:
                    extensions=[_Generation, "jinja2.ext.loopcontrols"])
     env.filters["tojson"] = _tojson
     env.filters = {name: env.ops.after(f) for name, f in env.filters.items()}
+    del env.globals["lipsum"]  # loops in Jinja's own code for as long as asked: no use to a chat
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
     try:
@@ -117,6 +118,8 @@ def compile_template(template: str) -> jinja2.Template:
                                   f"{e.message}") from e
     except RecursionError as e:  # deeply nested syntax
         raise InvalidRequestError("chat template is nested too deeply to compile") from e
+    except Exception as e:  # Jinja's output that Python refuses (break inside a call block, ...)
+        raise InvalidRequestError(f"chat template cannot be compiled: {type(e).__name__}: {e}") from e
     ns = t.root_render_func.__globals__  # the compiled module's: `~` joins through these names
     for name in ("str_join", "markup_join"):
         ns[name] = env.ops.join(ns[name])

@@ -81,8 +81,11 @@ def load_model(path) -> Model:
             tokenizer = Tokenizer.from_gguf_metadata(md)
         except (KeyError, TypeError, ValueError, IndexError) as e:  # metadata of the wrong shape
             raise ModelLoadError(f"{path}: bad tokenizer metadata: {type(e).__name__}: {e}") from e
+        template = md.get("tokenizer.chat_template")
+        if template is not None and not isinstance(template, str):  # e.g. an array: no truth value
+            raise ModelLoadError(f"{path}: GGUF metadata tokenizer.chat_template is a {type(template).__name__}, not a string")
         model = Model(str(path), f, arch_name, arch, config, weights, tokenizer,
-                      md.get("tokenizer.chat_template") or default_chat_template(arch_name), n_vocab=out.shape[0])
+                      template or default_chat_template(arch_name), n_vocab=out.shape[0])
         _check_graph(model)
         return model
     except BaseException:

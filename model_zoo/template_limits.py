@@ -41,7 +41,9 @@ class TemplateLimits:
 
 
 DEFAULT_LIMITS = TemplateLimits()
-_WIDE_FORMAT = re.compile(r"%[-+ #0]*(\d{6,})|\{[^{}]*:[^{}]*?(\d{6,})")  # a %- or {}-format field 100,000+ wide
+# a %- or {}-format field 100,000+ wide or precise, or one whose width comes from the arguments
+# (`%*d`, `%.*f`, `{:{}}`): its size is unknown until the string is built
+_WIDE_FORMAT = re.compile(r"%[-+ #0]*(\d*\.?\d{6,}|\*|\d*\.\*)|\{[^{}]*:[^{}]*?(\d{6,}|\{)")
 
 
 class Budget:
@@ -49,11 +51,16 @@ class Budget:
 
     def __init__(self, limits: TemplateLimits) -> None:
         self.limits = limits
-        self.steps = 0
+        self.steps = self.calls = 0
         self.deadline = time.monotonic() + limits.seconds
 
     def trace(self, frame, event, arg):  # the global tracer: line events only in template code
-        return self._line if frame.f_code.co_filename == TEMPLATE_FILE else None
+        if frame.f_code.co_filename == TEMPLATE_FILE:
+            return self._line
+        self.calls += 1  # other Python code the template runs (a filter's loop) meets the clock here
+        if self.calls & 63 == 0 and time.monotonic() > self.deadline:
+            raise TemplateLimitError(f"chat template took longer than {self.limits.seconds} s to render")
+        return None
 
     def _line(self, frame, event, arg):
         if event == "line":

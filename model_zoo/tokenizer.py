@@ -22,6 +22,7 @@ from .tokenizer_rules import (AUTO_DETECT, EOG_TEXTS, SPECIAL, TYPE_TO_ATTR, BYT
 from .tokenizer_spm import spm_encode
 
 _SPACE = "\u2581"  # SentencePiece's escaped space
+_HEX = frozenset("0123456789abcdefABCDEF")
 
 
 @contextmanager
@@ -29,7 +30,7 @@ def _key(name: str):
     """Metadata of the wrong type becomes a ModelLoadError naming its key."""
     try:
         yield
-    except (TypeError, ValueError) as e:
+    except (TypeError, ValueError, OverflowError) as e:  # OverflowError: int() of an infinite float
         raise ModelLoadError(f"GGUF metadata {name} has the wrong type: {e}") from e
 
 
@@ -254,9 +255,13 @@ class Tokenizer:
             b = self._piece_cache[key] = self._render(int(tid), special)
         return b
 
-    def _render(self, tid: int, special: bool) -> bytes:
-        if not 0 <= tid < self.vocab_size:
+    def _check_id(self, tid: int) -> int:
+        if not 0 <= tid < self.vocab_size:  # also refuses negatives, which would index from the end
             raise InvalidRequestError(f"token id {tid} out of range for a vocab of {self.vocab_size}")
+        return tid
+
+    def _render(self, tid: int, special: bool) -> bytes:
+        self._check_id(tid)
         attr, text = self._attr[tid], self._tokens[tid]
         if attr & (UNKNOWN | CONTROL):
             return text.encode("utf-8") if special else b""
@@ -267,7 +272,9 @@ class Tokenizer:
                 return bpe_piece_bytes(text)
             return text.replace(_SPACE, " ").encode("utf-8")
         if attr & BYTE:
-            return bytes([int(text[3:5], 16)])
+            # a malformed vocab may mark other text as a byte token: render that text as is
+            hex_ok = len(text) == 6 and text[:3] == "<0x" and text[5] == ">" and all(c in _HEX for c in text[3:5])
+            return bytes([int(text[3:5], 16)]) if hex_ok else text.encode("utf-8")
         return b""  # unused / undefined tokens render as nothing
 
     def token_to_piece(self, tid: int, *, special: bool = True) -> str:
@@ -308,14 +315,14 @@ class Tokenizer:
                 ([f] if isinstance(f, int) else self._encode_text(f, prev_special=False))]
 
     def is_control(self, tid: int) -> bool:
-        return bool(self._attr[tid] & CONTROL)
+        return bool(self._attr[self._check_id(tid)] & CONTROL)
 
     def is_eog(self, tid: int) -> bool:
         return tid in self.eog_ids
 
     def token_text(self, tid: int) -> str:
         """The raw vocab entry (byte-level / '▁'-escaped form), for debugging."""
-        return self._tokens[tid]
+        return self._tokens[self._check_id(tid)]
 
     def token_id(self, text: str) -> int | None:
         """The id whose raw vocab entry is `text` (e.g. '<|im_end|>'), or None."""

@@ -72,6 +72,9 @@ def build_bpe(tokens: list[str], merges, pre: _Pre) -> HFTokenizer:
         pos = m.find(" ", 1)
         if pos < 0:
             raise ModelLoadError(f"malformed BPE merge {m!r} in tokenizer.ggml.merges")
+        if m[:pos] + m[pos + 1:] not in vocab:  # `tokenizers` would panic (a BaseException), not raise
+            raise ModelLoadError(f"BPE merge {m!r} in tokenizer.ggml.merges makes "
+                                 f"{m[:pos] + m[pos + 1:]!r}, which is not in the vocab")
         pairs.append((m[:pos], m[pos + 1:]))
     # ignore_merges needs tokenizers >= 0.19; only llama3-style vocabs ask for it.
     extra = {"ignore_merges": True} if pre.ignore_merges else {}

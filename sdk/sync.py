@@ -51,6 +51,9 @@ class SyncSession:
     def stats(self) -> dict[str, Any]:
         return self.session.stats()
 
+    def health(self) -> dict[str, Any]:
+        return self.session.health()
+
     def close(self) -> None:
         if self._portal_cm is None:
             return

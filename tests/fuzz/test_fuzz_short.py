@@ -1,0 +1,32 @@
+"""A bounded run of each fuzz target in `make test`: seed 1, a fixed number of inputs (capped
+at 40 s of wall time on a slow machine), about a minute for all three. Each runs in its own
+process, as the long run does (`make fuzz`, tests/fuzz/run.py): atheris can start only once
+per process, and the address-space cap must not reach pytest."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fuzz.engine import TARGETS
+
+ENGINE = Path(__file__).parent / "engine.py"
+RUNS = {"gguf": 3000, "tokenizer": 600, "template": 2500}
+# Reported and xfail in tests/test_fuzz_regressions.py; tolerated here until fixed, so that
+# this run still catches anything new. Remove an entry when its fix lands.
+KNOWN = ["turn markers injected"]  # a role holding special-token text (test_special_token_text_in_a_role)
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_fuzz_bounded(target: str, tmp_path: Path) -> None:
+    proc = subprocess.run([sys.executable, str(ENGINE), target, "--out", str(tmp_path), "--seed", "1",
+                           "--runs", str(RUNS[target]), "--seconds", "40"],
+                          capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-4000:]  # a libFuzzer timeout or a hard crash
+    stats = json.loads((tmp_path / f"{target}.json").read_text())
+    assert stats["final"] and stats["execs"] >= 50, stats
+    found = [f for f in stats["findings"] if not any(k in f["error"] for k in KNOWN)]
+    assert not found, "\n\n".join(Path(f["file"]).read_text()[:4000] for f in found)
