@@ -136,8 +136,7 @@ class Hermes(ToolFormat):
 class Llama3(ToolFormat):
     def safe_prefix(self, text):  # a call is the whole output: wait while it could be one
         body = text.lstrip()
-        could_be_call = not body or body.startswith("{") or "<|python_tag|>".startswith(body[:14]) \
-            or body.startswith("<|python_tag|>")
+        could_be_call = not body or body.startswith("{") or "<|python_tag|>".startswith(body[:14])
         return 0 if could_be_call else len(text)
 
     def parse(self, text):

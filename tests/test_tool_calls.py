@@ -204,3 +204,14 @@ async def test_tool_calls_qwen(qwen_path):
         assert c.finish_reason == "tool_calls", c.text
         assert c.tool_calls[0]["function"]["name"] == "get_weather"
         assert json.loads(c.tool_calls[0]["function"]["arguments"])["city"] == "Paris"
+
+
+def test_llama3_stream_holds_a_leading_call_only():
+    plan = ToolPlan(tc.FORMATS["llama3"], [WEATHER], "auto")
+    out = ToolOutput(plan)
+    call = '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris", "unit": "celsius"}}'
+    assert "".join(out.feed(Chunk(ch, [0])).text for ch in call) == ""
+    last = out.feed(Chunk("", [], "stop"))
+    assert last.finish_reason == "tool_calls" and last.text == ""
+    out = ToolOutput(plan)
+    assert out.feed(Chunk("It is {warm} today", [0])).text == "It is {warm} today"
