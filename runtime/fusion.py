@@ -162,9 +162,13 @@ def stack_matmuls(graph: Graph) -> Graph:
             groups.setdefault(id(n.srcs[1]), []).append(n)
     first: dict[int, list[Tensor]] = {}
     for mms in groups.values():
-        ws = [m.srcs[0].params["weight"] for m in mms]
-        if len(mms) > 1 and len({(w.ggml_type, w.shape[1], len(w.shape)) for w in ws}) == 1:
-            first[id(mms[0])] = mms
+        by_type: dict[tuple, list[Tensor]] = {}  # stackable: same type and width (Qwen's q and k, not its Q8_0 v)
+        for m in mms:
+            w = m.srcs[0].params["weight"]
+            by_type.setdefault((w.ggml_type, w.shape[1], len(w.shape)), []).append(m)
+        for same in by_type.values():
+            if len(same) > 1:
+                first[id(same[0])] = same
     if not first:
         return graph
     out = Graph()

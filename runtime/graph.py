@@ -45,7 +45,8 @@ class Op(enum.Enum):
     SCALE = "scale", OpProps(inplace=(0,))  # (x,) * params["s"]
     SILU = "silu", OpProps(inplace=(0,))
     GELU = "gelu", OpProps(inplace=(0,))    # tanh approximation, as ggml_gelu
-    # (x (n_tokens, n_heads, head_dim), pos (n_tokens,)); params: n_rot, base, freq_scale, neox
+    TANH = "tanh", OpProps(inplace=(0,))    # (x,) elementwise (Gemma 2's logit soft-capping)
+    # (x (n_tokens, n_heads, head_dim), pos (n_tokens,)); params: n_rot, base, freq_scale, neox[, freqs, mscale]
     ROPE = "rope", OpProps(inplace=(0,))
     # (cache, src, slots): cache[slots] = src; returns the cache (orders later reads)
     SET_ROWS = "set_rows", OpProps(writes_cache=True)
@@ -58,6 +59,12 @@ class Op(enum.Enum):
     SOFT_MAX = "soft_max", OpProps(inplace=(0,))  # (x,) over the last axis
     KQV = "kqv"              # (probs (n_tokens, n_head, n_kv), v (n_seqs, n_kv, h_kv, dv), tok_seq) -> (n_tokens, n_head, dv)
     ADD_N = "add_n", OpProps(inplace=(0, 1, 2, 3))  # (a, b, c, ...) -> their sum, one pass
+    # mixture of experts (llama.cpp's build_moe_ffn)
+    TOP_K = "top_k"          # (x (n, E),) -> (n, k) int32: indices of the k largest, largest first; params: k
+    TAKE = "take"            # (x (n, E), ids (n, k)) -> (n, k): x[i, ids[i, j]]
+    SUM_ROWS = "sum_rows"    # (x (..., n),) -> (..., 1)
+    DIV = "div"              # (a, b) broadcast
+    MUL_MAT_ID = "mul_mat_id"  # (w (E, rows, cols), x (n, cols) or (n, k, cols), ids (n, k)) -> (n, k, rows): x @ w[ids].T (ggml's MUL_MAT_ID)
     # fused ops (runtime.fusion rewrites into these)
     ATTN = "attn"            # (q, k_cache, v_cache, tok_seq, tok_pos, block_table) -> (n_tokens, n_head*head_dim)
     RMS_NORM_MUL = "rms_norm_mul", OpProps(inplace=(0,))  # (x, w) = rms_norm(x) * w
@@ -146,6 +153,9 @@ class Graph:
     def gelu(self, x: Tensor, name: str, il: int = -1) -> Tensor:
         return self._add(Op.GELU, (x,), x.shape, name, il)
 
+    def tanh(self, x: Tensor, name: str, il: int = -1) -> Tensor:
+        return self._add(Op.TANH, (x,), x.shape, name, il)
+
     def reshape(self, x: Tensor, shape, name: str, il: int = -1) -> Tensor:
         assert int(np.prod(shape)) == int(np.prod(x.shape)), f"{name}: {x.shape} -> {shape}"
         return self._add(Op.RESHAPE, (x,), shape, name, il, new_shape=tuple(shape))
@@ -155,10 +165,15 @@ class Graph:
         return self._add(Op.SLICE, (x,), (*x.shape[:-1], stop - start), name, il, start=int(start), stop=int(stop))
 
     def rope(self, x: Tensor, pos: Tensor, *, n_rot: int, base: float, freq_scale: float = 1.0,
-             neox: bool, name: str, il: int = -1) -> Tensor:
-        assert len(x.shape) == 3 and n_rot <= x.shape[2]
+             neox: bool, name: str, il: int = -1, freqs: tuple[float, ...] | None = None,
+             mscale: float = 1.0) -> Tensor:
+        """`freqs` (n_rot/2) replace base and freq_scale (scaled RoPE: theta_i = pos * freqs[i]),
+        `mscale` multiplies cos and sin; both are left out of params when unused."""
+        assert len(x.shape) == 3 and n_rot <= x.shape[2] and (freqs is None or len(freqs) == n_rot // 2)
+        extra = {} if freqs is None and mscale == 1.0 else dict(
+            freqs=None if freqs is None else tuple(float(f) for f in freqs), mscale=float(mscale))
         return self._add(Op.ROPE, (x, pos), x.shape, name, il, n_rot=int(n_rot), base=float(base),
-                         freq_scale=float(freq_scale), neox=bool(neox))
+                         freq_scale=float(freq_scale), neox=bool(neox), **extra)
 
     def set_rows(self, cache: Tensor, src: Tensor, slots: Tensor, name: str, il: int = -1) -> Tensor:
         return self._add(Op.SET_ROWS, (cache, src, slots), cache.shape, name, il)
@@ -182,6 +197,26 @@ class Graph:
     def kqv(self, probs: Tensor, v: Tensor, tok_seq: Tensor, name: str, il: int = -1) -> Tensor:
         assert probs.shape[2] == v.shape[1], f"{name}: {probs.shape} vs {v.shape}"
         return self._add(Op.KQV, (probs, v, tok_seq), (probs.shape[0], probs.shape[1], v.shape[3]), name, il)
+
+    def top_k(self, x: Tensor, k: int, name: str, il: int = -1) -> Tensor:
+        assert len(x.shape) == 2 and 0 < k <= x.shape[1]
+        return self._add(Op.TOP_K, (x,), (x.shape[0], k), name, il, dtype=I32, k=int(k))
+
+    def take(self, x: Tensor, ids: Tensor, name: str, il: int = -1) -> Tensor:
+        assert len(x.shape) == 2 and ids.shape[0] == x.shape[0]
+        return self._add(Op.TAKE, (x, ids), ids.shape, name, il)
+
+    def sum_rows(self, x: Tensor, name: str, il: int = -1) -> Tensor:
+        return self._add(Op.SUM_ROWS, (x,), (*x.shape[:-1], 1), name, il)
+
+    def div(self, a: Tensor, b: Tensor, name: str, il: int = -1) -> Tensor:
+        return self._add(Op.DIV, (a, b), np.broadcast_shapes(a.shape, b.shape), name, il)
+
+    def mul_mat_id(self, w: Tensor, x: Tensor, ids: Tensor, name: str, il: int = -1) -> Tensor:
+        """Each token's x through the experts ids[t] selects of the stacked weights w."""
+        n, k = ids.shape
+        assert len(w.shape) == 3 and x.shape[-1] == w.shape[2] and x.shape[0] == n and x.shape[1:-1] in ((), (k,))
+        return self._add(Op.MUL_MAT_ID, (w, x, ids), (n, k, w.shape[1]), name, il)
 
     def add_n(self, xs, name: str, il: int = -1) -> Tensor:
         return self._add(Op.ADD_N, tuple(xs), np.broadcast_shapes(*(x.shape for x in xs)), name, il)

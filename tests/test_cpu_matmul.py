@@ -265,3 +265,34 @@ def test_matmul_add_in_place_over_the_residual(n_tok):
     buf = r.copy()
     assert matmul_add(w, x, buf, out=buf) is buf
     assert np.array_equal(buf, expect)
+
+
+def test_mul_mat_id_reads_only_selected_experts():
+    """The CPU groups tokens per expert and reads only the selected experts' weights."""
+    from hearthlm.backends.cpu.backend import CPUBackend, Experts
+    from hearthlm.runtime.graph import Graph
+    from hearthlm.runtime.weights import QWeight
+    rng = np.random.default_rng(3)
+    w = rng.standard_normal((3, 8, 32)).astype(np.float32)
+    used = {e: pack_weight(int(T.F32), w[e].view(np.uint8), (8, 32)) for e in (0, 2)}
+    experts = Experts(used.get(e) for e in range(3))  # expert 1 absent: reading it would fail
+    g = Graph()
+    node = g.mul_mat_id(g.weight(QWeight("e", int(T.F32), (3, 8, 32), np.zeros((24, 128), np.uint8))),
+                        g.input("x", (2, 32), np.float32), g.input("ids", (2, 1)), "y")
+    x, ids = rng.standard_normal((2, 32)).astype(np.float32), np.array([[2], [0]], np.int32)
+    y = CPUBackend().kernels[node.op](node, experts, x, ids)
+    assert np.allclose(y[:, 0], np.stack([x[0] @ w[2].T, x[1] @ w[0].T]), atol=1e-4)
+
+
+@pytest.mark.parametrize("into", [0, 2])
+def test_add_n_into_any_source(into):
+    """The planner may give add_n any source's buffer (Op.ADD_N's inplace): the sum stays right."""
+    from hearthlm.backends.cpu.backend import CPUBackend
+    from hearthlm.runtime.graph import Graph, Op
+    rng = np.random.default_rng(into)
+    xs = [rng.standard_normal((3, 40)).astype(np.float32) for _ in range(3)]
+    want = xs[0] + xs[1] + xs[2]
+    g = Graph()
+    node = g.add_n([g.input(f"x{i}", (3, 40), np.float32) for i in range(3)], "s")
+    got = CPUBackend().kernels[Op.ADD_N](node, *xs, out=xs[into])
+    assert np.allclose(got, want, atol=1e-6)

@@ -22,7 +22,7 @@ from hearthlm.runtime.graph import Graph, Op
 from hearthlm.runtime.weights import QWeight
 
 SCALARS = {"int": np.int32, "long long": np.int64, "float": np.float32, "double": np.float64}
-POINTEES = {"float": np.float32, "int": np.int32, "u8": np.uint8, "i8": np.int8}
+POINTEES = {"float": np.float32, "double": np.float64, "int": np.int32, "u8": np.uint8, "i8": np.int8}
 _SIG = re.compile(r'extern "C" __global__ void (\w+?)(##name)?\s*\(([^)]*)\)', re.S)
 
 
@@ -55,7 +55,8 @@ def test_signatures_were_read():
     assert {("matmul.cu", "mmvq_" + k) for k in QUANT_KERNELS.values()} <= set(SIGS)
     assert {("matmul.cu", "quantize_q8"), ("norm_rope.cu", "rms_norm"), ("norm_rope.cu", "glu"),
             ("norm_rope.cu", "rope"), ("attention.cu", "attn_paged")} <= set(SIGS)
-    assert SIGS[("norm_rope.cu", "rope")][-4:] == [("val", np.float64)] * 2 + [("val", np.int32)] * 2
+    assert SIGS[("norm_rope.cu", "rope")][-7:] == ([("val", np.float64)] * 2 + [("val", np.int32)] * 2
+                                                   + [("ptr", np.float64), ("val", np.int32), ("val", np.float64)])
 
 
 def _launcher(file: str, fn: str, launches: list):
@@ -80,6 +81,7 @@ def fake_ops(monkeypatch):
     """ops imported afresh with numpy as `cupy`; put back as it was afterwards."""
     fake = types.ModuleType("cupy")
     fake.__getattr__ = lambda name: getattr(np, name)
+    fake.asnumpy = np.asarray  # cupy's own names that numpy lacks
     monkeypatch.setitem(sys.modules, "cupy", fake)
     pkg = importlib.import_module("hearthlm.backends.cuda")
     saved = sys.modules.pop("hearthlm.backends.cuda.ops", None), pkg.__dict__.pop("ops", None)
@@ -105,6 +107,11 @@ def _weight(name, qtype, rows, cols):
     w = rng.standard_normal((rows, cols)).astype(np.float32)
     raw = w if qtype == T.F32 else quants.quantize(w, qtype)
     return QWeight(name, int(qtype), (rows, cols), np.ascontiguousarray(raw).view(np.uint8).reshape(rows, -1))
+
+
+def _experts(qtype, n_exp=3, rows=16):
+    w = _weight("exps", qtype, n_exp * rows, E)
+    return QWeight("exps", w.ggml_type, (n_exp, rows, E), w.raw)
 
 
 def _case(op: Op, n: int, qtype=T.Q8_0):
@@ -143,9 +150,16 @@ def _case(op: Op, n: int, qtype=T.Q8_0):
         Op.KQ_MASK: lambda: g.kq_mask(pos, n_kv=3 * BS, name="m"),
         Op.SOFT_MAX: lambda: g.soft_max(f("s", n, H, 3 * BS), "p"),
         Op.KQV: lambda: g.kqv(f("p", n, H, 3 * BS), f("vg", 2, 3 * BS, HKV, D), seq, "o"),
+        Op.TANH: lambda: g.tanh(x, "t"),
+        Op.TOP_K: lambda: g.top_k(f("r8", n, 8), 2, "ids"),
+        Op.TAKE: lambda: g.take(f("r8", n, 8), i("ids2", n, 2), "w"),
+        Op.SUM_ROWS: lambda: g.sum_rows(x, "s"),
+        Op.DIV: lambda: g.div(x, f("r", n, E), "d"),
+        Op.MUL_MAT_ID: lambda: g.mul_mat_id(g.weight(_experts(qtype)), x, i("ids2", n, 2), "y"),
     }[op]()
     feed = {"seq": np.arange(n, dtype=np.int32) % 2, "pos": np.arange(n, dtype=np.int32) % 10 + 1,
-            "bt": np.array([[5, 2, 7], [1, 6, 3]], np.int32), "ids": np.arange(n, dtype=np.int32) * 3}
+            "bt": np.array([[5, 2, 7], [1, 6, 3]], np.int32), "ids": np.arange(n, dtype=np.int32) * 3,
+            "ids2": (np.arange(2 * n, dtype=np.int32) % 3).reshape(n, 2)}  # 3 experts; 8 router columns
     feed["slots"] = np.array([feed["bt"][s, p // BS] * BS + p % BS for s, p in zip(feed["seq"], feed["pos"])],
                              np.int32).reshape(n)
     return node, feed
@@ -155,7 +169,11 @@ def _values(node, feed, cp):
     """The node's source values: weights uploaded as the backend does, inputs and caches made up."""
     out = []
     for s in node.srcs:
-        if s.op is Op.WEIGHT:
+        if s.op is Op.WEIGHT and len(s.shape) == 3:  # stacked experts: one device weight each, as the backend
+            w, rows = s.params["weight"], s.shape[1]
+            out.append(tuple(upload(cp, QWeight(f"{w.name}#{e}", w.ggml_type, w.shape[1:], w.raw[e * rows:(e + 1) * rows]))
+                             for e in range(s.shape[0])))
+        elif s.op is Op.WEIGHT:
             out.append(upload(cp, s.params["weight"]))
         elif s.name in feed:
             out.append(feed[s.name])

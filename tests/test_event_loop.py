@@ -38,7 +38,7 @@ class Ticker:
 
 
 async def test_loop_keeps_ticking(smollm2_path):
-    async with Session.open(str(smollm2_path), n_ctx=4096) as s:  # 200,000 characters pass its length check
+    async with Session.open(str(smollm2_path), n_ctx=8192) as s:  # 200,000 characters pass its length check
         # steady state: the batch shapes built and numba's kernels loaded (a first load holds the
         # GIL, once per process) before the ticker starts
         await asyncio.gather(*(s.generate(f"Warm {i}:", max_tokens=16, temperature=0.7, seed=i) for i in range(32)))

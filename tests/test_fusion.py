@@ -111,3 +111,19 @@ def test_stacked_projections(arch):
         (out, kv), (base, base_kv) = run(f, be, feed, caches), run(g, be, feed, caches)
         assert nmse(out, base) < 1e-12
         assert all(nmse(kv[k], base_kv[k]) < 1e-12 for k in caches)
+
+
+def test_stacking_groups_by_weight_type():
+    """Qwen2.5's q and k are Q5_0 and its v Q8_0: q and k stack, v stays its own projection."""
+    from gguf import GGMLQuantizationType as T
+
+    from hearthlm.runtime.graph import Graph
+    from hearthlm.runtime.weights import QWeight
+    g = Graph()
+    x = g.input("x", (3, 64), np.float32)
+    for name, t in (("attn_q", T.Q5_0), ("attn_k", T.Q5_0), ("attn_v", T.Q8_0)):
+        g.outputs.append(g.mul_mat(g.weight(QWeight(name, int(t), (32, 64), np.zeros((32, 0), np.uint8))), x, name))
+    f = fusion.stack_matmuls(g)
+    mms = [n for n in f.nodes if n.op is Op.MUL_MAT]
+    assert sorted(n.srcs[0].name for n in mms) == ["attn_q+attn_k", "attn_v"]
+    assert [n.op for n in f.outputs] == [Op.SLICE, Op.SLICE, Op.MUL_MAT]

@@ -22,6 +22,7 @@ from hearthlm.runtime.errors import UnsupportedModelError
 DATA = Path(__file__).parent / "data"
 SMOL = "SmolLM2-135M-Instruct.Q4_1"
 GEMMA = "gemma-3-270m-q4_k_m"
+QWEN = "qwen2.5-coder-0.5b-instruct"
 
 
 def _smollm2_path() -> Path | None:
@@ -58,6 +59,11 @@ def gemma_md() -> dict:
 
 
 @pytest.fixture(scope="module")
+def qwen(qwen2_path) -> Tokenizer:
+    return Tokenizer.from_gguf_metadata(GGUFFile.open(qwen2_path).metadata)
+
+
+@pytest.fixture(scope="module")
 def smol(smol_md) -> Tokenizer:
     return Tokenizer.from_gguf_metadata(smol_md)
 
@@ -79,10 +85,10 @@ def _stream(tok: Tokenizer, ids, **kw) -> str:
 
 # --- real models against llama.cpp ---------------------------------------------------------
 
-@pytest.mark.parametrize("model", ["smol", "gemma"])
+@pytest.mark.parametrize("model", ["smol", "gemma", "qwen"])
 def test_golden_ids_and_decode(model, request):
     tok = request.getfixturevalue(model)
-    for c in _cases(SMOL if model == "smol" else GEMMA, "tok"):
+    for c in _cases({"smol": SMOL, "gemma": GEMMA, "qwen": QWEN}[model], "tok"):
         assert tok.encode(c["text"]) == c["ids"], c["text"]
         assert tok.decode(c["ids"]) == c["decoded"], c["text"]
         assert _stream(tok, c["ids"]) == c["decoded"], c["text"]
@@ -114,6 +120,15 @@ def test_special_tokens_are_not_injected(smol):
     assert smol.decode([1, 4093, 2]) == "<|im_start|>user<|im_end|>"
     assert smol.decode([1, 4093, 2], skip_special=True) == "user"
     assert smol.token_to_piece(2) == "<|im_end|>" and smol.token_to_piece(216) == " "
+
+
+def test_qwen_golden_prompt_ids(qwen):
+    """Generation prompts as llama.cpp tokenized them (no BOS: add_bos_token is false)."""
+    cases = json.loads((DATA / f"{QWEN}.visible.json").read_text())["cases"]
+    for c in cases:
+        assert qwen.encode(c["prompt"], add_special=True, parse_special=True) == c["prompt_ids"]
+    assert (qwen.vocab_size, qwen.eos_id, qwen.add_bos) == (151936, 151645, False)
+    assert qwen.encode("<|im_start|>", parse_special=True) == [151644]
 
 
 def test_gemma_vocab_facts(gemma):

@@ -2,7 +2,7 @@
 kernels (ops). Elementwise ops that numpy already runs at memory speed stay numpy.
 
 Kernels are `kernel(node, *srcs, out=None)`: with `out` (a buffer the memory planner gave
-the node, possibly a dying source's: see runtime.memory.INPLACE) they write into it and
+the node, possibly a dying source's: see Op.props.inplace) they write into it and
 return it; without, they allocate."""
 from __future__ import annotations
 
@@ -75,11 +75,24 @@ def _act(gelu: bool):
     return k
 
 
+_NO_FREQS = np.zeros(0, np.float64)
+_freqs: dict[tuple, np.ndarray] = {}
+
+
+def _rope_args(p) -> tuple:
+    """(n_rot, base, freq_scale, neox, freqs, mscale) for the kernels; scaled RoPE's
+    per-dimension frequencies as an array made once per tuple."""
+    f = p.get("freqs")
+    if f is not None and f not in _freqs:
+        _freqs[f] = np.array(f, np.float64)
+    return (p["n_rot"], p["base"], p["freq_scale"], p["neox"], _NO_FREQS if f is None else _freqs[f],
+            p.get("mscale", 1.0))
+
+
 def _rope(node, x, pos, out=None):
-    p = node.params
     out = _buf(node, out)
     kern = ops.rope if x.shape[0] >= ops.PAR_MIN_ROWS else ops.rope_1
-    kern(np.ascontiguousarray(x, np.float32), pos, p["n_rot"], p["base"], p["freq_scale"], p["neox"], out)
+    kern(np.ascontiguousarray(x, np.float32), pos, *_rope_args(node.params), out)
     return out
 
 
@@ -95,10 +108,8 @@ def _set_rows(node, cache, src, slots):
 
 
 def _rope_set_rows(node, cache, x, pos, slots):
-    p = node.params
     kern = ops.rope_set_rows if x.shape[0] >= ops.PAR_MIN_ROWS else ops.rope_set_rows_1
-    kern(np.ascontiguousarray(x, np.float32), pos, slots, p["n_rot"], p["base"], p["freq_scale"], p["neox"],
-         _bits(cache))
+    kern(np.ascontiguousarray(x, np.float32), pos, slots, *_rope_args(node.params), _bits(cache))
     return cache
 
 
@@ -150,6 +161,10 @@ def _kqv(node, probs, v, seq, out=None):
 
 def _add_n(node, *xs, out=None):
     out = _buf(node, out)
+    # the planner may hand over any source's buffer (Op.props.inplace): add into it first, before
+    # the other terms overwrite it
+    i = next((i for i, x in enumerate(xs) if np.may_share_memory(x, out)), 0)
+    xs = (xs[i], *xs[:i], *xs[i + 1:])
     np.add(xs[0], xs[1], out=out)
     for x in xs[2:]:
         np.add(out, x, out=out)
@@ -162,6 +177,42 @@ def _get_rows(node, table, ids, out=None):
     if out is None:
         return np.ascontiguousarray(table[ids], np.float32)
     return np.take(table, ids, axis=0, out=out)
+
+
+class Experts(tuple):
+    """A stacked expert weight (E, rows, cols): one PackedWeight per expert."""
+
+
+def _mul_mat_id(node, experts, x, ids, out=None):
+    """Tokens grouped per expert: each selected expert's weight is read once, for all the
+    (token, slot) rows routed to it; experts nobody selected are not read at all."""
+    n, k = ids.shape
+    out = _buf(node, out)
+    if n == 0:  # an empty batch
+        return out
+    x3 = x if x.ndim == 3 else x[:, None, :]  # (n, 1 or k, cols)
+    flat = ids.reshape(-1)
+    order = np.argsort(flat, kind="stable")
+    sorted_ids = flat[order]
+    starts = np.flatnonzero(np.r_[True, sorted_ids[1:] != sorted_ids[:-1]])
+    for a, b in zip(starts, np.r_[starts[1:], len(order)]):
+        rows = order[a:b]
+        t, j = rows // k, rows % k
+        xin = x3[t, 0] if x3.shape[1] == 1 else x3[t, j]
+        out[t, j] = matmul(experts[sorted_ids[a]], xin)
+    return out
+
+
+def _top_k(node, x, out=None):
+    k = node.params["k"]
+    top = np.argpartition(-x, k - 1, axis=-1)[:, :k] if k < x.shape[-1] else np.broadcast_to(
+        np.arange(x.shape[-1]), x.shape)
+    order = np.argsort(-np.take_along_axis(x, top, axis=-1), axis=-1, kind="stable")
+    res = np.take_along_axis(top, order, axis=-1).astype(np.int32)
+    if out is None:
+        return res
+    out[...] = res
+    return out
 
 
 def _binary(ufunc):
@@ -190,6 +241,7 @@ class CPUBackend(Backend):
             Op.SCALE: lambda n, x, out=None: np.multiply(x, np.float32(n.params["s"]), out=out, dtype=np.float32),
             Op.SILU: _act(False),
             Op.GELU: _act(True),
+            Op.TANH: lambda n, x, out=None: np.tanh(x, out=out, dtype=np.float32),
             Op.GLU: _glu,
             Op.FFN_GLU: lambda n, wg, wu, x, out=None: ffn_glu(wg, wu, x, n.params["act"] == "gelu", _buf(n, out)),
             Op.RESHAPE: lambda n, x: x.reshape(n.params["new_shape"]),
@@ -203,10 +255,19 @@ class CPUBackend(Backend):
             Op.SOFT_MAX: _soft_max,
             Op.KQV: _kqv,
             Op.ATTN: _attn,
+            Op.TOP_K: _top_k,
+            Op.TAKE: lambda n, x, ids, out=None: _into(n, np.take_along_axis(x, ids.astype(np.intp), axis=-1), out),
+            Op.SUM_ROWS: lambda n, x, out=None: np.sum(x, axis=-1, keepdims=True, out=out, dtype=np.float32),
+            Op.DIV: _binary(np.divide),
+            Op.MUL_MAT_ID: _mul_mat_id,
         }
 
     def prepare_weight(self, w: QWeight):
         if len(w.shape) == 1:  # norms and biases: plain float32 vectors
             from hearthlm.backends.reference import dequantize
             return np.ascontiguousarray(dequantize(w))
+        if len(w.shape) == 3:  # stacked experts: each packed on its own (only selected ones are read)
+            n_exp, rows = w.shape[0], w.shape[1]
+            return Experts(pack_weight(w.ggml_type, w.raw[e * rows:(e + 1) * rows], w.shape[1:])
+                           for e in range(n_exp))
         return pack_weight(w.ggml_type, w.raw, w.shape)  # drops the file's pages of what it copies

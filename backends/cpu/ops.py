@@ -112,16 +112,20 @@ def glu_1(gate, up, act_gelu, out):
 
 
 @numba.njit(**_JIT)
-def _rope_token(x, p, n_rot, base, freq_scale, neox, out):
+def _rope_token(x, p, n_rot, base, freq_scale, neox, freqs, mscale, out):
     """x, out (n_heads, head_dim) of one token at position p; out may be x, or a KV cache row
-    (float16 bits: see halfs)."""
+    (float16 bits: see halfs). `freqs` (n_rot/2; empty: from base and freq_scale) are scaled
+    RoPE's per-dimension frequencies, `mscale` its cos/sin magnitude."""
     half = n_rot // 2
     for j in range(n_rot, x.shape[1]):
         for h in range(x.shape[0]):
             out[h, j] = like(out, x[h, j])
     for i in range(half):
-        theta = freq_scale * np.float64(p) * base ** (-2.0 * i / n_rot)
-        c, s = np.float32(math.cos(theta)), np.float32(math.sin(theta))
+        if freqs.shape[0]:
+            theta = np.float64(p) * freqs[i]
+        else:
+            theta = freq_scale * np.float64(p) * base ** (-2.0 * i / n_rot)
+        c, s = np.float32(mscale * math.cos(theta)), np.float32(mscale * math.sin(theta))
         i0, i1 = (i, i + half) if neox else (2 * i, 2 * i + 1)
         for h in range(x.shape[0]):
             x0, x1 = x[h, i0], x[h, i1]
@@ -130,29 +134,29 @@ def _rope_token(x, p, n_rot, base, freq_scale, neox, out):
 
 
 @numba.njit(parallel=True, **_JIT)
-def rope(x, pos, n_rot, base, freq_scale, neox, out):
+def rope(x, pos, n_rot, base, freq_scale, neox, freqs, mscale, out):
     """x, out (n_tokens, n_heads, head_dim); rotate the first n_rot dims of each head."""
     for t in prange(x.shape[0]):
-        _rope_token(x[t], pos[t], n_rot, base, freq_scale, neox, out[t])
+        _rope_token(x[t], pos[t], n_rot, base, freq_scale, neox, freqs, mscale, out[t])
 
 
 @numba.njit(**_JIT)
-def rope_1(x, pos, n_rot, base, freq_scale, neox, out):
+def rope_1(x, pos, n_rot, base, freq_scale, neox, freqs, mscale, out):
     for t in range(x.shape[0]):
-        _rope_token(x[t], pos[t], n_rot, base, freq_scale, neox, out[t])
+        _rope_token(x[t], pos[t], n_rot, base, freq_scale, neox, freqs, mscale, out[t])
 
 
 @numba.njit(parallel=True, **_JIT)
-def rope_set_rows(x, pos, slots, n_rot, base, freq_scale, neox, cache):
+def rope_set_rows(x, pos, slots, n_rot, base, freq_scale, neox, freqs, mscale, cache):
     """cache[slots[t]] = rope(x[t]): K goes into the cache rotated, with no rotated copy."""
     for t in prange(x.shape[0]):
-        _rope_token(x[t], pos[t], n_rot, base, freq_scale, neox, cache[slots[t]])
+        _rope_token(x[t], pos[t], n_rot, base, freq_scale, neox, freqs, mscale, cache[slots[t]])
 
 
 @numba.njit(**_JIT)
-def rope_set_rows_1(x, pos, slots, n_rot, base, freq_scale, neox, cache):
+def rope_set_rows_1(x, pos, slots, n_rot, base, freq_scale, neox, freqs, mscale, cache):
     for t in range(x.shape[0]):
-        _rope_token(x[t], pos[t], n_rot, base, freq_scale, neox, cache[slots[t]])
+        _rope_token(x[t], pos[t], n_rot, base, freq_scale, neox, freqs, mscale, cache[slots[t]])
 
 
 @numba.njit(parallel=True, **_JIT)

@@ -67,6 +67,10 @@ class CUDABackend(Backend):
 
     def prepare_weight(self, w: QWeight) -> Any:
         from hearthlm.backends.cuda.weights import upload
+        if len(w.shape) == 3:  # stacked experts: one device weight each
+            n_exp, rows = w.shape[0], w.shape[1]
+            return tuple(upload(self.cp, QWeight(f"{w.name}#{e}", w.ggml_type, w.shape[1:],
+                                                 w.raw[e * rows:(e + 1) * rows])) for e in range(n_exp))
         return upload(self.cp, w)
 
     def supports(self, node: Tensor) -> bool:

@@ -198,6 +198,19 @@ def activation(act: str):
 
 # ---- rope and the KV cache ----
 
+_freqs: dict[tuple, "cp.ndarray"] = {}
+
+
+def _rope_freqs(p):
+    """Scaled RoPE's per-dimension frequencies on the device, uploaded once per tuple."""
+    f = p.get("freqs")
+    if f is None:
+        return _dummy(cp.float64)
+    if f not in _freqs:
+        _freqs[f] = cp.asarray(np.array(f, np.float64))
+    return _freqs[f]
+
+
 def _rope_launch(node, x, pos, y, slots=None):
     p = node.params
     n_tokens, n_heads, head_dim = x.shape
@@ -205,7 +218,8 @@ def _rope_launch(node, x, pos, y, slots=None):
     _launch("norm_rope.cu", "rope", (_cdiv(total, 256),), (256,),
             (x, _i(pos), _dummy(cp.int32) if slots is None else _i(slots), y, i32(n_tokens), i32(n_heads),
              i32(head_dim), i32(p["n_rot"]), np.float64(p["base"]), np.float64(p["freq_scale"]),
-             i32(bool(p["neox"])), i32(slots is not None)))
+             i32(bool(p["neox"])), i32(slots is not None), _rope_freqs(p), i32(p.get("freqs") is not None),
+             np.float64(p.get("mscale", 1.0))))
 
 
 def rope(node, x, pos, out=None):
@@ -315,6 +329,44 @@ def slice_(node, x):
     return cp.ascontiguousarray(x[..., node.params["start"]:node.params["stop"]])  # raw kernels need dense
 
 
+def tanh(node, x, out=None):
+    return _into(cp.tanh(x, dtype=cp.float32), out)
+
+
+def take(node, x, ids, out=None):
+    return _into(cp.take_along_axis(x, ids.astype(cp.int64), -1), out)
+
+
+def sum_rows(node, x, out=None):
+    return _into(cp.sum(x, axis=-1, keepdims=True, dtype=cp.float32), out)
+
+
+def div(node, a, b, out=None):
+    return _into(cp.divide(a, b, dtype=cp.float32), out)
+
+
+# ---- mixture of experts ----
+
+def top_k(node, x, out=None):
+    k = node.params["k"]
+    return _into(cp.argsort(-_f(x), axis=-1)[:, :k].astype(cp.int32), out)
+
+
+def mul_mat_id(node, experts, x, ids, out=None):
+    """Tokens grouped per expert on the host (the ids are a few ints): each selected expert's
+    weight runs once over its rows; unselected experts are not read."""
+    n, k = ids.shape
+    x3 = _f(x) if x.ndim == 3 else _f(x)[:, None, :]  # (n, 1 or k, cols); n may be 0
+    y = cp.empty((n, k, experts[0].shape[0]), cp.float32)
+    flat = cp.asnumpy(ids).reshape(-1)
+    order = np.argsort(flat, kind="stable")
+    for e in np.unique(flat):
+        rows = order[flat[order] == e]
+        t, j = cp.asarray(rows // k), cp.asarray(rows % k)
+        y[t, j] = matmul2(experts[int(e)], cp.ascontiguousarray(x3[t, 0] if x3.shape[1] == 1 else x3[t, j]))
+    return _into(y, out)
+
+
 KERNELS = {
     Op.GET_ROWS: get_rows, Op.MUL_MAT: mul_mat, Op.MUL_MAT_ADD: mul_mat_add, Op.FFN_GLU: ffn_glu,
     Op.RMS_NORM: rms_norm, Op.RMS_NORM_MUL: rms_norm, Op.RMS_NORM_MUL_ADD: rms_norm,
@@ -323,4 +375,5 @@ KERNELS = {
     Op.RESHAPE: reshape, Op.SLICE: slice_,
     Op.ROPE: rope, Op.SET_ROWS: set_rows, Op.ROPE_SET_ROWS: rope_set_rows,
     Op.ATTN: attn, Op.GATHER_KV: gather_kv, Op.KQ: kq, Op.KQ_MASK: kq_mask, Op.SOFT_MAX: soft_max, Op.KQV: kqv,
+    Op.TANH: tanh, Op.TOP_K: top_k, Op.TAKE: take, Op.SUM_ROWS: sum_rows, Op.DIV: div, Op.MUL_MAT_ID: mul_mat_id,
 }

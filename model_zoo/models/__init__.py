@@ -1,6 +1,8 @@
-"""One module per architecture, named by GGUF `general.architecture`. Each has a frozen
-`Config.from_gguf(metadata)` and `build(cfg, g, w, shape)` that adds the
-forward pass to graph g."""
+"""One module per architecture, named by GGUF `general.architecture`, each with a frozen
+`Config` (HParams subclass: `Config.from_gguf(metadata, arch)`), `tensors(cfg, n_vocab)` (what
+it reads, with shapes) and `build(cfg, g, w, shape)` (the forward pass into graph g).
+A new architecture is one file and one line here; an alias maps another name to the same
+module and reads its metadata under its own name."""
 from __future__ import annotations
 
 import importlib
@@ -8,9 +10,14 @@ from types import ModuleType
 
 from hearthlm.runtime.errors import UnsupportedModelError
 
-ARCHITECTURES = {
+ARCHITECTURES = {  # general.architecture -> module
     "llama": "llama",
+    "gemma2": "gemma2",
     "gemma3": "gemma3",
+    "phi3": "phi3",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "qwen3moe": "qwen3moe",
 }
 
 

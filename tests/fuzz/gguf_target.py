@@ -211,12 +211,15 @@ _KEYS = ["general.architecture", "general.alignment", "{a}.block_count", "{a}.co
          "{a}.attention.head_count_kv", "{a}.attention.key_length", "{a}.attention.value_length",
          "{a}.attention.layer_norm_rms_epsilon", "{a}.rope.freq_base", "{a}.rope.dimension_count",
          "{a}.rope.scaling.type", "{a}.rope.scaling.factor", "{a}.attention.sliding_window",
+         "{a}.rope.scaling.original_context_length", "{a}.expert_count", "{a}.expert_used_count",
+         "{a}.attn_logit_softcapping", "{a}.final_logit_softcapping",
          "tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.ggml.tokens", "tokenizer.ggml.token_type",
          "tokenizer.ggml.merges", "tokenizer.ggml.scores", "tokenizer.ggml.bos_token_id",
          "tokenizer.ggml.eos_token_id", "tokenizer.ggml.unknown_token_id", "tokenizer.ggml.padding_token_id",
          "tokenizer.ggml.eot_token_id", "tokenizer.ggml.add_bos_token", "tokenizer.ggml.add_eos_token",
          "tokenizer.ggml.add_space_prefix", "tokenizer.chat_template"]
-_STRINGS = ["", "llama", "gemma3", "gpt2", "bert", "llama3", "qwen2", "default", "smollm", "linear", "yarn",
+_STRINGS = ["", "llama", "gemma3", "gemma2", "qwen2", "qwen3", "qwen3moe", "phi3", "gpt2", "bert", "llama3",
+            "default", "smollm", "linear", "yarn", "longrope",
             "<|im_start|>", "<|im_end|>", "<|endoftext|>", "<unk>", "<0x41>", "\u2581", "\u0120 t", "a b",
             "{{ messages }}", "{% for m in messages %}{{ m.content }}{% endfor %}", "x" * 300]
 _FLOATS = [0.0, -0.0, 1.0, -1.0, 1e-5, 0.5, 1e38, 5e-324, float("nan"), float("inf"), float("-inf")]

@@ -50,7 +50,8 @@ extern "C" __global__ void glu(const float* __restrict__ g, const float* __restr
 // copy. Output row of token t: slots[t] when use_slots (the KV-cache write), else t.
 extern "C" __global__ void rope(const float* __restrict__ x, const int* __restrict__ pos,
                                 const int* __restrict__ slots, float* __restrict__ y, int n_tokens, int n_heads,
-                                int head_dim, int n_rot, double base, double freq_scale, int neox, int use_slots) {
+                                int head_dim, int n_rot, double base, double freq_scale, int neox, int use_slots,
+                                const double* __restrict__ freqs, int use_freqs, double mscale) {
     int half_dim = head_dim / 2, half = n_rot / 2;
     long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (idx >= (long long)n_tokens * n_heads * half_dim) return;
@@ -66,9 +67,13 @@ extern "C" __global__ void rope(const float* __restrict__ x, const int* __restri
         yr[j + 1] = xr[j + 1];
         return;
     }
-    double theta = freq_scale * (double)pos[t] * pow(base, -2.0 * (double)i / (double)n_rot);
+    // scaled RoPE (YaRN, Llama 3, LongRoPE) comes as per-dimension frequencies and a magnitude
+    double theta = use_freqs ? (double)pos[t] * freqs[i]
+                             : freq_scale * (double)pos[t] * pow(base, -2.0 * (double)i / (double)n_rot);
     double s, c;
     sincos(theta, &s, &c);
+    s *= mscale;
+    c *= mscale;
     int i0 = neox ? i : 2 * i, i1 = neox ? i + half : 2 * i + 1;
     double x0 = xr[i0], x1 = xr[i1];
     yr[i0] = (float)(x0 * c - x1 * s);

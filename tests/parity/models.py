@@ -1,0 +1,115 @@
+"""Tiny random-weight GGUFs for every registered architecture (mlx-lm's model_test_runner):
+one generic set of hyperparameters under the architecture's own prefix, the tensors and
+shapes the architecture itself describes (`tensors(cfg, n_vocab)`), llama.cpp's names as
+they are, F32 weights scaled so the next-token distribution is peaked. Variants add what
+a model family carries on top (RoPE scaling kinds)."""
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import gguf
+import numpy as np
+
+from hearthlm.model_zoo.models import ARCHITECTURES, get_architecture
+from hearthlm.model_zoo.tokenizer_bpe import _byte_to_unicode
+
+N_VOCAB = 260  # 3 specials + 256 bytes + one merge
+TIED = 0.2     # a tied embedding: peaked enough, yet not so large that each token predicts itself
+PEAK = 8.0     # LM-head scale: logits ~N(0, 8), the top token well above the next
+HPARAMS = {  # every architecture reads what it needs of these
+    "block_count": 2, "context_length": 512, "embedding_length": 64, "feed_forward_length": 96,
+    "attention.head_count": 4, "attention.head_count_kv": 2, "attention.key_length": 16,
+    "attention.value_length": 16, "attention.layer_norm_rms_epsilon": 1e-5, "rope.freq_base": 10000.0,
+    "rope.dimension_count": 16, "attention.sliding_window": 6, "attn_logit_softcapping": 50.0,
+    "final_logit_softcapping": 30.0, "expert_count": 4, "expert_used_count": 2,
+    "expert_feed_forward_length": 32,
+}
+VARIANTS = {  # name -> (architecture, extra metadata, extra F32 tensors by name -> values)
+    **{a: (a, {}, {}) for a in ARCHITECTURES},
+    "llama-rope-llama3": ("llama", {}, {"rope_freqs.weight": np.array([4.0, 9.0, 1.0, 1.7, 4.2, 8.0, 8.0, 8.0])}),
+    "llama-rope-yarn": ("llama", {"rope.scaling.type": "yarn", "rope.scaling.factor": 4.0,
+                                  "rope.scaling.original_context_length": 64}, {}),
+    "llama-rope-linear": ("llama", {"rope.scaling.type": "linear", "rope.scaling.factor": 2.0}, {}),
+    # LongRoPE: the context (256) is past the original one, so the long factors apply
+    "phi3-longrope": ("phi3", {"rope.scaling.original_context_length": 128, "rope.scaling.attn_factor": 1.19},
+                      {"rope_factors_long.weight": np.array([1.0, 1.5, 2.5, 4.0, 7.0, 11.0, 16.0, 23.0]),
+                       "rope_factors_short.weight": np.array([1.0, 1.0, 1.1, 1.2, 1.4, 1.6, 2.0, 2.4])}),
+}
+
+
+def _vocab(w: gguf.GGUFWriter) -> None:
+    table = _byte_to_unicode()
+    tokens = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"] + [table[b] for b in range(256)] + [table[32] + "t"]
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("qwen2")  # a pre-tokenizer both sides know
+    w.add_token_list(tokens)
+    w.add_token_types([3] * 3 + [1] * 257)
+    w.add_token_merges([f"{table[32]} t"])
+    w.add_bos_token_id(0)
+    w.add_eos_token_id(2)
+    w.add_add_bos_token(False)
+
+
+def _add(w: gguf.GGUFWriter, key: str, v) -> None:
+    if isinstance(v, str):
+        w.add_string(key, v)
+    elif isinstance(v, float):
+        w.add_float32(key, v)
+    else:
+        w.add_uint32(key, v)
+
+
+class _Seen(dict):
+    """Metadata that remembers which keys were looked up: what the architecture reads."""
+
+    def __init__(self, *a) -> None:
+        super().__init__(*a)
+        self.seen: set[str] = set()
+
+    def __contains__(self, k) -> bool:
+        self.seen.add(k)
+        return super().__contains__(k)
+
+
+def write(path: Path, variant: str, seed: int = 0, *, defects: dict | None = None) -> Path:
+    """`defects` (bad-input tests): {"metadata": {key: value} written over what the
+    architecture reads, "drop": tensor name, "shape": {tensor name: shape}}."""
+    arch, extra_md, extra_t = VARIANTS[variant]
+    d = defects or {}
+    rng = np.random.default_rng(seed)
+    md = _Seen({f"{arch}.{k}": v for k, v in {**HPARAMS, **extra_md}.items()})
+    mod = get_architecture(arch)
+    cfg = mod.Config.from_gguf(md, arch)
+    md.update({f"{arch}.{k}": v for k, v in d.get("metadata", {}).items()})
+    md.seen |= {f"{arch}.{k}" for k in d.get("metadata", {})}
+    w = gguf.GGUFWriter(str(path), arch)
+    for k, v in md.items():
+        if k in md.seen:  # only the keys the architecture reads (an expert count would make llama MoE)
+            _add(w, k, v)
+    _vocab(w)
+    specs = mod.tensors(cfg, N_VOCAB)
+    for s in specs:
+        if s.name == d.get("drop"):
+            continue
+        s = dataclasses.replace(s, shape=tuple(d.get("shape", {}).get(s.name, s.shape)))
+        if s.name in extra_t:
+            data = np.asarray(extra_t[s.name], np.float32).reshape(s.shape)
+        elif s.optional and not s.name.endswith((".bias", "output.weight")):
+            continue  # RoPE factors only in their variants
+        elif len(s.shape) == 1:  # norms ~1, biases ~0
+            data = (0.0 if s.name.endswith(".bias") else 1.0) + 0.1 * rng.standard_normal(s.shape)
+        elif s.name == "token_embd.weight" and not any(t.name == "output.weight" for t in specs):
+            data = TIED * rng.standard_normal(s.shape)  # the LM head too (Gemma 2)
+        else:  # fan-in scaled; the LM head large enough to peak the logits
+            data = (PEAK if s.name == "output.weight" else 1.0) / np.sqrt(s.shape[-1]) * rng.standard_normal(s.shape)
+        w.add_tensor(s.name, np.ascontiguousarray(data, np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+PROMPTS = [[40, 101, 7, 200, 33, 150], [9, 9, 120, 250, 61, 4, 88, 173, 14, 230, 99]]
+N_STEPS = 16

@@ -1,0 +1,88 @@
+"""Every architecture (and RoPE scaling kind) on a tiny random F32 model against llama.cpp's
+outputs recorded once by tests/parity/record.py: greedy steps with top-5 as the golden
+README, the first step's top-1 log-prob within 0.05 nats; and, F32 on both sides, every
+log-prob of a token in both top-5 lists within 0.05 nats while the sequences agree."""
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from hearthlm import Session
+
+sys.path.insert(0, str(Path(__file__).parent / "parity"))
+from models import VARIANTS, write  # noqa: E402
+
+import golden  # noqa: E402
+
+RECORDED = json.loads((Path(__file__).parent / "data" / "arch_parity.json").read_text())
+
+
+def test_every_architecture_is_recorded():
+    archs = {VARIANTS[v][0] for v in RECORDED}
+    assert archs == {a for a, _, _ in VARIANTS.values()}, "record it: tests/parity/record.py"
+
+
+def _logprobs(case, c) -> str | None:
+    for step, (ours, want, a, b) in enumerate(zip(c.top_logprobs, case["steps"], c.token_ids, case["greedy_ids"])):
+        mine = dict(ours)
+        for t, lp in zip(want["top_ids"], want["top_logprobs"]):
+            if t in mine and abs(mine[t] - lp) > 0.05:
+                return f"step {step}: token {t} log-prob {mine[t]:.4f} vs llama.cpp {lp:.4f}"
+        if a != b:
+            return None
+    return None
+
+
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
+@pytest.mark.parametrize("variant", sorted(RECORDED))
+async def test_matches_llama_cpp(tmp_path, monkeypatch, variant, backend):
+    monkeypatch.setattr(golden, "TOP1_LOGPROB_TOL", 0.05)  # F32 weights on both sides
+    path = write(tmp_path / f"{variant}.gguf", variant)
+    failures = []
+    async with Session.open(str(path), backend=backend, n_ctx=256) as s:
+        for i, case in enumerate(RECORDED[variant]):
+            c = await s.generate(case["prompt_ids"], max_tokens=len(case["greedy_ids"]), temperature=0,
+                                 top_logprobs=5)
+            why = golden.compare(case, c.token_ids, c.top_logprobs, c.finish_reason) or _logprobs(case, c)
+            if why:
+                failures.append(f"prompt {i}: {why}")
+    assert not failures, "\n".join(failures)
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_fusion_rules_fire(tmp_path, variant):
+    """The fused graph of every architecture: flash attention (but under Gemma 2's logit
+    soft-capping), K's RoPE into the cache, and the gated FFN as one op (Phi-3's halves of
+    ffn_up included)."""
+    from hearthlm.model_zoo.model import load_model
+    from hearthlm.runtime import fusion
+    from hearthlm.runtime.batch import BatchShape
+    from hearthlm.runtime.graph import Op
+
+    m = load_model(write(tmp_path / "m.gguf", variant))
+    try:
+        g = fusion.fuse(m.build_graph(BatchShape(n_tokens=8, n_seqs=1, max_blocks=4, n_out=1, n_slots=64,
+                                                 block_size=16)))
+        ops = [n.op for n in g.nodes]
+        n = m.config.n_layer
+        assert ops.count(Op.ROPE_SET_ROWS) == n
+        assert ops.count(Op.ATTN) == (0 if m.arch_name == "gemma2" else n)
+        if not getattr(m.config, "n_expert", 0):
+            assert ops.count(Op.FFN_GLU) == n and Op.GLU not in ops
+    finally:
+        m.close()
+
+
+async def test_an_alias_reads_its_own_keys(tmp_path, monkeypatch):
+    """A second name for the llama module (one registry line): its file's keys are under its
+    own prefix, and it computes what llama computes."""
+    from hearthlm.model_zoo import models as registry
+    monkeypatch.setitem(registry.ARCHITECTURES, "llama-alias", "llama")
+    monkeypatch.setitem(VARIANTS, "llama-alias", ("llama-alias", {}, {}))
+    path = write(tmp_path / "alias.gguf", "llama-alias")
+    case = RECORDED["llama"][0]
+    async with Session.open(str(path), backend="cpu", n_ctx=256) as s:
+        assert s.model.arch_name == "llama-alias" and "llama-alias.block_count" in s.model.metadata
+        c = await s.generate(case["prompt_ids"], max_tokens=len(case["greedy_ids"]), temperature=0)
+    assert c.token_ids == case["greedy_ids"]
