@@ -92,8 +92,9 @@ class ToolFormat:
     markers: tuple[str, ...]   # text that starts a call (streamed text is held from there)
     args_key: str
 
-    def parse(self, text: str) -> tuple[str | None, list[dict]]:
-        """(content, tool_calls) of a model's output; no calls when none parse."""
+    def parse(self, text: str, names: frozenset[str] = frozenset()) -> tuple[str | None, list[dict]]:
+        """(content, tool_calls) of a model's output; no calls when none parse. `names`: the
+        offered functions, for formats that accept a bare call naming one of them."""
         return text, []
 
     def safe_prefix(self, text: str) -> int:
@@ -114,11 +115,22 @@ class ToolFormat:
 
 class Hermes(ToolFormat):
     _RE = re.compile(r"<tool_call>")
+    # Qwen2.5-Coder often writes its call as the whole reply, bare or in a ```json fence
+    _BARE = re.compile(r"\s*(?:```(?:json)?\s*)?(\{.*\})\s*(?:```)?\s*", re.S)
 
-    def parse(self, text):
+    def safe_prefix(self, text):
+        body = text.lstrip()
+        if not body or body.startswith("{") or body.startswith("```") or "```".startswith(body):
+            return 0  # may be a bare call: held until it is clear
+        return super().safe_prefix(text)
+
+    def parse(self, text, names=frozenset()):
         calls, first = [], text.find("<tool_call>")
         if first < 0:
-            return text, []
+            bare = self._BARE.fullmatch(text)
+            got = _json_at(bare.group(1), 0) if bare else None
+            call = _named(got[0], self.args_key) if got and got[1] == len(bare.group(1)) else None
+            return (None, [call]) if call and call["function"]["name"] in names else (text, [])
         for m in self._RE.finditer(text):
             got = _json_at(text, m.end())
             call = _named(got[0], self.args_key) if got else None
@@ -139,7 +151,7 @@ class Llama3(ToolFormat):
         could_be_call = not body or body.startswith("{") or "<|python_tag|>".startswith(body[:14])
         return 0 if could_be_call else len(text)
 
-    def parse(self, text):
+    def parse(self, text, names=frozenset()):
         body = text.strip()
         if body.startswith("<|python_tag|>"):
             body = body[len("<|python_tag|>"):]
@@ -164,7 +176,7 @@ class Llama3(ToolFormat):
 
 
 class Mistral(ToolFormat):
-    def parse(self, text):
+    def parse(self, text, names=frozenset()):
         at = text.find("[TOOL_CALLS]")
         if at < 0:
             return text, []

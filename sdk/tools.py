@@ -50,6 +50,7 @@ class ToolOutput:
 
     def __init__(self, plan: ToolPlan) -> None:
         self.fmt, self.active = plan.fmt, plan.choice != "none"
+        self.names = frozenset(t["function"]["name"] for t in plan.tools)
         self.text, self.sent = "", 0
 
     def feed(self, c: Chunk) -> Chunk:
@@ -60,14 +61,9 @@ class ToolOutput:
             safe = max(self.fmt.safe_prefix(self.text), self.sent)
             new, self.sent = self.text[self.sent:safe], safe
             return Chunk(new, c.token_ids, None, c.top_logprobs)
-        content, calls = self.fmt.parse(self.text)
+        content, calls = self.fmt.parse(self.text, self.names)
         if not calls:
             return Chunk(self.text[self.sent:], c.token_ids, c.finish_reason, c.top_logprobs)
         end = min((i for i in (self.text.find(m) for m in self.fmt.markers) if i >= 0), default=self.sent)
         rest = self.text[self.sent:max(end, self.sent)] if content else ""
         return Chunk(rest, c.token_ids, "tool_calls", c.top_logprobs, tool_calls=calls)
-
-    def content(self) -> str | None:
-        """The final message text less the calls (None when only calls were written)."""
-        content, calls = self.fmt.parse(self.text) if self.active else (self.text, [])
-        return content if calls else self.text

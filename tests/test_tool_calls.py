@@ -1,7 +1,7 @@
 """Tool calling: the per-family parsers on recorded and constructed outputs, the streamed hold
 back of call text, the forced-call grammars, OpenAI-shaped chat history; end to end on
-SmolLM2 (whose template knows no tools: they go in the system message) and, once the model
-is installed, on Qwen2.5-Coder-0.5B-Instruct."""
+SmolLM2 (whose template knows no tools: they go in the system message) and on
+Qwen2.5-Coder-0.5B-Instruct (its template renders them)."""
 from __future__ import annotations
 
 import json
@@ -13,8 +13,6 @@ import pytest
 from hearthlm import InvalidRequestError, Session
 from hearthlm.model_zoo import tool_calls as tc
 from hearthlm.model_zoo.chat_template import encode_chat, render_chat
-from hearthlm.model_zoo.resolve import resolve_model
-from hearthlm.runtime.errors import ModelNotFoundError
 from hearthlm.tools import ToolOutput, ToolPlan
 from hearthlm.types import Chunk
 
@@ -32,7 +30,7 @@ QUESTIONS = ["What's the weather in Paris?", "Is it raining in Tokyo right now?"
 
 
 def calls_of(text: str, fmt: str) -> tuple[str | None, list[tuple[str, dict]]]:
-    content, calls = tc.FORMATS[fmt].parse(text)
+    content, calls = tc.FORMATS[fmt].parse(text, frozenset({"get_weather", "get_time"}))
     for c in calls:
         assert c["type"] == "function" and c["id"].startswith("call_")
         assert isinstance(c["function"]["arguments"], str)
@@ -56,6 +54,13 @@ PARIS = ("get_weather", {"city": "Paris", "unit": "celsius"})
     ("hermes", '<tool_call>\n{"name": "get_weather", "arguments": {"city": ', None, []),
     ("hermes", "<tool_call>\nget_weather(Paris)\n</tool_call>", None, []),
     ("hermes", "It is sunny in Paris.", None, []),
+    # Qwen2.5-Coder-0.5B's own reply under tool_choice="auto" (recorded): a fenced call
+    ("hermes", '```json\n{\n  "name": "get_weather",\n  "arguments": {\n    "city": "Paris",\n    "unit": "celsius"\n  }\n}\n```',
+     None, [PARIS]),
+    ("hermes", '{"name": "get_time", "arguments": {"zone": "CET"}}', None, [("get_time", {"zone": "CET"})]),
+    # ...but only naming an offered function, and only as the whole reply
+    ("hermes", '```json\n{"name": "launch_rocket", "arguments": {}}\n```', None, []),
+    ("hermes", 'Use {"name": "get_time", "arguments": {"zone": "CET"}} for that', None, []),
     # Llama 3.1/3.2 custom tools
     ("llama3", '{"name": "get_weather", "parameters": {"city": "Paris", "unit": "celsius"}}', None, [PARIS]),
     ("llama3", '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris", "unit": "celsius"}}', None, [PARIS]),
@@ -185,16 +190,8 @@ async def test_forced_tool_calls_smollm2(smollm2_path):
                              response_format={"type": "json_object"})
 
 
-@pytest.fixture(scope="module")
-def qwen_path():
-    try:
-        return resolve_model("qwen2.5-coder-0.5b-instruct", offline=True)
-    except ModelNotFoundError as e:
-        pytest.skip(f"qwen2.5-coder-0.5b-instruct is not installed yet (it comes with the qwen2 architecture): {e}")
-
-
-async def test_tool_calls_qwen(qwen_path):
-    async with Session.open(str(qwen_path), n_ctx=2048) as s:
+async def test_tool_calls_qwen(qwen2_path):
+    async with Session.open(str(qwen2_path), n_ctx=2048) as s:
         assert ToolPlan.make(s.model, [WEATHER], "auto").fmt.name == "hermes"
         for c in await forced_calls(s, [WEATHER], "required"):
             assert c.tool_calls[0]["function"]["name"] == "get_weather"
