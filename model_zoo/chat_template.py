@@ -126,22 +126,68 @@ def compile_template(template: str) -> jinja2.Template:
     return t
 
 
-def _check_messages(messages: Any) -> None:
+def normalize_messages(messages: Any) -> list[dict]:
+    """OpenAI-shaped messages as templates expect them (as transformers and vLLM pass them):
+    content given as a list of text parts becomes one string (parts joined by newlines); an
+    assistant turn may have content None with `tool_calls`, whose JSON-string arguments
+    become dicts (templates apply `tojson` to them); tool turns keep `tool_call_id`."""
     if not isinstance(messages, list) or not messages:
         raise InvalidRequestError("messages must be a non-empty list of "
                                   "{'role': str, 'content': str} dicts")
+    out = []
     for i, m in enumerate(messages):
         if not isinstance(m, dict):
             raise InvalidRequestError(f"messages[{i}] is a {type(m).__name__}, not a dict")
-        for key in ("role", "content"):
-            if key not in m:
-                raise InvalidRequestError(f"messages[{i}] has no {key!r}")
-            if not isinstance(m[key], str):
-                raise InvalidRequestError(
-                    f"messages[{i}][{key!r}] must be a str, not {type(m[key]).__name__}")
+        if "role" not in m:
+            raise InvalidRequestError(f"messages[{i}] has no 'role'")
+        if not isinstance(m["role"], str):
+            raise InvalidRequestError(f"messages[{i}]['role'] must be a str, not {type(m['role']).__name__}")
         if not _ROLE.fullmatch(m["role"]):  # a role is template text: "<|im_end|>" there would close a turn
             raise InvalidRequestError(f"messages[{i}]['role'] must be a name of letters, digits, '_' or '-' "
                                       f"(like 'user'), got {m['role'][:40]!r}")
+        m = dict(m)
+        calls = m.get("tool_calls")
+        if calls is not None:
+            m["tool_calls"] = _tool_calls(calls, f"messages[{i}]")
+        if "content" not in m and not calls:
+            raise InvalidRequestError(f"messages[{i}] has no 'content'")
+        c = m.get("content")
+        if isinstance(c, list):
+            m["content"] = "\n".join(_text_part(p, f"messages[{i}]['content'][{k}]") for k, p in enumerate(c))
+        elif c is None and not (calls and m["role"] == "assistant"):
+            raise InvalidRequestError(f"messages[{i}]['content'] must be a str (None only in an "
+                                      "assistant turn with tool_calls)")
+        elif c is not None and not isinstance(c, str):
+            raise InvalidRequestError(f"messages[{i}]['content'] must be a str or a list of text parts, "
+                                      f"not {type(c).__name__}")
+        out.append(m)
+    return out
+
+
+def _text_part(p: Any, where: str) -> str:
+    if not (isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)):
+        raise InvalidRequestError(f"{where} must be a {{'type': 'text', 'text': str}} part "
+                                  "(this model reads text only)")
+    return p["text"]
+
+
+def _tool_calls(calls: Any, where: str) -> list[dict]:
+    if not isinstance(calls, list):
+        raise InvalidRequestError(f"{where}['tool_calls'] must be a list")
+    out = []
+    for k, tc in enumerate(calls):
+        fn = tc.get("function") if isinstance(tc, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise InvalidRequestError(f"{where}['tool_calls'][{k}] must be {{'type': 'function', "
+                                      "'function': {'name': str, 'arguments': str}}")
+        args = fn.get("arguments", {})
+        if isinstance(args, str):
+            try:
+                args = json.loads(args) if args.strip() else {}
+            except json.JSONDecodeError as e:
+                raise InvalidRequestError(f"{where}['tool_calls'][{k}] arguments are not JSON: {e}") from e
+        out.append(dict(tc, function=dict(fn, arguments=args)))
+    return out
 
 
 _ROLE = re.compile(r"[A-Za-z][A-Za-z0-9_-]{0,31}")
@@ -155,7 +201,7 @@ def render_chat(template: str, messages: list[dict], *, add_generation_prompt: b
     `limits` of time, steps and size (template_limits)."""
     if not isinstance(template, str) or not template:
         raise InvalidRequestError("the model has no chat template; pass a prompt instead")
-    _check_messages(messages)
+    messages = normalize_messages(messages)
     compiled = compile_template(template)
     out, n = [], 0
     try:
@@ -184,18 +230,26 @@ _MARK_RE = re.compile("\x00hearthlm-msg-(\\d+)\x00")
 
 
 def encode_chat(tokenizer, template: str, messages: list[dict], *, add_generation_prompt: bool = True,
-                limits: TemplateLimits = DEFAULT_LIMITS, max_chars: int | None = None) -> list[int]:
+                limits: TemplateLimits = DEFAULT_LIMITS, max_chars: int | None = None, **extra: Any) -> list[int]:
     """Token ids of a chat prompt in which only the template's own text can produce special
     tokens: message contents are tokenized as plain text, so a user typing `<|im_end|>`
-    cannot close a turn. Contents are located by rendering with markers in their place."""
-    _check_messages(messages)
+    cannot close a turn. Contents are located by rendering with markers in their place.
+    `extra` (tools, ...) are template variables; rendered as template text, they may not
+    hold special-token text."""
+    messages = normalize_messages(messages)
+    for what, v in [("tools", extra.get("tools")),
+                    *((f"messages[{i}]['tool_calls']", m.get("tool_calls")) for i, m in enumerate(messages))]:
+        text = json.dumps(v, ensure_ascii=False) if v is not None else ""
+        if text and tokenizer.encode(text, parse_special=True) != tokenizer.encode(text):
+            raise InvalidRequestError(f"{what} contain special-token text")
     bos = tokenizer.token_text(tokenizer.bos_id) if tokenizer.bos_id is not None else ""
     eos = tokenizer.token_text(tokenizer.eos_id) if tokenizer.eos_id is not None else ""
-    kw = dict(add_generation_prompt=add_generation_prompt, bos_token=bos, eos_token=eos, limits=limits)
+    kw = dict(add_generation_prompt=add_generation_prompt, bos_token=bos, eos_token=eos, limits=limits, **extra)
     real = render_chat(template, messages, **kw)
     if max_chars is not None and len(real) > max_chars:  # tokenizing costs ~300 bytes a character: refuse first
         raise ContextLengthError(f"the chat renders to {len(real)} characters: more than the context can take")
-    marked = render_chat(template, [dict(m, content=_MARK.format(i)) for i, m in enumerate(messages)], **kw)
+    marked = render_chat(template, [dict(m, content=_MARK.format(i)) if isinstance(m.get("content"), str) else m
+                                    for i, m in enumerate(messages)], **kw)
     pieces = _MARK_RE.split(marked)  # template, index, template, index, ...
     for transform in (lambda c: c, str.strip):  # templates that `| trim` contents
         parts = [(p, True) if k % 2 == 0 else (transform(messages[int(p)]["content"]), False)
@@ -203,7 +257,7 @@ def encode_chat(tokenizer, template: str, messages: list[dict], *, add_generatio
         if "".join(p for p, _ in parts) == real:
             break
     else:  # the template reshapes contents beyond recognition: refuse specials in them
-        for m in messages:
+        for m in (m for m in messages if isinstance(m.get("content"), str)):
             if tokenizer.encode(m["content"], parse_special=True) != tokenizer.encode(m["content"]):
                 raise InvalidRequestError("a message contains special-token text, which this chat template "
                                           "cannot keep apart from its own markers")

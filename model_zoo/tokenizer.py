@@ -296,6 +296,24 @@ class Tokenizer:
         text = b"".join(parts).decode("utf-8", "replace")
         return clean_spaces(text) if self.clean_spaces else text
 
+    def vocab_bytes(self) -> list[bytes]:
+        """The byte string of every id, for grammar engines (llguidance): control, unknown and
+        unused tokens are marked special by a leading 0xFF (never valid UTF-8), so no grammar
+        text can produce them; user-defined ones (`<tool_call>`) stay text."""
+        out = []
+        for tid, (attr, text) in enumerate(zip(self._attr, self._tokens)):
+            if attr & (UNKNOWN | CONTROL) or not attr & (NORMAL | USER_DEFINED | BYTE):
+                out.append(b"\xff" + text.encode("utf-8"))
+            else:
+                out.append(self.token_bytes(tid))
+        return out
+
+    def encode_text(self, text: str) -> list[int]:
+        """Tokens of `text` as a continuation (no BOS, no SPM prefix space, no specials): what a
+        grammar engine needs to tokenize the literals it forces."""
+        return [t for f in (self._partition(text, False) if text else ()) for t in
+                ([f] if isinstance(f, int) else self._encode_text(f, prev_special=False))]
+
     def is_control(self, tid: int) -> bool:
         return bool(self._attr[self._check_id(tid)] & CONTROL)
 

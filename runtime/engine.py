@@ -14,6 +14,7 @@ from threadpoolctl import threadpool_limits
 
 from hearthlm.runtime.batch import BatchShape
 from hearthlm.runtime.batcher import Batcher, StepPlan
+from hearthlm.runtime.constraint import GrammarError, MaskWorker
 from hearthlm.runtime.dispatch import CompiledGraph, execute
 from hearthlm.runtime.errors import (ContextLengthError, EngineFailedError, HearthError, InvalidRequestError,
                                      QueueFull, SessionClosedError)
@@ -100,6 +101,7 @@ class Engine:
         self.counters = dict(steps=0, tokens_computed=0, tokens_generated=0, step_time_s=0.0,
                              preemptions=0)
         self._ttft: deque[float] = deque(maxlen=1000)
+        self._masks: MaskWorker | None = None  # started with the first constrained request
 
     # ---- caller side (any thread) -------------------------------------------------
     def start(self) -> None:
@@ -147,6 +149,8 @@ class Engine:
             self._thread.join()
             self._thread = None
             _blas_single_threaded(-1)
+        if self._masks is not None:
+            self._masks.close()
 
     def health(self) -> dict[str, Any]:
         """ok: the engine takes and runs requests; else `error` says why not."""
@@ -164,6 +168,9 @@ class Engine:
             tokens_per_s=c["tokens_generated"] / c["step_time_s"] if c["step_time_s"] else 0.0,
             time_to_first_token_s=ttft[len(ttft) // 2] if ttft else None)
         c.update(self.graphs.stats())  # graph_cache_hits/misses, graph_nodes_unfused/fused, build/reuse times
+        m = self._masks
+        c.update(mask_ms_per_token=1e3 * m.compute_s / m.n_masks if m and m.n_masks else 0.0,
+                 mask_wait_ms_per_token=1e3 * m.wait_s / m.n_masks if m and m.n_masks else 0.0)
         c.update(healthy=self._failed is None, engine_error=str(self._failed) if self._failed else None)
         return c
 
@@ -239,11 +246,20 @@ class Engine:
             return
         try:
             feed, shape = self._assemble(plan)
-            outs = execute(self._graph(shape), feed, self.kv.cache_of)
+            # constrained rows' masks are filled while the forward pass runs
+            constrained = [s.req for s in plan.seqs if s.wants_logits and s.req.matcher is not None]
+            if constrained and self._masks is None:
+                self._masks = MaskWorker(self.model.n_vocab)
+            job = self._masks.start([r.matcher for r in constrained]) if constrained else None
+            try:
+                outs = execute(self._graph(shape), feed, self.kv.cache_of)
+            finally:  # the matchers are not touched again before their masks are done
+                masks = self._masks.join(job) if job else None
             # counted before _update wakes the callers, so their stats() see this step
             self.counters["steps"] += 1
             self.counters["tokens_computed"] += plan.n_tokens
-            self._update(plan, outs[0], outs[1] if shape.embd else None)
+            self._update(plan, outs[0], dict(zip(map(id, constrained), masks)) if job else {},
+                         outs[1] if shape.embd else None)
         except Exception as e:  # a bug or a kernel failure: fail this batch, keep serving
             log.exception("engine step failed")
             err = e if isinstance(e, HearthError) else HearthError(f"engine step failed: {type(e).__name__}: {e}")
@@ -302,7 +318,8 @@ class Engine:
         """Built, fused and planned once per bucketed shape; later steps only rewrite inputs."""
         return self.graphs.get(shape)
 
-    def _update(self, plan: StepPlan, logits: np.ndarray, hidden: np.ndarray | None = None) -> None:
+    def _update(self, plan: StepPlan, logits: np.ndarray, masks: dict[int, np.ndarray],
+                hidden: np.ndarray | None = None) -> None:
         row = off = 0
         eog = self.model.eog_ids
         now = time.perf_counter()
@@ -321,8 +338,18 @@ class Engine:
             row += 1
             p = r.params
             try:
+                if r.matcher is not None:
+                    lg = r.matcher.apply(lg, masks[id(r)])
                 tok = sample(lg, p, r.rng, r.tokens)
                 tlp = top_logprobs(lg, p.top_logprobs, tok) if p.top_logprobs else None
+                ff = []  # tokens the grammar forces after tok: fed in the next step, unsampled
+                if r.matcher is not None and tok not in eog:
+                    r.matcher.consume(tok)
+                    if not p.top_logprobs:
+                        ff = r.matcher.forced(min(r.max_tokens - r.n_generated, self.n_ctx - len(r.tokens)) - 1)
+            except GrammarError as e:  # this request's grammar, not its neighbours'
+                self._finish(r, "error", e)
+                continue
             except Exception as e:  # this request's sampling, not its neighbours'
                 self._finish(r, "error", HearthError(f"sampling failed: {type(e).__name__}: {e}"))
                 continue
@@ -332,15 +359,18 @@ class Engine:
             if (tok in eog and not p.ignore_eos) or tok in p.stop_token_ids:
                 self._finish(r, "stop")
                 continue
-            r.tokens.append(tok)
-            r.n_generated += 1
-            self.counters["tokens_generated"] += 1
             try:
-                r.on_token(tok, tlp)
+                for t, lp in [(tok, tlp), *((t, None) for t in ff)]:
+                    r.tokens.append(t)
+                    r.n_generated += 1
+                    self.counters["tokens_generated"] += 1
+                    r.on_token(t, lp)
             except Exception as e:  # the caller's callback fails its own request only
                 self._finish(r, "error", HearthError(f"token callback failed: {type(e).__name__}: {e}"))
                 continue
-            if r.n_generated >= r.max_tokens or len(r.tokens) >= self.n_ctx:
+            if r.matcher is not None and r.matcher.done:  # only end-of-generation could follow
+                self._finish(r, "stop")
+            elif r.n_generated >= r.max_tokens or len(r.tokens) >= self.n_ctx:
                 self._finish(r, "length")
 
     def _pool(self, r: Request, h: np.ndarray) -> None:

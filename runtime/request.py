@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 
@@ -37,6 +37,7 @@ class Request:
     # `pooled` holds the pooled final hidden state
     pooling: str | None = None
     pooled: np.ndarray | None = None  # while running: the sum of rows (mean), the first (cls) or the last
+    matcher: Any = None  # runtime.constraint.Matcher: the grammar the output must follow
 
     def __post_init__(self) -> None:
         self.tokens = list(self.prompt)

@@ -12,6 +12,7 @@ import argparse
 import multiprocessing
 import json
 import resource
+import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
 
@@ -38,6 +39,9 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
                         "peak RSS (paired with llama-cpp-python when importable); --repeat runs each")
     p.add_argument("--first-run", action="store_true",
                    help="with --startup: also one start with empty kernel and weight caches (as after install)")
+    p.add_argument("--json-schema", default=None, metavar="FILE",
+                   help="aggregate tokens/s constrained by this JSON schema vs unconstrained, same prompts, at the "
+                        "--concurrency levels (default 1,16); pick a schema whose outputs outrun --decode-tokens")
 
 
 def _peak_rss_mb() -> float:
@@ -224,6 +228,50 @@ async def _bench_concurrency(a) -> list[dict]:
     return rows
 
 
+async def _bench_json_schema(a) -> list[dict]:
+    """Rounds of unconstrained and constrained runs in turn (alternating which goes first) at
+    each level; each figure the median. Both generate from the same kind of chat prompt with
+    the same max_tokens; the constrained tokens include those the grammar forced."""
+    with open(a.json_schema) as f:
+        rf = {"type": "json_schema", "json_schema": {"name": "bench", "schema": json.load(f)}}
+    levels = [int(x) for x in (a.concurrency or "1,16").split(",")]
+    rows = []
+    async with Session.open(a.model, backend=a.backend, n_ctx=a.n_ctx, filename=a.filename,
+                            max_batch_tokens=512, max_seqs=max(levels)) as s:
+
+        async def run(n: int, constrained: bool, tag: str, max_tokens: int) -> tuple[float, int]:
+            counts = []
+
+            async def one(i: int) -> None:
+                msgs = [{"role": "user", "content": f"Request {tag}-{i}: reply with JSON data for a test."}]
+                c = await s.generate(messages=msgs, max_tokens=max_tokens, temperature=0.7, seed=i,
+                                     response_format=rf if constrained else None, ignore_eos=not constrained)
+                counts.append(len(c.token_ids))
+            t = time.perf_counter()
+            async with anyio.create_task_group() as tg:
+                for i in range(n):
+                    tg.start_soon(one, i)
+            return time.perf_counter() - t, sum(counts)
+        for n in levels:  # warm-up: graph shapes, the vocabulary, the mask worker
+            await run(n, False, "w", 4)
+            await run(n, True, "w", 4)
+        for n in levels:
+            plain, cons, mask_ms = [], [], []
+            for r in range(a.repeat):
+                for constrained in ((False, True) if r % 2 == 0 else (True, False)):  # no order bias
+                    wall, k = await run(n, constrained, f"{constrained}{r}", a.decode_tokens)
+                    (cons if constrained else plain).append((k / wall, k / n))
+                after = s.stats()
+                mask_ms.append(after["mask_ms_per_token"])
+            p, c = np.median(plain, axis=0), np.median(cons, axis=0)
+            rows.append(dict(concurrency=n, plain_tok_s=float(p[0]), constrained_tok_s=float(c[0]),
+                             ratio=float(c[0] / p[0]), plain_tokens_per_req=float(p[1]),
+                             constrained_tokens_per_req=float(c[1]), mask_ms_per_token=float(np.median(mask_ms)),
+                             mask_wait_ms_per_token=after["mask_wait_ms_per_token"]))
+            print(f"concurrency {n}: ratio {rows[-1]['ratio']:.3f}", file=sys.stderr, flush=True)
+    return rows
+
+
 def run_bench(a) -> None:
     if a.startup:
         from hearthlm.startup_bench import bench_startup, first_run, print_rows
@@ -235,6 +283,15 @@ def run_bench(a) -> None:
             print(json.dumps(rows, indent=2))
         else:
             print_rows(rows, f"model: {a.model}  startup: medians of {a.repeat} fresh processes, 1 token each")
+        return
+    if a.json_schema:
+        rows = anyio.run(_bench_json_schema, a)
+        if a.json:
+            print(json.dumps(rows, indent=2))
+            return
+        print(f"model: {a.model}  schema: {a.json_schema}  max_tokens: {a.decode_tokens}")
+        for r in rows:
+            print("  ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()))
         return
     if a.concurrency:
         rows = anyio.run(_bench_concurrency, a)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import threading
 from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator, Sequence
 
@@ -17,6 +18,7 @@ from hearthlm.model_zoo.template_limits import DEFAULT_LIMITS, TemplateLimits
 from hearthlm.model_zoo.model import Model, load_model
 from hearthlm.model_zoo.resolve import DEFAULT_MODEL, resolve_model
 from hearthlm.model_zoo.tokenizer import StreamDecoder
+from hearthlm.runtime import constraint
 from hearthlm.runtime.engine import Engine
 from hearthlm.runtime.log import get_logger
 from hearthlm.runtime.errors import (ContextLengthError, HearthError, InvalidRequestError, RequestTimeoutError,
@@ -25,6 +27,7 @@ from hearthlm.runtime.placement import offload, open_device
 from hearthlm.runtime.request import Request
 from hearthlm.runtime.sampling import SamplingParams
 from hearthlm.runtime.weights import WeightCache, cache_dir
+from hearthlm.tools import ToolOutput, ToolPlan
 from hearthlm.types import Chunk, Completion
 
 
@@ -47,6 +50,8 @@ class Session:
         self.engine = engine
         self.template_limits = template_limits
         self._closed = False
+        self._vocab: constraint.Vocabulary | None = None  # llguidance's view, built on first use
+        self._vocab_lock = threading.Lock()
 
     # ---- lifecycle -------------------------------------------------------------------
     @classmethod
@@ -136,16 +141,16 @@ class Session:
         """{"ok": bool, "error": str | None, "closing": bool}: ok while the engine serves."""
         return self.engine.health()
 
-    async def _prompt_ids_off_loop(self, prompt, messages) -> list[int]:
+    async def _prompt_ids_off_loop(self, prompt, messages, tools: ToolPlan | None = None) -> list[int]:
         """Chat templates (their rendering time is the file's, not ours) and long prompts are
         prepared in a worker thread, so the application's event loop keeps running."""
         big = messages is not None or (isinstance(prompt, str) and len(prompt) > OFF_LOOP_CHARS) or \
             (isinstance(prompt, (list, tuple, np.ndarray)) and len(prompt) > OFF_LOOP_CHARS)
         if big:
-            return await anyio.to_thread.run_sync(self._prompt_ids, prompt, messages)
-        return self._prompt_ids(prompt, messages)
+            return await anyio.to_thread.run_sync(self._prompt_ids, prompt, messages, tools)
+        return self._prompt_ids(prompt, messages, tools)
 
-    def _prompt_ids(self, prompt, messages) -> list[int]:
+    def _prompt_ids(self, prompt, messages, tools: ToolPlan | None = None) -> list[int]:
         tok = self.model.tokenizer
         if (prompt is None) == (messages is None):
             raise InvalidRequestError("pass exactly one of prompt or messages=")
@@ -155,14 +160,15 @@ class Session:
                 raise InvalidRequestError("this model has no chat template; pass prompt= instead")
             if isinstance(messages, list) and len(messages) > MAX_MESSAGES:
                 raise InvalidRequestError(f"{len(messages)} messages; at most {MAX_MESSAGES} are taken")
-            chars = sum(len(m["content"]) for m in messages if isinstance(m, dict) and isinstance(m.get("content"), str)) \
+            chars = sum(_chars(m.get("content")) for m in messages if isinstance(m, dict)) \
                 if isinstance(messages, list) else 0
             if chars > max_chars:
                 raise ContextLengthError(f"the messages hold {chars} characters: more than a context of "
                                          f"{self.n_ctx} tokens can take")
             from hearthlm.model_zoo.chat_template import encode_chat  # Jinja, loaded by the first chat
+            messages, extra = tools.chat(messages, self.model.chat_template) if tools else (messages, {})
             return encode_chat(tok, self.model.chat_template, messages, limits=self.template_limits,
-                               max_chars=max_chars)
+                               max_chars=max_chars, **extra)
         if isinstance(prompt, str):
             if len(prompt) > max_chars:
                 raise ContextLengthError(f"the prompt has {len(prompt)} characters: more than a context of "
@@ -228,10 +234,23 @@ class Session:
             if reason != "stop":
                 raise HearthError(f"the embedding request ended with {reason!r}")
 
+    def _vocabulary(self) -> constraint.Vocabulary:
+        with self._vocab_lock:
+            if self._vocab is None:
+                tok = self.model.tokenizer
+                self._vocab = constraint.Vocabulary(tok.vocab_bytes(), self.model.eog_ids, tok.encode_text,
+                                                    self.model.n_vocab)
+            return self._vocab
+
+    def _matcher(self, grammar: tuple[str, str]) -> constraint.Matcher:
+        """(grammar, what it is) checked against this model's vocabulary (InvalidRequestError
+        naming the problem)."""
+        return constraint.Matcher(self._vocabulary(), *grammar)
+
     # ---- generation ------------------------------------------------------------------
     async def generate(self, prompt: str | Sequence[int] | None = None, **kwargs) -> Completion:
         """Generate a completion. Arguments as `stream`."""
-        text, ids, lps, reason, n_prompt = [], [], [], "length", 0
+        text, ids, lps, reason, n_prompt, calls = [], [], [], "length", 0, None
         async for c in self._stream(prompt, **kwargs):
             if isinstance(c, int):
                 n_prompt = c
@@ -241,19 +260,24 @@ class Session:
             if c.top_logprobs:
                 lps.extend(c.top_logprobs)
             reason = c.finish_reason or reason
-        return Completion("".join(text), ids, reason, n_prompt, lps or None)
+            calls = c.tool_calls or calls
+        return Completion("".join(text), ids, reason, n_prompt, lps or None, tool_calls=calls)
 
     async def stream(self, prompt: str | Sequence[int] | None = None, **kwargs) -> AsyncIterator[Chunk]:
         """Yield Chunks as tokens come. Keyword arguments: messages, max_tokens, temperature,
         top_k, top_p, min_p, repetition_penalty, frequency_penalty, presence_penalty, seed,
-        stop (strings), stop_token_ids, top_logprobs."""
+        stop (strings), stop_token_ids, top_logprobs, timeout; response_format (OpenAI's
+        json_object / json_schema, or {"type": "regex", "pattern"} / {"type": "grammar",
+        "grammar": Lark}); tools and tool_choice (OpenAI's shapes; with messages=): the calls
+        come in the last chunk, whose finish_reason is then "tool_calls"."""
         async for c in self._stream(prompt, **kwargs):
             if not isinstance(c, int):
                 yield c
 
     async def _stream(self, prompt, *, messages=None, max_tokens: int | None = None,
                       stop: str | Sequence[str] | None = None, timeout: float | None = None,
-                      **sampling) -> AsyncIterator[Chunk | int]:
+                      response_format: dict | None = None, tools: list[dict] | None = None,
+                      tool_choice: str | dict | None = None, **sampling) -> AsyncIterator[Chunk | int]:
         if self._closed:
             raise SessionClosedError("the session is closed")
         try:
@@ -261,9 +285,20 @@ class Session:
         except TypeError as e:
             raise InvalidRequestError(str(e)) from e
         max_tokens, stops, timeout = _check_limits(max_tokens, stop, timeout)
-        ids = await self._prompt_ids_off_loop(prompt, messages)
+        grammar = constraint.grammar_from_response_format(response_format) if response_format is not None else None
+        plan = ToolPlan.make(self.model, tools, tool_choice)
+        if plan is not None:
+            if messages is None:
+                raise InvalidRequestError("tools need messages=, not a prompt")
+            forced = plan.grammar(self.model.tokenizer)
+            if forced is not None and grammar is not None:
+                raise InvalidRequestError("pass response_format or a forced tool_choice, not both")
+            grammar = (constraint.lark_grammar(forced), "tool-call grammar") if forced is not None else grammar
+        ids = await self._prompt_ids_off_loop(prompt, messages, plan)
+        # compiled against the vocabulary off the event loop (the first one builds the vocabulary)
+        matcher = await anyio.to_thread.run_sync(self._matcher, grammar) if grammar is not None else None
         chan = Channel(loop_waker())
-        req = Request(prompt=ids, params=params,
+        req = Request(prompt=ids, params=params, matcher=matcher,
                       max_tokens=max_tokens if max_tokens is not None else max(self.n_ctx - len(ids), 0),
                       on_token=lambda t, lp: chan.put((t, lp)),
                       on_finish=lambda reason, err: chan.put((reason, err)))
@@ -271,6 +306,7 @@ class Session:
         self.engine.submit(req)
         yield len(ids)
         decoder = StreamDecoder(self.model.tokenizer, prompt_ids=ids)
+        calls = ToolOutput(plan) if plan is not None else None
         text_out, held = "", ""  # held: text that may be the start of a stop string
         done = False
         try:
@@ -307,10 +343,20 @@ class Session:
                         break
                 text_out += new
                 if toks or new or done:
-                    yield Chunk(new, toks, reason, lps or None, prompt_tokens=len(ids) if done else None)
+                    c = Chunk(new, toks, reason, lps or None, prompt_tokens=len(ids) if done else None)
+                    yield calls.feed(c) if calls is not None else c
         finally:
             if not done:
                 self.engine.abort(req.id)
+
+
+def _chars(content: Any) -> int:
+    """Characters of a message's content: a string, or a list of text parts."""
+    if isinstance(content, str):
+        return len(content)
+    if not isinstance(content, list):
+        return 0
+    return sum(len(p["text"]) for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
 
 
 def _check_limits(max_tokens, stop, timeout) -> tuple[int | None, list[str], float | None]:

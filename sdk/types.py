@@ -11,15 +11,19 @@ TopLogprobs = list[tuple[int, float]]
 class Chunk:
     text: str                       # new text since the last chunk (never half a UTF-8 character)
     token_ids: list[int]            # tokens produced since the last chunk
-    finish_reason: str | None = None  # set on the last chunk: "stop" | "length"
+    finish_reason: str | None = None  # set on the last chunk: "stop" | "length" | "tool_calls"
     top_logprobs: list[TopLogprobs] | None = None  # per token in token_ids, if asked for
     prompt_tokens: int | None = None  # on the last chunk: the prompt's length in tokens (for usage)
+    tool_calls: list[dict] | None = None  # on the last chunk, when the model called tools
 
 
 @dataclass
 class Completion:
     text: str
     token_ids: list[int]
-    finish_reason: str              # "stop" (EOS, stop token or stop string) | "length"
+    finish_reason: str              # "stop" (EOS, stop token or stop string) | "length" | "tool_calls"
     prompt_tokens: int = 0
     top_logprobs: list[TopLogprobs] | None = field(default=None)
+    # OpenAI-shaped: [{"id", "type": "function", "function": {"name", "arguments": JSON str}}];
+    # `text` is then the message content less the calls
+    tool_calls: list[dict] | None = None

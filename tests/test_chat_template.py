@@ -77,7 +77,10 @@ def test_sandbox_escapes_are_refused(template):
     ([{"content": "x"}], "'role'"),
     ([{"role": "user"}], "'content'"),
     ([{"role": "user", "content": None}], "str"),
-    ([{"role": "user", "content": [{"type": "text", "text": "x"}]}], "str"),
+    ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], "text only"),
+    ([{"role": "user", "content": 3}], "str"),
+    ([{"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "f", "arguments": "{"}}]}],
+     "not JSON"),
     ([{"role": 1, "content": "x"}], "str"),
 ])
 def test_bad_messages(messages, problem):

@@ -42,3 +42,17 @@ def test_examples_run(smollm2_path, example):
         assert "finish_reason=" in r.stdout
     else:
         assert r.stdout.count("Q: ") == 2 and r.stdout.count("A: ") == 2
+
+
+def test_cli_bench_json_schema(smollm2_path):
+    """Throughput constrained vs not, same run: one row per level, both generated tokens."""
+    pytest.importorskip("llguidance")
+    r = run("-m", "hearthlm", "bench", "--json-schema", "examples/bench_schema.json", "--concurrency", "1,2",
+            "--decode-tokens", "8", "--repeat", "1", "--n-ctx", "512", "--json")
+    assert r.returncode == 0, r.stderr
+    import json
+    rows = json.loads(r.stdout)
+    assert [x["concurrency"] for x in rows] == [1, 2]
+    for x in rows:
+        assert x["plain_tokens_per_req"] == 8 and x["constrained_tokens_per_req"] == 8
+        assert x["ratio"] > 0 and x["mask_ms_per_token"] > 0

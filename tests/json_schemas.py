@@ -1,0 +1,106 @@
+"""JSON schemas of the kinds applications send (records, API payloads, extraction results,
+configs): nested objects, arrays with min/max items, enums, anyOf/oneOf, string formats and
+patterns, numeric bounds, additionalProperties false, $defs, prefixItems, nullables. Strings
+carry maxLength and arrays maxItems so that a small model's outputs stay short."""
+
+S = {"type": "string", "maxLength": 24}        # a short free-text field
+NAME = {"type": "string", "minLength": 1, "maxLength": 20}
+
+
+def obj(props: dict, required=None, **kw) -> dict:
+    return {"type": "object", "properties": props, "required": list(props) if required is None else required,
+            "additionalProperties": False, **kw}
+
+
+def arr(items: dict, lo: int = 1, hi: int = 3) -> dict:
+    return {"type": "array", "items": items, "minItems": lo, "maxItems": hi}
+
+
+# (name, what to ask for, schema)
+SCHEMAS = [
+    ("person", "a person with a name and an age", obj({"name": NAME, "age": {"type": "integer", "minimum": 0, "maximum": 120}})),
+    ("address", "a US postal address", obj({"street": S, "city": NAME, "zip": {"type": "string", "pattern": "^[0-9]{5}$"},
+                                           "country": {"enum": ["US", "CA", "MX"]}})),
+    ("product", "a product in a shop", obj({"id": {"type": "integer", "minimum": 1, "maximum": 99999}, "name": NAME,
+                                           "price": {"type": "number", "minimum": 0, "maximum": 1000}, "in_stock": {"type": "boolean"}})),
+    ("todo_list", "a short todo list", obj({"todos": arr(obj({"title": S, "done": {"type": "boolean"}}))})),
+    ("hex_color", "a color", obj({"name": NAME, "hex": {"type": "string", "pattern": "^#[0-9a-f]{6}$"}})),
+    ("birthday", "someone's birthday", obj({"name": NAME, "date": {"type": "string", "format": "date"}})),
+    ("email_contact", "an email contact", obj({"name": NAME, "email": {"type": "string", "format": "email", "maxLength": 40}})),
+    ("session_id", "a session record", obj({"id": {"type": "string", "format": "uuid"}, "active": {"type": "boolean"}})),
+    ("server", "a server", obj({"host": NAME, "ip": {"type": "string", "format": "ipv4"}, "port": {"type": "integer", "minimum": 1, "maximum": 65535}})),
+    ("ticket_status", "a support ticket", obj({"id": {"type": "integer", "minimum": 1, "maximum": 9999},
+                                              "status": {"enum": ["open", "pending", "closed"]},
+                                              "priority": {"enum": ["low", "medium", "high"]}})),
+    ("id_or_name", "an identifier", obj({"ref": {"anyOf": [{"type": "integer", "minimum": 0, "maximum": 1000}, NAME]}})),
+    ("order", "an online order", obj({
+        "customer": obj({"name": NAME, "email": {"type": "string", "format": "email", "maxLength": 40}}),
+        "items": arr(obj({"sku": {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{3}$"}, "qty": {"type": "integer", "minimum": 1, "maximum": 10}}), 1, 2),
+        "total": {"type": "number", "minimum": 0, "maximum": 10000}})),
+    ("meeting", "a meeting", obj({"title": S, "start": {"type": "string", "format": "date-time"}})),
+    ("tags", "tags for a blog post", obj({"tags": arr({"type": "string", "pattern": "^[a-z]{2,12}$"}, 1, 4)})),
+    ("flags", "feature flags", obj({"dark_mode": {"type": "boolean"}, "beta": {"type": "boolean"}, "telemetry": {"type": "boolean"}})),
+    ("review", "a product review", obj({"rating": {"type": "integer", "minimum": 1, "maximum": 5}, "title": S})),
+    ("coordinates", "the location of a city", obj({"city": NAME, "lat": {"type": "number", "minimum": -90, "maximum": 90},
+                                                   "lon": {"type": "number", "minimum": -180, "maximum": 180}})),
+    ("book", "a book", obj({"title": S, "author": NAME, "year": {"type": "integer", "minimum": 1450, "maximum": 2025},
+                           "isbn": {"type": "string", "pattern": "^97[89][0-9]{10}$"}})),
+    ("movie", "a movie", obj({"title": S, "genres": arr({"enum": ["drama", "comedy", "action", "horror", "scifi"]}, 1, 3),
+                             "rating": {"type": "number", "minimum": 0, "maximum": 10}})),
+    ("user_settings", "user settings", obj({"theme": {"enum": ["light", "dark", "system"]}, "notifications": {"type": "boolean"},
+                                            "language": {"type": "string", "pattern": "^[a-z]{2}$"}})),
+    ("http_request", "an HTTP request", obj({"method": {"enum": ["GET", "POST", "PUT", "DELETE"]},
+                                             "path": {"type": "string", "pattern": "^/[a-z/]{0,20}$"}})),
+    ("recipe", "a recipe", obj({"name": NAME, "servings": {"type": "integer", "minimum": 1, "maximum": 12},
+                               "ingredients": arr(obj({"item": NAME, "grams": {"type": "integer", "minimum": 1, "maximum": 1000}}), 1, 3)})),
+    ("weather", "today's weather in a city", obj({"city": NAME, "temperature": {"type": "integer", "minimum": -50, "maximum": 60},
+                                                  "unit": {"enum": ["C", "F"]}, "conditions": {"enum": ["sunny", "cloudy", "rain", "snow"]}})),
+    ("pair", "a name and a count as a pair", {"type": "array", "prefixItems": [NAME, {"type": "integer", "minimum": 0, "maximum": 99}],
+                                               "items": False, "minItems": 2, "maxItems": 2}),
+    ("invoice_kind", "an invoice header", obj({"kind": {"const": "invoice"}, "number": {"type": "integer", "minimum": 1, "maximum": 99999}})),
+    ("nullable_middle", "a person's name parts", obj({"first": NAME, "middle": {"type": ["string", "null"], "maxLength": 20}, "last": NAME})),
+    ("shape", "a geometric shape", {"oneOf": [obj({"kind": {"const": "circle"}, "radius": {"type": "integer", "minimum": 1, "maximum": 100}}),
+                                             obj({"kind": {"const": "square"}, "side": {"type": "integer", "minimum": 1, "maximum": 100}})]}),
+    ("audited", "a record with audit fields", {"allOf": [obj({"id": {"type": "integer", "minimum": 1, "maximum": 999}, "created_by": NAME})]}),
+    ("refs", "a shipment with sender and receiver", {"$defs": {"party": obj({"name": NAME, "city": NAME})},
+                                                      **obj({"sender": {"$ref": "#/$defs/party"}, "receiver": {"$ref": "#/$defs/party"}})}),
+    ("username", "a new account", obj({"username": {"type": "string", "minLength": 3, "maxLength": 16, "pattern": "^[a-z0-9_]+$"}})),
+    ("scores", "some test scores", obj({"scores": arr({"type": "integer", "minimum": 0, "maximum": 100}, 2, 4)})),
+    ("log_entry", "a log line", obj({"level": {"enum": ["DEBUG", "INFO", "WARN", "ERROR"]}, "message": S})),
+    ("phone_contact", "a phone contact", obj({"name": NAME, "phone": {"type": "string", "pattern": "^\\+?[0-9]{7,12}$"}})),
+    ("bookmark", "a bookmark", obj({"title": S, "url": {"type": "string", "format": "uri", "maxLength": 40}})),
+    ("alarm", "an alarm", obj({"label": S, "time": {"type": "string", "format": "time"}})),
+    ("package_version", "a package and its version", obj({"package": NAME, "version": {"type": "string", "pattern": "^[0-9]{1,2}\\.[0-9]{1,2}\\.[0-9]{1,2}$"}})),
+    ("country", "a country", obj({"code": {"enum": ["FR", "DE", "IT", "ES", "GB", "US", "JP"]}, "capital": NAME})),
+    ("price", "a price", obj({"amount": {"type": "number", "minimum": 0, "maximum": 10000}, "currency": {"type": "string", "pattern": "^[A-Z]{3}$"}})),
+    ("payment", "a payment method", obj({"method": {"anyOf": [obj({"type": {"const": "card"}, "last4": {"type": "string", "pattern": "^[0-9]{4}$"}}),
+                                                               obj({"type": {"const": "paypal"}, "email": {"type": "string", "format": "email", "maxLength": 40}})]}})),
+    ("employee", "an employee", obj({"name": NAME, "department": {"enum": ["sales", "engineering", "hr", "finance"]},
+                                     "manager": {"anyOf": [NAME, {"type": "null"}]}})),
+    ("sentiment", "the sentiment of 'I love this phone'", obj({"label": {"enum": ["positive", "negative", "neutral"]},
+                                                               "confidence": {"type": "number", "minimum": 0, "maximum": 1}})),
+    ("entities", "the named entities in 'Alice flew from Paris to Tokyo'", obj({"entities": arr(obj({"text": NAME, "type": {"enum": ["person", "place", "org"]}}), 1, 3)})),
+    ("sql_select", "a database query", obj({"table": {"type": "string", "pattern": "^[a-z_]{1,16}$"},
+                                            "columns": arr({"type": "string", "pattern": "^[a-z_]{1,16}$"}, 1, 3),
+                                            "limit": {"type": "integer", "minimum": 1, "maximum": 100}})),
+    ("nested_flags", "app config", obj({"app": NAME, "features": obj({"search": {"type": "boolean"}, "export": {"type": "boolean"}})})),
+    ("pagination", "a page of results", obj({"page": {"type": "integer", "minimum": 1, "maximum": 100}, "per_page": {"enum": [10, 20, 50]},
+                                             "total": {"type": "integer", "minimum": 0, "maximum": 10000}})),
+    ("error_response", "an API error", obj({"error": obj({"code": {"type": "integer", "minimum": 400, "maximum": 599}, "message": S})})),
+    ("calendar", "a calendar", obj({"events": arr(obj({"title": S, "day": {"type": "string", "format": "date"},
+                                                     "minutes": {"type": "integer", "minimum": 15, "maximum": 240}}), 1, 2)})),
+    ("commit", "a git commit", obj({"sha": {"type": "string", "pattern": "^[0-9a-f]{7}$"}, "message": S,
+                                    "files_changed": {"type": "integer", "minimum": 1, "maximum": 50}})),
+    ("matrix", "a 2x2 matrix", obj({"rows": arr(arr({"type": "integer", "minimum": -9, "maximum": 9}, 2, 2), 2, 2)})),
+    ("yes_no", "whether the sky is blue", {"type": "boolean"}),
+    ("answer_enum", "the best pet", {"enum": ["cat", "dog", "fish"]}),
+    ("dice", "a dice roll", {"type": "integer", "minimum": 1, "maximum": 6}),
+    ("optional_fields", "a contact with optional fields", obj({"name": NAME, "nickname": NAME, "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+                                                               required=["name"])),
+    ("team", "a small team", obj({"team": NAME, "members": arr(obj({"name": NAME, "role": {"enum": ["lead", "dev", "qa"]}}), 1, 3)})),
+    ("temperature_reading", "a sensor reading", obj({"sensor": {"type": "string", "pattern": "^S[0-9]{2}$"},
+                                                     "celsius": {"type": "number", "minimum": -40, "maximum": 85},
+                                                     "ok": {"type": "boolean"}})),
+    ("flight", "a flight", obj({"number": {"type": "string", "pattern": "^[A-Z]{2}[0-9]{2,4}$"}, "from": {"type": "string", "pattern": "^[A-Z]{3}$"},
+                                "to": {"type": "string", "pattern": "^[A-Z]{3}$"}, "departure": {"type": "string", "format": "date-time"}})),
+]
