@@ -274,6 +274,8 @@ class CPUBackend(Backend):
         return pack_weight(w.ggml_type, w.raw, w.shape)  # drops the file's pages of what it copies
 
     def export_weight(self, p):
+        if isinstance(p, Experts):
+            return None  # packed again at each start (MoE experts are not cached yet)
         if isinstance(p, np.ndarray):
             return {"kind": "vector"}, {"v": p}
         if p.layout in ("f32", "half") and not (p.w if p.layout == "f32" else p.qs).flags.writeable:
