@@ -85,6 +85,8 @@ class Tokenizer:
                 if scores is not None else [0.0] * n
             if len(self._scores) < n:
                 raise ModelLoadError("tokenizer.ggml.scores is shorter than the vocab")
+            if not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in self._scores):
+                raise ModelLoadError("tokenizer.ggml.scores must be numbers")  # fuzz: strings there broke encode
             self._byte_ids = [self._byte_token(b) for b in range(256)]
             defaults = dict(bos=1, eos=2, unk=0)
             add_bos, self.add_space_prefix, self.clean_spaces = True, True, False

@@ -216,3 +216,12 @@ def test_special_token_text_in_a_role(field):
         return
     ids = encode_chat(tok, CHATML, [msg])
     assert ids.count(tok.token_id("<|im_start|>")) == 2 and ids.count(tok.token_id("<|im_end|>")) == 1
+
+
+
+def test_spm_scores_that_are_not_numbers(tmp_path):
+    """gguf fuzz: string scores in an SPM vocab made encode raise TypeError; now refused at load."""
+    n = len(scan(seed_files()[0])[1][[k for k, *_ in scan(seed_files()[0])[1]].index("tokenizer.ggml.tokens")][2][1])
+    with pytest.raises(ModelLoadError, match="scores"):
+        load_model(tiny_with(tmp_path, tokenizer__ggml__model=(STRING, "llama"),
+                             tokenizer__ggml__scores=(ARRAY, (STRING, ["x"] * n))))
