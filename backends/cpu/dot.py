@@ -41,6 +41,8 @@ from .qtypes import ROWS  # rows per vector (one zmm of int32 or float32 lanes) 
 
 _I8, _I16, _I32, _F32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.FloatType()
 _HAS_BW = "+avx512bw" in TARGET_FEATURES  # the target numba compiles for (halfs)
+_HAS_VNNI = _HAS_BW and "+avx512vnni" in TARGET_FEATURES
+I8_SHIFT = 128.0  # int8 codes s enter the products as s + 128 (vpdpbusd multiplies unsigned by signed)
 
 
 def _ptr(context, builder, arrty, arr, inds):
@@ -97,10 +99,52 @@ def _reduce_rows(builder, vecs, seg):
     return vecs
 
 
+def _dot4(builder, a, b):
+    """<64 x i8> a (unsigned codes), b (signed activations) -> <16 x i32>: lane i sums
+    a[4i+j] * b[4i+j] for j < 4 (vpdpbusd). Without AVX512-VNNI: widened to int16 and two
+    pmaddwd, then neighbouring lanes added: the same integers."""
+    v32 = ir.VectorType(_I32, 16)
+    if _HAS_VNNI:
+        fty = ir.FunctionType(v32, [v32] * 3)
+        fn = cgutils.get_or_insert_function(builder.module, fty, "llvm.x86.avx512.vpdpbusd.512")
+        return builder.call(fn, [ir.Constant(v32, [0] * 16), builder.bitcast(a, v32), builder.bitcast(b, v32)])
+    v16 = ir.VectorType(_I16, 32)
+    halves = []
+    for h in range(2):
+        idx = ir.Constant(ir.VectorType(_I32, 32), list(range(32 * h, 32 * h + 32)))
+        halves.append(_madd(builder, builder.zext(builder.shuffle_vector(a, a, idx), v16),
+                            builder.sext(builder.shuffle_vector(b, b, idx), v16)))
+    even = [2 * i for i in range(8)] + [16 + 2 * i for i in range(8)]
+    pick = lambda idx: builder.shuffle_vector(halves[0], halves[1], ir.Constant(v32, idx))
+    return builder.add(pick(even), pick([i + 1 for i in even]))
+
+
+def _by_subblock(builder, red, sub):
+    """_reduce_rows' output for one 64-weight group, lanes in (row, sub-block) order -> one
+    <16 x i32> per sub-block (64 // sub of them), lanes = the 16 rows."""
+    n = 64 // sub
+    out = []
+    for e in range(n):
+        parts = []
+        for a, b in zip(red[0::2], red[1::2]):  # each pair of vectors covers 32 // n rows
+            idx = [r * n + e for r in range(16 // n)]
+            parts.append(builder.shuffle_vector(a, b, ir.Constant(ir.VectorType(_I32, len(idx) * 2),
+                                                                  idx + [16 + i for i in idx])))
+        while len(parts) > 1:  # join halves: 8 + 8 lanes
+            w = parts[0].type.count
+            parts = [builder.shuffle_vector(parts[i], parts[i + 1], ir.Constant(ir.VectorType(_I32, 2 * w),
+                                                                                list(range(2 * w))))
+                     for i in range(0, len(parts), 2)]
+        out.append(parts[0])
+    return out
+
+
 def _make_group(kind, sub, has_m, n_tok):
     """An intrinsic group(qs, rb, g, xq, t, d, m, c, xd, xs, y): weights g*64..g*64+63 of the
     rows of block rb against tokens t..t+n_tok-1, added into y[t', 16rb:16rb+16] sub-block by
-    sub-block. With 2 tokens the codes are loaded and unpacked once for both."""
+    sub-block. Each row's 64 codes are one vector of bytes (4-bit ones unpacked: low nibbles,
+    then high), multiplied with a token's 64 int8 activations by one vpdpbusd; with 2 tokens the
+    codes are loaded and unpacked once for both."""
 
     @intrinsic
     def group(typingctx, qs, rb, g, xq, t, d, m, c, xd, xs, y):
@@ -116,39 +160,38 @@ def _make_group(kind, sub, has_m, n_tok):
             t0 = context.cast(builder, t_v, ta[4], ip)
             toks = [builder.add(t0, cst(u)) for u in range(n_tok)]
             vf = ir.VectorType(_F32, ROWS)
-            v16 = ir.VectorType(_I16, 32)
-            sums = [[] for _ in toks]  # per token: (sub-block index, <16 x i32> of the 16 rows' sums)
-            for h in range(2):  # the group's two halves of 32 weights
-                col = builder.add(builder.mul(g, cst(64)), cst(32 * h))
-                xvs = [builder.load(_vec_ptr(context, builder, ta[3], xq_v, [(tu, ip), (col, ip)], v16), align=2)
-                       for tu in toks]
-                q0 = cst(0 if kind == "nib" else 32 * h)
-                parts = [[] for _ in toks]
-                for i in range(ROWS):
-                    pb = _vec_ptr(context, builder, ta[0], qs_v, [(rb, ip), (g, ip), (cst(i), ip), (q0, ip)], ir.VectorType(_I8, 32))
-                    b = builder.load(pb, align=1)
-                    if kind == "i8":
-                        codes = builder.sext(b, v16)
-                    elif h == 0:
-                        codes = builder.and_(builder.zext(b, v16), ir.Constant(v16, [15] * 32))
-                    else:
-                        codes = builder.lshr(builder.zext(b, v16), ir.Constant(v16, [4] * 32))
-                    for u, xv in enumerate(xvs):
-                        parts[u].append(_madd(builder, codes, xv))
-                for u in range(n_tok):
-                    red = _reduce_rows(builder, parts[u], sub // 2)
-                    if sub == 32:
-                        sums[u].append((builder.add(builder.mul(g, cst(2)), cst(h)), red[0]))
-                    else:  # two vectors of (row, sub-block) pairs, rows 0-7 then 8-15: split by sub-block
-                        for e in range(2):
-                            v = builder.shuffle_vector(red[0], red[1], ir.Constant(ir.VectorType(_I32, 16), list(range(e, 32, 2))))
-                            sums[u].append((builder.add(builder.mul(g, cst(4)), cst(2 * h + e)), v))
+            v64 = ir.VectorType(_I8, 64)
+            col = builder.mul(g, cst(64))
+            xvs = [builder.load(_vec_ptr(context, builder, ta[3], xq_v, [(tu, ip), (col, ip)], v64), align=1)
+                   for tu in toks]
+            parts = [[] for _ in toks]
+            for i in range(ROWS):
+                if kind == "i8":  # signed codes s as unsigned s + 128 (c moves down by 128: I8_SHIFT)
+                    codes = builder.load(_vec_ptr(context, builder, ta[0], qs_v,
+                                                  [(rb, ip), (g, ip), (cst(i), ip), (cst(0), ip)], v64), align=1)
+                    codes = builder.xor(codes, ir.Constant(v64, [0x80] * 64))
+                else:
+                    v8 = ir.VectorType(_I8, 32)
+                    b = builder.load(_vec_ptr(context, builder, ta[0], qs_v,
+                                              [(rb, ip), (g, ip), (cst(i), ip), (cst(0), ip)], v8), align=1)
+                    lo = builder.and_(b, ir.Constant(v8, [15] * 32))
+                    hi = builder.lshr(b, ir.Constant(v8, [4] * 32))
+                    codes = builder.shuffle_vector(lo, hi, ir.Constant(ir.VectorType(_I32, 64), list(range(64))))
+                for u, xv in enumerate(xvs):
+                    parts[u].append(_dot4(builder, codes, xv))
+            per = 64 // sub  # sub-blocks per group
+            sums = [list(zip(range(per), _by_subblock(builder, _reduce_rows(builder, p, 16 // per), sub)))
+                    for p in parts]
+            sums = [[(builder.add(builder.mul(g, cst(per)), cst(e)), v) for e, v in s] for s in sums]
 
             def splat(x):
                 v = builder.insert_element(ir.Constant(vf, ir.Undefined), x, ir.Constant(_I32, 0))
                 return builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, ROWS), [0] * ROWS))
 
-            cv = splat(context.cast(builder, c_v, ta[7], types.float32))
+            cv = context.cast(builder, c_v, ta[7], types.float32)
+            if kind == "i8":
+                cv = builder.fsub(cv, ir.Constant(_F32, I8_SHIFT))
+            cv = splat(cv)
             for tu, tok_sums in zip(toks, sums):
                 py = _vec_ptr(context, builder, ta[10], y_v, [(tu, ip), (builder.mul(rb, cst(ROWS)), ip)], vf)
                 yv = builder.load(py, align=4)
@@ -241,14 +284,15 @@ def _row_nib16(qs, d, m, ms, c, xq, xd, xs, r, t):
 @numba.njit(inline="always", cache=True, nogil=True)
 def _row_i8_32(qs, d, m, ms, c, xq, xd, xs, r, t):
     acc = np.float32(0.0)
+    c = c - np.float32(I8_SHIFT)  # codes as unsigned, as the vector path takes them
     q = qs[r >> 4, :, r & 15]  # (groups, 64)
     for g in range(q.shape[0]):
         o = g * 64
         s0 = np.int32(0)
         s1 = np.int32(0)
         for j in range(32):
-            s0 = np.int32(s0 + np.int32(q[g, j]) * np.int32(xq[t, o + j]))
-            s1 = np.int32(s1 + np.int32(q[g, 32 + j]) * np.int32(xq[t, o + 32 + j]))
+            s0 = np.int32(s0 + (np.int32(q[g, j]) + np.int32(128)) * np.int32(xq[t, o + j]))
+            s1 = np.int32(s1 + (np.int32(q[g, 32 + j]) + np.int32(128)) * np.int32(xq[t, o + 32 + j]))
         k = 2 * g
         acc = acc + _term(d, m, ms, c, r, k, xd[t, k], s0, xs[t, k])
         acc = acc + _term(d, m, ms, c, r, k + 1, xd[t, k + 1], s1, xs[t, k + 1])
@@ -258,6 +302,7 @@ def _row_i8_32(qs, d, m, ms, c, xq, xd, xs, r, t):
 @numba.njit(inline="always", cache=True, nogil=True)
 def _row_i8_16(qs, d, m, ms, c, xq, xd, xs, r, t):
     acc = np.float32(0.0)
+    c = c - np.float32(I8_SHIFT)  # codes as unsigned, as the vector path takes them
     q = qs[r >> 4, :, r & 15]  # (groups, 64)
     for g in range(q.shape[0]):
         o = g * 64
@@ -266,10 +311,10 @@ def _row_i8_16(qs, d, m, ms, c, xq, xd, xs, r, t):
         s2 = np.int32(0)
         s3 = np.int32(0)
         for j in range(16):
-            s0 = np.int32(s0 + np.int32(q[g, j]) * np.int32(xq[t, o + j]))
-            s1 = np.int32(s1 + np.int32(q[g, 16 + j]) * np.int32(xq[t, o + 16 + j]))
-            s2 = np.int32(s2 + np.int32(q[g, 32 + j]) * np.int32(xq[t, o + 32 + j]))
-            s3 = np.int32(s3 + np.int32(q[g, 48 + j]) * np.int32(xq[t, o + 48 + j]))
+            s0 = np.int32(s0 + (np.int32(q[g, j]) + np.int32(128)) * np.int32(xq[t, o + j]))
+            s1 = np.int32(s1 + (np.int32(q[g, 16 + j]) + np.int32(128)) * np.int32(xq[t, o + 16 + j]))
+            s2 = np.int32(s2 + (np.int32(q[g, 32 + j]) + np.int32(128)) * np.int32(xq[t, o + 32 + j]))
+            s3 = np.int32(s3 + (np.int32(q[g, 48 + j]) + np.int32(128)) * np.int32(xq[t, o + 48 + j]))
         acc = _sums16(acc, d, m, ms, c, r, 4 * g, xd[t, 2 * g], xd[t, 2 * g + 1], xs, t, s0, s1, s2, s3)
     return acc
 

@@ -17,7 +17,7 @@ _JIT = dict(cache=True, fastmath=True, nogil=True)
 def _quantize_row(x, xq, xd, xs, sub, t):
     """Per 32 columns: amax from the integer max of |x|'s bit patterns (the order of
     non-negative floats; inf and NaN sort above every finite value, so the same max says
-    whether the block is finite), then codes rint(x * 32767 / amax): loops that vectorize."""
+    whether the block is finite), then int8 codes rint(x * 127 / amax): loops that vectorize."""
     n_cols = x.shape[1]
     xi = x.view(np.int32)
     for b in range(xd.shape[1]):
@@ -26,7 +26,7 @@ def _quantize_row(x, xq, xd, xs, sub, t):
         abits = np.int32(0)
         for c in range(c0, c1):
             abits = max(abits, np.int32(xi[t, c] & np.int32(0x7FFFFFFF)))
-        scale = bits_as_f32(abits) / np.float32(32767.0)
+        scale = bits_as_f32(abits) / np.float32(127.0)
         if abits >= np.int32(0x7F800000):  # a NaN or inf in x must reach y as NaN, not vanish in the cast
             xd[t, b] = np.float32(np.nan)
             for c in range(c0, c0 + 32):
@@ -36,7 +36,7 @@ def _quantize_row(x, xq, xd, xs, sub, t):
         if scale > 0:
             inv = np.float32(1.0) / scale
             for c in range(c0, c1):
-                xq[t, c] = np.int16(np.rint(x[t, c] * inv))
+                xq[t, c] = np.int8(np.rint(x[t, c] * inv))
         else:
             for c in range(c0, c1):
                 xq[t, c] = 0
@@ -63,9 +63,9 @@ def _quantize_rows_par(x, xq, xd, xs, sub):
 
 
 def quantize_x(x, n_pad, sub):
-    """x (n_tok, n_cols) f32 -> xq (n_tok, n_pad) int16, xd (n_tok, n_pad//32), xs (n_tok, n_pad//sub)."""
+    """x (n_tok, n_cols) f32 -> xq (n_tok, n_pad) int8, xd (n_tok, n_pad//32), xs (n_tok, n_pad//sub)."""
     n_tok = x.shape[0]
-    xq = np.empty((n_tok, n_pad), dtype=np.int16)
+    xq = np.empty((n_tok, n_pad), dtype=np.int8)
     xd = np.empty((n_tok, n_pad // 32), dtype=np.float32)
     xs = np.empty((n_tok, n_pad // sub), dtype=np.float32)
     (_quantize_rows_par if n_tok >= 4 else _quantize_rows)(x, xq, xd, xs, sub)

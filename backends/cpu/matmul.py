@@ -82,7 +82,7 @@ def start_pool() -> None:
 
 @numba.njit(cache=True, nogil=True)
 def _quantize1(x, n_pad, sub):
-    xq = np.empty((1, n_pad), dtype=np.int16)
+    xq = np.empty((1, n_pad), dtype=np.int8)
     xd = np.empty((1, n_pad // 32), dtype=np.float32)
     xs = np.empty((1, n_pad // sub), dtype=np.float32)
     kernels._quantize_rows(x, xq, xd, xs, sub)
