@@ -66,7 +66,7 @@ def _rope(n, x, pos):
     return rope(x, pos, p["n_rot"], p["base"], p["freq_scale"], p["neox"], p.get("freqs"), p.get("mscale", 1.0))
 
 
-def attention(q, k_cache, v_cache, tok_seq, tok_pos, block_table, *, scale, block_size, window):
+def attention(q, k_cache, v_cache, tok_seq, tok_pos, block_table, *, scale, block_size, window, softcap=0.0):
     """q (n_tokens, n_head, d); caches (n_slots, n_head_kv, d). Each token attends to its
     sequence's positions [lo, pos] through the block table. Returns (n_tokens, n_head*d)."""
     n_tokens, n_head, _ = q.shape
@@ -80,6 +80,8 @@ def attention(q, k_cache, v_cache, tok_seq, tok_pos, block_table, *, scale, bloc
         k = np.repeat(k_cache[slots], group, axis=1)  # (n_kv, n_head, d)
         v = np.repeat(v_cache[slots], group, axis=1)
         s = np.einsum("hd,khd->hk", q[t].astype(np.float64), k) * scale
+        if softcap:
+            s = softcap * np.tanh(s / softcap)
         s = np.exp(s - s.max(axis=1, keepdims=True))
         s /= s.sum(axis=1, keepdims=True)
         out[t] = np.einsum("hk,khd->hd", s, v)
@@ -165,7 +167,7 @@ class ReferenceBackend(Backend):
             Op.SET_ROWS: _set_rows,
             Op.ATTN: lambda n, q, k, v, seq, pos, bt: attention(
                 q, k, v, seq, pos, bt, scale=n.params["scale"], block_size=n.params["block_size"],
-                window=n.params["window"]),
+                window=n.params["window"], softcap=n.params.get("softcap", 0.0)),
             Op.RMS_NORM_MUL: lambda n, x, w: (rms_norm(x, n.params["eps"]) * w).astype(np.float32),
             Op.GLU: lambda n, g, u: _act(n, g) * u,
             # unfused attention

@@ -47,6 +47,20 @@ def _norm_add(g, root, m):
     return g.rms_norm_mul_add(m["x"], m["w"], m["r"], m["norm"].params["eps"], root.name, root.layer)
 
 
+def _attn_pattern(softcap: bool) -> P:
+    scores = P(Op.SCALE, P(Op.KQ, X.q, P(Op.GATHER_KV, X.kc, X.bt, name="gk"), X.seq), name="scale")
+    if softcap:  # softcap * tanh(scores / softcap)
+        scores = P(Op.SCALE, P(Op.TANH, P(Op.SCALE, scores, name="inv")), name="cap")
+    return P(Op.RESHAPE, P(Op.KQV, P(Op.SOFT_MAX, P(Op.ADD, scores, P(Op.KQ_MASK, X.pos, name="mask"))),
+                           P(Op.GATHER_KV, X.vc, X.bt), X.seq))
+
+
+def _attn(g, root, m, softcap: float):
+    return g.attn(m["q"], m["kc"], m["vc"], m["seq"], m["pos"], m["bt"], scale=m["scale"].params["s"],
+                  block_size=m["gk"].params["block_size"], window=m["mask"].params["window"], softcap=softcap,
+                  name=root.name, il=root.layer)
+
+
 RULES = [
     # RMSNorm then its weight: one pass over each row
     Rule("rms_norm_mul", P(Op.MUL, P(Op.RMS_NORM, X.x, name="norm"), X.w),
@@ -62,13 +76,12 @@ RULES = [
     Rule("rope_set_rows", P(Op.SET_ROWS, X.cache, P(Op.ROPE, X.x, X.pos, name="rope"), X.slots),
          lambda g, root, m: g.rope_set_rows(m["cache"], m["x"], m["pos"], m["slots"], name=root.name,
                                             il=root.layer, **m["rope"].params)),
-    # gather, QK^T, scale, mask, softmax, times V: flash attention over the paged cache
-    Rule("flash_attn", P(Op.RESHAPE, P(Op.KQV, P(Op.SOFT_MAX, P(Op.ADD, P(Op.SCALE, P(
-        Op.KQ, X.q, P(Op.GATHER_KV, X.kc, X.bt, name="gk"), X.seq), name="scale"), P(Op.KQ_MASK, X.pos, name="mask"))),
-        P(Op.GATHER_KV, X.vc, X.bt), X.seq)),
-         lambda g, root, m: g.attn(m["q"], m["kc"], m["vc"], m["seq"], m["pos"], m["bt"],
-                                   scale=m["scale"].params["s"], block_size=m["gk"].params["block_size"],
-                                   window=m["mask"].params["window"], name=root.name, il=root.layer)),
+    # gather, QK^T, scale (and Gemma 2's soft-capping), mask, softmax, times V: flash attention
+    # over the paged cache
+    Rule("flash_attn", _attn_pattern(False), lambda g, root, m: _attn(g, root, m, 0.0)),
+    Rule("flash_attn_softcap", _attn_pattern(True),
+         lambda g, root, m: _attn(g, root, m, m["cap"].params["s"])
+         if abs(m["cap"].params["s"] * m["inv"].params["s"] - 1.0) < 1e-6 else None),
     # residual adds: into the projection or post-norm that produces the addend
     Rule("mul_mat_add", P(Op.ADD, X.r, P(Op.MUL_MAT, X.w, X.x, name="mm")),
          lambda g, root, m: g.mul_mat_add(m["w"], m["x"], m["r"], root.name, root.layer)

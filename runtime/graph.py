@@ -223,14 +223,15 @@ class Graph:
 
     # fused ops: created by runtime.fusion, or directly by tests
     def attn(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, tok_seq: Tensor, tok_pos: Tensor,
-             block_table: Tensor, *, scale: float, block_size: int, window: int = 0,
+             block_table: Tensor, *, scale: float, block_size: int, window: int = 0, softcap: float = 0.0,
              name: str, il: int = -1) -> Tensor:
         """Attention of each query token over its own sequence's cached positions
-        [pos - window + 1 (or 0), pos], read through the block table (paged KV)."""
+        [pos - window + 1 (or 0), pos], read through the block table (paged KV). Scores are
+        q.k * scale, then softcap * tanh(score / softcap) when softcap > 0 (Gemma 2)."""
         n_tokens, n_head, head_dim = q.shape
         return self._add(Op.ATTN, (q, k_cache, v_cache, tok_seq, tok_pos, block_table),
                          (n_tokens, n_head * v_cache.shape[2]), name, il, scale=float(scale),
-                         block_size=int(block_size), window=int(window))
+                         block_size=int(block_size), window=int(window), softcap=float(softcap))
 
     def rms_norm_mul(self, x: Tensor, w: Tensor, eps: float, name: str, il: int = -1) -> Tensor:
         return self._add(Op.RMS_NORM_MUL, (x, w), x.shape, name, il, eps=float(eps))

@@ -344,7 +344,7 @@ def kv_write(fused, n_kv, d, scen, neox=True):
     return g, {"x": x, "pos": pos, "slots": slots}, {"cache_k": cache}
 
 
-def attention(part, shape, scen, window):
+def attention(part, shape, scen, window, softcap=0.0):
     """The fused ATTN, or one unfused part, over a scenario's tokens and random cached K/V."""
     n_head, n_kv, d = shape
     seq, pos, _ = scenario(scen)
@@ -362,10 +362,13 @@ def attention(part, shape, scen, window):
     def unfused():
         kk = g.gather_kv(kci, bt, block_size=BS, name="k")
         s = g.scale(g.kq(q, kk, sq, "kq"), d ** -0.5, "kq_scaled")
+        if softcap:
+            s = g.scale(g.tanh(g.scale(s, 1.0 / softcap, "capped_1"), "tanh"), softcap, "capped")
         probs = g.soft_max(g.add(s, mask(), "kq_masked"), "probs")
         return g.kqv(probs, g.gather_kv(vci, bt, block_size=BS, name="v"), sq, "kqv")
     g.outputs.append({
-        "attn": lambda: g.attn(q, kci, vci, sq, ps, bt, scale=d ** -0.5, block_size=BS, window=window, name="a"),
+        "attn": lambda: g.attn(q, kci, vci, sq, ps, bt, scale=d ** -0.5, block_size=BS, window=window,
+                               softcap=softcap, name="a"),
         "unfused": unfused,
         "gather_kv": lambda: g.gather_kv(kci, bt, block_size=BS, name="k"),
         "kq": lambda: g.kq(q, k, sq, "kq"),
@@ -412,6 +415,9 @@ CASES = [
     case(kv_write, fused=True, n_kv=2, d=64, scen="chunk", neox=False),
     *[case(attention, part="attn", shape=sh, scen=s, window=w) for sh in GQA for s in SCENARIOS for w in (0, 8)],
     *[case(attention, part="unfused", shape=sh, scen=s, window=w) for sh in GQA[:2] for s in SCENARIOS for w in (0, 8)],
+    # Gemma 2's soft-capped scores (a cap of 1.5 bends the scores of x ~ N(0, 1) keys hard)
+    *[case(attention, part=p, shape=GQA[0], scen=s, window=8, softcap=1.5) for p in ("attn", "unfused")
+      for s in SCENARIOS],
     *[case(attention, part=p, shape=sh, scen=s, window=0) for p in ("gather_kv", "kq", "kqv", "soft_max")
       for sh in GQA for s in ("empty", "chunk", "prefill")],
     *[case(attention, part=p, shape=GQA[0], scen=s, window=w) for p in ("kq_mask", "soft_max_masked")

@@ -127,3 +127,24 @@ def test_stacking_groups_by_weight_type():
     mms = [n for n in f.nodes if n.op is Op.MUL_MAT]
     assert sorted(n.srcs[0].name for n in mms) == ["attn_q+attn_k", "attn_v"]
     assert [n.op for n in f.outputs] == [Op.SLICE, Op.SLICE, Op.MUL_MAT]
+
+
+@pytest.mark.parametrize("inv", [1 / 30.0, 1 / 29.0])
+def test_softcapped_attention_fuses_only_as_a_cap(inv):
+    """Gemma 2's scores, cap * tanh(s * (1/cap)), become one ATTN carrying the cap; a chain
+    whose two scales are not inverse is some other function and stays unfused."""
+    from hearthlm.runtime.graph import Graph
+    g = Graph()
+    q = g.input("q", (3, 4, 16), np.float32)
+    seq, pos, bt = g.input("seq", (3,)), g.input("pos", (3,)), g.input("bt", (1, 2))
+    kc, vc = g.cache("cache_k", (32, 2, 16), 0), g.cache("cache_v", (32, 2, 16), 0)
+    s = g.scale(g.kq(q, g.gather_kv(kc, bt, block_size=16, name="k"), seq, "kq"), 0.25, "kq_scaled")
+    s = g.scale(g.tanh(g.scale(s, inv, "capped_1"), "tanh"), 30.0, "capped")
+    probs = g.soft_max(g.add(s, g.kq_mask(pos, n_kv=32, window=0, name="mask"), "masked"), "probs")
+    out = g.kqv(probs, g.gather_kv(vc, bt, block_size=16, name="v"), seq, "kqv")
+    g.outputs.append(g.reshape(out, (3, 64), "out"))
+    attn = [n for n in fusion.fuse(g).nodes if n.op is Op.ATTN]
+    if inv == 1 / 30.0:
+        assert len(attn) == 1 and attn[0].params["softcap"] == 30.0 and attn[0].params["scale"] == 0.25
+    else:
+        assert not attn

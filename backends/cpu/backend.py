@@ -117,7 +117,7 @@ def _attn(node, q, k, v, seq, pos, bt, out=None):
     p = node.params
     out = _buf(node, out)
     ops.attention(np.ascontiguousarray(q, np.float32), _bits(k), _bits(v), seq, pos, bt, p["scale"], p["block_size"],
-                  p["window"], out.reshape(q.shape[0], q.shape[1], v.shape[2]))
+                  p["window"], p.get("softcap", 0.0), out.reshape(q.shape[0], q.shape[1], v.shape[2]))
     return out
 
 

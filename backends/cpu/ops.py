@@ -225,7 +225,7 @@ def set_rows_1(cache, src, slots):
 
 
 @numba.njit(**_JIT)
-def _attend(q, k_cache, v_cache, t, kh, group, seq, p_lo, p_hi, block_table, scale, block_size, m, l, acc):
+def _attend(q, k_cache, v_cache, t, kh, group, seq, p_lo, p_hi, block_table, scale, softcap, block_size, m, l, acc):
     """Online softmax of the GQA group's query heads of token t over positions p_lo..p_hi-1:
     m (group,) running maxima, l (group,) sums of exp, acc (group, dv) exp-weighted V; updated.
     Positions go ATT_BLOCK at a time (scores, then one max and rescale per block, then V), and
@@ -248,6 +248,11 @@ def _attend(q, k_cache, v_cache, t, kh, group, seq, p_lo, p_hi, block_table, sca
                 for j in range(d):
                     s += qv[j] * f32(kv[j])
                 sc[g, i] = s * scale
+        if softcap > 0:  # as the unfused chain: scale by 1/softcap, tanh, scale by softcap
+            inv = np.float32(1.0) / np.float32(softcap)
+            for g in range(group):
+                for i in range(nb):
+                    sc[g, i] = np.float32(np.tanh(sc[g, i] * inv)) * np.float32(softcap)
         for g in range(group):
             mb = m[g]
             for i in range(nb):
@@ -273,7 +278,7 @@ def _attend(q, k_cache, v_cache, t, kh, group, seq, p_lo, p_hi, block_table, sca
 
 
 @numba.njit(parallel=True, **_JIT)
-def attention(q, k_cache, v_cache, tok_seq, tok_pos, block_table, scale, block_size, window, out):
+def attention(q, k_cache, v_cache, tok_seq, tok_pos, block_table, scale, block_size, window, softcap, out):
     """Flash-style attention with an online softmax: never holds a score matrix.
     q (n_tokens, n_head, d); caches (n_slots, n_head_kv, d_v), float32 or float16 bits (halfs);
     out (n_tokens, n_head, d_v).
@@ -302,7 +307,7 @@ def attention(q, k_cache, v_cache, tok_seq, tok_pos, block_table, scale, block_s
         pl[part, kh] = 0.0
         pacc[part, kh] = 0.0
         _attend(q, k_cache, v_cache, t, kh, group, tok_seq[t], p_lo, min(p_lo + ATT_SPLIT, pos + 1),
-                block_table, scale, block_size, pm[part, kh], pl[part, kh], pacc[part, kh])
+                block_table, scale, softcap, block_size, pm[part, kh], pl[part, kh], pacc[part, kh])
     for job in prange(n_tokens * n_head):
         t, h = job // n_head, job % n_head
         kh, g = h // group, h % group

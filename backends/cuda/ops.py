@@ -257,7 +257,8 @@ def attn(node, q, k_cache, v_cache, tok_seq, tok_pos, block_table, out=None):
     heads = min(n_head, 8)
     _launch("attention.cu", "attn_paged", (n_tokens, _cdiv(n_head, heads)), (32, heads),
             (_f(q), _f(k_cache), _f(v_cache), _i(tok_seq), _i(tok_pos), bt, i32(bt.shape[1]), i32(n_head),
-             i32(n_head_kv), i32(d), i32(dv), f32(p["scale"]), i32(p["block_size"]), i32(p["window"]), y))
+             i32(n_head_kv), i32(d), i32(dv), f32(p["scale"]), f32(p.get("softcap", 0.0)), i32(p["block_size"]),
+             i32(p["window"]), y))
     return _into(y, out)
 
 

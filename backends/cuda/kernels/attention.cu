@@ -15,7 +15,7 @@ extern "C" __global__ void attn_paged(const float* __restrict__ q, const float* 
                                       const float* __restrict__ v_cache, const int* __restrict__ tok_seq,
                                       const int* __restrict__ tok_pos, const int* __restrict__ block_table,
                                       int mb, int n_head, int n_head_kv, int d, int dv, float scale,
-                                      int block_size, int window, float* __restrict__ out) {
+                                      float softcap, int block_size, int window, float* __restrict__ out) {
     int t = blockIdx.x;
     int h = blockIdx.y * blockDim.y + threadIdx.y;
     if (h >= n_head) return;
@@ -42,6 +42,7 @@ extern "C" __global__ void attn_paged(const float* __restrict__ q, const float* 
             if (j < d) s += qr[i] * kr[j];
         }
         s = warp_sum(s);
+        if (softcap > 0.0f) s = softcap * tanhf(s / softcap);  // Gemma 2's logit soft-capping
         float m_new = fmaxf(mx, s);
         float corr = expf(mx - m_new);  // 0 on the first key (mx = -inf)
         float e = expf(s - m_new);
