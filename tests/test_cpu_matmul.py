@@ -228,12 +228,16 @@ def test_one_token_matmul_first_in_a_fresh_process():
     assert np.isfinite(float(r.stdout.strip()))
 
 
-def test_portable_target_without_avx512_or_f16c(tmp_path):
+@pytest.mark.parametrize("target", ["generic", "skylake-avx512"])
+def test_portable_target_without_avx512_or_f16c(tmp_path, target):
     """NUMBA_CPU_NAME=generic compiles for baseline x86-64 (as for caches that travel): the
-    kernels must then skip the AVX-512BW intrinsic and widen float16 scales with integer
-    arithmetic (LLVM's own conversion would call compiler-rt, absent from numba's JIT). Checked
-    in a fresh process with its own cache: every float16 bit pattern, and matmuls of a 4-bit
-    family with float16 scales and an int8 one with float32 scales against dequantization."""
+    kernels must then skip the AVX-512 intrinsics and widen float16 scales with integer
+    arithmetic (LLVM's own conversion would call compiler-rt, absent from numba's JIT); a
+    Skylake-X target has AVX-512BW but no VNNI: pmaddwd stands in for vpdpbusd. Checked in a
+    fresh process with its own cache: every float16 bit pattern, and matmuls of a 4-bit family
+    with float16 scales and an int8 one with float32 scales against dequantization."""
+    if target != "generic" and "avx512bw" not in open("/proc/cpuinfo").read():
+        pytest.skip("this CPU cannot run AVX-512BW code")
     import os
     import subprocess
     import sys
@@ -245,7 +249,11 @@ from hearthlm.backends.cpu import dot, halfs
 from hearthlm.backends.cpu.bench_kernels import random_raw
 from hearthlm.backends.cpu.matmul import matmul
 from hearthlm.backends.cpu.qtypes import pack_weight
-assert not halfs.NATIVE_HALF and not dot._HAS_BW
+import sys
+if sys.argv[1] == "generic":
+    assert not halfs.NATIVE_HALF and not dot._HAS_BW
+else:
+    assert halfs.NATIVE_HALF and dot._HAS_BW and not dot._HAS_VNNI
 @numba.njit
 def widen_all(h, out):
     for i in range(h.shape[0]):
@@ -264,8 +272,10 @@ for qt in (T.Q4_1, T.Q6_K):
         assert err < 5e-4, (qt.name, n, err)
 print("ok")
 """
-    env = dict(os.environ, NUMBA_CPU_NAME="generic", NUMBA_CACHE_DIR=str(tmp_path))
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, env=env)
+    env = dict(os.environ, NUMBA_CPU_NAME=target, NUMBA_CACHE_DIR=str(tmp_path))
+    if target != "generic":
+        env["NUMBA_CPU_FEATURES"] = "+avx2,+fma,+f16c,+avx512f,+avx512bw,+avx512vl,+avx512dq,-avx512vnni"
+    r = subprocess.run([sys.executable, "-c", code, target], capture_output=True, text=True, timeout=600, env=env)
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
 
 

@@ -1,6 +1,6 @@
 """Weight matmul and embedding lookup on the CPU: y = x @ W.T for every type in qtypes.
 
-Up to BLAS_MIN_TOKENS tokens (decode, batches, prefill), x is quantized to int16 blocks of 32
+Up to BLAS_MIN_TOKENS tokens (decode, batches, prefill), x is quantized to int8 blocks of 32
 (as ggml's q8_1, with codes, a scale, and the block sums that absorb the weights' offsets), and
 each weight row is an integer dot product per sub-block (dot.py, 16 rows at a time, tokens in
 pairs), so a token's result does not depend on the batch it came in. Beyond, rows are
