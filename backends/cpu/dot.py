@@ -431,33 +431,28 @@ def dot_i8_16(qs, d, m, ms, c, xq, xd, xs, y):
                     _i8_16(qs, rb, g, xq, t, d, m, c, xd, xs, y)
 
 
-def _family(kind, qs, d, m, ms, c, xq, xd, xs, y):
-    """The kernel of family `kind` (qtypes.KINDS); compiled code only (see the overload)."""
+# The family travels as a type: a tag, an empty array whose dtype names it (TAGS[kind]), so
+# that compiled callers specialize on it and only the families a model's weights use are ever
+# compiled (a first run compiles them: each is seconds of LLVM). An integer `kind` would be one
+# type for all four, and each caller would compile every family.
+TAGS = tuple(np.empty(0, dt) for dt in (np.int8, np.int16, np.int32, np.int64))  # by qtypes.KINDS
+
+
+def _family(tag, qs, d, m, ms, c, xq, xd, xs, y):
+    """The kernel of the family that `tag` names; compiled code only (see the overload)."""
     raise NotImplementedError
 
 
 @overload(_family)
-def _family_for_codes(kind, qs, d, m, ms, c, xq, xd, xs, y):
-    # chosen by the codes' type when a caller is compiled: 4-bit families hold uint8, int8 ones
-    # int8, so each caller compiles two kernels rather than all four (a first run compiles the
-    # kernels for every weight type a model has: this halves that wait)
-    if qs.dtype == types.uint8:
-        def nib(kind, qs, d, m, ms, c, xq, xd, xs, y):
-            if kind == 0:
-                dot_nib32(qs, d, m, ms, c, xq, xd, xs, y)
-            else:
-                dot_nib16(qs, d, m, ms, c, xq, xd, xs, y)
-        return nib
+def _family_for_tag(tag, qs, d, m, ms, c, xq, xd, xs, y):
+    kernel = {1: dot_nib32, 2: dot_nib16, 4: dot_i8_32, 8: dot_i8_16}[tag.dtype.bitwidth // 8]
 
-    def i8(kind, qs, d, m, ms, c, xq, xd, xs, y):
-        if kind == 2:
-            dot_i8_32(qs, d, m, ms, c, xq, xd, xs, y)
-        else:
-            dot_i8_16(qs, d, m, ms, c, xq, xd, xs, y)
-    return i8
+    def impl(tag, qs, d, m, ms, c, xq, xd, xs, y):
+        kernel(qs, d, m, ms, c, xq, xd, xs, y)
+    return impl
 
 
 @numba.njit(cache=True, nogil=True)
-def dot_any(kind, qs, d, m, ms, c, xq, xd, xs, y):
-    """The kernel of family `kind` (qtypes.KINDS), chosen inside compiled code."""
-    _family(kind, qs, d, m, ms, c, xq, xd, xs, y)
+def dot_any(tag, qs, d, m, ms, c, xq, xd, xs, y):
+    """The kernel of the family `tag` names (TAGS), chosen when a caller is compiled."""
+    _family(tag, qs, d, m, ms, c, xq, xd, xs, y)

@@ -7,7 +7,7 @@ import weakref
 
 import numpy as np
 
-from hearthlm.backends.cpu import ops
+from hearthlm.backends.cpu import dot, ops
 from hearthlm.backends.cpu.matmul import ffn_glu1, matmul, quantize_for, start_pool
 from hearthlm.backends.cpu.qtypes import PackedWeight
 
@@ -32,7 +32,7 @@ def ffn_glu(wg: PackedWeight, wu: PackedWeight, x: np.ndarray, gelu: bool, out: 
     o = out.reshape(x.shape[0], wg.shape[0])
     if x.shape[0] == 1 and wg.kind >= 0 and (wg.kind, wg.n_pad, wg.sub) == (wu.kind, wu.n_pad, wu.sub):
         start_pool()
-        ffn_glu1(wg.kind, wg.qs, wg.d, wg.m, wg.ms, wg.c32, wu.qs, wu.d, wu.m, wu.ms, wu.c32, wg.sub, x, gelu, o)
+        ffn_glu1(dot.TAGS[wg.kind], wg.qs, wg.d, wg.m, wg.ms, wg.c32, wu.qs, wu.d, wu.m, wu.ms, wu.c32, wg.sub, x, gelu, o)
         return out
     if x.shape[0] * wg.shape[0] <= WHOLE_MAX:  # decode: gate/up are a few KB, calls are the cost
         chunk = wg.shape[0]

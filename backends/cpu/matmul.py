@@ -33,7 +33,7 @@ def matmul(w: PackedWeight, x: np.ndarray, out: np.ndarray | None = None, xq=Non
     if x.shape[0] == 1 and w.kind >= 0:  # decode: quantize and multiply in one compiled call
         start_pool()
         y = np.empty((1, n_rows), dtype=np.float32) if out is None else out
-        _matvec(w.kind, w.qs, w.d, w.m, w.ms, w.c32, w.sub, x, y)
+        _matvec(dot.TAGS[w.kind], w.qs, w.d, w.m, w.ms, w.c32, w.sub, x, y)
         return y
     if w.layout in ("nib", "i8") and x.shape[0] < BLAS_MIN_TOKENS:
         if xq is None or xq[0] != (w.n_pad, w.sub):
@@ -57,7 +57,7 @@ def matmul_add(w: PackedWeight, x: np.ndarray, r: np.ndarray, out: np.ndarray | 
     if x2.shape[0] == 1 and w.kind >= 0 and r.dtype == np.float32 and r.size == w.shape[0]:
         start_pool()
         y = np.empty((1, w.shape[0]), dtype=np.float32) if out is None else out.reshape(1, -1)
-        _matvec_add(w.kind, w.qs, w.d, w.m, w.ms, w.c32, w.sub, x2, np.ascontiguousarray(r).reshape(1, -1), y)
+        _matvec_add(dot.TAGS[w.kind], w.qs, w.d, w.m, w.ms, w.c32, w.sub, x2, np.ascontiguousarray(r).reshape(1, -1), y)
         return y.reshape(r.shape) if out is None else out
     return np.add(matmul(w, x2).reshape(r.shape), r, out=out)
 
@@ -90,27 +90,27 @@ def _quantize1(x, n_pad, sub):
 
 
 @numba.njit(cache=True, nogil=True)
-def _matvec(kind, qs, d, m, ms, c, sub, x, y):
+def _matvec(tag, qs, d, m, ms, c, sub, x, y):
     xq, xd, xs = _quantize1(x, d.shape[1] * sub, sub)
-    dot.dot_any(kind, qs, d, m, ms, c, xq, xd, xs, y)
+    dot.dot_any(tag, qs, d, m, ms, c, xq, xd, xs, y)
 
 
 @numba.njit(cache=True, nogil=True)
-def _matvec_add(kind, qs, d, m, ms, c, sub, x, r, y):
+def _matvec_add(tag, qs, d, m, ms, c, sub, x, r, y):
     t = np.empty(y.shape, dtype=np.float32)  # y may be r's buffer (memory.INPLACE)
-    _matvec(kind, qs, d, m, ms, c, sub, x, t)
+    _matvec(tag, qs, d, m, ms, c, sub, x, t)
     for j in range(y.shape[1]):
         y[0, j] = t[0, j] + r[0, j]
 
 
 @numba.njit(cache=True, nogil=True)
-def ffn_glu1(kind, qg, dg, mg, msg, cg, qu, du, mu, msu, cu, sub, x, gelu, out):
+def ffn_glu1(tag, qg, dg, mg, msg, cg, qu, du, mu, msu, cu, sub, x, gelu, out):
     """act(x Wg^T) * (x Wu^T) of one token into out (1, n_ff); gate and up of one kind."""
     xq, xd, xs = _quantize1(x, dg.shape[1] * sub, sub)
     g = np.empty(out.shape, dtype=np.float32)
     u = np.empty(out.shape, dtype=np.float32)
-    dot.dot_any(kind, qg, dg, mg, msg, cg, xq, xd, xs, g)
-    dot.dot_any(kind, qu, du, mu, msu, cu, xq, xd, xs, u)
+    dot.dot_any(tag, qg, dg, mg, msg, cg, xq, xd, xs, g)
+    dot.dot_any(tag, qu, du, mu, msu, cu, xq, xd, xs, u)
     ops.glu_1(g, u, gelu, out)
 
 
@@ -144,7 +144,7 @@ def quantize_for(w: PackedWeight, x: np.ndarray):
 
 def _matmul_int(w: PackedWeight, n_tok: int, prepared, out: np.ndarray | None = None) -> np.ndarray:
     y = np.empty((n_tok, w.shape[0]), dtype=np.float32) if out is None else out  # (n_tokens, n_rows)
-    dot.dot_any(w.kind, w.qs, w.d, w.m, w.ms, w.c32, *prepared, y)
+    dot.dot_any(dot.TAGS[w.kind], w.qs, w.d, w.m, w.ms, w.c32, *prepared, y)
     return y
 
 
