@@ -8,7 +8,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from tqdm.auto import tqdm
 
 # progress(filename, bytes done, total bytes or None)
 Progress = Callable[[str, int, "int | None"], None]
@@ -27,6 +26,7 @@ def download(repo: str, filename: str, *, revision: str | None, cache_dir: Path,
     from filelock import FileLock
     from huggingface_hub import get_hf_file_metadata, hf_hub_url
     from huggingface_hub.utils import build_hf_headers
+    from tqdm.auto import tqdm  # here, not at import: 40 ms of every start that never downloads
 
     meta = get_hf_file_metadata(hf_hub_url(repo, filename, revision=revision))
     repo_dir = cache_dir / ("models--" + repo.replace("/", "--"))

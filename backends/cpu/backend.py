@@ -15,7 +15,10 @@ from hearthlm.backends.cpu.halfs import NATIVE_HALF
 from hearthlm.backends.cpu.matmul import get_rows, matmul, matmul_add
 from hearthlm.backends.cpu.qtypes import LAYOUT_VERSION, SUPPORTED_TYPES, PackedWeight, pack_weight
 from hearthlm.runtime.graph import Op
+from hearthlm.runtime.log import get_logger
 from hearthlm.runtime.weights import QWeight
+
+log = get_logger("hearthlm.cpu")
 
 _NO_WEIGHT = np.zeros(0, np.float32)
 _F32 = np.float32
@@ -263,6 +266,11 @@ class CPUBackend(Backend):
             Op.MUL_MAT_ID: _mul_mat_id,
         }
 
+    def loaded(self) -> None:
+        if not kernels_cached():
+            log.warning("compiling the CPU kernels for this machine: the first generation waits for it, once "
+                        "(about 20 s on 2 cores); `hearthlm prepare MODEL` does it ahead of time")
+
     def prepare_weight(self, w: QWeight):
         if len(w.shape) == 1:  # norms and biases: plain float32 vectors
             from hearthlm.backends.reference import dequantize
@@ -289,3 +297,16 @@ class CPUBackend(Backend):
             return arrays["v"]
         return PackedWeight(meta["ggml_type"], tuple(meta["shape"]), meta["layout"], meta["sub"], w=arrays.get("w"),
                             qs=arrays.get("qs"), d=arrays.get("d"), m=arrays.get("m"), ms=meta["ms"], c=meta["c"])
+
+
+def kernels_cached() -> bool:
+    """Whether numba's cache holds compiled matmul kernels for this machine (else the first
+    generation compiles them). Reads numba's cache index path, an internal: if that moves,
+    this says True rather than warn wrongly."""
+    import os
+
+    from hearthlm.backends.cpu import dot
+    try:
+        return os.path.exists(dot.dot_any._cache._cache_file._index_path)
+    except AttributeError:
+        return True
