@@ -176,3 +176,17 @@ def test_two_processes_share_one_cache(model, tmp_path):
     both = [start(), start()]  # then both map the one file
     assert [result(p) for p in both] == [[ref, "hit"]] * 2
     assert not list((tmp_path / "weights").glob(".tmp-*"))
+
+
+def test_moe_experts_are_cached(tmp_path, monkeypatch):
+    """Stacked expert weights (qwen3moe) go into the cache, one packed weight per expert: the
+    second start maps them all, packing nothing, with the same outputs."""
+    from parity.models import write
+
+    import hearthlm.backends.cpu.backend as cpu
+    moe = write(tmp_path / "moe.gguf", "qwen3moe", qtype=T.Q8_0)
+    ref, state = run(moe, False)
+    assert run(moe, tmp_path) == (ref, "written")
+    monkeypatch.setattr(cpu, "pack_weight", lambda *a, **k: pytest.fail("a weight was packed again"))
+    ids, state = run(moe, tmp_path)
+    assert (ids, state) == (ref, "hit")

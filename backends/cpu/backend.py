@@ -282,8 +282,12 @@ class CPUBackend(Backend):
         return pack_weight(w.ggml_type, w.raw, w.shape)  # drops the file's pages of what it copies
 
     def export_weight(self, p):
-        if isinstance(p, Experts):
-            return None  # packed again at each start (MoE experts are not cached yet)
+        if isinstance(p, Experts):  # each expert as a packed weight of its own, arrays "<expert>.<name>"
+            parts = [self.export_weight(e) for e in p]
+            if any(part is None for part in parts):
+                return None  # views of the model file (F32/F16 experts): nothing to save
+            return (dict(kind="experts", parts=[m for m, _ in parts]),
+                    {f"{i}.{k}": a for i, (_, arrays) in enumerate(parts) for k, a in arrays.items()})
         if isinstance(p, np.ndarray):
             return {"kind": "vector"}, {"v": p}
         if p.layout in ("f32", "half") and not (p.w if p.layout == "f32" else p.qs).flags.writeable:
@@ -295,6 +299,10 @@ class CPUBackend(Backend):
     def import_weight(self, meta, arrays):
         if meta["kind"] == "vector":
             return arrays["v"]
+        if meta["kind"] == "experts":
+            return Experts(self.import_weight(m, {k.split(".", 1)[1]: a for k, a in arrays.items()
+                                                  if k.split(".", 1)[0] == str(i)})
+                           for i, m in enumerate(meta["parts"]))
         return PackedWeight(meta["ggml_type"], tuple(meta["shape"]), meta["layout"], meta["sub"], w=arrays.get("w"),
                             qs=arrays.get("qs"), d=arrays.get("d"), m=arrays.get("m"), ms=meta["ms"], c=meta["c"])
 

@@ -72,9 +72,11 @@ class _Seen(dict):
         return super().__contains__(k)
 
 
-def write(path: Path, variant: str, seed: int = 0, *, defects: dict | None = None) -> Path:
+def write(path: Path, variant: str, seed: int = 0, *, defects: dict | None = None,
+          qtype: gguf.GGMLQuantizationType | None = None) -> Path:
     """`defects` (bad-input tests): {"metadata": {key: value} written over what the
-    architecture reads, "drop": tensor name, "shape": {tensor name: shape}}."""
+    architecture reads, "drop": tensor name, "shape": {tensor name: shape}}. `qtype`: matrices
+    quantized to it (gguf.quants) instead of F32 (the recorded parity data is F32)."""
     arch, extra_md, extra_t = VARIANTS[variant]
     d = defects or {}
     rng = np.random.default_rng(seed)
@@ -103,7 +105,11 @@ def write(path: Path, variant: str, seed: int = 0, *, defects: dict | None = Non
             data = TIED * rng.standard_normal(s.shape)  # the LM head too (Gemma 2)
         else:  # fan-in scaled; the LM head large enough to peak the logits
             data = (PEAK if s.name == "output.weight" else 1.0) / np.sqrt(s.shape[-1]) * rng.standard_normal(s.shape)
-        w.add_tensor(s.name, np.ascontiguousarray(data, np.float32))
+        data = np.ascontiguousarray(data, np.float32)
+        if qtype is not None and data.ndim >= 2:
+            w.add_tensor(s.name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
+        else:
+            w.add_tensor(s.name, data)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
