@@ -4,6 +4,7 @@ the file's own `general.architecture` prefix, so an alias reads its own keys; ev
 names the key."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, ClassVar, Mapping
 
@@ -48,6 +49,8 @@ class Reader:
             raise ModelLoadError(f"GGUF metadata {key!r} = {v!r} must be {'a number' if kind is float else 'an int'}")
         if positive and not v > 0 or v < 0:
             raise ModelLoadError(f"GGUF metadata {key!r} = {v!r} must be {'positive' if positive else '>= 0'}")
+        if not math.isfinite(v):
+            raise ModelLoadError(f"GGUF metadata {key!r} = {v!r} must be finite")
         return kind(v)
 
 

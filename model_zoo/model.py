@@ -103,6 +103,9 @@ def load_model(path) -> Model:
             tokenizer = Tokenizer.from_gguf_metadata(md)
         except (KeyError, TypeError, ValueError, IndexError) as e:  # metadata of the wrong shape
             raise ModelLoadError(f"{path}: bad tokenizer metadata: {type(e).__name__}: {e}") from e
+        if tokenizer.vocab_size > out.shape[0]:  # its last ids would have no embedding row
+            raise ModelLoadError(f"{path}: the tokenizer has {tokenizer.vocab_size} tokens but {out.name} has "
+                                 f"{out.shape[0]} rows")
         template = md.get("tokenizer.chat_template")
         if template is not None and not isinstance(template, str):  # e.g. an array: no truth value
             raise ModelLoadError(f"{path}: GGUF metadata tokenizer.chat_template is a {type(template).__name__}, not a string")

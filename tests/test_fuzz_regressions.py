@@ -241,3 +241,22 @@ def test_spm_scores_that_are_not_numbers(tmp_path):
     with pytest.raises(ModelLoadError, match="scores"):
         load_model(tiny_with(tmp_path, tokenizer__ggml__model=(STRING, "llama"),
                              tokenizer__ggml__scores=(ARRAY, (STRING, ["x"] * n))))
+
+
+# --- loader gaps found while fuzzing (stop 16's notes) -------------------------------------
+
+@pytest.mark.parametrize("eps", [float("inf"), float("-inf"), float("nan")])
+def test_non_finite_norm_epsilon(tmp_path, eps):
+    """An infinite epsilon was accepted (every norm then outputs zeros)."""
+    with pytest.raises(ModelLoadError, match="layer_norm_rms_epsilon"):
+        load_model(tiny_with(tmp_path, llama__attention__layer_norm_rms_epsilon=(6, eps)))
+
+
+def test_tokenizer_larger_than_the_embedding(tmp_path):
+    """A vocab with more tokens than the embedding has rows: its last ids would index past it."""
+    _, kvs, _ = scan(seed_files()[0])
+    tokens = next(v for k, _, v in kvs if k == "tokenizer.ggml.tokens")[1]
+    _, types = token_types({})
+    with pytest.raises(ModelLoadError, match="tokenizer has .* tokens but"):
+        load_model(tiny_with(tmp_path, tokenizer__ggml__tokens=(ARRAY, (STRING, [*tokens, "extra"])),
+                             tokenizer__ggml__token_type=(ARRAY, (types[0], [*types[1], 1]))))
