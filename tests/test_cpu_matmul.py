@@ -325,3 +325,18 @@ def test_add_n_into_any_source(into):
     node = g.add_n([g.input(f"x{i}", (3, 40), np.float32) for i in range(3)], "s")
     got = CPUBackend().kernels[Op.ADD_N](node, *xs, out=xs[into])
     assert np.allclose(got, want, atol=1e-6)
+
+
+def test_norm_of_zeros_without_epsilon_gives_nan_not_an_exception():
+    """Garbage weights (a zero row, a zero epsilon) make NaN, as numpy and ggml do: a Python
+    ZeroDivisionError out of a kernel used to end the step."""
+    from hearthlm.backends.cpu import ops
+    x = np.zeros((3, 8), np.float32)
+    out = np.empty_like(x)
+    for kernel in (ops.rms_norm, ops.rms_norm_1):
+        kernel(x, np.ones(8, np.float32), 0.0, out)
+        assert np.isnan(out).all()
+    with np.errstate(all="ignore"):
+        want = x / np.sqrt((x * x).mean(axis=1, keepdims=True))
+    ops.rms_norm_add(x, np.ones(8, np.float32), np.ones_like(x), 0.0, out)
+    assert np.isnan(out).all() and np.isnan(want).all()

@@ -11,7 +11,9 @@ from numba import prange
 
 from .halfs import bits_as_f32, f32, like
 
-_JIT = dict(cache=True, fastmath=True, nogil=True)
+# error_model="numpy": a float division by zero gives inf/NaN, as in numpy and ggml, not a
+# ZeroDivisionError out of a norm of garbage weights
+_JIT = dict(cache=True, fastmath=True, nogil=True, error_model="numpy")
 ATT_BLOCK = 32  # positions per step of attention's online softmax
 # positions per attention task: decode has one token and a few KV heads, too few tasks for the
 # cores without splitting the context; a fixed split, so a token's result never depends on its batch
