@@ -15,6 +15,12 @@ one stream). Summed a row at a time, each sum would end in a horizontal reductio
 update, which cost more than the products (2.5-3x slower, measured on cache-resident weights).
 Rows past the last whole 16 take the scalar loops below, which compute the same thing.
 
+5-bit codes ("nib5": Q5_0, Q5_1, Q5_K) are read as nibbles plus a bit plane, 0.625 bytes a
+weight against 1 for int8 codes (decode reads memory; 1.3x on a 46 MB Q5_0 matvec). Unpacking
+them costs instructions, so beyond UNPACK_MIN_TOKENS tokens a block's codes are unpacked once
+into an int8 scratch block and the i8 path runs on it; both paths give the products the same
+unsigned bytes (code + 128) and the same c, so a token's result does not depend on which ran.
+
 Many tokens (batched decode, prefill) go through the same kernels, two tokens at a time within
 each block of rows (a block's codes loaded and unpacked once for both, and in L1 for the next
 pair). Against int16 activations and pmaddwd (this kernel's previous form), int8 and vpdpbusd
@@ -139,22 +145,23 @@ def _by_subblock(builder, red, sub):
 
 
 def _make_group(kind, sub, has_m, n_tok):
-    """An intrinsic group(qs, rb, g, xq, t, d, m, c, xd, xs, y): weights g*64..g*64+63 of the
-    rows of block rb against tokens t..t+n_tok-1, added into y[t', 16rb:16rb+16] sub-block by
-    sub-block. Each row's 64 codes are one vector of bytes (4-bit ones unpacked: low nibbles,
+    """An intrinsic group(qs, rb, g, xq, t, d, m, c, xd, xs, y, rq): weights g*64..g*64+63 of
+    the rows of block rb (their codes in qs's block rq) against tokens t..t+n_tok-1, added into
+    y[t', 16rb:16rb+16] sub-block by sub-block. Each row's 64 codes are one vector of bytes (4-bit ones unpacked: low nibbles,
     then high), multiplied with a token's 64 int8 activations by one vpdpbusd; with 2 tokens the
     codes are loaded and unpacked once for both."""
 
     @intrinsic
-    def group(typingctx, qs, rb, g, xq, t, d, m, c, xd, xs, y):
-        sig = types.none(qs, rb, g, xq, t, d, m, c, xd, xs, y)
+    def group(typingctx, qs, rb, g, xq, t, d, m, c, xd, xs, y, rq):
+        sig = types.none(qs, rb, g, xq, t, d, m, c, xd, xs, y, rq)
 
         def codegen(context, builder, sig, args):
-            qs_v, rb_v, g_v, xq_v, t_v, d_v, m_v, c_v, xd_v, xs_v, y_v = args
+            qs_v, rb_v, g_v, xq_v, t_v, d_v, m_v, c_v, xd_v, xs_v, y_v, rq_v = args
             ta = sig.args
             ip = types.intp
             cst = lambda v: context.get_constant(ip, v)
             rb = context.cast(builder, rb_v, ta[1], ip)
+            rq = context.cast(builder, rq_v, ta[11], ip)  # the block of qs (rb's, or 0 of a scratch copy)
             g = context.cast(builder, g_v, ta[2], ip)
             t0 = context.cast(builder, t_v, ta[4], ip)
             toks = [builder.add(t0, cst(u)) for u in range(n_tok)]
@@ -167,15 +174,23 @@ def _make_group(kind, sub, has_m, n_tok):
             for i in range(ROWS):
                 if kind == "i8":  # signed codes s as unsigned s + 128 (c moves down by 128: I8_SHIFT)
                     codes = builder.load(_vec_ptr(context, builder, ta[0], qs_v,
-                                                  [(rb, ip), (g, ip), (cst(i), ip), (cst(0), ip)], v64), align=1)
+                                                  [(rq, ip), (g, ip), (cst(i), ip), (cst(0), ip)], v64), align=1)
                     codes = builder.xor(codes, ir.Constant(v64, [0x80] * 64))
                 else:
                     v8 = ir.VectorType(_I8, 32)
                     b = builder.load(_vec_ptr(context, builder, ta[0], qs_v,
-                                              [(rb, ip), (g, ip), (cst(i), ip), (cst(0), ip)], v8), align=1)
+                                              [(rq, ip), (g, ip), (cst(i), ip), (cst(0), ip)], v8), align=1)
                     lo = builder.and_(b, ir.Constant(v8, [15] * 32))
                     hi = builder.lshr(b, ir.Constant(v8, [4] * 32))
                     codes = builder.shuffle_vector(lo, hi, ir.Constant(ir.VectorType(_I32, 64), list(range(64))))
+                    if kind == "nib5":  # the fifth bits: 8 bytes after the nibbles, bit j = weight j
+                        bits = builder.load(_vec_ptr(context, builder, ta[0], qs_v,
+                                                     [(rq, ip), (g, ip), (cst(i), ip), (cst(32), ip)], ir.IntType(64)),
+                                            align=1)
+                        mask = builder.bitcast(bits, ir.VectorType(ir.IntType(1), 64))
+                        # and + 128, as the i8 path takes the same codes unpacked (see dot_nib5_32)
+                        codes = builder.or_(codes, builder.select(mask, ir.Constant(v64, [16 + 128] * 64),
+                                                                  ir.Constant(v64, [128] * 64)))
                 for u, xv in enumerate(xvs):
                     parts[u].append(_dot4(builder, codes, xv))
             per = 64 // sub  # sub-blocks per group
@@ -188,7 +203,7 @@ def _make_group(kind, sub, has_m, n_tok):
                 return builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, ROWS), [0] * ROWS))
 
             cv = context.cast(builder, c_v, ta[7], types.float32)
-            if kind == "i8":
+            if kind in ("i8", "nib5"):
                 cv = builder.fsub(cv, ir.Constant(_F32, I8_SHIFT))
             cv = splat(cv)
             for tu, tok_sums in zip(toks, sums):
@@ -215,11 +230,13 @@ def _make_group(kind, sub, has_m, n_tok):
 
 
 _G = {(kind, sub, has_m, n): _make_group(kind, sub, has_m, n)
-      for kind in ("nib", "i8") for sub in (32, 16) for has_m in (False, True) for n in (1, 2)}
+      for kind, sub in (("nib", 32), ("nib", 16), ("i8", 32), ("i8", 16), ("nib5", 32))
+      for has_m in (False, True) for n in (1, 2)}
 _nib32, _nib32m, _nib32_2, _nib32m_2 = (_G[("nib", 32, hm, n)] for n in (1, 2) for hm in (False, True))
 _nib16, _nib16m, _nib16_2, _nib16m_2 = (_G[("nib", 16, hm, n)] for n in (1, 2) for hm in (False, True))
 _i8_32, _i8_32m, _i8_32_2, _i8_32m_2 = (_G[("i8", 32, hm, n)] for n in (1, 2) for hm in (False, True))
 _i8_16, _i8_16m, _i8_16_2, _i8_16m_2 = (_G[("i8", 16, hm, n)] for n in (1, 2) for hm in (False, True))
+_nib5, _nib5m, _nib5_2, _nib5m_2 = (_G[("nib5", 32, hm, n)] for n in (1, 2) for hm in (False, True))
 
 
 # The scalar loops (rows past the last whole 16) keep constant trip counts and several
@@ -253,6 +270,25 @@ def _row_nib32(qs, d, m, ms, c, xq, xd, xs, r, t):
             b = q[g, j]
             s0 = np.int32(s0 + np.int32(np.int16(b & 15)) * np.int32(xq[t, g * 64 + j]))
             s1 = np.int32(s1 + np.int32(np.int16(b >> 4)) * np.int32(xq[t, g * 64 + 32 + j]))
+        k = 2 * g
+        acc = acc + _term(d, m, ms, c, r, k, xd[t, k], s0, xs[t, k])
+        acc = acc + _term(d, m, ms, c, r, k + 1, xd[t, k + 1], s1, xs[t, k + 1])
+    return acc
+
+
+@numba.njit(inline="always", cache=True, nogil=True)
+def _row_nib5_32(qs, d, m, ms, c, xq, xd, xs, r, t):
+    acc = np.float32(0.0)
+    q = qs[r >> 4, :, r & 15]  # (groups, 40): nibbles, then the fifth bits
+    for g in range(q.shape[0]):
+        s0 = np.int32(0)
+        s1 = np.int32(0)
+        for j in range(32):
+            b = q[g, j]
+            lo = np.int32(b & 15) | (np.int32((q[g, 32 + (j >> 3)] >> (j & 7)) & 1) << 4)
+            hi = np.int32(b >> 4) | (np.int32((q[g, 36 + (j >> 3)] >> (j & 7)) & 1) << 4)
+            s0 = np.int32(s0 + lo * np.int32(xq[t, g * 64 + j]))
+            s1 = np.int32(s1 + hi * np.int32(xq[t, g * 64 + 32 + j]))
         k = 2 * g
         acc = acc + _term(d, m, ms, c, r, k, xd[t, k], s0, xs[t, k])
         acc = acc + _term(d, m, ms, c, r, k + 1, xd[t, k + 1], s1, xs[t, k + 1])
@@ -341,13 +377,73 @@ def dot_nib32(qs, d, m, ms, c, xq, xd, xs, y):
             for g in range(qs.shape[1]):
                 if t + 1 < n_tok:
                     if ms:
-                        _nib32m_2(qs, rb, g, xq, t, d, m, c, xd, xs, y)
+                        _nib32m_2(qs, rb, g, xq, t, d, m, c, xd, xs, y, rb)
                     else:
-                        _nib32_2(qs, rb, g, xq, t, d, m, c, xd, xs, y)
+                        _nib32_2(qs, rb, g, xq, t, d, m, c, xd, xs, y, rb)
                 elif ms:
-                    _nib32m(qs, rb, g, xq, t, d, m, c, xd, xs, y)
+                    _nib32m(qs, rb, g, xq, t, d, m, c, xd, xs, y, rb)
                 else:
-                    _nib32(qs, rb, g, xq, t, d, m, c, xd, xs, y)
+                    _nib32(qs, rb, g, xq, t, d, m, c, xd, xs, y, rb)
+
+
+UNPACK_MIN_TOKENS = 4  # above this, unpacking a block of 5-bit codes once beats unpacking them per pair
+
+
+@numba.njit(inline="always", cache=True, nogil=True)
+def _unpack5(qs, rb, buf):
+    """Block rb of "nib5" codes (40 bytes per row and group) -> buf[0] as int8 codes (64)."""
+    for g in range(qs.shape[1]):
+        for i in range(ROWS):
+            q = qs[rb, g, i]
+            for j in range(32):
+                b = q[j]
+                buf[0, g, i, j] = np.int8((b & 15) | (((q[32 + (j >> 3)] >> (j & 7)) & 1) << 4))
+                buf[0, g, i, 32 + j] = np.int8((b >> 4) | (((q[36 + (j >> 3)] >> (j & 7)) & 1) << 4))
+
+
+@numba.njit(**_JIT)
+def dot_nib5_32(qs, d, m, ms, c, xq, xd, xs, y):
+    """5-bit codes (4-bit nibbles and a bit plane), a scale per 32."""
+    nb = y.shape[1] // ROWS
+    n_tok = xq.shape[0]
+    for rb in prange(nb + 1):
+        if rb == nb:
+            for t in range(n_tok):
+                for r in range(nb * ROWS, y.shape[1]):
+                    y[t, r] = _row_nib5_32(qs, d, m, ms, c, xq, xd, xs, r, t)
+            continue
+        if n_tok > UNPACK_MIN_TOKENS:  # many tokens: the block unpacked once to int8, the i8 path on it
+            buf = np.empty((1, qs.shape[1], ROWS, 64), np.int8)
+            _unpack5(qs, rb, buf)
+            for t in range(0, n_tok, 2):
+                y[t, rb * ROWS:rb * ROWS + ROWS] = 0
+                if t + 1 < n_tok:
+                    y[t + 1, rb * ROWS:rb * ROWS + ROWS] = 0
+                for g in range(qs.shape[1]):
+                    if t + 1 < n_tok:
+                        if ms:
+                            _i8_32m_2(buf, rb, g, xq, t, d, m, c, xd, xs, y, 0)
+                        else:
+                            _i8_32_2(buf, rb, g, xq, t, d, m, c, xd, xs, y, 0)
+                    elif ms:
+                        _i8_32m(buf, rb, g, xq, t, d, m, c, xd, xs, y, 0)
+                    else:
+                        _i8_32(buf, rb, g, xq, t, d, m, c, xd, xs, y, 0)
+            continue
+        for t in range(0, n_tok, 2):  # tokens in pairs: one load and unpack of the codes for two
+            y[t, rb * ROWS:rb * ROWS + ROWS] = 0
+            if t + 1 < n_tok:
+                y[t + 1, rb * ROWS:rb * ROWS + ROWS] = 0
+            for g in range(qs.shape[1]):
+                if t + 1 < n_tok:
+                    if ms:
+                        _nib5m_2(qs, rb, g, xq, t, d, m, c, xd, xs, y, rb)
+                    else:
+                        _nib5_2(qs, rb, g, xq, t, d, m, c, xd, xs, y, rb)
+                elif ms:
+                    _nib5m(qs, rb, g, xq, t, d, m, c, xd, xs, y, rb)
+                else:
+                    _nib5(qs, rb, g, xq, t, d, m, c, xd, xs, y, rb)
 
 
 @numba.njit(**_JIT)
@@ -368,13 +464,13 @@ def dot_nib16(qs, d, m, ms, c, xq, xd, xs, y):
             for g in range(qs.shape[1]):
                 if t + 1 < n_tok:
                     if ms:
-                        _nib16m_2(qs, rb, g, xq, t, d, m, c, xd, xs, y)
+                        _nib16m_2(qs, rb, g, xq, t, d, m, c, xd, xs, y, rb)
                     else:
-                        _nib16_2(qs, rb, g, xq, t, d, m, c, xd, xs, y)
+                        _nib16_2(qs, rb, g, xq, t, d, m, c, xd, xs, y, rb)
                 elif ms:
-                    _nib16m(qs, rb, g, xq, t, d, m, c, xd, xs, y)
+                    _nib16m(qs, rb, g, xq, t, d, m, c, xd, xs, y, rb)
                 else:
-                    _nib16(qs, rb, g, xq, t, d, m, c, xd, xs, y)
+                    _nib16(qs, rb, g, xq, t, d, m, c, xd, xs, y, rb)
 
 
 @numba.njit(**_JIT)
@@ -395,13 +491,13 @@ def dot_i8_32(qs, d, m, ms, c, xq, xd, xs, y):
             for g in range(qs.shape[1]):
                 if t + 1 < n_tok:
                     if ms:
-                        _i8_32m_2(qs, rb, g, xq, t, d, m, c, xd, xs, y)
+                        _i8_32m_2(qs, rb, g, xq, t, d, m, c, xd, xs, y, rb)
                     else:
-                        _i8_32_2(qs, rb, g, xq, t, d, m, c, xd, xs, y)
+                        _i8_32_2(qs, rb, g, xq, t, d, m, c, xd, xs, y, rb)
                 elif ms:
-                    _i8_32m(qs, rb, g, xq, t, d, m, c, xd, xs, y)
+                    _i8_32m(qs, rb, g, xq, t, d, m, c, xd, xs, y, rb)
                 else:
-                    _i8_32(qs, rb, g, xq, t, d, m, c, xd, xs, y)
+                    _i8_32(qs, rb, g, xq, t, d, m, c, xd, xs, y, rb)
 
 
 @numba.njit(**_JIT)
@@ -422,20 +518,20 @@ def dot_i8_16(qs, d, m, ms, c, xq, xd, xs, y):
             for g in range(qs.shape[1]):
                 if t + 1 < n_tok:
                     if ms:
-                        _i8_16m_2(qs, rb, g, xq, t, d, m, c, xd, xs, y)
+                        _i8_16m_2(qs, rb, g, xq, t, d, m, c, xd, xs, y, rb)
                     else:
-                        _i8_16_2(qs, rb, g, xq, t, d, m, c, xd, xs, y)
+                        _i8_16_2(qs, rb, g, xq, t, d, m, c, xd, xs, y, rb)
                 elif ms:
-                    _i8_16m(qs, rb, g, xq, t, d, m, c, xd, xs, y)
+                    _i8_16m(qs, rb, g, xq, t, d, m, c, xd, xs, y, rb)
                 else:
-                    _i8_16(qs, rb, g, xq, t, d, m, c, xd, xs, y)
+                    _i8_16(qs, rb, g, xq, t, d, m, c, xd, xs, y, rb)
 
 
 # The family travels as a type: a tag, an empty array whose dtype names it (TAGS[kind]), so
 # that compiled callers specialize on it and only the families a model's weights use are ever
 # compiled (a first run compiles them: each is seconds of LLVM). An integer `kind` would be one
 # type for all four, and each caller would compile every family.
-TAGS = tuple(np.empty(0, dt) for dt in (np.int8, np.int16, np.int32, np.int64))  # by qtypes.KINDS
+TAGS = tuple(np.empty(0, dt) for dt in (np.int8, np.int16, np.int32, np.int64, np.uint8))  # by qtypes.KINDS
 
 
 def _family(tag, qs, d, m, ms, c, xq, xd, xs, y):
@@ -445,7 +541,8 @@ def _family(tag, qs, d, m, ms, c, xq, xd, xs, y):
 
 @overload(_family)
 def _family_for_tag(tag, qs, d, m, ms, c, xq, xd, xs, y):
-    kernel = {1: dot_nib32, 2: dot_nib16, 4: dot_i8_32, 8: dot_i8_16}[tag.dtype.bitwidth // 8]
+    kernel = {"int8": dot_nib32, "int16": dot_nib16, "int32": dot_i8_32, "int64": dot_i8_16,
+              "uint8": dot_nib5_32}[str(tag.dtype)]
 
     def impl(tag, qs, d, m, ms, c, xq, xd, xs, y):
         kernel(qs, d, m, ms, c, xq, xd, xs, y)

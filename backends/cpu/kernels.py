@@ -87,10 +87,12 @@ def offset(d, m, ms, c, r, k):
 @numba.njit(**_JIT)
 def dequant_nib(qs, d, m, ms, c, sub, rows, out):
     """out[i] = row rows[i] as float32 (n, n_pad); scales hoisted so the stores vectorize.
-    Serial: the tiles feed BLAS, whose threads would fight numba's spinning ones."""
+    Serial: the tiles feed BLAS, whose threads would fight numba's spinning ones. "nib5"
+    rows (40 bytes per group) add each weight's fifth bit from the group's last 8 bytes."""
+    five = qs.shape[3] == 40
     for i in range(rows.shape[0]):
         r = rows[i]
-        q = qs[r >> 4, :, r & 15]  # (groups, 32)
+        q = qs[r >> 4, :, r & 15]  # (groups, 32 or 40)
         for g in range(q.shape[0]):
             o = g * 32
             if sub == 32:
@@ -98,8 +100,12 @@ def dequant_nib(qs, d, m, ms, c, sub, rows, out):
                 m0, m1 = offset(d, m, ms, c, r, 2 * g), offset(d, m, ms, c, r, 2 * g + 1)
                 for j in range(32):
                     b = q[g, j]
-                    out[i, 2 * o + j] = d0 * np.float32(b & 15) + m0
-                    out[i, 2 * o + 32 + j] = d1 * np.float32(b >> 4) + m1
+                    lo, hi = b & 15, b >> 4
+                    if five:
+                        lo |= ((q[g, 32 + (j >> 3)] >> (j & 7)) & 1) << 4
+                        hi |= ((q[g, 36 + (j >> 3)] >> (j & 7)) & 1) << 4
+                    out[i, 2 * o + j] = d0 * np.float32(lo) + m0
+                    out[i, 2 * o + 32 + j] = d1 * np.float32(hi) + m1
             else:
                 k = 4 * g
                 d0, d1, d2, d3 = scale(d, r, k), scale(d, r, k + 1), scale(d, r, k + 2), scale(d, r, k + 3)

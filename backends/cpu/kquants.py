@@ -75,7 +75,7 @@ def _q5_k(raw, n_rows, n_cols):
     low = np.concatenate([qs & 0x0F, qs >> 4], axis=2).reshape(-1, 8, 32)
     high = _bit_planes(b[:, 16:48], 8, 1)  # bit j of qh[l] is the 5th bit of sub-block j, weight l
     codes = (low | (high << 4)).reshape(n_rows, n_cols)
-    return "i8", 32, codes, (d * sc).reshape(n_rows, -1), (-dmin * mn).reshape(n_rows, -1), 0
+    return "nib5", 32, codes, (d * sc).reshape(n_rows, -1), (-dmin * mn).reshape(n_rows, -1), 0
 
 
 def _q6_k(raw, n_rows, n_cols):

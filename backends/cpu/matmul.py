@@ -35,7 +35,7 @@ def matmul(w: PackedWeight, x: np.ndarray, out: np.ndarray | None = None, xq=Non
         y = np.empty((1, n_rows), dtype=np.float32) if out is None else out
         _matvec(dot.TAGS[w.kind], w.qs, w.d, w.m, w.ms, w.c32, w.sub, x, y)
         return y
-    if w.layout in ("nib", "i8") and x.shape[0] < BLAS_MIN_TOKENS:
+    if w.kind >= 0 and x.shape[0] < BLAS_MIN_TOKENS:
         if xq is None or xq[0] != (w.n_pad, w.sub):
             xq = quantize_for(w, x)
         return _matmul_int(w, x.shape[0], xq[1], out)
@@ -137,7 +137,7 @@ def quantize_for(w: PackedWeight, x: np.ndarray):
     """x quantized for `w`'s integer kernels, to pass to several matmuls (gate and up) as `xq`;
     None where w's kernels take x as it is."""
     n_tok = x.shape[0]
-    if w.layout not in ("nib", "i8") or n_tok >= BLAS_MIN_TOKENS:
+    if w.kind < 0 or n_tok >= BLAS_MIN_TOKENS:
         return None
     return (w.n_pad, w.sub), kernels.quantize_x(np.ascontiguousarray(x, dtype=np.float32), w.n_pad, w.sub)
 
@@ -168,5 +168,5 @@ def _dequant(w: PackedWeight, rows: np.ndarray, out: np.ndarray) -> None:
     if w.layout == "half":
         halfs.widen_rows(w.qs, w.ggml_type == GGMLQuantizationType.F16, rows, out)
         return
-    dequant = kernels.dequant_nib if w.layout == "nib" else kernels.dequant_i8
+    dequant = kernels.dequant_i8 if w.layout == "i8" else kernels.dequant_nib  # nib5: the same, plus bits
     dequant(w.qs, w.d, w.m, w.ms, np.float32(w.c), w.sub, rows, out)

@@ -5,10 +5,12 @@ patterns (layout "half", in `qs`; halfs.py widens them). Every quantized type be
 two layouts, so a handful of kernels serve all of them:
   - "nib": 4-bit codes (0..15), two per byte, per 64 weights 32 bytes: the low nibble of byte j
     is weight j, the high nibble weight 32+j (Q4_K's own order; one widening load per 32).
-  - "i8":  one int8 code per weight (Q8_0, and the 5- and 6-bit types, whose bit planes would
-    cost more to unpack than the extra bytes cost to read).
+  - "nib5": 5-bit codes (0..31, Q5_0/Q5_1/Q5_K): per 64 weights the 32 bytes of "nib" for the
+    low 4 bits, then 8 bytes whose bit j (little-endian) is weight j's fifth bit: 40 bytes.
+  - "i8":  one int8 code per weight (Q8_0, and Q6_K, whose 2-bit planes would cost more to
+    unpack than the extra bytes cost to read).
 Rows go in blocks of ROWS = 16, interleaved by group of 64 weights: qs[rb, g, i] holds group g
-of row 16*rb + i (32 bytes for "nib", 64 for "i8"). The decode kernels work on 16 rows at once
+of row 16*rb + i (32 bytes for "nib", 40 for "nib5", 64 for "i8"). The decode kernels work on 16 rows at once
 (dot.py), and this order makes their reads one sequential stream: 16 rows read side by side from
 a row-major matrix are 16 streams, which the hardware prefetcher does not follow (measured: the
 same kernel read SmolLM2's weights at 16 GB/s that way, where one stream reaches ~50).
@@ -39,10 +41,10 @@ SUPPORTED_TYPES = frozenset(int(t) for t in (
     T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K,
 ))
 
-LAYOUT_VERSION = 1  # of everything below: bump it when a layout changes (cached packed weights are rebuilt)
+LAYOUT_VERSION = 2  # of everything below: bump it when a layout changes (cached packed weights are rebuilt)
 ROWS = 16  # rows per block of the quantized layouts
 PACK_ROWS = 4096  # rows unpacked at a time (a multiple of ROWS)
-KINDS = {("nib", 32): 0, ("nib", 16): 1, ("i8", 32): 2, ("i8", 16): 3}  # dot.py's kernel families
+KINDS = {("nib", 32): 0, ("nib", 16): 1, ("i8", 32): 2, ("i8", 16): 3, ("nib5", 32): 4}  # dot.py's kernel families
 
 HALF_SCALE_TYPES = frozenset(int(t) for t in (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0))
 
@@ -55,10 +57,11 @@ class PackedWeight:
 
     ggml_type: int
     shape: tuple[int, int]
-    layout: str                    # "f32", "half", "nib" or "i8"
+    layout: str                    # "f32", "half", "nib", "nib5" or "i8"
     sub: int = 0                   # weights per scale: 32 or 16 (0 for f32)
     w: np.ndarray | None = None    # f32: (n_rows, n_cols) float32
-    qs: np.ndarray | None = None   # nib: (n_blocks, n_pad // 64, ROWS, 32) uint8; i8: (..., 64) int8;
+    qs: np.ndarray | None = None   # nib: (n_blocks, n_pad // 64, ROWS, 32) uint8; nib5: (..., 40) uint8;
+    #                                i8: (..., 64) int8;
     #                                half: (n_rows, n_cols) uint16 bits of F16 or BF16
     d: np.ndarray | None = None    # (n_blocks, n_pad // sub, ROWS) scale: float32, or float16 bits as uint16
     m: np.ndarray | None = None    # the same, or (1, n_pad // sub, 1) of zeros
@@ -139,9 +142,12 @@ def _pack_codes(ggml_type, shape, layout, sub, codes, d, m, c) -> PackedWeight:
     pad = ((0, n_blk * ROWS - n_rows), (0, n_pad - n_cols))  # zero codes and scales contribute nothing
     codes = np.pad(codes, pad)
     pad_s = ((0, pad[0][1]), (0, pad[1][1] // sub))
-    if layout == "nib":
+    if layout in ("nib", "nib5"):
         pairs = codes.reshape(n_blk * ROWS, n_pad // 64, 2, 32)
-        qs = (pairs[:, :, 0, :] | (pairs[:, :, 1, :] << 4)).astype(np.uint8)  # (rows, groups, 32)
+        qs = ((pairs[:, :, 0, :] & 15) | ((pairs[:, :, 1, :] & 15) << 4)).astype(np.uint8)  # (rows, groups, 32)
+        if layout == "nib5":  # then the fifth bits of the group's 64 weights, bit j = weight j
+            high = np.packbits((codes >> 4).reshape(n_blk * ROWS, n_pad // 64, 64), axis=-1, bitorder="little")
+            qs = np.concatenate([qs, high], axis=-1)
     else:
         qs = codes.astype(np.int8, copy=False).reshape(n_blk * ROWS, n_pad // 64, 64)
     blocked = lambda a: np.ascontiguousarray(a.reshape(n_blk, ROWS, *a.shape[1:]).swapaxes(1, 2))
@@ -187,13 +193,13 @@ def _q4_1(raw, n_rows, n_cols):
 def _q5_0(raw, n_rows, n_cols):
     b = _blocks(raw, n_rows, n_cols, 22)
     codes = _nibbles_32(b[..., 6:]) | (_high_bits_32(b[..., 2:6]) << 4)
-    return "i8", 32, codes.reshape(n_rows, n_cols), f16_field(b, 0), None, -16
+    return "nib5", 32, codes.reshape(n_rows, n_cols), f16_field(b, 0), None, -16
 
 
 def _q5_1(raw, n_rows, n_cols):
     b = _blocks(raw, n_rows, n_cols, 24)
     codes = _nibbles_32(b[..., 8:]) | (_high_bits_32(b[..., 4:8]) << 4)
-    return "i8", 32, codes.reshape(n_rows, n_cols), f16_field(b, 0), f16_field(b, 2), 0
+    return "nib5", 32, codes.reshape(n_rows, n_cols), f16_field(b, 0), f16_field(b, 2), 0
 
 
 _UNPACKERS = {
