@@ -66,6 +66,31 @@ def build_rope(g: Graph, x: Tensor, inp: Inputs, rope: Rope, *, name: str, il: i
     return g.rope(x, inp.pos, name=name, il=il, **rope.params())
 
 
+def build_qk(g: Graph, q: Tensor, k: Tensor, inp: Inputs, rope: Rope, *, il: int, q_norm: Tensor | None = None,
+             k_norm: Tensor | None = None, eps: float = 0.0) -> tuple[Tensor, Tensor]:
+    """Per-head Q/K RMSNorm where the architecture has it (Qwen3, Gemma 3), then RoPE on both."""
+    if q_norm is not None:
+        q = build_norm(g, q, q_norm, eps=eps, name="Qcur_normed", il=il)
+        k = build_norm(g, k, k_norm, eps=eps, name="Kcur_normed", il=il)
+    return build_rope(g, q, inp, rope, name="Qcur_rope", il=il), build_rope(g, k, inp, rope, name="Kcur_rope", il=il)
+
+
+def build_residual(g: Graph, x: Tensor, h: Tensor, *, name: str, il: int, post_norm: Tensor | None = None,
+                   post_name: str = "", eps: float = 0.0) -> Tensor:
+    """x + h, h RMS-normed first where the architecture has a post-norm (Gemma 2 and 3)."""
+    if post_norm is not None:
+        h = build_norm(g, h, post_norm, eps=eps, name=post_name, il=il)
+    return g.add(x, h, name, il)
+
+
+def build_ffn_block(g: Graph, x: Tensor, *, il: int, norm: Tensor, eps: float, gate: Tensor, up: Tensor,
+                    down: Tensor, act: str, post_norm: Tensor | None = None) -> Tensor:
+    """The FFN half of a layer: ffn_norm, the gated FFN, (post-norm,) the residual add."""
+    h = build_norm(g, x, norm, eps=eps, name="ffn_norm", il=il)
+    h = build_ffn(g, h, il=il, gate=gate, up=up, down=down, act=act)
+    return build_residual(g, x, h, name="l_out", il=il, post_norm=post_norm, post_name="ffn_post_norm", eps=eps)
+
+
 def build_attn(g: Graph, inp: Inputs, q: Tensor, k: Tensor, v: Tensor, *, il: int, wo: Tensor,
                bo: Tensor | None = None, scale: float, window: int = 0, softcap: float = 0.0) -> Tensor:
     """The attention core (llama.cpp's build_attn on Qcur/Kcur/Vcur): K and V, already

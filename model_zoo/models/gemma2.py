@@ -8,8 +8,8 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from hearthlm.model_zoo.blocks import (build_attn, build_ffn, build_inp_embd, build_inputs, build_norm,
-                                       build_output, build_qkv, build_rope)
+from hearthlm.model_zoo.blocks import (build_attn, build_ffn_block, build_inp_embd, build_inputs, build_norm,
+                                       build_output, build_qk, build_qkv, build_residual)
 from hearthlm.model_zoo.config import HParams, Reader
 from hearthlm.model_zoo.tensors import Spec, layer_specs
 from hearthlm.runtime.batch import BatchShape
@@ -65,16 +65,13 @@ def build(c: Config, g: Graph, w, shape: BatchShape) -> None:
         h = build_norm(g, x, w(b + "attn_norm.weight"), name="attn_norm", il=il, **norm)
         q, k, v = build_qkv(g, h, il=il, n_head=c.n_head, n_head_kv=c.n_head_kv, head_dim=c.head_dim,
                             wq=w(b + "attn_q.weight"), wk=w(b + "attn_k.weight"), wv=w(b + "attn_v.weight"))
-        q = build_rope(g, q, inp, local_rope if local else c.rope, name="Qcur_rope", il=il)
-        k = build_rope(g, k, inp, local_rope if local else c.rope, name="Kcur_rope", il=il)
+        q, k = build_qk(g, q, k, inp, local_rope if local else c.rope, il=il)
         h = build_attn(g, inp, q, k, v, il=il, wo=w(b + "attn_output.weight"), scale=c.attn_scale,
                        window=c.window if local else 0, softcap=c.attn_softcap)
-        h = build_norm(g, h, w(b + "post_attention_norm.weight"), name="attn_post_norm", il=il, **norm)
-        x = g.add(x, h, "sa_out", il)
-        h = build_norm(g, x, w(b + "ffn_norm.weight"), name="ffn_norm", il=il, **norm)
-        h = build_ffn(g, h, il=il, gate=w(b + "ffn_gate.weight"), up=w(b + "ffn_up.weight"),
-                      down=w(b + "ffn_down.weight"), act="gelu")
-        h = build_norm(g, h, w(b + "post_ffw_norm.weight"), name="ffn_post_norm", il=il, **norm)
-        x = g.add(x, h, "l_out", il)
+        x = build_residual(g, x, h, name="sa_out", il=il, post_norm=w(b + "post_attention_norm.weight"),
+                           post_name="attn_post_norm", **norm)
+        x = build_ffn_block(g, x, il=il, norm=w(b + "ffn_norm.weight"), gate=w(b + "ffn_gate.weight"),
+                            up=w(b + "ffn_up.weight"), down=w(b + "ffn_down.weight"), act="gelu",
+                            post_norm=w(b + "post_ffw_norm.weight"), **norm)
     build_output(g, x, inp, norm=w("output_norm.weight"), output=w("token_embd.weight"), eps=c.norm_eps,
                  softcap=c.final_softcap)

@@ -7,8 +7,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from hearthlm.model_zoo.blocks import (build_attn, build_ffn, build_inp_embd, build_inputs, build_norm,
-                                       build_output, build_qkv, build_rope)
+from hearthlm.model_zoo.blocks import (build_attn, build_ffn_block, build_inp_embd, build_inputs, build_norm,
+                                       build_output, build_qk, build_qkv)
 from hearthlm.model_zoo.config import HParams
 from hearthlm.model_zoo.rope import LONG, SHORT
 from hearthlm.model_zoo.tensors import Spec, layer_specs
@@ -39,15 +39,13 @@ def build(c: Config, g: Graph, w, shape: BatchShape) -> None:
         h = build_norm(g, x, w(b + "attn_norm.weight"), eps=c.norm_eps, name="attn_norm", il=il)
         q, k, v = build_qkv(g, h, il=il, n_head=c.n_head, n_head_kv=c.n_head_kv, head_dim=c.head_dim,
                             wqkv=w(b + "attn_qkv.weight"))
-        q = build_rope(g, q, inp, c.rope, name="Qcur_rope", il=il)
-        k = build_rope(g, k, inp, c.rope, name="Kcur_rope", il=il)
+        q, k = build_qk(g, q, k, inp, c.rope, il=il)
         h = build_attn(g, inp, q, k, v, il=il, wo=w(b + "attn_output.weight"), scale=1.0 / math.sqrt(c.head_dim))
         x = g.add(x, h, "ffn_inp", il)
-        h = build_norm(g, x, w(b + "ffn_norm.weight"), eps=c.norm_eps, name="ffn_norm", il=il)
         # ffn_up holds gate (first half) and up: two row views, so ffn_glu fuses them as usual
-        h = build_ffn(g, h, il=il, gate=w(b + "ffn_up.weight", rows=(0, c.n_ff)),
-                      up=w(b + "ffn_up.weight", rows=(c.n_ff, 2 * c.n_ff)), down=w(b + "ffn_down.weight"),
-                      act="silu")
-        x = g.add(x, h, "l_out", il)
+        x = build_ffn_block(g, x, il=il, norm=w(b + "ffn_norm.weight"), eps=c.norm_eps,
+                            gate=w(b + "ffn_up.weight", rows=(0, c.n_ff)),
+                            up=w(b + "ffn_up.weight", rows=(c.n_ff, 2 * c.n_ff)), down=w(b + "ffn_down.weight"),
+                            act="silu")
     build_output(g, x, inp, norm=w("output_norm.weight"),
                  output=w("output.weight", fallback="token_embd.weight"), eps=c.norm_eps)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from hearthlm.model_zoo.blocks import (build_attn, build_ffn, build_inp_embd, build_inputs, build_norm,
-                                       build_output, build_qkv, build_rope)
+from hearthlm.model_zoo.blocks import (build_attn, build_ffn_block, build_inp_embd, build_inputs, build_norm,
+                                       build_output, build_qk, build_qkv)
 from hearthlm.model_zoo.config import HParams
 from hearthlm.model_zoo.tensors import Spec, layer_specs
 from hearthlm.runtime.batch import BatchShape
@@ -39,10 +39,8 @@ def build_attn_block(c: HParams, g: Graph, w, inp, x, il: int):
     h = build_norm(g, x, w(b + "attn_norm.weight"), eps=c.norm_eps, name="attn_norm", il=il)
     q, k, v = build_qkv(g, h, il=il, n_head=c.n_head, n_head_kv=c.n_head_kv, head_dim=c.head_dim,
                         wq=w(b + "attn_q.weight"), wk=w(b + "attn_k.weight"), wv=w(b + "attn_v.weight"))
-    q = build_norm(g, q, w(b + "attn_q_norm.weight"), eps=c.norm_eps, name="Qcur_normed", il=il)
-    k = build_norm(g, k, w(b + "attn_k_norm.weight"), eps=c.norm_eps, name="Kcur_normed", il=il)
-    q = build_rope(g, q, inp, c.rope, name="Qcur_rope", il=il)
-    k = build_rope(g, k, inp, c.rope, name="Kcur_rope", il=il)
+    q, k = build_qk(g, q, k, inp, c.rope, il=il, q_norm=w(b + "attn_q_norm.weight"),
+                    k_norm=w(b + "attn_k_norm.weight"), eps=c.norm_eps)
     return build_attn(g, inp, q, k, v, il=il, wo=w(b + "attn_output.weight"), scale=1.0 / math.sqrt(c.head_dim))
 
 
@@ -52,9 +50,7 @@ def build(c: Config, g: Graph, w, shape: BatchShape) -> None:
     for il in range(c.n_layer):
         b = f"blk.{il}."
         x = g.add(x, build_attn_block(c, g, w, inp, x, il), "ffn_inp", il)
-        h = build_norm(g, x, w(b + "ffn_norm.weight"), eps=c.norm_eps, name="ffn_norm", il=il)
-        h = build_ffn(g, h, il=il, gate=w(b + "ffn_gate.weight"), up=w(b + "ffn_up.weight"),
-                      down=w(b + "ffn_down.weight"), act="silu")
-        x = g.add(x, h, "l_out", il)
+        x = build_ffn_block(g, x, il=il, norm=w(b + "ffn_norm.weight"), eps=c.norm_eps, gate=w(b + "ffn_gate.weight"),
+                            up=w(b + "ffn_up.weight"), down=w(b + "ffn_down.weight"), act="silu")
     build_output(g, x, inp, norm=w("output_norm.weight"),
                  output=w("output.weight", fallback="token_embd.weight"), eps=c.norm_eps)
