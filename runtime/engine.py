@@ -10,6 +10,7 @@ from collections import deque
 from typing import Any
 
 import numpy as np
+import threadpoolctl
 from threadpoolctl import threadpool_limits
 
 from hearthlm.runtime.batch import BatchShape
@@ -37,9 +38,20 @@ def _blas_single_threaded(delta: int) -> None:
         _blas["engines"] += delta
         if delta > 0 and _blas["engines"] == 1:
             _blas["limit"] = threadpool_limits(limits=1, user_api="blas")
+            _release_blas_control()
         elif delta < 0 and _blas["engines"] == 0:
             _blas["limit"].restore_original_limits()
             _blas["limit"] = None
+            _release_blas_control()
+
+
+def _release_blas_control() -> None:
+    """threadpoolctl (3.8+) lets only the thread that last set OpenBLAS's thread count set it
+    again, the others silently doing nothing, until that thread lets go: engines start from any
+    thread (a session's from a worker thread), so each lets go after its change."""
+    ctl = getattr(threadpoolctl, "OpenBLASController", None)
+    if ctl is not None and hasattr(ctl, "clear_controlling_thread"):
+        ctl.clear_controlling_thread()
 def _check_kv_fits(kv_dims: list[tuple[int, int]], n_slots: int, placement: Placement) -> None:
     """Refuse at open a KV cache that its backends cannot hold (a host's zeroed pages are only
     taken when written: it would fail much later, mid-generation, out of memory)."""

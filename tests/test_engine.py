@@ -190,9 +190,18 @@ def test_sync_session(tiny):
         assert st["tokens_generated"] >= 11 and st["steps"] >= 11
 
 
-async def test_blas_limit_held_while_any_session_runs(tiny):
+@pytest.mark.parametrize("main_thread_engine_first", [False, True])
+async def test_blas_limit_held_while_any_session_runs(tiny, main_thread_engine_first):
+    """Also after an engine started and closed in the main thread (as the graph-cache tests
+    do): threadpoolctl then made the main thread OpenBLAS's only setter, and a session's
+    engine, started in a worker thread, silently set nothing."""
     from threadpoolctl import threadpool_info
+
+    from hearthlm.runtime import engine as engine_mod
     blas = lambda: [i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"]  # noqa: E731
+    if main_thread_engine_first:
+        engine_mod._blas_single_threaded(+1)
+        engine_mod._blas_single_threaded(-1)
     before = blas()
     async with Session.open(tiny, n_ctx=64) as a:
         async with Session.open(tiny, n_ctx=64):
