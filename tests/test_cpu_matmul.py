@@ -340,3 +340,26 @@ def test_norm_of_zeros_without_epsilon_gives_nan_not_an_exception():
         want = x / np.sqrt((x * x).mean(axis=1, keepdims=True))
     ops.rms_norm_add(x, np.ones(8, np.float32), np.ones_like(x), 0.0, out)
     assert np.isnan(out).all() and np.isnan(want).all()
+
+
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q5_0, T.Q8_0], ids=lambda t: t.name)
+@pytest.mark.parametrize("per_slot", [False, True])
+def test_one_token_experts_in_one_call_match_the_grouped_path(qtype, per_slot):
+    """MUL_MAT_ID for one token (decode) runs its k experts in one compiled call: bitwise what
+    the grouped path (a matmul per selected expert) gives."""
+    from hearthlm.backends.cpu.backend import Experts, _mul_mat_id
+    rng = np.random.default_rng(int(qtype))
+    rows, cols, n_exp, k = 40, 256, 6, 3
+    experts = Experts(pack_weight(int(qtype), make_raw(qtype, rows, cols, rng), (rows, cols)) for _ in range(n_exp))
+    x = rng.standard_normal((1, k, cols) if per_slot else (1, cols)).astype(np.float32)
+    ids = np.array([[4, 0, 5]], np.int32)
+
+    class Node:
+        shape = (1, k, rows)
+    fast = _mul_mat_id(Node, experts, x, ids, out=np.empty((1, k, rows), np.float32))
+    assert experts.lists  # the compiled path ran
+    experts.lists = False  # the grouped path
+    slow = _mul_mat_id(Node, experts, x, ids, out=np.empty((1, k, rows), np.float32))
+    assert np.array_equal(fast, slow)
+    xs = x[0] if per_slot else np.repeat(x, k, axis=0)
+    assert np.allclose(fast[0], np.stack([matmul(experts[e], xs[j:j + 1])[0] for j, e in enumerate(ids[0])]))

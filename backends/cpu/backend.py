@@ -12,7 +12,8 @@ from hearthlm.backends.base import Backend
 from hearthlm.backends.cpu import ops
 from hearthlm.backends.cpu.ffn import ffn_glu
 from hearthlm.backends.cpu.halfs import NATIVE_HALF
-from hearthlm.backends.cpu.matmul import get_rows, matmul, matmul_add
+from hearthlm.backends.cpu import dot
+from hearthlm.backends.cpu.matmul import expert_matvecs, get_rows, matmul, matmul_add, start_pool
 from hearthlm.backends.cpu.qtypes import LAYOUT_VERSION, SUPPORTED_TYPES, PackedWeight, pack_weight
 from hearthlm.runtime.graph import Op
 from hearthlm.runtime.log import get_logger
@@ -183,17 +184,44 @@ def _get_rows(node, table, ids, out=None):
 
 
 class Experts(tuple):
-    """A stacked expert weight (E, rows, cols): one PackedWeight per expert."""
+    """A stacked expert weight (E, rows, cols): one PackedWeight per expert. `lists`: their
+    arrays as numba typed lists, for the one-token compiled path (made on first use)."""
+    lists = None
+
+    def typed_lists(self):
+        """(tag, qs, d, m, ms, c, sub) for matmul.expert_matvecs, or None where the experts are
+        not all of one quantized kind (F32 ones, or absent ones in tests)."""
+        if self.lists is None:
+            kinds = {getattr(w, "kind", -1) for w in self}
+            ok = len(kinds) == 1 and kinds.pop() >= 0
+            self.lists = (dot.TAGS[self[0].kind], *(_typed([getattr(w, a) for w in self]) for a in ("qs", "d", "m")),
+                          self[0].ms, self[0].c32, self[0].sub) if ok else False
+        return self.lists or None
+
+
+def _typed(arrays):
+    from numba.typed import List
+    out = List()
+    for a in arrays:
+        out.append(a)
+    return out
 
 
 def _mul_mat_id(node, experts, x, ids, out=None):
     """Tokens grouped per expert: each selected expert's weight is read once, for all the
-    (token, slot) rows routed to it; experts nobody selected are not read at all."""
+    (token, slot) rows routed to it; experts nobody selected are not read at all. One token
+    (decode) goes through its experts in one compiled call."""
     n, k = ids.shape
     out = _buf(node, out)
     if n == 0:  # an empty batch
         return out
     x3 = x if x.ndim == 3 else x[:, None, :]  # (n, 1 or k, cols)
+    lists = experts.typed_lists() if n == 1 else None
+    if lists is not None and out.flags.c_contiguous:
+        start_pool()
+        expert_matvecs(*lists, np.ascontiguousarray(x3, dtype=np.float32), np.ascontiguousarray(ids, np.int64),
+                       out.reshape(1, k, -1))
+        return out
     flat = ids.reshape(-1)
     order = np.argsort(flat, kind="stable")
     sorted_ids = flat[order]
