@@ -193,9 +193,14 @@ class Experts(tuple):
         not all of one quantized kind (F32 ones, or absent ones in tests)."""
         if self.lists is None:
             kinds = {getattr(w, "kind", -1) for w in self}
-            ok = len(kinds) == 1 and kinds.pop() >= 0
-            self.lists = (dot.TAGS[self[0].kind], *(_typed([getattr(w, a) for w in self]) for a in ("qs", "d", "m")),
-                          self[0].ms, self[0].c32, self[0].sub) if ok else False
+            self.lists = False
+            if len(kinds) == 1 and kinds.pop() >= 0:
+                try:
+                    self.lists = (dot.TAGS[self[0].kind], *(_typed([getattr(w, a) for w in self])
+                                                            for a in ("qs", "d", "m")),
+                                  self[0].ms, self[0].c32, self[0].sub)
+                except Exception:  # arrays of unlike numba types (say, some read-only): the grouped path
+                    self.lists = False
         return self.lists or None
 
 
