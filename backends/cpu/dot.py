@@ -120,8 +120,9 @@ def _dot4(builder, a, b):
         halves.append(_madd(builder, builder.zext(builder.shuffle_vector(a, a, idx), v16),
                             builder.sext(builder.shuffle_vector(b, b, idx), v16)))
     even = [2 * i for i in range(8)] + [16 + 2 * i for i in range(8)]
-    pick = lambda idx: builder.shuffle_vector(halves[0], halves[1], ir.Constant(v32, idx))
-    return builder.add(pick(even), pick([i + 1 for i in even]))
+    odd = [i + 1 for i in even]
+    return builder.add(builder.shuffle_vector(halves[0], halves[1], ir.Constant(v32, even)),
+                       builder.shuffle_vector(halves[0], halves[1], ir.Constant(v32, odd)))
 
 
 def _by_subblock(builder, red, sub):
@@ -147,9 +148,10 @@ def _by_subblock(builder, red, sub):
 def _make_group(kind, sub, has_m, n_tok):
     """An intrinsic group(qs, rb, g, xq, t, d, m, c, xd, xs, y, rq): weights g*64..g*64+63 of
     the rows of block rb (their codes in qs's block rq) against tokens t..t+n_tok-1, added into
-    y[t', 16rb:16rb+16] sub-block by sub-block. Each row's 64 codes are one vector of bytes (4-bit ones unpacked: low nibbles,
-    then high), multiplied with a token's 64 int8 activations by one vpdpbusd; with 2 tokens the
-    codes are loaded and unpacked once for both."""
+    y[t', 16rb:16rb+16] sub-block by sub-block. Each row's 64 codes are one vector of bytes
+    (4-bit ones unpacked: low nibbles, then high; 5-bit ones with their bit plane), multiplied
+    with a token's 64 int8 activations by one vpdpbusd; with 2 tokens the codes are loaded and
+    unpacked once for both."""
 
     @intrinsic
     def group(typingctx, qs, rb, g, xq, t, d, m, c, xd, xs, y, rq):

@@ -227,7 +227,8 @@ def set_rows_1(cache, src, slots):
 
 
 @numba.njit(**_JIT)
-def _attend(q, k_cache, v_cache, t, kh, group, seq, p_lo, p_hi, block_table, scale, softcap, block_size, m, l, acc):
+def _attend(q, k_cache, v_cache, t, kh, group, seq, p_lo, p_hi, block_table, scale, softcap, block_size,
+            m, l, acc):
     """Online softmax of the GQA group's query heads of token t over positions p_lo..p_hi-1:
     m (group,) running maxima, l (group,) sums of exp, acc (group, dv) exp-weighted V; updated.
     Positions go ATT_BLOCK at a time (scores, then one max and rescale per block, then V), and
