@@ -142,7 +142,7 @@ def test_matmul_zero_activations():
 
 @pytest.mark.parametrize("qtype", [T.Q4_1, T.Q8_0, T.Q6_K], ids=lambda t: t.name)
 def test_matmul_nan_in_activations_propagates(qtype):
-    """A NaN or inf in x must show in y (as the BLAS path and numpy would), not vanish in the int16 cast."""
+    """A NaN or inf in x must show in y (as the BLAS path and numpy would), not vanish in the int8 cast."""
     rng = np.random.default_rng(2)
     w = pack_weight(int(qtype), make_raw(qtype, 5, 256, rng), (5, 256))
     for bad in (np.nan, np.inf):
