@@ -19,7 +19,7 @@ from hearthlm.runtime.errors import InvalidRequestError, ModelLoadError, Unsuppo
 from .tokenizer_bpe import bpe_piece_bytes, build_bpe, pre_type
 from .tokenizer_rules import (AUTO_DETECT, EOG_TEXTS, SPECIAL, TYPE_TO_ATTR, BYTE, CONTROL, NORMAL,
                               UNDEFINED, UNKNOWN, UNUSED, USER_DEFINED, clean_spaces)
-from .tokenizer_spm import spm_encode
+from .tokenizer_spm import score_ranks, spm_encode
 
 _SPACE = "\u2581"  # SentencePiece's escaped space
 _HEX = frozenset("0123456789abcdefABCDEF")
@@ -87,6 +87,7 @@ class Tokenizer:
                 raise ModelLoadError("tokenizer.ggml.scores is shorter than the vocab")
             if not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in self._scores):
                 raise ModelLoadError("tokenizer.ggml.scores must be numbers")  # fuzz: strings there broke encode
+            self._ranks = score_ranks(self._scores[:n])
             self._byte_ids = [self._byte_token(b) for b in range(256)]
             defaults = dict(bos=1, eos=2, unk=0)
             add_bos, self.add_space_prefix, self.clean_spaces = True, True, False
@@ -211,7 +212,7 @@ class Tokenizer:
             return self._bpe.encode(text, add_special_tokens=False).ids
         if self.add_space_prefix and prev_special:
             text = " " + text
-        return spm_encode(text.replace(" ", _SPACE), self._token_to_id, self._scores,
+        return spm_encode(text.replace(" ", _SPACE), self._token_to_id, self._ranks,
                           self._byte_ids)
 
     def encode(self, text: str, *, add_special: bool = False,

@@ -260,3 +260,21 @@ def test_tokenizer_larger_than_the_embedding(tmp_path):
     with pytest.raises(ModelLoadError, match="tokenizer has .* tokens but"):
         load_model(tiny_with(tmp_path, tokenizer__ggml__tokens=(ARRAY, (STRING, [*tokens, "extra"])),
                              tokenizer__ggml__token_type=(ARRAY, (types[0], [*types[1], 1]))))
+
+
+def test_spm_encode_of_a_long_text_stays_small():
+    """template fuzz: an SPM encode held ~170 bytes a character (a tuple, a float and a string
+    per queued pair), so a 4 M-character prompt, which a 128k context admits, took 0.7 GB.
+    Queued pairs are single ints now: 1 M characters that merge all the way stay under 100 MB."""
+    vocab = ["<unk>", "<s>", "</s>", "a", "b", "ab", "abab", "abababab", "\u2581"]
+    md = {"tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": vocab,
+          "tokenizer.ggml.scores": [0.0, 0.0, 0.0, -1.0, -1.0, -2.0, -3.0, -4.0, -1.0],
+          "tokenizer.ggml.token_type": [2, 3, 3, 1, 1, 1, 1, 1, 1]}
+    tok = Tokenizer(md)
+    assert tok.encode("ab" * 4, add_special=False) == [tok.token_id("\u2581"), tok.token_id("abababab")]
+    text = "ab" * 500_000
+    Path("/proc/self/clear_refs").write_text("5")  # peak RSS from here
+    before = _status_mb("VmRSS")
+    ids = tok.encode(text, add_special=False)
+    grew = _status_mb("VmHWM") - before
+    assert ids[1:] == [tok.token_id("abababab")] * 125_000 and grew < 100, grew

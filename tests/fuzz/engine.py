@@ -235,6 +235,7 @@ def main(argv: list[str] | None = None) -> None:
     runner = Runner(target, a.out, seconds=a.seconds, runs=a.runs, time_limit=a.time_limit,
                     rss_step=a.rss_step)
     seeds = target.seeds()
+    getattr(target, "warm", lambda: None)()  # one-time loads (real vocabularies), not an input's memory
     _cap_memory(a.memory_cap)
     print(f"fuzz {a.target}: {engine}, {len(seeds)} seeds, seed {a.seed}, "
           f"{a.seconds or '-'} s / {a.runs or '-'} runs", file=sys.stderr, flush=True)

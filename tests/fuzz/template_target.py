@@ -205,6 +205,12 @@ def draw_messages(d: Draw):
 ESCAPE_SIGNS = ("<module '", "_wrap_close", "<class 'os.", "<class 'subprocess.", "<built-in function system")
 
 
+def warm() -> None:
+    """The tokenizers, real vocabularies included, loaded before the first input is measured."""
+    from fuzz.tokenizer_target import tokenizers
+    tokenizers()
+
+
 def case(data: bytes) -> tuple[str, Callable[[], None]]:
     """One input decoded: what it does (for a finding's report) and a thunk that does it, so
     that describing a hang does not run it again."""

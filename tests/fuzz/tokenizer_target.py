@@ -128,6 +128,12 @@ def _has_special(tok: Tokenizer, text: str) -> bool:
         tok.token_text(i) in text for i in range(tok.vocab_size) if tok.is_control(i))
 
 
+def warm() -> None:
+    """The tokenizers, real vocabularies included, loaded before the first input is measured."""
+    for _, tok in tokenizers():
+        _unused_texts(tok)
+
+
 def case(data: bytes) -> tuple[str, Callable[[], None]]:
     """One input decoded: what it does (for a finding's report) and a thunk that does it, so
     that describing a hang does not run it again."""
