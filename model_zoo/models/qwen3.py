@@ -44,13 +44,20 @@ def build_attn_block(c: HParams, g: Graph, w, inp, x, il: int):
     return build_attn(g, inp, q, k, v, il=il, wo=w(b + "attn_output.weight"), scale=1.0 / math.sqrt(c.head_dim))
 
 
-def build(c: Config, g: Graph, w, shape: BatchShape) -> None:
+def build_layers(c: HParams, g: Graph, w, shape: BatchShape, ffn) -> None:
+    """The whole model with `ffn(x, il)` as each layer's FFN half (dense here, experts in qwen3moe)."""
     inp = build_inputs(g, shape)
     x = build_inp_embd(g, w("token_embd.weight"), inp)
     for il in range(c.n_layer):
-        b = f"blk.{il}."
-        x = g.add(x, build_attn_block(c, g, w, inp, x, il), "ffn_inp", il)
-        x = build_ffn_block(g, x, il=il, norm=w(b + "ffn_norm.weight"), eps=c.norm_eps, gate=w(b + "ffn_gate.weight"),
-                            up=w(b + "ffn_up.weight"), down=w(b + "ffn_down.weight"), act="silu")
+        x = ffn(g.add(x, build_attn_block(c, g, w, inp, x, il), "ffn_inp", il), il)
     build_output(g, x, inp, norm=w("output_norm.weight"),
                  output=w("output.weight", fallback="token_embd.weight"), eps=c.norm_eps)
+
+
+def build(c: Config, g: Graph, w, shape: BatchShape) -> None:
+    def ffn(x, il):
+        b = f"blk.{il}."
+        return build_ffn_block(g, x, il=il, norm=w(b + "ffn_norm.weight"), eps=c.norm_eps,
+                               gate=w(b + "ffn_gate.weight"), up=w(b + "ffn_up.weight"),
+                               down=w(b + "ffn_down.weight"), act="silu")
+    build_layers(c, g, w, shape, ffn)

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hearthlm.model_zoo.blocks import build_inp_embd, build_inputs, build_moe_ffn, build_norm, build_output
+from hearthlm.model_zoo.blocks import build_moe_ffn, build_norm, build_residual
 from hearthlm.model_zoo.config import HParams, Reader
-from hearthlm.model_zoo.models.qwen3 import attn_specs, build_attn_block
+from hearthlm.model_zoo.models.qwen3 import attn_specs, build_layers
 from hearthlm.model_zoo.tensors import Spec, layer_specs
 from hearthlm.runtime.batch import BatchShape
 from hearthlm.runtime.errors import ModelLoadError
@@ -41,15 +41,11 @@ def tensors(c: Config, n_vocab: int) -> list[Spec]:
 
 
 def build(c: Config, g: Graph, w, shape: BatchShape) -> None:
-    inp = build_inputs(g, shape)
-    x = build_inp_embd(g, w("token_embd.weight"), inp)
-    for il in range(c.n_layer):
+    def ffn(x, il):
         b = f"blk.{il}."
-        x = g.add(x, build_attn_block(c, g, w, inp, x, il), "ffn_inp", il)
         h = build_norm(g, x, w(b + "ffn_norm.weight"), eps=c.norm_eps, name="ffn_norm", il=il)
         h = build_moe_ffn(g, h, il=il, gate_inp=w(b + "ffn_gate_inp.weight"), up_exps=w(b + "ffn_up_exps.weight"),
                           gate_exps=w(b + "ffn_gate_exps.weight"), down_exps=w(b + "ffn_down_exps.weight"),
                           n_expert_used=c.n_expert_used)
-        x = g.add(x, h, "l_out", il)
-    build_output(g, x, inp, norm=w("output_norm.weight"),
-                 output=w("output.weight", fallback="token_embd.weight"), eps=c.norm_eps)
+        return build_residual(g, x, h, name="l_out", il=il)
+    build_layers(c, g, w, shape, ffn)
