@@ -212,7 +212,7 @@ def stack_matmuls(graph: Graph) -> Graph:
 def prune(graph: Graph) -> Graph:
     """Drop nodes nothing needs: what the rewrites absorbed."""
     keep: set[int] = set()
-    stack = [*graph.outputs, *(n for n in graph.nodes if n.op.props.writes_cache)]  # kept though unread
+    stack = [*graph.outputs, *(n for n in graph.nodes if n.op.props.writes_cache or n.op.props.updates_state)]  # kept though unread
     while stack:
         n = stack.pop()
         if id(n) not in keep:

@@ -22,6 +22,8 @@ class OpProps:
     inplace: tuple[int, ...] = ()  # sources whose buffer the output may take (each element read before written)
     commutative: bool = False   # binary op whose sources fusion patterns may match in either order
     moves: bool = False         # dispatch runs it (a copy between backends), not a backend kernel
+    updates_state: bool = False  # updates its first source (a recurrent-state cache) in place and
+                                 # returns a new value: runs where the cache lives, the cache never planned
 
 
 _LEAF = OpProps(bound=True, per_backend=True)
@@ -46,6 +48,9 @@ class Op(enum.Enum):
     SILU = "silu", OpProps(inplace=(0,))
     GELU = "gelu", OpProps(inplace=(0,))    # tanh approximation, as ggml_gelu
     TANH = "tanh", OpProps(inplace=(0,))    # (x,) elementwise (Gemma 2's logit soft-capping)
+    SIGMOID = "sigmoid", OpProps(inplace=(0,))
+    SOFTPLUS = "softplus", OpProps(inplace=(0,))  # log(1 + exp(x)); x where x > 20 (as ggml)
+    L2_NORM = "l2_norm", OpProps(inplace=(0,))    # (x,) / max(||x||, eps) over the last axis; params: eps
     # (x (n_tokens, n_heads, head_dim), pos (n_tokens,)); params: n_rot, base, freq_scale, neox[, freqs, mscale]
     ROPE = "rope", OpProps(inplace=(0,))
     # (cache, src, slots): cache[slots] = src; returns the cache (orders later reads)
@@ -65,6 +70,18 @@ class Op(enum.Enum):
     SUM_ROWS = "sum_rows"    # (x (..., n),) -> (..., 1)
     DIV = "div"              # (a, b) broadcast
     MUL_MAT_ID = "mul_mat_id"  # (w (E, rows, cols), x (n, cols) or (n, k, cols), ids (n, k)) -> (n, k, rows): x @ w[ids].T (ggml's MUL_MAT_ID)
+    # recurrent state (hybrid models). Source 0 is a layer's state cache (n_state_slots, ...): for
+    # each sequence row i, the tokens [seq_off[i], seq_off[i+1]) run in order from the state in slot
+    # state_slot[i], which is left holding the state after them; tokens in no range (padding) give 0
+    # (state (S, K-1, C), x (n, C), w (C, K), seq_off (n_seqs+1,), state_slot (n_seqs,)) -> (n, C):
+    # causal depthwise conv over [state; x] (ggml's SSM_CONV), the last K-1 rows kept as the state
+    SSM_CONV = "ssm_conv", OpProps(updates_state=True)
+    # (state (S, H_v, d_v, d_k), q (n, H_k, d_k), k (n, H_k, d_k), v (n, H_v, d_v), g (n, H_v), beta (n, H_v),
+    # seq_off, state_slot) -> (n, H_v, d_v): the gated delta rule (ggml's GATED_DELTA_NET); params: scale
+    GATED_DELTA_NET = "gated_delta_net", OpProps(updates_state=True)
+    # (state (S, H, P, N), x (n, H, P), dt (n, H), A (H,), B (n, G, N), C (n, G, N), seq_off, state_slot)
+    # -> (n, H, P): Mamba-2's selective scan (ggml's SSM_SCAN; softplus of dt inside, no D skip)
+    SSM_SCAN = "ssm_scan", OpProps(updates_state=True)
     # fused ops (runtime.fusion rewrites into these)
     ATTN = "attn"            # (q, k_cache, v_cache, tok_seq, tok_pos, block_table) -> (n_tokens, n_head*head_dim)
     RMS_NORM_MUL = "rms_norm_mul", OpProps(inplace=(0,))  # (x, w) = rms_norm(x) * w
@@ -156,6 +173,15 @@ class Graph:
     def tanh(self, x: Tensor, name: str, il: int = -1) -> Tensor:
         return self._add(Op.TANH, (x,), x.shape, name, il)
 
+    def sigmoid(self, x: Tensor, name: str, il: int = -1) -> Tensor:
+        return self._add(Op.SIGMOID, (x,), x.shape, name, il)
+
+    def softplus(self, x: Tensor, name: str, il: int = -1) -> Tensor:
+        return self._add(Op.SOFTPLUS, (x,), x.shape, name, il)
+
+    def l2_norm(self, x: Tensor, eps: float, name: str, il: int = -1) -> Tensor:
+        return self._add(Op.L2_NORM, (x,), x.shape, name, il, eps=float(eps))
+
     def reshape(self, x: Tensor, shape, name: str, il: int = -1) -> Tensor:
         assert int(np.prod(shape)) == int(np.prod(x.shape)), f"{name}: {x.shape} -> {shape}"
         return self._add(Op.RESHAPE, (x,), shape, name, il, new_shape=tuple(shape))
@@ -220,6 +246,30 @@ class Graph:
 
     def add_n(self, xs, name: str, il: int = -1) -> Tensor:
         return self._add(Op.ADD_N, tuple(xs), np.broadcast_shapes(*(x.shape for x in xs)), name, il)
+
+    # recurrent state: `state` is a cache node; seq_off (n_seqs+1,), state_slot (n_seqs,) inputs
+    def ssm_conv(self, state: Tensor, x: Tensor, w: Tensor, seq_off: Tensor, state_slot: Tensor, *, name: str,
+                 il: int = -1) -> Tensor:
+        n, c = x.shape
+        assert w.shape == (c, state.shape[1] + 1) and state.shape[2] == c, f"{name}: {x.shape} {w.shape} {state.shape}"
+        return self._add(Op.SSM_CONV, (state, x, w, seq_off, state_slot), (n, c), name, il)
+
+    def gated_delta_net(self, state: Tensor, q: Tensor, k: Tensor, v: Tensor, gate: Tensor, beta: Tensor,
+                        seq_off: Tensor, state_slot: Tensor, *, scale: float, name: str, il: int = -1) -> Tensor:
+        n, h_k, d_k = q.shape
+        h_v, d_v = v.shape[1:]
+        assert k.shape == q.shape and gate.shape == beta.shape == (n, h_v) and h_v % h_k == 0, f"{name}"
+        assert state.shape[1:] == (h_v, d_v, d_k), f"{name}: state {state.shape}"
+        return self._add(Op.GATED_DELTA_NET, (state, q, k, v, gate, beta, seq_off, state_slot), v.shape, name, il,
+                         scale=float(scale))
+
+    def ssm_scan(self, state: Tensor, x: Tensor, dt: Tensor, a: Tensor, b: Tensor, c: Tensor, seq_off: Tensor,
+                 state_slot: Tensor, *, name: str, il: int = -1) -> Tensor:
+        n, h, p = x.shape
+        g, d_state = b.shape[1:]
+        assert dt.shape == (n, h) and a.shape[-1] == h and c.shape == b.shape and h % g == 0, f"{name}"
+        assert state.shape[1:] == (h, p, d_state), f"{name}: state {state.shape}"
+        return self._add(Op.SSM_SCAN, (state, x, dt, a, b, c, seq_off, state_slot), x.shape, name, il)
 
     # fused ops: created by runtime.fusion, or directly by tests
     def attn(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, tok_seq: Tensor, tok_pos: Tensor,

@@ -127,7 +127,7 @@ def assign(graph: Graph, p: Placement) -> list[str]:
             b = p.of_layer(int(m.group(1))) if m else p.host if table_only.get(id(n)) else p.output
         elif n.op is Op.CACHE:
             b = p.of_layer(n.layer)
-        elif n.op.props.writes_cache:
+        elif n.op.props.writes_cache or n.op.props.updates_state:
             where[id(n)] = where[id(n.srcs[0])]  # a copy of the cache would take the write: no fallback
             continue
         else:

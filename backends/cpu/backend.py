@@ -305,7 +305,8 @@ class CPUBackend(Backend):
                         "(about 20 s on 2 cores); `hearthlm prepare MODEL` does it ahead of time")
 
     def prepare_weight(self, w: QWeight):
-        if len(w.shape) == 1:  # norms and biases: plain float32 vectors
+        if len(w.shape) == 1 or (len(w.shape) == 2 and w.shape[1] < 32):
+            # norms and biases, and matrices narrower than a quant block (conv kernels): float32
             from hearthlm.backends.reference import dequantize
             return np.ascontiguousarray(dequantize(w))
         if len(w.shape) == 3:  # stacked experts: each packed on its own (only selected ones are read)
