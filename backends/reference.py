@@ -132,6 +132,117 @@ def mul_mat_id(w, x, ids):
     return np.einsum("tkc,tkrc->tkr", xs, w[ids].astype(np.float64)).astype(np.float32)
 
 
+def sigmoid(x):
+    return (1.0 / (1.0 + np.exp(-x.astype(np.float64)))).astype(np.float32)
+
+
+def softplus(x):
+    """ggml's: log(1 + exp(x)), and x itself where x > 20 (exp would overflow float32 there)."""
+    x64 = np.asarray(x, np.float64)
+    return np.where(x64 > 20.0, x64, np.log1p(np.exp(np.minimum(x64, 20.0)))).astype(np.float32)
+
+
+def l2_norm(x, eps):
+    """ggml_l2_norm: x / max(||x||, eps) over the last axis."""
+    x64 = x.astype(np.float64)
+    return (x64 / np.maximum(np.sqrt((x64 * x64).sum(axis=-1, keepdims=True)), eps)).astype(np.float32)
+
+
+def ssm_conv(state, x, w, seq_off, state_slot):
+    """state (S, K-1, C), x (n, C), w (C, K) -> y (n, C). Row i's tokens [seq_off[i], seq_off[i+1])
+    convolve over xx = [state[slot]; x[those]] (y[t0 + j] = sum_k w[:, k] * xx[j + k]), and the
+    state keeps xx's last K-1 rows. Padding tokens (in no range) give 0."""
+    k = w.shape[1]
+    y = np.zeros(x.shape, np.float32)
+    for i, slot in enumerate(state_slot):
+        t0, t1 = int(seq_off[i]), int(seq_off[i + 1])
+        xx = np.concatenate([state[slot], x[t0:t1]]).astype(np.float64)  # (K-1 + L, C)
+        y[t0:t1] = sum(w[:, j].astype(np.float64) * xx[j:j + t1 - t0] for j in range(k))
+        state[slot] = xx[t1 - t0:]
+    return y
+
+
+def ssm_scan(state, x, dt, a, b, c, seq_off, state_slot):
+    """Mamba-2's selective scan (ggml's SSM_SCAN where A has one value per head), token by token.
+    state (S, H, P, N), x (n, H, P), dt (n, H), a (H,) or (1, H), b and c (n, G, N) -> y (n, H, P)."""
+    h = x.shape[1]
+    group = np.arange(h) // (h // b.shape[1])  # ggml: g = h / (n_head / n_group), repeat_interleave
+    a64 = a.reshape(-1).astype(np.float64)
+    y = np.zeros(x.shape, np.float32)
+    for i, slot in enumerate(state_slot):
+        s = state[slot].astype(np.float64)  # (H, P, N)
+        for t in range(int(seq_off[i]), int(seq_off[i + 1])):
+            dt_sp = softplus(dt[t]).astype(np.float64)  # (H,)
+            bt, ct = b[t][group].astype(np.float64), c[t][group].astype(np.float64)  # (H, N)
+            s = s * np.exp(dt_sp * a64)[:, None, None] + (x[t] * dt_sp[:, None])[:, :, None] * bt[:, None, :]
+            y[t] = np.einsum("hpn,hn->hp", s, ct)
+        state[slot] = s
+    return y
+
+
+DELTA_CHUNK = 64  # tokens per chunk of the chunked form (build_delta_net_chunking's CS)
+
+
+def gated_delta_net(state, q, k, v, g, beta, seq_off, state_slot, scale, chunked=False):
+    """The gated delta rule (ggml's GATED_DELTA_NET), for each row i over tokens [seq_off[i],
+    seq_off[i+1]) from state[state_slot[i]] (S, H_v, d_v, d_k), which is left holding the state
+    after them. Per v-head h and token t, with key head kh = h % H_k:
+        S = exp(g[t,h]) S;  S += outer((v[t,h] - S k) beta[t,h], k);  out[t,h] = S (q scale)
+    q, k (n, H_k, d_k), v (n, H_v, d_v), g, beta (n, H_v) -> out (n, H_v, d_v); padding tokens 0."""
+    h_k, h_v = q.shape[1], v.shape[1]
+    # h % H_k (tiled), not GQA's h // (H_v / H_k): the unfused llama.cpp graph repeats q/k with
+    # ggml_repeat_4d, and the fused ggml kernels (cpu ops.cpp, cuda) read iq1 = iv1 % neq1
+    kh = np.arange(h_v) % h_k
+    qq, kk = q[:, kh].astype(np.float64) * scale, k[:, kh].astype(np.float64)  # (n, H_v, d_k)
+    vv, gg, bb = v.astype(np.float64), g.astype(np.float64), beta.astype(np.float64)
+    run = _delta_chunked if chunked else _delta_steps
+    out = np.zeros(v.shape, np.float64)
+    for i, slot in enumerate(state_slot):
+        t0, t1 = int(seq_off[i]), int(seq_off[i + 1])
+        if t1 > t0:
+            s = state[slot].astype(np.float64)  # (H_v, d_v, d_k), updated in place by run
+            out[t0:t1] = run(s, qq[t0:t1], kk[t0:t1], vv[t0:t1], gg[t0:t1], bb[t0:t1])
+            state[slot] = s
+    return out.astype(np.float32)
+
+
+def _delta_steps(s, q, k, v, g, beta):
+    """Token by token (ggml's fused kernel); all heads at once. q already scaled."""
+    out = np.empty(v.shape)
+    for t in range(len(v)):
+        s *= np.exp(g[t])[:, None, None]
+        delta = (v[t] - np.einsum("hjd,hd->hj", s, k[t])) * beta[t][:, None]  # (H, d_v)
+        s += delta[:, :, None] * k[t][:, None, :]
+        out[t] = np.einsum("hjd,hd->hj", s, q[t])
+    return out
+
+
+def _delta_chunked(s, q, k, v, g, beta):
+    """The same recurrence DELTA_CHUNK tokens at a time (build_delta_net_chunking's WY/UT form).
+    In a chunk, with c = cumsum(g), the state after token t is
+        exp(c_t) S0 + sum_{r<=t} exp(c_t - c_r) outer(u_r, k_r)
+    so the deltas u solve the unit lower triangular system (I + A) u = beta (v - exp(c) S0 k),
+    A[t,r] = beta_t exp(c_t - c_r) k_t.k_r for r < t; outputs and the next state follow."""
+    out = np.empty(v.shape)
+    for c0 in range(0, len(v), DELTA_CHUNK):
+        part = slice(c0, c0 + DELTA_CHUNK)
+        qc, kc, vc = (x[part].transpose(1, 0, 2) for x in (q, k, v))  # (H, C, d)
+        c, bc = np.cumsum(g[part].T, axis=1), beta[part].T  # (H, C)
+        n = c.shape[1]
+        lower = np.tril(np.ones((n, n), bool))
+        decay = np.exp(np.where(lower, c[:, :, None] - c[:, None, :], -np.inf))  # (H, t, r); 0 for r > t
+        a = np.tril(bc[:, :, None] * decay * (kc @ kc.transpose(0, 2, 1)), -1)
+        rhs = bc[:, :, None] * (vc - np.exp(c)[:, :, None] * (kc @ s.transpose(0, 2, 1)))  # (H, C, d_v)
+        u = np.empty_like(rhs)
+        for t in range(n):  # the triangular solve, by forward substitution
+            u[:, t] = rhs[:, t] - np.einsum("hr,hrj->hj", a[:, t, :t], u[:, :t])
+        o = np.exp(c)[:, :, None] * (qc @ s.transpose(0, 2, 1)) + (decay * (qc @ kc.transpose(0, 2, 1))) @ u
+        out[part] = o.transpose(1, 0, 2)
+        s *= np.exp(c[:, -1])[:, None, None]
+        s += np.einsum("htj,htd->hjd", np.exp(c[:, -1:] - c)[:, :, None] * u, kc)
+    return out
+
+
 def _set_rows(node, cache, src, slots):
     cache[slots] = src.reshape(len(slots), *cache.shape[1:])
     return cache
@@ -182,6 +293,14 @@ class ReferenceBackend(Backend):
             Op.SUM_ROWS: lambda n, x: x.astype(np.float64).sum(axis=-1, keepdims=True).astype(np.float32),
             Op.DIV: lambda n, a, b: (a / b).astype(np.float32),
             Op.MUL_MAT_ID: lambda n, w, x, ids: mul_mat_id(w, x, ids),
+            Op.SIGMOID: lambda n, x: sigmoid(x),
+            Op.SOFTPLUS: lambda n, x: softplus(x),
+            Op.L2_NORM: lambda n, x: l2_norm(x, n.params["eps"]),
+            # recurrent state: source 0 (the state cache) is updated in place
+            Op.SSM_CONV: lambda n, state, x, w, off, slot: ssm_conv(state, x, w, off, slot),
+            Op.SSM_SCAN: lambda n, state, x, dt, a, b, c, off, slot: ssm_scan(state, x, dt, a, b, c, off, slot),
+            Op.GATED_DELTA_NET: lambda n, state, q, k, v, g, b, off, slot: gated_delta_net(
+                state, q, k, v, g, b, off, slot, n.params["scale"]),
             # fused: each rounds where its unfused chain rounds, so fused == unfused here
             Op.RMS_NORM_MUL_ADD: lambda n, x, w, r: (rms_norm(x, n.params["eps"]) * w).astype(np.float32) + r,
             Op.FFN_GLU: lambda n, wg, wu, x: _act(n, _mm(wg, x)) * _mm(wu, x),

@@ -18,10 +18,12 @@ class Inputs:
     slots: Tensor        # (n_tokens,) KV slot each token's K/V is written to
     out_rows: Tensor     # (n_out,) tokens whose logits are wanted
     shape: BatchShape
+    seq_off: Tensor | None = None     # (n_seqs + 1,) each sequence row's token range (hybrid models)
+    state_slot: Tensor | None = None  # (n_seqs,) each row's recurrent-state slot (hybrid models)
 
 
 def build_inputs(g: Graph, shape: BatchShape) -> Inputs:
-    return Inputs(
+    inp = Inputs(
         tokens=g.input("tokens", (shape.n_tokens,)),
         pos=g.input("pos", (shape.n_tokens,)),
         tok_seq=g.input("tok_seq", (shape.n_tokens,)),
@@ -30,6 +32,28 @@ def build_inputs(g: Graph, shape: BatchShape) -> Inputs:
         out_rows=g.input("out_rows", (shape.n_out,)),
         shape=shape,
     )
+    if shape.n_state:
+        inp.seq_off = g.input("seq_off", (shape.n_seqs + 1,))
+        inp.state_slot = g.input("state_slot", (shape.n_seqs,))
+    return inp
+
+
+def build_state(g: Graph, inp: Inputs, name: str, shape: tuple[int, ...], *, il: int) -> Tensor:
+    """A recurrent layer's state cache, (n_state_slots, *shape): runtime.seq_memory holds it."""
+    assert inp.state_slot is not None, "a recurrent layer needs a batch shape with state slots"
+    return g.cache(name, (inp.shape.n_state, *shape), il)
+
+
+def build_conv(g: Graph, inp: Inputs, x: Tensor, w: Tensor, *, il: int, bias: Tensor | None = None,
+               act: str | None = None, name: str = "conv") -> Tensor:
+    """Causal depthwise conv over each sequence's tokens, its last K-1 inputs kept as the layer's
+    state (LFM2's short conv; the conv before Mamba-2's scan and Qwen3.5's delta rule), then
+    the bias and activation where the architecture has them. x (n_tokens, C), w (C, K)."""
+    state = build_state(g, inp, "state_conv", (w.shape[1] - 1, x.shape[1]), il=il)
+    y = g.ssm_conv(state, x, w, inp.seq_off, inp.state_slot, name=name, il=il)
+    if bias is not None:
+        y = g.add(y, bias, f"{name}_b", il)
+    return g.silu(y, f"{name}_silu", il) if act == "silu" else y
 
 
 def build_inp_embd(g: Graph, tok_embd: Tensor, inp: Inputs, *, scale: float | None = None) -> Tensor:

@@ -5,6 +5,8 @@ names the key."""
 from __future__ import annotations
 
 import math
+
+import numpy as np
 from dataclasses import dataclass
 from typing import Any, ClassVar, Mapping
 
@@ -30,6 +32,19 @@ class Reader:
     def opt(self, k: str, default: Any, kind: type = int) -> Any:
         """An optional positive number, `default` when absent."""
         return self.get(k, default, kind)
+
+    def per_layer(self, k: str, n_layer: int) -> tuple[int, ...] | None:
+        """A per-layer array of ints >= 0 (llama.cpp's get_key_or_arr), or None where the key is
+        absent or a single number."""
+        v = self.md[self.key(k)] if self.key(k) in self.md else None
+        if isinstance(v, np.ndarray) and v.ndim == 1 and v.dtype.kind in "iu":  # as the GGUF reader gives it
+            v = [int(x) for x in v]
+        if not isinstance(v, (list, tuple, np.ndarray)):
+            return None
+        if len(v) != n_layer or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in v):
+            raise ModelLoadError(f"GGUF metadata {self.key(k)!r} must be {n_layer} ints >= 0 (one per layer), "
+                                 f"got {list(v)[:8]!r}{'...' if len(v) > 8 else ''}")
+        return tuple(v)
 
     def get(self, k: str, default: Any, kind: type = int, *, positive: bool = True) -> Any:
         key = self.key(k)
@@ -68,6 +83,7 @@ class HParams:
     norm_eps: float
     rope: Rope
     sliding_window: int  # 0: none
+    head_count_kv_layers: tuple[int, ...] = ()  # per layer where the file gives an array (0: no attention)
 
     NEOX: ClassVar[bool] = False          # the architecture's RoPE layout (llama.cpp's rope_type)
     NORM_EPS: ClassVar[float] = 1e-5
@@ -78,8 +94,14 @@ class HParams:
         r = Reader(md, arch)
         n_embd, n_head = r.need("embedding_length"), r.need("attention.head_count")
         head_dim = r.opt("attention.key_length", n_embd // n_head)
-        base = dict(n_layer=r.need("block_count"), n_embd=n_embd, n_head=n_head,
-                    n_head_kv=r.opt("attention.head_count_kv", n_head), head_dim=head_dim,
+        n_layer = r.need("block_count")
+        kv_layers = r.per_layer("attention.head_count_kv", n_layer)  # hybrids: 0 on recurrent layers
+        if kv_layers is not None and len(set(kv_layers) - {0}) > 1:
+            raise ModelLoadError(f"GGUF metadata {r.key('attention.head_count_kv')!r}: attention layers with "
+                                 f"different KV head counts {sorted(set(kv_layers) - {0})} are not supported")
+        n_head_kv = (max(kv_layers) or n_head) if kv_layers else r.opt("attention.head_count_kv", n_head)
+        base = dict(n_layer=n_layer, n_embd=n_embd, n_head=n_head, n_head_kv=n_head_kv, head_dim=head_dim,
+                    head_count_kv_layers=kv_layers or (),
                     n_ff=r.opt("feed_forward_length", 0), n_ctx_train=r.need("context_length"),
                     norm_eps=r.opt("attention.layer_norm_rms_epsilon", cls.NORM_EPS, float),
                     rope=Rope.from_gguf(r, n_rot=r.opt("rope.dimension_count", head_dim), neox=cls.NEOX,
@@ -101,3 +123,14 @@ class HParams:
     @property
     def kv_dims(self) -> tuple[int, int]:  # (n_head_kv, head_dim) of each layer's cache
         return self.n_head_kv, self.head_dim
+
+    def layer_kv_dims(self) -> list[tuple[int, int]]:
+        """Per layer, its K/V cache's (n_head_kv, head_dim); (0, 0) for a layer without attention."""
+        return [self.kv_dims if self.has_attention(il) else (0, 0) for il in range(self.n_layer)]
+
+    def has_attention(self, il: int) -> bool:
+        return True
+
+    def layer_state_dims(self) -> list[dict[str, tuple[int, ...]]]:
+        """Per layer, its recurrent state's per-sequence shapes by cache name (hybrid models)."""
+        return [{} for _ in range(self.n_layer)]

@@ -40,7 +40,11 @@ class Model:
 
     @property
     def kv_dims(self) -> list[tuple[int, int]]:
-        return [self.config.kv_dims] * self.config.n_layer
+        return self.config.layer_kv_dims()
+
+    @property
+    def state_dims(self) -> list[dict[str, tuple[int, ...]]]:
+        return self.config.layer_state_dims()
 
     @property
     def eog_ids(self) -> frozenset[int]:
@@ -127,7 +131,7 @@ def default_chat_template(arch_name: str) -> str | None:
 def _check_graph(model: Model) -> None:
     """Build a one-token graph: every tensor the architecture needs exists with a fitting shape."""
     try:
-        model.build_graph(one_token())
+        model.build_graph(one_token(n_state=2 if any(model.state_dims) else 0))
     except HearthError:
         raise
     except (AssertionError, ValueError, TypeError, KeyError) as e:

@@ -13,8 +13,10 @@ class BatchShape:
     n_slots: int     # KV cache size in token slots (n_blocks * block_size)
     block_size: int  # tokens per KV block
     embd: bool = False  # also output every token's final hidden state (embedding requests pool them)
+    n_state: int = 0    # recurrent-state slots (hybrid models; 0: none)
 
 
-def one_token(block_size: int = 16) -> BatchShape:
+def one_token(block_size: int = 16, n_state: int = 0) -> BatchShape:
     """The smallest step: what load-time checks and weight packing build a graph for."""
-    return BatchShape(n_tokens=1, n_seqs=1, max_blocks=1, n_out=1, n_slots=block_size, block_size=block_size)
+    return BatchShape(n_tokens=1, n_seqs=1, max_blocks=1, n_out=1, n_slots=block_size, block_size=block_size,
+                      n_state=n_state)

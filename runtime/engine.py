@@ -24,6 +24,7 @@ from hearthlm.runtime.kv_cache import KVCache
 from hearthlm.runtime.log import get_logger
 from hearthlm.runtime.placement import Placement
 from hearthlm.runtime.request import Request
+from hearthlm.runtime.seq_memory import SequenceMemory, StateCache
 from hearthlm.runtime.sampling import sample, top_logprobs
 
 log = get_logger("hearthlm.engine")
@@ -52,19 +53,23 @@ def _release_blas_control() -> None:
     ctl = getattr(threadpoolctl, "OpenBLASController", None)
     if ctl is not None and hasattr(ctl, "clear_controlling_thread"):
         ctl.clear_controlling_thread()
-def _check_kv_fits(kv_dims: list[tuple[int, int]], n_slots: int, placement: Placement) -> None:
-    """Refuse at open a KV cache that its backends cannot hold (a host's zeroed pages are only
-    taken when written: it would fail much later, mid-generation, out of memory)."""
+def _check_kv_fits(kv_dims: list[tuple[int, int]], n_slots: int, placement: Placement,
+                   state_dims: list[dict] | None = None, n_state: int = 0) -> None:
+    """Refuse at open a KV cache (and recurrent state) that its backends cannot hold (a host's
+    zeroed pages are only taken when written: it would fail much later, mid-generation, out of memory)."""
     need: dict[str, int] = {}
-    for (h, d), name in zip(kv_dims, placement.layers):
+    for il, ((h, d), name) in enumerate(zip(kv_dims, placement.layers)):
         be = placement.backends[name]
         need[name] = need.get(name, 0) + 2 * n_slots * h * d * np.dtype(be.kv_dtype).itemsize
+        if state_dims:
+            need[name] += n_state * StateCache.bytes_per_slot([state_dims[il]])
     for name, n in need.items():
         avail = placement.backends[name].memory_available()
         if avail is not None and n > avail:
+            what = f"{n_slots} token slots" + (f", {n_state} recurrent-state slots" if state_dims else "")
             raise InvalidRequestError(
-                f"the KV cache ({n_slots} token slots) needs {n / 2**30:.2f} GiB on {name}, where "
-                f"{avail / 2**30:.2f} GiB is available: lower n_ctx or kv_cache_tokens")
+                f"the KV cache ({what}) needs {n / 2**30:.2f} GiB on {name}, where "
+                f"{avail / 2**30:.2f} GiB is available: lower n_ctx, kv_cache_tokens or max_seqs")
 
 
 MIN_KV_BLOCKS = 16  # smallest KV-length bucket of unfused graphs (256 tokens at block size 16)
@@ -74,12 +79,14 @@ class Engine:
     def __init__(self, model: Any, backend: Any, *, n_ctx: int, kv_blocks: int | None = None,
                  block_size: int = 16, max_batch_tokens: int = 512, max_seqs: int = 64,
                  max_queued_requests: int = 1024, fusion: bool | None = None, graph_cache: bool = True,
-                 weight_cache=None) -> None:
+                 weight_cache=None, state_snapshots: int = 8) -> None:
         """`model` provides build_graph(shape) -> Graph, weights, kv_dims, n_vocab, eog_ids.
         `backend`: one backend (the trivial placement), or a runtime.placement.Placement of
         layers over several. `fusion`: None follows HEARTHLM_NO_FUSION; `graph_cache=False`
         rebuilds every step. `weight_cache`: a runtime.weights.WeightCache of the model's file
-        (packed weights mapped from disk, written there when packed afresh), or None."""
+        (packed weights mapped from disk, written there when packed afresh), or None.
+        A hybrid model (`model.state_dims`: per layer, its recurrent state's shapes) gets a state
+        slot per running sequence and `state_snapshots` slots of prefix states."""
         self.model = model
         self.n_ctx = n_ctx
         self.max_queued_requests = max_queued_requests
@@ -88,10 +95,15 @@ class Engine:
         # each layer's K/V lives on the backend that runs its attention
         blocks_per_seq = -(-n_ctx // block_size)
         n_blocks = max(kv_blocks or 0, blocks_per_seq) + 1
-        _check_kv_fits(model.kv_dims, n_blocks * block_size, self.placement)
+        state_dims = getattr(model, "state_dims", None)
+        state_dims = state_dims if state_dims and any(state_dims) else None
+        n_state = max_seqs + 1 + state_snapshots if state_dims else 0  # + the scratch slot
+        _check_kv_fits(model.kv_dims, n_blocks * block_size, self.placement, state_dims, n_state)
         self.kv = KVCache(model.kv_dims, n_blocks, block_size, self.placement.layer_backends())
-        self.scratch_block = self.kv.allocator.alloc(1)[0]  # padding tokens write here; no sequence reads it
-        self.batcher = Batcher(self.kv, max_batch_tokens=max_batch_tokens, max_seqs=max_seqs)
+        state = StateCache(state_dims, n_state, self.placement.layer_backends()) if state_dims else None
+        self.memory = SequenceMemory(self.kv, state, n_snapshots=state_snapshots if state_dims else 0)
+        self.scratch_block = self.memory.scratch_block
+        self.batcher = Batcher(self.memory, max_batch_tokens=max_batch_tokens, max_seqs=max_seqs)
         self.max_blocks = blocks_per_seq  # block-table width at most; bucketed per step (the KV-length bucket)
         self.max_batch_tokens, self.max_seqs = max_batch_tokens, max_seqs
         self.running: list[Request] = []
@@ -171,12 +183,10 @@ class Engine:
         return dict(ok=error is None and not self._closing, error=error, closing=bool(self._closing))
 
     def stats(self) -> dict[str, Any]:
-        c = dict(self.counters, prefix_cache_hit_tokens=self.batcher.reused_tokens)
+        c = dict(self.counters, **self.memory.stats())  # KV blocks, state slots, prefix-cache hits
         ttft = sorted(self._ttft)
         c.update(
             queue_depth=len(self.waiting) + len(self._incoming), running_requests=len(self.running),
-            kv_blocks_used=self.kv.allocator.n_used - 1, kv_blocks_total=self.kv.n_blocks - 1,  # less the scratch block
-            kv_cache_bytes=sum(int(a.nbytes) for a in [*self.kv.k, *self.kv.v]),  # fixed at open; pages taken as first written
             tokens_per_s=c["tokens_generated"] / c["step_time_s"] if c["step_time_s"] else 0.0,
             time_to_first_token_s=ttft[len(ttft) // 2] if ttft else None)
         c.update(self.graphs.stats())  # graph_cache_hits/misses, graph_nodes_unfused/fused, build/reuse times
@@ -264,7 +274,7 @@ class Engine:
                 self._masks = MaskWorker(self.model.n_vocab)
             job = self._masks.start([r.matcher for r in constrained]) if constrained else None
             try:
-                outs = execute(self._graph(shape), feed, self.kv.cache_of)
+                outs = execute(self._graph(shape), feed, self.memory.cache_of)
             finally:  # the matchers are not touched again before their masks are done
                 masks = self._masks.join(job) if job else None
             # counted before _update wakes the callers, so their stats() see this step
@@ -298,6 +308,8 @@ class Engine:
         tok_seq = np.full(n_pad, len(plan.seqs) if n_seqs > len(plan.seqs) else 0, np.int32)
         slots = self.scratch_block * bs + np.arange(n_pad, dtype=np.int32) % bs
         block_table = np.full((n_seqs, width), self.scratch_block, np.int32)
+        # recurrent layers: each row's token range, and its state slot (padding rows: empty, scratch slot 0)
+        seq_off, state_slot = np.full(n_seqs + 1, plan.n_tokens, np.int32), np.zeros(n_seqs, np.int32)
         out_rows, off = [], 0
         for i, s in enumerate(plan.seqs):
             r, k = s.req, s.n_tokens
@@ -308,10 +320,12 @@ class Engine:
             tok_seq[off:off + k] = i
             slots[off:off + k] = blocks[p // bs] * bs + p % bs
             block_table[i, :len(blocks)] = blocks
+            seq_off[i], state_slot[i] = off, r.state_slot or 0
             if s.wants_logits:
                 out_rows.append(off + k - 1)
             off += k
         feed = dict(tokens=tokens, pos=pos, tok_seq=tok_seq, slots=slots, block_table=block_table,
+                    seq_off=seq_off, state_slot=state_slot,
                     out_rows=np.asarray(out_rows + [0] * (shape.n_out - len(out_rows)), np.int32))
         return feed, shape
 
@@ -324,7 +338,8 @@ class Engine:
                  else min(bucket(max(need_blocks, MIN_KV_BLOCKS)), self.max_blocks))
         return BatchShape(n_tokens=bucket(n_tokens, self.max_batch_tokens), n_seqs=n_seqs_pad, max_blocks=width,
                           n_out=bucket(n_out, n_seqs_pad) if n_out else 0, n_slots=self.kv.n_slots,
-                          block_size=self.kv.block_size, embd=embd)
+                          block_size=self.kv.block_size, embd=embd,
+                          n_state=self.memory.state.n_slots if self.memory.hybrid else 0)
 
     def _graph(self, shape: BatchShape) -> CompiledGraph:
         """Built, fused and planned once per bucketed shape; later steps only rewrite inputs."""
@@ -343,7 +358,7 @@ class Engine:
                 row += s.wants_logits
                 self._pool(r, hidden[first:off])
                 continue
-            self.batcher.register_full_blocks(r)
+            self.memory.after_step(r)  # blocks findable by later prompts; a state snapshot
             if not s.wants_logits:
                 continue
             lg = logits[row]

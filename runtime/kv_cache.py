@@ -22,6 +22,7 @@ class BlockAllocator:
         self._ref = np.zeros(n_blocks, np.int32)
         self._by_hash: dict[int, int] = {}
         self._hash_of: dict[int, int] = {}
+        self.on_drop = lambda h: None  # told when a block's registered hash goes (its contents are reused)
 
     @property
     def n_free(self) -> int:
@@ -40,6 +41,7 @@ class BlockAllocator:
             h = self._hash_of.pop(b, None)  # its old contents are about to be overwritten
             if h is not None:
                 del self._by_hash[h]
+                self.on_drop(h)
             self._ref[b] = 1
             out.append(b)
         return out

@@ -29,6 +29,7 @@ class Request:
     n_computed: int = 0                              # tokens whose K/V are in the cache
     blocks: list[int] = field(default_factory=list)   # KV blocks, in position order
     block_hashes: list[int] = field(default_factory=list)  # hashes of the full blocks registered so far
+    state_slot: int | None = None                    # recurrent-state slot (hybrid models), while admitted
     n_generated: int = 0
     n_preempted: int = 0
     first_token_at: float | None = None

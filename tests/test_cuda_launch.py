@@ -54,7 +54,8 @@ SIGS = signatures()
 def test_signatures_were_read():
     assert {("matmul.cu", "mmvq_" + k) for k in QUANT_KERNELS.values()} <= set(SIGS)
     assert {("matmul.cu", "quantize_q8"), ("norm_rope.cu", "rms_norm"), ("norm_rope.cu", "glu"),
-            ("norm_rope.cu", "rope"), ("attention.cu", "attn_paged")} <= set(SIGS)
+            ("norm_rope.cu", "rope"), ("attention.cu", "attn_paged"), ("ssm.cu", "ssm_conv"),
+            ("ssm.cu", "ssm_scan")} <= set(SIGS)
     assert SIGS[("norm_rope.cu", "rope")][-7:] == ([("val", np.float64)] * 2 + [("val", np.int32)] * 2
                                                    + [("ptr", np.float64), ("val", np.int32), ("val", np.float64)])
 
@@ -124,6 +125,7 @@ def _case(op: Op, n: int, qtype=T.Q8_0):
     seq, pos, slots, bt = i("seq", n), i("pos", n), i("slots", n), i("bt", 2, 3)
     kc, vc = g.cache("kc", (N_SLOTS, HKV, D), 0), g.cache("vc", (N_SLOTS, HKV, D), 0)
     rope = dict(n_rot=D, base=10000.0, freq_scale=1.0, neox=True)
+    seq_off, state_slot = i("seq_off", 3), i("state_slot", 2)  # two sequence rows, 4 state slots
     node = {
         Op.GET_ROWS: lambda: g.get_rows(w("emb", 50, E), i("ids", n), "r"),
         Op.MUL_MAT: lambda: g.mul_mat(w("w", 40, E), x, "y"),
@@ -156,10 +158,18 @@ def _case(op: Op, n: int, qtype=T.Q8_0):
         Op.SUM_ROWS: lambda: g.sum_rows(x, "s"),
         Op.DIV: lambda: g.div(x, f("r", n, E), "d"),
         Op.MUL_MAT_ID: lambda: g.mul_mat_id(g.weight(_experts(qtype)), x, i("ids2", n, 2), "y"),
+        Op.SIGMOID: lambda: g.sigmoid(x, "s"),
+        Op.SOFTPLUS: lambda: g.softplus(x, "s"),
+        Op.L2_NORM: lambda: g.l2_norm(xh, 1e-6, "n"),
+        Op.SSM_CONV: lambda: g.ssm_conv(g.cache("sc", (4, 3, E), 0), x, g.weight(_weight("conv", T.F32, E, 4)),
+                                        seq_off, state_slot, name="c"),
+        Op.SSM_SCAN: lambda: g.ssm_scan(g.cache("ss", (4, H, D, 32), 0), xh, f("dt", n, H), f("A", 1, H),
+                                        f("B", n, 2, 32), f("C", n, 2, 32), seq_off, state_slot, name="y"),
     }[op]()
     feed = {"seq": np.arange(n, dtype=np.int32) % 2, "pos": np.arange(n, dtype=np.int32) % 10 + 1,
             "bt": np.array([[5, 2, 7], [1, 6, 3]], np.int32), "ids": np.arange(n, dtype=np.int32) * 3,
-            "ids2": (np.arange(2 * n, dtype=np.int32) % 3).reshape(n, 2)}  # 3 experts; 8 router columns
+            "ids2": (np.arange(2 * n, dtype=np.int32) % 3).reshape(n, 2),  # 3 experts; 8 router columns
+            "seq_off": np.array([0, min(n, 2), n], np.int32), "state_slot": np.array([1, 3], np.int32)}
     feed["slots"] = np.array([feed["bt"][s, p // BS] * BS + p % BS for s, p in zip(feed["seq"], feed["pos"])],
                              np.int32).reshape(n)
     return node, feed

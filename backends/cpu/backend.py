@@ -9,12 +9,13 @@ from __future__ import annotations
 import numpy as np
 
 from hearthlm.backends.base import Backend
-from hearthlm.backends.cpu import ops
+from hearthlm.backends.cpu import delta_net, ops, ssm
 from hearthlm.backends.cpu.ffn import ffn_glu
 from hearthlm.backends.cpu.halfs import NATIVE_HALF
 from hearthlm.backends.cpu import dot
 from hearthlm.backends.cpu.matmul import expert_matvecs, get_rows, matmul, matmul_add, start_pool
 from hearthlm.backends.cpu.qtypes import LAYOUT_VERSION, SUPPORTED_TYPES, PackedWeight, pack_weight
+from hearthlm.runtime.errors import BackendError
 from hearthlm.runtime.graph import Op
 from hearthlm.runtime.log import get_logger
 from hearthlm.runtime.weights import QWeight
@@ -183,6 +184,72 @@ def _get_rows(node, table, ids, out=None):
     return np.take(table, ids, axis=0, out=out)
 
 
+def _unary(softplus: bool):
+    """SIGMOID, or SOFTPLUS (ggml's, threshold 20): one compiled pass, out may be x."""
+    def k(node, x, out=None):
+        out = _buf(node, out)
+        x2 = _rows(x)
+        (ssm.act if x2.shape[0] >= ops.PAR_MIN_ROWS else ssm.act_1)(x2, softplus, out.reshape(x2.shape))
+        return out
+    return k
+
+
+def _l2_norm(node, x, out=None):
+    out = _buf(node, out)
+    x2 = _rows(x)
+    (ssm.l2_norm if x2.shape[0] >= ops.PAR_MIN_ROWS else ssm.l2_norm_1)(x2, node.params["eps"], out.reshape(x2.shape))
+    return out
+
+
+# ---- recurrent state: the kernels update the state cache (source 0) in place and return y ----
+
+def _state(node, state):
+    if state.dtype != np.float32 or not state.flags.c_contiguous:
+        raise BackendError(f"{node.label}: the state cache must be a contiguous float32 array, not {state.dtype}")
+    return state
+
+
+def _ranges(node, seq_off, slots, out):
+    """(seq_off, state_slot) as the kernels take them, and y with its padding tokens (in no
+    range: before seq_off[0] or from seq_off[-1] on) zeroed; the kernels write the rest."""
+    seq_off, slots = np.ascontiguousarray(seq_off, np.int32), np.ascontiguousarray(slots, np.int32)
+    y = _buf(node, out)
+    lo, hi = (int(seq_off[0]), int(seq_off[-1])) if len(slots) else (0, 0)
+    y[:lo] = 0
+    y[hi:] = 0
+    return seq_off, slots, y
+
+
+def _ssm_conv(node, state, x, w, seq_off, slots, out=None):
+    seq_off, slots, y = _ranges(node, seq_off, slots, out)
+    # w (C, K) is float32 here (prepare_weight keeps narrow matrices so); as (K, C) the
+    # kernel's loop over channels reads it contiguously (a copy of C*K floats a call)
+    w_t = np.ascontiguousarray(np.asarray(w, np.float32).T)
+    kern = ssm.ssm_conv if x.shape[0] >= ops.PAR_MIN_ROWS else ssm.ssm_conv_1
+    kern(_state(node, state), np.ascontiguousarray(x, np.float32), w_t, seq_off, slots, y)
+    return y
+
+
+def _ssm_scan(node, state, x, dt, a, b, c, seq_off, slots, out=None):
+    seq_off, slots, y = _ranges(node, seq_off, slots, out)
+    if isinstance(a, PackedWeight):  # A stored as (1, H): packed as a float matrix
+        if a.layout != "f32":
+            raise BackendError(f"{node.label}: A must be a float32 weight")
+        a = a.w
+    f = lambda v: np.ascontiguousarray(v, np.float32)  # noqa: E731
+    ssm.ssm_scan(_state(node, state), f(x), f(dt), f(a).reshape(-1), f(b), f(c), seq_off, slots, y)
+    return y
+
+
+def _gated_delta_net(node, state, q, k, v, g, beta, seq_off, slots, out=None):
+    seq_off, slots, y = _ranges(node, seq_off, slots, out)
+    f = lambda a: np.ascontiguousarray(a, np.float32)  # noqa: E731
+    par = len(slots) * v.shape[1] >= ops.PAR_MIN_ROWS  # tasks: (sequence, v-head) pairs
+    (delta_net.gated_delta_net if par else delta_net.gated_delta_net_1)(
+        _state(node, state), f(q), f(k), f(v), f(g), f(beta), seq_off, slots, node.params["scale"], y)
+    return y
+
+
 class Experts(tuple):
     """A stacked expert weight (E, rows, cols): one PackedWeight per expert. `lists`: their
     arrays as numba typed lists, for the one-token compiled path (made on first use)."""
@@ -297,6 +364,12 @@ class CPUBackend(Backend):
             Op.SUM_ROWS: lambda n, x, out=None: np.sum(x, axis=-1, keepdims=True, out=out, dtype=np.float32),
             Op.DIV: _binary(np.divide),
             Op.MUL_MAT_ID: _mul_mat_id,
+            Op.SIGMOID: _unary(False),
+            Op.SOFTPLUS: _unary(True),
+            Op.L2_NORM: _l2_norm,
+            Op.SSM_CONV: _ssm_conv,
+            Op.SSM_SCAN: _ssm_scan,
+            Op.GATED_DELTA_NET: _gated_delta_net,
         }
 
     def loaded(self) -> None:

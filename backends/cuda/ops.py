@@ -368,6 +368,72 @@ def mul_mat_id(node, experts, x, ids, out=None):
     return _into(y, out)
 
 
+# ---- the recurrent layers' ops ----
+
+def sigmoid(node, x, out=None):
+    return _into(cp.reciprocal(1 + cp.exp(-_f(x))), out)
+
+
+def softplus(node, x, out=None):
+    x = _f(x)  # ggml's: x itself above 20 (exp overflows float32 near 89)
+    return _into(cp.where(x > 20, x, cp.log1p(cp.exp(cp.minimum(x, f32(20))))), out)
+
+
+def l2_norm(node, x, out=None):
+    """ggml_l2_norm: x * 1 / max(||x||, eps) over the last axis."""
+    x = _f(x)
+    x64 = x.astype(cp.float64)
+    norm = cp.maximum(cp.sqrt((x64 * x64).sum(axis=-1, keepdims=True)), node.params["eps"])
+    return _into(x * (1.0 / norm).astype(cp.float32), out)
+
+
+SCAN_MAX_STATE = 256  # ssm.cu's SCAN_MAX_N
+SCAN_ROWS, SCAN_WARPS = 4, 4  # ssm.cu's SCAN_ROWS; warps per block
+
+
+def _state(node, state):
+    """A recurrent-state cache (source 0): the kernels update it in place."""
+    if state.dtype != cp.float32 or not state.flags.c_contiguous:
+        raise BackendError(f"{node.label}: the state cache must be a contiguous float32 device array")
+    return state
+
+
+def _dense(node, w):
+    """A float weight (the conv kernel, A) or activation as a float32 device array."""
+    if isinstance(w, CudaWeight):
+        if w.f is None:
+            raise BackendError(f"{node.label}: a quantized {w.shape} weight where float32 is wanted")
+        w = w.f
+    return _f(w)
+
+
+def _n_rows(x, state_slot) -> int:
+    """The sequence rows to launch: none for an empty batch (its rows have no tokens to run)."""
+    return int(state_slot.shape[0]) if x.shape[0] else 0
+
+
+def ssm_conv(node, state, x, w, seq_off, state_slot, out=None):
+    n, n_ch = x.shape
+    y = cp.zeros((n, n_ch), cp.float32)  # padding tokens stay 0
+    _launch("ssm.cu", "ssm_conv", (_n_rows(x, state_slot), _cdiv(n_ch, 128)), (128,),
+            (_state(node, state), _f(x), _dense(node, w), _i(seq_off), _i(state_slot), y, i32(n_ch),
+             i32(state.shape[1])))
+    return _into(y, out)
+
+
+def ssm_scan(node, state, x, dt, a, b, c, seq_off, state_slot, out=None):
+    n, n_head, d_head = x.shape
+    n_group, d_state = b.shape[1:]
+    if d_state > SCAN_MAX_STATE:
+        raise BackendError(f"{node.label}: d_state {d_state} > {SCAN_MAX_STATE} in the cuda scan kernel")
+    y = cp.zeros(x.shape, cp.float32)  # padding tokens stay 0
+    _launch("ssm.cu", "ssm_scan", (_n_rows(x, state_slot), n_head, _cdiv(d_head, SCAN_ROWS * SCAN_WARPS)),
+            (32, SCAN_WARPS),
+            (_state(node, state), _f(x), _f(dt), _dense(node, a), _f(b), _f(c), _i(seq_off), _i(state_slot), y,
+             i32(n_head), i32(d_head), i32(n_group), i32(d_state)))
+    return _into(y, out)
+
+
 KERNELS = {
     Op.GET_ROWS: get_rows, Op.MUL_MAT: mul_mat, Op.MUL_MAT_ADD: mul_mat_add, Op.FFN_GLU: ffn_glu,
     Op.RMS_NORM: rms_norm, Op.RMS_NORM_MUL: rms_norm, Op.RMS_NORM_MUL_ADD: rms_norm,
@@ -377,4 +443,5 @@ KERNELS = {
     Op.ROPE: rope, Op.SET_ROWS: set_rows, Op.ROPE_SET_ROWS: rope_set_rows,
     Op.ATTN: attn, Op.GATHER_KV: gather_kv, Op.KQ: kq, Op.KQ_MASK: kq_mask, Op.SOFT_MAX: soft_max, Op.KQV: kqv,
     Op.TANH: tanh, Op.TOP_K: top_k, Op.TAKE: take, Op.SUM_ROWS: sum_rows, Op.DIV: div, Op.MUL_MAT_ID: mul_mat_id,
+    Op.SIGMOID: sigmoid, Op.SOFTPLUS: softplus, Op.L2_NORM: l2_norm, Op.SSM_CONV: ssm_conv, Op.SSM_SCAN: ssm_scan,
 }

@@ -11,6 +11,7 @@ from types import ModuleType
 from hearthlm.runtime.errors import UnsupportedModelError
 
 ARCHITECTURES = {  # general.architecture -> module
+    "lfm2": "lfm2",
     "llama": "llama",
     "gemma2": "gemma2",
     "gemma3": "gemma3",

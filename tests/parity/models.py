@@ -23,10 +23,12 @@ HPARAMS = {  # every architecture reads what it needs of these
     "attention.value_length": 16, "attention.layer_norm_rms_epsilon": 1e-5, "rope.freq_base": 10000.0,
     "rope.dimension_count": 16, "attention.sliding_window": 6, "attn_logit_softcapping": 50.0,
     "final_logit_softcapping": 30.0, "expert_count": 4, "expert_used_count": 2,
-    "expert_feed_forward_length": 32,
+    "expert_feed_forward_length": 32, "shortconv.l_cache": 3,
 }
 VARIANTS = {  # name -> (architecture, extra metadata, extra F32 tensors by name -> values)
     **{a: (a, {}, {}) for a in ARCHITECTURES},
+    # hybrids: several layers of each kind, so that the layer pattern matters
+    "lfm2": ("lfm2", {"block_count": 6, "attention.head_count_kv": [0, 0, 2, 0, 2, 0]}, {}),
     "llama-rope-llama3": ("llama", {}, {"rope_freqs.weight": np.array([4.0, 9.0, 1.0, 1.7, 4.2, 8.0, 8.0, 8.0])}),
     "llama-rope-yarn": ("llama", {"rope.scaling.type": "yarn", "rope.scaling.factor": 4.0,
                                   "rope.scaling.original_context_length": 64}, {}),
@@ -52,7 +54,9 @@ def _vocab(w: gguf.GGUFWriter) -> None:
 
 
 def _add(w: gguf.GGUFWriter, key: str, v) -> None:
-    if isinstance(v, str):
+    if isinstance(v, list):
+        w.add_array(key, v)
+    elif isinstance(v, str):
         w.add_string(key, v)
     elif isinstance(v, float):
         w.add_float32(key, v)

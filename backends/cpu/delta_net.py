@@ -1,0 +1,65 @@
+"""numba kernel of the gated delta rule (Qwen3-Next / Qwen3.5 linear attention, ggml's
+GATED_DELTA_NET): one task per (sequence row, v-head), whose tokens run in order inside
+compiled code, decode and prefill alike. The rule leaves the rows of a head's state (value
+dims) independent of each other, so each token is one pass over the state, row by row: decay
+and S k in one sweep of the row, then the update and S q in a second (the row is in L1 by
+then); the head's d_v x d_k state stays in L2 across the tokens. Float32 throughout, as ggml.
+
+Measured against a chunked (WY-form, BLAS) prefill: see the module docstring's last line."""
+from __future__ import annotations
+
+import math
+
+import numba
+import numpy as np
+from numba import prange
+
+from .ops import _JIT
+
+TILE = 32  # tokens a state row runs while in L1 (their k and q: 32 KiB at d_k = 128)
+
+
+@numba.njit(inline="always", **_JIT)
+def _head(state, q, k, v, g, beta, seq_off, state_slot, scale, out, job):
+    """Row i = job // H_v's tokens through v-head h = job % H_v, in place on its state."""
+    n_heads = v.shape[1]
+    i, h = job // n_heads, job % n_heads
+    t0, t1 = seq_off[i], seq_off[i + 1]
+    if t1 <= t0:
+        return  # no tokens: the slot is not touched (nor its index read)
+    kh = h % q.shape[1]  # tiled, as ggml (ops.cpp: iq1 = iv1 % neq1), not GQA's h // group
+    s = state[state_slot[i], h]  # (d_v, d_k): row j is value dim j
+    d_v, d_k = s.shape
+    a = np.empty(TILE, np.float32)
+    for ta in range(t0, t1, TILE):
+        tb = min(ta + TILE, t1)
+        for t in range(ta, tb):
+            a[t - ta] = math.exp(g[t, h])
+        for j in range(d_v):  # rows are independent: each runs the tile's tokens from L1
+            for t in range(ta, tb):
+                at, kt, qt = a[t - ta], k[t, kh], q[t, kh]
+                kv = np.float32(0.0)
+                for c in range(d_k):
+                    kv += s[j, c] * kt[c]
+                delta = (v[t, h, j] - at * kv) * beta[t, h]  # S k after the decay, as ggml's cuda
+                o = np.float32(0.0)
+                for c in range(d_k):
+                    x = at * s[j, c] + delta * kt[c]
+                    s[j, c] = x
+                    o += x * qt[c]
+                out[t, h, j] = o * scale
+
+
+@numba.njit(parallel=True, **_JIT)
+def gated_delta_net(state, q, k, v, g, beta, seq_off, state_slot, scale, out):
+    """state (S, H_v, d_v, d_k) float32, updated in place; q, k (n, H_k, d_k), v, out
+    (n, H_v, d_v), g, beta (n, H_v); seq_off (n_seqs+1,), state_slot (n_seqs,). Writes the
+    rows' tokens of out only (the caller zeroes padding)."""
+    for job in prange(state_slot.shape[0] * v.shape[1]):
+        _head(state, q, k, v, g, beta, seq_off, state_slot, np.float32(scale), out, job)
+
+
+@numba.njit(**_JIT)
+def gated_delta_net_1(state, q, k, v, g, beta, seq_off, state_slot, scale, out):
+    for job in range(state_slot.shape[0] * v.shape[1]):
+        _head(state, q, k, v, g, beta, seq_off, state_slot, np.float32(scale), out, job)

@@ -1,0 +1,210 @@
+"""Sequence memory: what a sequence keeps between steps, behind one interface the batcher and
+engine use for every model. Attention layers keep K/V in the paged KV cache (runtime.kv_cache);
+the recurrent layers of hybrid models (Qwen3.5's Gated DeltaNet, LFM2's short convolution,
+Granite 4.0-H's Mamba-2) keep a fixed-size state per sequence in a slot of the StateCache.
+
+Prefix reuse never gives a wrong state: a recurrent state summarizes every token before it, so
+cached KV blocks are reused only up to a boundary where a snapshot of the state was taken after
+exactly those tokens. A snapshot is taken at the last block boundary of each prompt (the batcher
+ends a prefill chunk there), kept in a bounded number of snapshot slots (least recently used
+goes first) and dropped with the KV block it ends at (vLLM's hybrid cache manager, llama.cpp's
+llama_memory_hybrid). Anything else is recomputed."""
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any
+
+import numpy as np
+
+from hearthlm.backends.base import Backend
+from hearthlm.runtime.graph import Tensor
+from hearthlm.runtime.kv_cache import KVCache, block_hash
+from hearthlm.runtime.request import Request
+
+KV_NAMES = ("cache_k", "cache_v")
+
+
+class StateCache:
+    """Per recurrent layer, one array per state kind (`dims[il]`: name -> per-slot shape, e.g.
+    {"state_conv": (K-1, C), "state_ssm": (H, d_v, d_k)}), each of n_slots slots, float32, on
+    the backend that runs the layer. Slot 0 is scratch: padding rows of a batch point at it."""
+
+    def __init__(self, dims: list[dict[str, tuple[int, ...]]], n_slots: int, backends: list[Backend]) -> None:
+        assert len(dims) == len(backends) and n_slots >= 2
+        self.n_slots = n_slots
+        self.arrays: dict[tuple[str, int], Any] = {
+            (name, il): be.zeros((n_slots, *shape), np.dtype(np.float32))
+            for il, (be, d) in enumerate(zip(backends, dims)) for name, shape in d.items()}
+        self._free = list(range(n_slots - 1, 0, -1))  # pop() hands out the lowest first
+
+    @staticmethod
+    def bytes_per_slot(dims: list[dict[str, tuple[int, ...]]]) -> int:
+        return sum(4 * int(np.prod(s)) for d in dims for s in d.values())
+
+    @property
+    def nbytes(self) -> int:
+        return sum(int(a.nbytes) for a in self.arrays.values())
+
+    @property
+    def n_free(self) -> int:
+        return len(self._free)
+
+    def alloc(self) -> int | None:
+        return self._free.pop() if self._free else None
+
+    def free(self, slot: int) -> None:
+        self._free.append(slot)
+
+    def zero(self, slot: int) -> None:
+        for a in self.arrays.values():
+            a[slot] = 0
+
+    def copy(self, src: int, dst: int) -> None:
+        for a in self.arrays.values():  # numpy and cupy alike
+            a[dst] = a[src]
+
+
+class SequenceMemory:
+    """The KV blocks and state slot of each sequence: taken at admission (or the request
+    waits), grown as it computes, released on finish, cancel, timeout, preemption or fault."""
+
+    def __init__(self, kv: KVCache, state: StateCache | None = None, *, n_snapshots: int = 0) -> None:
+        self.kv = kv
+        self.state = state
+        self.block_size = kv.block_size
+        self.scratch_block = kv.allocator.alloc(1)[0]  # padding tokens write here; no sequence reads it
+        # block hash -> snapshot slot: the state after the tokens up to the end of that block
+        self._snaps: OrderedDict[int, int] = OrderedDict()
+        self._snap_free = [state.alloc() for _ in range(n_snapshots)] if state is not None else []
+        if None in self._snap_free:
+            raise ValueError(f"{n_snapshots} snapshots do not fit {state.n_slots} state slots")
+        self.n_snapshots = len(self._snap_free)
+        kv.allocator.on_drop = self._drop_snapshot
+        self.reused_tokens = 0  # prompt tokens taken from the prefix cache instead of computed
+        self.snapshots_taken = 0
+
+    @property
+    def hybrid(self) -> bool:
+        return self.state is not None
+
+    # ---- the batcher's side -------------------------------------------------------------
+    def admit(self, req: Request) -> bool:
+        """Before a waiting request first runs: its cached prefix (where reuse is exact) and its
+        state slot. False (nothing held) when no slot is free: it waits."""
+        if self.state is not None and req.state_slot is None:
+            slot = self.state.alloc()
+            if slot is None:
+                return False
+            req.state_slot = slot
+        if not req.blocks and not req.pooling:  # embeddings pool every token: none reused
+            self.reused_tokens += self._reuse_prefix(req)
+        if self.state is not None and req.n_computed == 0:
+            self.state.zero(req.state_slot)
+        return True
+
+    def grow(self, req: Request, n_tokens: int) -> bool:
+        """Make sure req owns blocks for its first n_tokens tokens."""
+        need = self.kv.blocks_for(n_tokens) - len(req.blocks)
+        if need <= 0:
+            return True
+        got = self.kv.allocator.alloc(need)
+        if got is None:
+            return False
+        req.blocks.extend(got)
+        return True
+
+    def chunk_end(self, req: Request) -> int:
+        """Where this request's next chunk must stop at the latest: for a hybrid model, the last
+        block boundary of its prompt (a snapshot is taken there), else its end."""
+        b = self._snapshot_boundary(req)
+        return b if b is not None and req.n_computed < b else len(req.tokens)
+
+    def release(self, req: Request) -> None:
+        """Free the request's blocks and slot; it would recompute from scratch (prefix cache permitting)."""
+        self.kv.allocator.free(req.blocks)
+        if req.state_slot is not None:
+            self.state.free(req.state_slot)
+        req.blocks, req.block_hashes, req.n_computed, req.state_slot = [], [], 0, None
+
+    def unadmit(self, req: Request) -> None:
+        """Admission could not go through (no blocks): give back what admit took."""
+        self.reused_tokens -= req.n_computed
+        self.release(req)
+
+    # ---- the engine's side --------------------------------------------------------------
+    def after_step(self, req: Request) -> None:
+        """Make the request's newly completed blocks findable by later prompts, and snapshot its
+        state where it stands at its prompt's last block boundary."""
+        bs, alloc = self.block_size, self.kv.allocator
+        while len(req.block_hashes) < req.n_computed // bs:
+            i = len(req.block_hashes)
+            h = block_hash(req.block_hashes[-1] if i else None, req.tokens[i * bs:(i + 1) * bs])
+            alloc.register(req.blocks[i], h)
+            req.block_hashes.append(h)
+        if self.n_snapshots and req.n_computed == self._snapshot_boundary(req) and not req.pooling:
+            self._snapshot(req)
+
+    def cache_of(self, node: Tensor):
+        if node.name in KV_NAMES:
+            return self.kv.cache_of(node)
+        return self.state.arrays[(node.name, node.layer)]
+
+    def stats(self) -> dict[str, Any]:
+        st = dict(kv_blocks_used=self.kv.allocator.n_used - 1, kv_blocks_total=self.kv.n_blocks - 1,  # less scratch
+                  kv_cache_bytes=sum(int(a.nbytes) for a in [*self.kv.k, *self.kv.v]),  # pages taken as first written
+                  prefix_cache_hit_tokens=self.reused_tokens)
+        if self.state is not None:
+            total = self.state.n_slots - 1 - self.n_snapshots  # less scratch and snapshots
+            st.update(state_slots_used=total - self.state.n_free, state_slots_total=total,
+                      state_cache_bytes=self.state.nbytes, state_snapshots=len(self._snaps),
+                      state_snapshots_taken=self.snapshots_taken)
+        return st
+
+    # ---- prefix reuse -------------------------------------------------------------------
+    def _snapshot_boundary(self, req: Request) -> int | None:
+        if self.state is None:
+            return None
+        b = (len(req.prompt) - 1) // self.block_size * self.block_size
+        return b or None
+
+    def _reuse_prefix(self, req: Request) -> int:
+        """Take cached blocks for the request's leading full blocks; returns the tokens reused.
+        At least one token is left to compute: its logits are needed. A hybrid model stops at
+        the longest run of cached blocks that ends at a snapshot, and starts from its state."""
+        bs, alloc = self.block_size, self.kv.allocator
+        h = None
+        for i in range((len(req.tokens) - 1) // bs):
+            h = block_hash(h, req.tokens[i * bs:(i + 1) * bs])
+            b = alloc.take_cached(h)
+            if b is None:
+                break
+            req.blocks.append(b)
+            req.block_hashes.append(h)
+        if self.state is not None:
+            keep = next((j for j in range(len(req.blocks), 0, -1) if req.block_hashes[j - 1] in self._snaps), 0)
+            alloc.free(req.blocks[keep:])
+            del req.blocks[keep:], req.block_hashes[keep:]
+            if keep:
+                snap = self._snaps[req.block_hashes[-1]]
+                self._snaps.move_to_end(req.block_hashes[-1])
+                self.state.copy(snap, req.state_slot)
+        req.n_computed = len(req.blocks) * bs
+        return req.n_computed
+
+    def _snapshot(self, req: Request) -> None:
+        h = req.block_hashes[-1]
+        if h in self._snaps:
+            self._snaps.move_to_end(h)
+            return
+        if not self._snap_free:  # the least recently used goes
+            self._snap_free.append(self._snaps.popitem(last=False)[1])
+        slot = self._snap_free.pop()
+        self.state.copy(req.state_slot, slot)
+        self._snaps[h] = slot
+        self.snapshots_taken += 1
+
+    def _drop_snapshot(self, h: int) -> None:
+        """The KV block registered under h is being overwritten: its snapshot goes with it."""
+        slot = self._snaps.pop(h, None)
+        if slot is not None:
+            self._snap_free.append(slot)
