@@ -115,15 +115,18 @@ def build_ffn_block(g: Graph, x: Tensor, *, il: int, norm: Tensor, eps: float, g
     return build_residual(g, x, h, name="l_out", il=il, post_norm=post_norm, post_name="ffn_post_norm", eps=eps)
 
 
-def build_attn(g: Graph, inp: Inputs, q: Tensor, k: Tensor, v: Tensor, *, il: int, wo: Tensor,
+def build_attn(g: Graph, inp: Inputs, q: Tensor, k: Tensor, v: Tensor, *, il: int, wo: Tensor | None,
                bo: Tensor | None = None, scale: float, window: int = 0, softcap: float = 0.0) -> Tensor:
     """The attention core (llama.cpp's build_attn on Qcur/Kcur/Vcur): K and V, already
     projected (and K rotated), are written into the paged cache; each token attends over its
-    own sequence; the output projection follows. q (n_tokens, n_head, d), k/v (n_tokens, h_kv, d)."""
+    own sequence; the output projection follows (wo=None: the caller's, after a gate, say).
+    q (n_tokens, n_head, d), k/v (n_tokens, h_kv, d)."""
     n_slots = inp.shape.n_slots
     k_cache = g.set_rows(g.cache("cache_k", (n_slots, *k.shape[1:]), il), k, inp.slots, "k_write", il)
     v_cache = g.set_rows(g.cache("cache_v", (n_slots, *v.shape[1:]), il), v, inp.slots, "v_write", il)
     att = build_kqv(g, q, k_cache, v_cache, inp, il=il, window=window, scale=scale, softcap=softcap)
+    if wo is None:
+        return att  # (n_tokens, n_head * dv)
     out = g.mul_mat(wo, att, "attn_out", il)  # (n_tokens, n_embd)
     return out if bo is None else g.add(out, bo, "attn_out_b", il)
 

@@ -9,6 +9,7 @@ Backends: `cpu` always, `cuda` where CuPy sees a device (else skipped, saying wh
 HEARTHLM_TEST_BACKENDS=cuda (a comma list) runs only those, and then a missing one fails."""
 from __future__ import annotations
 
+import math
 import os
 import zlib
 from collections import Counter
@@ -111,10 +112,17 @@ def prepared(be, w: QWeight):
 
 # ---- running a graph's kernels one by one ----
 
-def run_graph(be, g: Graph, feed, caches, mode: str) -> list[np.ndarray]:
+def state_caches(g: Graph) -> set[str]:
+    """The caches that ops updating recurrent state take as source 0: float32 on every backend."""
+    return {n.srcs[0].name for n in g.nodes if n.op.props.updates_state}
+
+
+def run_graph(be, g: Graph, feed, caches, mode: str, states: dict | None = None) -> list[np.ndarray]:
     """mode "alloc": kernels allocate; "out": each gets a NaN-filled buffer (an unwritten
-    element shows); "inplace": an op that may take a source's buffer writes over it."""
+    element shows); "inplace": an op that may take a source's buffer writes over it.
+    `states`, where given, receives the recurrent-state caches as the graph left them."""
     users = Counter(id(s) for n in g.nodes for s in n.srcs)
+    in_state = state_caches(g)
     vals = {}
     for node in g.nodes:
         op = node.op
@@ -122,8 +130,8 @@ def run_graph(be, g: Graph, feed, caches, mode: str) -> list[np.ndarray]:
             v = be.from_host(np.array(feed[node.name]))  # a copy: "inplace" may write over it
         elif op is Op.WEIGHT:
             v = prepared(be, node.params["weight"])
-        elif op is Op.CACHE:
-            v = be.from_host(caches[node.name].astype(be.kv_dtype))
+        elif op is Op.CACHE:  # a copy: kernels write caches in place
+            v = be.from_host(caches[node.name].astype(np.float32 if node.name in in_state else be.kv_dtype))
         else:
             srcs = [vals[id(s)] for s in node.srcs]
             out = None
@@ -138,6 +146,8 @@ def run_graph(be, g: Graph, feed, caches, mode: str) -> list[np.ndarray]:
             assert out is None or v is out, f"{node.label}: the kernel did not return its out= buffer"
             assert tuple(v.shape) == node.shape, f"{node.label}: shape {v.shape}, not {node.shape}"
         vals[id(node)] = v
+    if states is not None:
+        states.update({n.name: np.asarray(be.to_host(vals[id(n)])) for n in g.nodes if n.name in in_state})
     return [np.asarray(be.to_host(vals[id(o)]), np.float32) for o in g.outputs]
 
 
@@ -152,12 +162,22 @@ def check(be, g: Graph, feed, caches=None):
             what = T(n.params["weight"].ggml_type).name if n.op is Op.WEIGHT else f"{n.op.value} {n.shape}"
             pytest.skip(f"{be.name} does not run {what}")
     kv = np.dtype(be.kv_dtype)
-    # both backends read the cache's values as this backend holds them (float16 on some CPUs)
-    caches = {k: c.astype(kv).astype(np.float32) for k, c in (caches or {}).items()}
-    want = run_graph(REF, g, feed, caches, "alloc")
+    # both backends read the cache's values as this backend holds them (float16 on some CPUs);
+    # recurrent states are float32 everywhere
+    in_state = state_caches(g)
+    caches = {k: c if k in in_state else c.astype(kv).astype(np.float32) for k, c in (caches or {}).items()}
+    want_states: dict = {}
+    want = run_graph(REF, g, feed, caches, "alloc", want_states)
+    check_untouched_slots(g, feed, caches, want_states)
     tol = 5e-4 if any(n.op in PRODUCTS for n in g.nodes) else 1e-7
     for mode in ("alloc", "out", "inplace") if be.plans_memory else ("alloc",):
-        for o, got, ref in zip(g.outputs, run_graph(be, g, feed, caches, mode), want):
+        states: dict = {}
+        outs = run_graph(be, g, feed, caches, mode, states)
+        check_untouched_slots(g, feed, caches, states)
+        for name, ref in want_states.items():
+            e = nmse(states[name], ref)
+            assert e < tol, f"{mode}: state {name} NMSE {e:.2e} >= {tol:g}"
+        for o, got, ref in zip(g.outputs, outs, want):
             if o.op.props.writes_cache:  # what a cache of kv_dtype can hold of the reference's write
                 ref = ref.astype(kv).astype(np.float32)
             assert got.shape == ref.shape == o.shape, (mode, o.label, got.shape, ref.shape)
@@ -165,6 +185,17 @@ def check(be, g: Graph, feed, caches=None):
             assert np.array_equal(got[masked], ref[masked]) and not np.isinf(got[~masked]).any(), (mode, o.label)
             e = nmse(got[~masked], ref[~masked])
             assert e < tol, f"{mode}: {o.label} NMSE {e:.2e} >= {tol:g}"
+
+
+def check_untouched_slots(g: Graph, feed, caches, states):
+    """A state slot that no sequence row with tokens names is left exactly as it was (sources
+    -2 and -1 of a state op are seq_off and state_slot)."""
+    for n in g.nodes:
+        if n.op.props.updates_state:
+            name, seq_off, slots = n.srcs[0].name, feed[n.srcs[-2].name], feed[n.srcs[-1].name]
+            ran = {int(s) for i, s in enumerate(slots) if seq_off[i + 1] > seq_off[i]}
+            kept = [s for s in range(len(caches[name])) if s not in ran]
+            assert np.array_equal(states[name][kept], caches[name][kept]), f"{n.label}: slots {kept} changed"
 
 
 # ---- cases: each builds (graph, feed, caches) ----
@@ -258,6 +289,10 @@ def elementwise(kind, n, k=576):
         "silu": lambda: g.silu(x, "s"),
         "gelu": lambda: g.gelu(x, "s"),
         "tanh": lambda: g.tanh(x, "t"),
+        "sigmoid": lambda: g.sigmoid(x, "s"),
+        "softplus": lambda: g.softplus(g.scale(x, 8.0, "x8"), "s"),  # past the threshold of 20 both ways
+        "l2_norm": lambda: g.l2_norm(s, 1e-6, "n"),  # per head, as Gated DeltaNet's q and k
+        "l2_norm_tiny": lambda: g.l2_norm(g.scale(s, 1e-9, "tiny"), 1e-6, "n"),  # norms below eps
         "swiglu": lambda: g.glu(x, y, "silu", "s"),
         "geglu": lambda: g.glu(x, y, "gelu", "s"),
         "reshape": lambda: g.reshape(x, (n, 9, 64), "r"),
@@ -380,6 +415,69 @@ def attention(part, shape, scen, window, softcap=0.0):
     return g, feed, {"cache_k": kc, "cache_v": vc}
 
 
+# recurrent batches over N_STATE_SLOTS state slots: (seq_off, state_slot, n_tokens); a row runs
+# its tokens [seq_off[i], seq_off[i+1]) from its slot; tokens from seq_off[-1] on are padding
+N_STATE_SLOTS = 5
+BATCHES = {
+    "empty": ([0], [], 0),
+    "decode": ([0, 1], [2], 1),
+    "uneven": ([0, 1, 6, 6, 9], [3, 1, 0, 4], 12),  # 1, 5, 0 and 3 tokens, then 3 of padding; slot 2 unnamed
+    "prefill": ([0, 17], [1], 17),
+}
+
+
+def conv_graph(w: QWeight, x, seq_off, state_slot, state):
+    """One SSM_CONV call: x (n, C) through the conv kernel w (C, K) from the state caches."""
+    feed = {"x": x, "seq_off": np.asarray(seq_off, np.int32), "state_slot": np.asarray(state_slot, np.int32)}
+    g = Graph()
+    xi, oi, si = inputs(g, **feed)
+    g.outputs.append(g.ssm_conv(g.cache("state_conv", state.shape, 0), xi, g.weight(w), oi, si, name="conv"))
+    return g, feed, {"state_conv": state}
+
+
+def ssm_conv(c, k, batch, qtype=T.F32):
+    """LFM2's short convolution (C 1024, K 3) and Mamba-2's (C = d_inner + 2 G N = 3328, K 4)."""
+    seq_off, slots, n = BATCHES[batch]
+    rng = rng_for("conv", c, k, batch)
+    return conv_graph(qweight(qtype, c, k), f32(rng, n, c), seq_off, slots, f32(rng, N_STATE_SLOTS, k - 1, c))
+
+
+@lru_cache(maxsize=None)
+def ssm_a(h: int) -> QWeight:
+    """Mamba-2's A = -exp(A_log), one per head: decays of 1 to 16 per unit of dt."""
+    a = -np.exp(np.random.default_rng(h).uniform(0, np.log(16), h)).astype(np.float32)
+    return QWeight(f"ssm_a-{h}", int(T.F32), (h,), a.reshape(1, -1).view(np.uint8))
+
+
+def scan_tokens(rng, n, h, p, n_state, n_group):
+    """x, dt, B, C of n tokens; softplus(dt) mostly 0.02-2 (dt_bias puts Mamba-2 there), some dt
+    above ggml's softplus threshold of 20."""
+    dt = f32(rng, n, h, scale=1.5) - 2
+    dt[::4, ::7] = 25
+    return {"x": f32(rng, n, h, p), "dt": dt, "B": f32(rng, n, n_group, n_state), "C": f32(rng, n, n_group, n_state)}
+
+
+def scan_graph(h, tokens, seq_off, state_slot, state, a_input=False):
+    """One SSM_SCAN call; A the (H,) weight, or with a_input an input of shape (1, H)."""
+    feed = dict(tokens, seq_off=np.asarray(seq_off, np.int32), state_slot=np.asarray(state_slot, np.int32))
+    if a_input:
+        feed["A"] = dequantize(ssm_a(h)).reshape(1, h)
+    g = Graph()
+    ins = dict(zip(feed, inputs(g, **feed)))
+    a = ins["A"] if a_input else g.weight(ssm_a(h))
+    g.outputs.append(g.ssm_scan(g.cache("state_ssm", state.shape, 0), ins["x"], ins["dt"], a, ins["B"], ins["C"],
+                                ins["seq_off"], ins["state_slot"], name="scan"))
+    return g, feed, {"state_ssm": state}
+
+
+def ssm_scan(h, p, n_state, n_group, batch, a_input=False):
+    """Mamba-2's scan: Granite-4.0-H-micro-like (48 heads of 64, d_state 128, 1 group), and 2 groups."""
+    seq_off, slots, n = BATCHES[batch]
+    rng = rng_for("scan", h, p, n_state, n_group, batch)
+    return scan_graph(h, scan_tokens(rng, n, h, p, n_state, n_group), seq_off, slots,
+                      f32(rng, N_STATE_SLOTS, h, p, n_state), a_input)
+
+
 def case(fn, **kw):
     label = "-".join(v.name if isinstance(v, T) else "x".join(map(str, v)) if isinstance(v, tuple) else f"{k}{v}"
                      for k, v in kw.items())
@@ -422,6 +520,11 @@ CASES = [
       for sh in GQA for s in ("empty", "chunk", "prefill")],
     *[case(attention, part=p, shape=GQA[0], scen=s, window=w) for p in ("kq_mask", "soft_max_masked")
       for s in SCENARIOS for w in (0, 8)],
+    *[case(elementwise, kind=kind, n=n) for kind in ("sigmoid", "softplus", "l2_norm", "l2_norm_tiny") for n in TOKENS],
+    *[case(ssm_conv, c=c, k=k, batch=b) for c, k in ((1024, 3), (3328, 4)) for b in BATCHES],
+    case(ssm_conv, c=1024, k=3, batch="uneven", qtype=T.F16),
+    *[case(ssm_scan, h=48, p=64, n_state=128, n_group=1, batch=b) for b in BATCHES],
+    *[case(ssm_scan, h=32, p=64, n_state=128, n_group=2, batch=b, a_input=True) for b in ("decode", "uneven")],
 ]
 
 
@@ -487,3 +590,84 @@ def test_reference_semantics():
     w = np.exp(np.einsum("hd,khd->hk", q[4], kk) * 0.25)
     want = np.einsum("hk,khd->hd", w / w.sum(1, keepdims=True), vv).reshape(-1)
     assert nmse(a[4], want) < 1e-10
+
+
+# ---- recurrent state ----
+
+# two sequences of 7 and 5 tokens; in two calls: 3 tokens of the first and all of the second, then
+# the first's other 4 beside an empty row of the second
+SPLIT = {"one": ([0, 7, 12], list(range(12))), "first": ([0, 3, 8], [0, 1, 2, 7, 8, 9, 10, 11]),
+         "second": ([0, 4, 4], [3, 4, 5, 6])}
+
+
+@pytest.mark.parametrize("op", ["ssm_conv", "ssm_scan"])
+def test_state_carries_across_calls(backend, op):
+    """A sequence's tokens split between two calls give the outputs and final state of one call,
+    on the reference and on the backend."""
+    rng = rng_for("split", op)
+    if op == "ssm_conv":
+        w, x, state = qweight(T.F32, 1024, 3), f32(rng, 12, 1024), f32(rng, N_STATE_SLOTS, 2, 1024)
+        build = lambda rows, seq_off, st: conv_graph(w, x[rows], seq_off, [3, 1], st)  # noqa: E731
+    else:
+        tokens, state = scan_tokens(rng, 12, 48, 64, 128, 1), f32(rng, N_STATE_SLOTS, 48, 64, 128)
+        build = lambda rows, seq_off, st: scan_graph(  # noqa: E731
+            48, {k: v[rows] for k, v in tokens.items()}, seq_off, [3, 1], st)
+    for be in (REF, backend):
+        (off, rows), one = SPLIT["one"], {}
+        (y,) = run_graph(be, *build(rows, off, state), "alloc", one)
+        ys, st = [], state
+        for part in ("first", "second"):
+            (off, rows), after = SPLIT[part], {}
+            ys.append(run_graph(be, *build(rows, off, st), "alloc", after)[0])
+            (st,) = after.values()
+        split_y = np.concatenate([ys[0][:3], ys[1], ys[0][3:]])  # back in token order
+        assert nmse(split_y, y) < 1e-10 and nmse(st, *one.values()) < 1e-10, be.name
+
+
+def test_reference_recurrent_semantics():
+    """The oracle's SSM_CONV and SSM_SCAN against per-token loops written out here: rows of 3 and
+    2 tokens, a padding token, 4 heads in 2 groups (ggml's h / (H / G): heads 0, 1 read group 0)."""
+    rng = rng_for("ref_ssm")
+    seq_off, slots, n = np.array([0, 3, 5], np.int32), np.array([2, 0], np.int32), 6
+    run = lambda node, *srcs: REF.kernels[node.op](node, *srcs)  # noqa: E731
+    g = Graph()
+    off_i, slot_i = inputs(g, seq_off=seq_off, state_slot=slots)
+
+    state, x, w = f32(rng, 3, 2, 3), f32(rng, n, 3), f32(rng, 3, 3)  # 3 slots of K-1 = 2 rows, C = 3
+    want_y, want_s = np.zeros((n, 3)), state.astype(np.float64)
+    for i in range(2):
+        window = list(want_s[slots[i]])  # the last K-1 inputs, oldest first
+        for t in range(seq_off[i], seq_off[i + 1]):
+            window.append(x[t])
+            want_y[t] = [sum(w[ch, k] * window[k][ch] for k in range(3)) for ch in range(3)]
+            window.pop(0)
+        want_s[slots[i]] = window
+    got_s = state.copy()
+    (xi,) = inputs(g, x=x)
+    got_y = run(g.ssm_conv(g.cache("sc", state.shape, 0), xi, inputs(g, w=w)[0], off_i, slot_i, name="conv"),
+                got_s, x, w, seq_off, slots)
+    assert nmse(got_y, want_y) < 1e-12 and nmse(got_s, want_s) < 1e-12 and np.array_equal(got_s[1], state[1])
+
+    h, p, d_state, n_group = 4, 2, 3, 2
+    state = f32(rng, 3, h, p, d_state)
+    t = scan_tokens(rng, n, h, p, d_state, n_group)
+    t["dt"][1, 2] = 25.0  # softplus is dt itself above 20
+    a = -np.exp(rng.uniform(0, 2, h)).astype(np.float32)
+    want_y, want_s = np.zeros((n, h, p)), state.astype(np.float64)
+    for i in range(2):
+        s = want_s[slots[i]]
+        for tok in range(seq_off[i], seq_off[i + 1]):
+            for hh in range(h):
+                grp = hh // (h // n_group)
+                d = float(t["dt"][tok, hh])
+                sp = d if d > 20 else math.log(1 + math.exp(d))
+                for pp in range(p):
+                    for k in range(d_state):
+                        s[hh, pp, k] = s[hh, pp, k] * math.exp(sp * a[hh]) + t["B"][tok, grp, k] * t["x"][tok, hh, pp] * sp
+                    want_y[tok, hh, pp] = sum(s[hh, pp, k] * t["C"][tok, grp, k] for k in range(d_state))
+    got_s = state.copy()
+    xi, dti, ai, bi, ci = inputs(g, x2=t["x"], dt=t["dt"], a=a, b=t["B"], c=t["C"])
+    got_y = run(g.ssm_scan(g.cache("ss", state.shape, 0), xi, dti, ai, bi, ci, off_i, slot_i, name="scan"),
+                got_s, t["x"], t["dt"], a, t["B"], t["C"], seq_off, slots)
+    assert nmse(got_y, want_y) < 1e-12 and nmse(got_s, want_s) < 1e-12 and np.array_equal(got_s[1], state[1])
+    assert not got_y[5].any()  # the padding token

@@ -16,8 +16,6 @@ from numba import prange
 
 from .ops import _JIT
 
-TILE = 32  # tokens a state row runs while in L1 (their k and q: 32 KiB at d_k = 128)
-
 
 @numba.njit(inline="always", **_JIT)
 def _head(state, q, k, v, g, beta, seq_off, state_slot, scale, out, job):
@@ -30,24 +28,20 @@ def _head(state, q, k, v, g, beta, seq_off, state_slot, scale, out, job):
     kh = h % q.shape[1]  # tiled, as ggml (ops.cpp: iq1 = iv1 % neq1), not GQA's h // group
     s = state[state_slot[i], h]  # (d_v, d_k): row j is value dim j
     d_v, d_k = s.shape
-    a = np.empty(TILE, np.float32)
-    for ta in range(t0, t1, TILE):
-        tb = min(ta + TILE, t1)
-        for t in range(ta, tb):
-            a[t - ta] = math.exp(g[t, h])
-        for j in range(d_v):  # rows are independent: each runs the tile's tokens from L1
-            for t in range(ta, tb):
-                at, kt, qt = a[t - ta], k[t, kh], q[t, kh]
-                kv = np.float32(0.0)
-                for c in range(d_k):
-                    kv += s[j, c] * kt[c]
-                delta = (v[t, h, j] - at * kv) * beta[t, h]  # S k after the decay, as ggml's cuda
-                o = np.float32(0.0)
-                for c in range(d_k):
-                    x = at * s[j, c] + delta * kt[c]
-                    s[j, c] = x
-                    o += x * qt[c]
-                out[t, h, j] = o * scale
+    for t in range(t0, t1):
+        a, b = np.float32(math.exp(g[t, h])), beta[t, h]
+        kt, qt = k[t, kh], q[t, kh]
+        for j in range(d_v):
+            kv = np.float32(0.0)
+            for c in range(d_k):
+                kv += s[j, c] * kt[c]
+            delta = (v[t, h, j] - a * kv) * b  # S k after the decay (a S k), as ggml's cuda kernel
+            o = np.float32(0.0)
+            for c in range(d_k):
+                x = a * s[j, c] + delta * kt[c]
+                s[j, c] = x
+                o += x * qt[c]
+            out[t, h, j] = o * scale
 
 
 @numba.njit(parallel=True, **_JIT)

@@ -19,6 +19,7 @@ ARCHITECTURES = {  # general.architecture -> module
     "qwen2": "qwen2",
     "qwen3": "qwen3",
     "qwen3moe": "qwen3moe",
+    "qwen35": "qwen35",
 }
 
 

@@ -29,6 +29,10 @@ VARIANTS = {  # name -> (architecture, extra metadata, extra F32 tensors by name
     **{a: (a, {}, {}) for a in ARCHITECTURES},
     # hybrids: several layers of each kind, so that the layer pattern matters
     "lfm2": ("lfm2", {"block_count": 6, "attention.head_count_kv": [0, 0, 2, 0, 2, 0]}, {}),
+    # 2 key heads for 4 value heads (the delta rule's GQA), partial RoPE (8 of 16 dims)
+    "qwen35": ("qwen35", {"block_count": 6, "full_attention_interval": 3, "rope.dimension_count": 8,
+                          "rope.dimension_sections": [2, 1, 1, 0], "ssm.conv_kernel": 4, "ssm.inner_size": 64,
+                          "ssm.state_size": 16, "ssm.time_step_rank": 4, "ssm.group_count": 2}, {}),
     "llama-rope-llama3": ("llama", {}, {"rope_freqs.weight": np.array([4.0, 9.0, 1.0, 1.7, 4.2, 8.0, 8.0, 8.0])}),
     "llama-rope-yarn": ("llama", {"rope.scaling.type": "yarn", "rope.scaling.factor": 4.0,
                                   "rope.scaling.original_context_length": 64}, {}),
@@ -103,6 +107,8 @@ def write(path: Path, variant: str, seed: int = 0, *, defects: dict | None = Non
             data = np.asarray(extra_t[s.name], np.float32).reshape(s.shape)
         elif s.optional and not s.name.endswith((".bias", "output.weight")):
             continue  # RoPE factors only in their variants
+        elif s.name.endswith(".ssm_a"):  # a recurrent layer's A = -exp(A_log): decays, never grows
+            data = -np.exp(0.5 * rng.standard_normal(s.shape))
         elif len(s.shape) == 1:  # norms ~1, biases ~0
             data = (0.0 if s.name.endswith(".bias") else 1.0) + 0.1 * rng.standard_normal(s.shape)
         elif s.name == "token_embd.weight" and not any(t.name == "output.weight" for t in specs):

@@ -1,0 +1,127 @@
+"""qwen35 (Qwen3.5 dense): a hybrid of Gated DeltaNet layers (linear attention over a recurrent
+state: a causal conv over Q|K|V, L2-normed Q and K, the gated delta rule, a gated RMSNorm) and,
+every full_attention_interval-th layer, gated attention (Q's projection carries a sigmoid gate
+per head; per-head Q/K norms; partial NeoX RoPE). Post-attention norm before the SwiGLU FFN.
+Reference: llama.cpp src/models/qwen35.cpp and delta-net-base.cpp."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from hearthlm.model_zoo.blocks import (build_attn, build_conv, build_ffn_block, build_inp_embd, build_inputs,
+                                       build_norm, build_output, build_qk, build_state)
+from hearthlm.model_zoo.config import HParams, Reader
+from hearthlm.model_zoo.tensors import Spec
+from hearthlm.runtime.batch import BatchShape
+from hearthlm.runtime.errors import ModelLoadError
+from hearthlm.runtime.graph import Graph
+
+
+@dataclass(frozen=True)
+class Config(HParams):
+    d_conv: int = 4          # ssm.conv_kernel
+    d_inner: int = 0         # ssm.inner_size: value heads * value head dim
+    d_state: int = 0         # ssm.state_size: key head dim
+    n_v_heads: int = 0       # ssm.time_step_rank
+    n_k_heads: int = 0       # ssm.group_count
+    attn_interval: int = 4   # full_attention_interval: layer il attends when (il + 1) % it == 0
+    NEOX, NORM_EPS = True, 1e-6
+
+    @classmethod
+    def read(cls, r: Reader) -> dict:
+        c = dict(d_conv=r.need("ssm.conv_kernel"), d_inner=r.need("ssm.inner_size"), d_state=r.need("ssm.state_size"),
+                 n_v_heads=r.need("ssm.time_step_rank"), n_k_heads=r.need("ssm.group_count"),
+                 attn_interval=r.opt("full_attention_interval", 4))
+        if c["d_inner"] % c["n_v_heads"] or c["n_v_heads"] % c["n_k_heads"]:
+            raise ModelLoadError(f"{r.key('ssm.inner_size')} {c['d_inner']} must split into "
+                                 f"{r.key('ssm.time_step_rank')} {c['n_v_heads']} value heads, a multiple of "
+                                 f"{r.key('ssm.group_count')} {c['n_k_heads']} key heads")
+        sections = r.md[r.key("rope.dimension_sections")] if r.key("rope.dimension_sections") in r.md else None
+        if sections is not None and len(sections) > 3 and int(sections[3]):  # text positions: the 4th is 0
+            raise ModelLoadError(f"{r.key('rope.dimension_sections')} = {list(sections)}: a 4th M-RoPE section "
+                                 "is not supported")
+        return c
+
+    @property
+    def d_v(self) -> int:
+        return self.d_inner // self.n_v_heads
+
+    @property
+    def conv_dim(self) -> int:  # the conv runs over Q | K | V
+        return 2 * self.n_k_heads * self.d_state + self.d_inner
+
+    def has_attention(self, il: int) -> bool:
+        return (il + 1) % self.attn_interval == 0
+
+    def layer_state_dims(self) -> list[dict[str, tuple[int, ...]]]:
+        rec = {"state_conv": (self.d_conv - 1, self.conv_dim), "state_ssm": (self.n_v_heads, self.d_v, self.d_state)}
+        return [{} if self.has_attention(il) else rec for il in range(self.n_layer)]
+
+
+def tensors(c: Config, n_vocab: int) -> list[Spec]:
+    e, q, kv = c.n_embd, c.n_head * c.head_dim, c.n_head_kv * c.head_dim
+    out = [Spec("token_embd.weight", (n_vocab, e)), Spec("output_norm.weight", (e,)),
+           Spec("output.weight", (n_vocab, e), optional=True)]
+    for il in range(c.n_layer):
+        mixer = ({"attn_q.weight": (2 * q, e), "attn_k.weight": (kv, e), "attn_v.weight": (kv, e),
+                  "attn_output.weight": (e, q), "attn_q_norm.weight": (c.head_dim,),
+                  "attn_k_norm.weight": (c.head_dim,)} if c.has_attention(il) else
+                 {"attn_qkv.weight": (c.conv_dim, e), "attn_gate.weight": (c.d_inner, e),
+                  "ssm_conv1d.weight": (c.conv_dim, c.d_conv), "ssm_dt.bias": (c.n_v_heads,),
+                  "ssm_a": (c.n_v_heads,), "ssm_beta.weight": (c.n_v_heads, e), "ssm_alpha.weight": (c.n_v_heads, e),
+                  "ssm_norm.weight": (c.d_v,), "ssm_out.weight": (e, c.d_inner)})
+        per = {"attn_norm.weight": (e,), **mixer, "post_attention_norm.weight": (e,),
+               "ffn_gate.weight": (c.n_ff, e), "ffn_up.weight": (c.n_ff, e), "ffn_down.weight": (e, c.n_ff)}
+        out += [Spec(f"blk.{il}.{n}", s) for n, s in per.items()]
+    return out
+
+
+def build_gated_attn(c: Config, g: Graph, w, inp, h, il: int):
+    """Attention whose output is gated per head by sigmoid(gate), gate from Q's own projection."""
+    b, n, d = f"blk.{il}.", h.shape[0], c.head_dim
+    qg = g.reshape(g.mul_mat(w(b + "attn_q.weight"), h, "Qcur_full", il), (n, c.n_head, 2 * d), "Qcur_full_3d", il)
+    q, gate = g.slice(qg, 0, d, "Qcur", il), g.slice(qg, d, 2 * d, "gate", il)  # per head: q | gate
+    k = g.reshape(g.mul_mat(w(b + "attn_k.weight"), h, "Kcur", il), (n, c.n_head_kv, d), "Kcur_3d", il)
+    v = g.reshape(g.mul_mat(w(b + "attn_v.weight"), h, "Vcur", il), (n, c.n_head_kv, d), "Vcur_3d", il)
+    q, k = build_qk(g, q, k, inp, c.rope, il=il, q_norm=w(b + "attn_q_norm.weight"),
+                    k_norm=w(b + "attn_k_norm.weight"), eps=c.norm_eps)
+    att = build_attn(g, inp, q, k, v, il=il, wo=None, scale=1.0 / math.sqrt(d))  # (n, n_head * d)
+    gate = g.reshape(g.sigmoid(gate, "gate_sigmoid", il), (n, c.n_head * d), "gate_2d", il)
+    return g.mul_mat(w(b + "attn_output.weight"), g.mul(att, gate, "attn_gated", il), "attn_out", il)
+
+
+def build_delta_net(c: Config, g: Graph, w, inp, h, il: int):
+    """Gated DeltaNet: conv(Q|K|V) + SiLU, L2-normed Q, K, the delta rule with decay
+    exp(softplus(alpha + dt) * A) and rate sigmoid(beta), then RMSNorm(out) * SiLU(z)."""
+    b, n = f"blk.{il}.", h.shape[0]
+    kd, hk, hv, dv = c.n_k_heads * c.d_state, c.n_k_heads, c.n_v_heads, c.d_v
+    qkv = build_conv(g, inp, g.mul_mat(w(b + "attn_qkv.weight"), h, "qkv_mixed", il), w(b + "ssm_conv1d.weight"),
+                     il=il, act="silu")  # (n, conv_dim)
+    q = g.l2_norm(g.reshape(g.slice(qkv, 0, kd, "q_conv", il), (n, hk, c.d_state), "q_3d", il), c.norm_eps, "q_l2", il)
+    k = g.l2_norm(g.reshape(g.slice(qkv, kd, 2 * kd, "k_conv", il), (n, hk, c.d_state), "k_3d", il), c.norm_eps,
+                  "k_l2", il)
+    v = g.reshape(g.slice(qkv, 2 * kd, 2 * kd + c.d_inner, "v_conv", il), (n, hv, dv), "v_3d", il)
+    beta = g.sigmoid(g.mul_mat(w(b + "ssm_beta.weight"), h, "beta", il), "beta_sigmoid", il)  # (n, hv)
+    alpha = g.add(g.mul_mat(w(b + "ssm_alpha.weight"), h, "alpha", il), w(b + "ssm_dt.bias"), "alpha_biased", il)
+    gate = g.mul(g.softplus(alpha, "a_softplus", il), w(b + "ssm_a"), "gate", il)  # log-decay: A = -exp(A_log)
+    state = build_state(g, inp, "state_ssm", (hv, dv, c.d_state), il=il)
+    o = g.gated_delta_net(state, q, k, v, gate, beta, inp.seq_off, inp.state_slot,
+                          scale=1.0 / math.sqrt(c.d_state), name="delta_net", il=il)  # (n, hv, dv)
+    z = g.reshape(g.mul_mat(w(b + "attn_gate.weight"), h, "z", il), (n, hv, dv), "z_3d", il)
+    o = g.mul(build_norm(g, o, w(b + "ssm_norm.weight"), eps=c.norm_eps, name="delta_norm", il=il),
+              g.silu(z, "z_silu", il), "delta_gated", il)
+    return g.mul_mat(w(b + "ssm_out.weight"), g.reshape(o, (n, c.d_inner), "delta_2d", il), "linear_attn_out", il)
+
+
+def build(c: Config, g: Graph, w, shape: BatchShape) -> None:
+    inp = build_inputs(g, shape)
+    x = build_inp_embd(g, w("token_embd.weight"), inp)
+    for il in range(c.n_layer):
+        b = f"blk.{il}."
+        h = build_norm(g, x, w(b + "attn_norm.weight"), eps=c.norm_eps, name="attn_norm", il=il)
+        h = (build_gated_attn if c.has_attention(il) else build_delta_net)(c, g, w, inp, h, il)
+        x = build_ffn_block(g, g.add(x, h, "attn_residual", il), il=il, norm=w(b + "post_attention_norm.weight"),
+                            eps=c.norm_eps, gate=w(b + "ffn_gate.weight"), up=w(b + "ffn_up.weight"),
+                            down=w(b + "ffn_down.weight"), act="silu")
+    build_output(g, x, inp, norm=w("output_norm.weight"), output=w("output.weight", fallback="token_embd.weight"),
+                 eps=c.norm_eps)
