@@ -9,6 +9,8 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+import numpy as np
+
 from hearthlm.model_zoo.gguf_file import GGUFFile
 from hearthlm.model_zoo.models import get_architecture
 from hearthlm.model_zoo.tensors import check
@@ -53,12 +55,17 @@ class Model:
     def build_graph(self, shape: BatchShape) -> Graph:
         g = Graph()
 
-        def w(name: str, fallback: str | None = None, optional: bool = False, rows: tuple[int, int] | None = None):
+        def w(name: str, fallback: str | None = None, optional: bool = False, rows: tuple[int, int] | None = None,
+              flat: bool = False):
+            """`flat`: a float tensor of any shape as one vector (what backends keep as plain floats,
+            for elementwise use: Mamba-2's A, D and grouped norm); the builder reshapes it."""
             qw = self.weights.get(name) or (self.weights.get(fallback) if fallback else None)
             if qw is None:
                 if optional:
                     return None
                 raise ModelLoadError(f"{self.path}: tensor {name!r} is missing ({self.arch_name} architecture)")
+            if flat and len(qw.shape) > 1:
+                qw = self._flat(qw)
             return g.weight(qw if rows is None else self._rows(qw, *rows))
 
         self.arch.build(self.config, g, w, shape)
@@ -70,6 +77,14 @@ class Model:
         key = f"{qw.name}[{start}:{stop}]"
         if key not in self._views:
             self._views[key] = QWeight(key, qw.ggml_type, (stop - start, *qw.shape[1:]), qw.raw[start:stop])
+        return self._views[key]
+
+    def _flat(self, qw: QWeight) -> QWeight:
+        key = f"{qw.name}[flat]"
+        if key not in self._views:
+            if qw.ggml_type not in (0, 1):  # F32, F16: elementwise weights are never quantized
+                raise ModelLoadError(f"{self.path}: tensor {qw.name!r} must be F32 or F16, not ggml type {qw.ggml_type}")
+            self._views[key] = QWeight(key, qw.ggml_type, (int(np.prod(qw.shape)),), qw.raw.reshape(-1))
         return self._views[key]
 
     def set_context(self, n_ctx: int) -> None:

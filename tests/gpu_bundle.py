@@ -38,7 +38,7 @@ import hearthlm
 assert hearthlm.__file__.startswith(sys.argv[1]), f"hearthlm imported from {hearthlm.__file__}"
 kernels = sorted(p.name for p in (Path(hearthlm.__file__).parent / "backends/cuda/kernels").iterdir())
 print("hearthlm from", hearthlm.__file__, "| cuda kernel sources:", kernels)
-assert {"matmul.cu", "attention.cu", "norm_rope.cu", "ssm.cu", "quants.cuh", "common.cuh"} <= set(kernels)
+assert {"matmul.cu", "attention.cu", "norm_rope.cu", "ssm.cu", "delta_net.cu", "quants.cuh", "common.cuh"} <= set(kernels)
 from hearthlm.backends.cuda.backend import CUDABackend
 from hearthlm.runtime.errors import BackendError
 try:

@@ -654,6 +654,7 @@ def test_reference_recurrent_semantics():
     t["dt"][1, 2] = 25.0  # softplus is dt itself above 20
     a = -np.exp(rng.uniform(0, 2, h)).astype(np.float32)
     want_y, want_s = np.zeros((n, h, p)), state.astype(np.float64)
+    xs, bs, cs = (t[k].astype(np.float64) for k in ("x", "B", "C"))
     for i in range(2):
         s = want_s[slots[i]]
         for tok in range(seq_off[i], seq_off[i + 1]):
@@ -662,9 +663,10 @@ def test_reference_recurrent_semantics():
                 d = float(t["dt"][tok, hh])
                 sp = d if d > 20 else math.log(1 + math.exp(d))
                 for pp in range(p):
+                    x_dt = xs[tok, hh, pp] * sp
                     for k in range(d_state):
-                        s[hh, pp, k] = s[hh, pp, k] * math.exp(sp * a[hh]) + t["B"][tok, grp, k] * t["x"][tok, hh, pp] * sp
-                    want_y[tok, hh, pp] = sum(s[hh, pp, k] * t["C"][tok, grp, k] for k in range(d_state))
+                        s[hh, pp, k] = s[hh, pp, k] * math.exp(sp * a[hh]) + bs[tok, grp, k] * x_dt
+                    want_y[tok, hh, pp] = sum(s[hh, pp, k] * cs[tok, grp, k] for k in range(d_state))
     got_s = state.copy()
     xi, dti, ai, bi, ci = inputs(g, x2=t["x"], dt=t["dt"], a=a, b=t["B"], c=t["C"])
     got_y = run(g.ssm_scan(g.cache("ss", state.shape, 0), xi, dti, ai, bi, ci, off_i, slot_i, name="scan"),

@@ -23,7 +23,7 @@ from hearthlm.runtime.weights import QWeight
 
 SCALARS = {"int": np.int32, "long long": np.int64, "float": np.float32, "double": np.float64}
 POINTEES = {"float": np.float32, "double": np.float64, "int": np.int32, "u8": np.uint8, "i8": np.int8}
-_SIG = re.compile(r'extern "C" __global__ void (\w+?)(##name)?\s*\(([^)]*)\)', re.S)
+_SIG = re.compile(r'extern "C" __global__ void (?:__launch_bounds__\(\d+\)\s*)?(\w+?)(##name)?\s*\(([^)]*)\)', re.S)
 
 
 def _param(text: str):
@@ -55,7 +55,7 @@ def test_signatures_were_read():
     assert {("matmul.cu", "mmvq_" + k) for k in QUANT_KERNELS.values()} <= set(SIGS)
     assert {("matmul.cu", "quantize_q8"), ("norm_rope.cu", "rms_norm"), ("norm_rope.cu", "glu"),
             ("norm_rope.cu", "rope"), ("attention.cu", "attn_paged"), ("ssm.cu", "ssm_conv"),
-            ("ssm.cu", "ssm_scan")} <= set(SIGS)
+            ("ssm.cu", "ssm_scan"), ("delta_net.cu", "gated_delta_net")} <= set(SIGS)
     assert SIGS[("norm_rope.cu", "rope")][-7:] == ([("val", np.float64)] * 2 + [("val", np.int32)] * 2
                                                    + [("ptr", np.float64), ("val", np.int32), ("val", np.float64)])
 
@@ -165,6 +165,9 @@ def _case(op: Op, n: int, qtype=T.Q8_0):
                                         seq_off, state_slot, name="c"),
         Op.SSM_SCAN: lambda: g.ssm_scan(g.cache("ss", (4, H, D, 32), 0), xh, f("dt", n, H), f("A", 1, H),
                                         f("B", n, 2, 32), f("C", n, 2, 32), seq_off, state_slot, name="y"),
+        Op.GATED_DELTA_NET: lambda: g.gated_delta_net(  # d_k 32, d_v 16; 4 v-heads over 2 key heads
+            g.cache("sd", (4, H, D, 32), 0), f("q", n, HKV, 32), f("k", n, HKV, 32), xh, f("gate", n, H),
+            f("beta", n, H), seq_off, state_slot, scale=32 ** -0.5, name="o"),
     }[op]()
     feed = {"seq": np.arange(n, dtype=np.int32) % 2, "pos": np.arange(n, dtype=np.int32) % 10 + 1,
             "bt": np.array([[5, 2, 7], [1, 6, 3]], np.int32), "ids": np.arange(n, dtype=np.int32) * 3,

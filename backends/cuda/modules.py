@@ -8,7 +8,7 @@ from functools import lru_cache
 from pathlib import Path
 
 KERNEL_DIR = Path(__file__).parent / "kernels"
-CU_FILES = ("matmul.cu", "norm_rope.cu", "attention.cu", "ssm.cu")
+CU_FILES = ("matmul.cu", "norm_rope.cu", "attention.cu", "ssm.cu", "delta_net.cu")
 OPTIONS = ("-std=c++17",)
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$', re.M)
 

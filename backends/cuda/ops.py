@@ -434,6 +434,21 @@ def ssm_scan(node, state, x, dt, a, b, c, seq_off, state_slot, out=None):
     return _into(y, out)
 
 
+GDN_MAX_DK, GDN_MAX_DV, GDN_WARPS = 128, 128, 16  # delta_net.cu's 32 * GDN_MAX_KL, GDN_WARPS * GDN_MAX_RW
+
+
+def gated_delta_net(node, state, q, k, v, g, beta, seq_off, state_slot, out=None):
+    n, h_k, d_k = q.shape
+    h_v, d_v = v.shape[1:]
+    if d_k > GDN_MAX_DK or d_v > GDN_MAX_DV:
+        raise BackendError(f"{node.label}: head dims {d_k}/{d_v} > {GDN_MAX_DK}/{GDN_MAX_DV} in the cuda delta net")
+    y = cp.zeros((n, h_v, d_v), cp.float32)  # padding tokens stay 0
+    _launch("delta_net.cu", "gated_delta_net", (_n_rows(q, state_slot), h_v), (32, min(GDN_WARPS, d_v)),
+            (_state(node, state), _f(q), _f(k), _f(v), _f(g), _f(beta), _i(seq_off), _i(state_slot), y,
+             i32(h_k), i32(h_v), i32(d_k), i32(d_v), f32(node.params["scale"])))
+    return _into(y, out)
+
+
 KERNELS = {
     Op.GET_ROWS: get_rows, Op.MUL_MAT: mul_mat, Op.MUL_MAT_ADD: mul_mat_add, Op.FFN_GLU: ffn_glu,
     Op.RMS_NORM: rms_norm, Op.RMS_NORM_MUL: rms_norm, Op.RMS_NORM_MUL_ADD: rms_norm,
@@ -444,4 +459,5 @@ KERNELS = {
     Op.ATTN: attn, Op.GATHER_KV: gather_kv, Op.KQ: kq, Op.KQ_MASK: kq_mask, Op.SOFT_MAX: soft_max, Op.KQV: kqv,
     Op.TANH: tanh, Op.TOP_K: top_k, Op.TAKE: take, Op.SUM_ROWS: sum_rows, Op.DIV: div, Op.MUL_MAT_ID: mul_mat_id,
     Op.SIGMOID: sigmoid, Op.SOFTPLUS: softplus, Op.L2_NORM: l2_norm, Op.SSM_CONV: ssm_conv, Op.SSM_SCAN: ssm_scan,
+    Op.GATED_DELTA_NET: gated_delta_net,
 }

@@ -15,6 +15,7 @@ ARCHITECTURES = {  # general.architecture -> module
     "llama": "llama",
     "gemma2": "gemma2",
     "gemma3": "gemma3",
+    "granitehybrid": "granitehybrid",
     "phi3": "phi3",
     "qwen2": "qwen2",
     "qwen3": "qwen3",
