@@ -624,7 +624,7 @@ def test_state_carries_across_calls(backend, op):
         assert nmse(split_y, y) < 1e-10 and nmse(st, *one.values()) < 1e-10, be.name
 
 
-def test_reference_recurrent_semantics():
+def test_reference_ssm_semantics():
     """The oracle's SSM_CONV and SSM_SCAN against per-token loops written out here: rows of 3 and
     2 tokens, a padding token, 4 heads in 2 groups (ggml's h / (H / G): heads 0, 1 read group 0)."""
     rng = rng_for("ref_ssm")
