@@ -27,7 +27,8 @@ from hearthlm.runtime.errors import BackendError
 from hearthlm.runtime.graph import Graph, Op
 from hearthlm.runtime.weights import QWeight
 
-PRODUCTS = {Op.MUL_MAT, Op.MUL_MAT_ADD, Op.FFN_GLU, Op.MUL_MAT_ID, Op.ATTN, Op.KQ, Op.KQV}  # NMSE < 5e-4; else 1e-7
+# NMSE < 5e-4; else 1e-7
+PRODUCTS = {Op.MUL_MAT, Op.MUL_MAT_ADD, Op.FFN_GLU, Op.MUL_MAT_ID, Op.ATTN, Op.KQ, Op.KQV, Op.GATED_DELTA_NET}
 NOT_KERNELS = {Op.INPUT, Op.WEIGHT, Op.CACHE, Op.COPY}  # bound leaves, and dispatch's copies
 FLOATS = [T.F32, T.F16, T.BF16]
 LEGACY = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0]
@@ -478,6 +479,41 @@ def ssm_scan(h, p, n_state, n_group, batch, a_input=False):
                       f32(rng, N_STATE_SLOTS, h, p, n_state), a_input)
 
 
+# Gated DeltaNet: (H_k, H_v, d_k, d_v) of Qwen3.5-0.8B, a GQA-like one (H_v = 2 H_k, as Qwen3-Next),
+# and a small one with d_k != d_v (a transposed state shows)
+DELTA_SHAPES = {"qwen35": (16, 16, 128, 128), "gqa": (16, 32, 128, 128), "small": (2, 4, 32, 16)}
+DELTA_BATCHES = {**BATCHES, "decode4": ([0, 1, 2, 3, 4], [4, 0, 3, 1], 4),  # slot 2 unnamed
+                 "long": ([0, 150], [3], 150)}  # a prefill across 64-token chunks
+
+
+def delta_tokens(rng, n, h_k, h_v, d_k, d_v):
+    """q, k L2-normalized (as the graph hands them over), beta in (0, 1), g log-decays with
+    exp(g) in 0.3..1 and every 5th token hardly decaying (the state remembers)."""
+    unit = lambda x: (x / np.linalg.norm(x, axis=-1, keepdims=True)).astype(np.float32)  # noqa: E731
+    gate = np.log(rng.uniform(0.3, 1.0, (n, h_v)))
+    gate[::5] = -1e-3
+    return {"q": unit(f32(rng, n, h_k, d_k)), "k": unit(f32(rng, n, h_k, d_k)), "v": f32(rng, n, h_v, d_v),
+            "gate": gate.astype(np.float32), "beta": (1 / (1 + np.exp(-f32(rng, n, h_v)))).astype(np.float32)}
+
+
+def delta_graph(tokens, seq_off, state_slot, state, scale):
+    """One GATED_DELTA_NET call from the state caches (S, H_v, d_v, d_k)."""
+    feed = dict(tokens, seq_off=np.asarray(seq_off, np.int32), state_slot=np.asarray(state_slot, np.int32))
+    g = Graph()
+    q, k, v, gate, beta, off, slot = inputs(g, **feed)
+    g.outputs.append(g.gated_delta_net(g.cache("state_dn", state.shape, 0), q, k, v, gate, beta, off, slot,
+                                       scale=scale, name="delta_net"))
+    return g, feed, {"state_dn": state}
+
+
+def delta_net(shape, batch):
+    h_k, h_v, d_k, d_v = DELTA_SHAPES[shape]
+    seq_off, slots, n = DELTA_BATCHES[batch]
+    rng = rng_for("delta", shape, batch)
+    return delta_graph(delta_tokens(rng, n, h_k, h_v, d_k, d_v), seq_off, slots,
+                       f32(rng, N_STATE_SLOTS, h_v, d_v, d_k, scale=0.5), d_k ** -0.5)
+
+
 def case(fn, **kw):
     label = "-".join(v.name if isinstance(v, T) else "x".join(map(str, v)) if isinstance(v, tuple) else f"{k}{v}"
                      for k, v in kw.items())
@@ -525,6 +561,7 @@ CASES = [
     case(ssm_conv, c=1024, k=3, batch="uneven", qtype=T.F16),
     *[case(ssm_scan, h=48, p=64, n_state=128, n_group=1, batch=b) for b in BATCHES],
     *[case(ssm_scan, h=32, p=64, n_state=128, n_group=2, batch=b, a_input=True) for b in ("decode", "uneven")],
+    *[case(delta_net, shape=s, batch=b) for s in DELTA_SHAPES for b in DELTA_BATCHES],
 ]
 
 
@@ -671,5 +708,75 @@ def test_reference_ssm_semantics():
     xi, dti, ai, bi, ci = inputs(g, x2=t["x"], dt=t["dt"], a=a, b=t["B"], c=t["C"])
     got_y = run(g.ssm_scan(g.cache("ss", state.shape, 0), xi, dti, ai, bi, ci, off_i, slot_i, name="scan"),
                 got_s, t["x"], t["dt"], a, t["B"], t["C"], seq_off, slots)
+    assert nmse(got_y, want_y) < 1e-12 and nmse(got_s, want_s) < 1e-12 and np.array_equal(got_s[1], state[1])
+    assert not got_y[5].any()  # the padding token
+
+
+# ---- Gated DeltaNet ----
+
+def _delta_split(shape, n=150):
+    """(one call's graph, then the two calls' builders): one sequence of n tokens, slot 3."""
+    h_k, h_v, d_k, d_v = DELTA_SHAPES[shape]
+    rng = rng_for("delta_split", shape)
+    tokens, state = delta_tokens(rng, n, h_k, h_v, d_k, d_v), f32(rng, N_STATE_SLOTS, h_v, d_v, d_k, scale=0.5)
+    part = lambda lo, hi, st: delta_graph({k: v[lo:hi] for k, v in tokens.items()}, [0, hi - lo], [3], st,  # noqa: E731
+                                          d_k ** -0.5)
+    return tokens, state, part
+
+
+@pytest.mark.parametrize("split", [1, 64, 97])
+@pytest.mark.parametrize("shape", ["small", "gqa"])
+def test_delta_net_carries_across_calls(backend, shape, split):
+    """A 150-token sequence in two calls split at `split` == one call: outputs and final state,
+    on the reference and on the backend."""
+    _, state, part = _delta_split(shape)
+    for be in (REF, backend):
+        one, first, second = {}, {}, {}
+        (y,) = run_graph(be, *part(0, 150, state), "alloc", one)
+        (y1,) = run_graph(be, *part(0, split, state), "alloc", first)
+        (y2,) = run_graph(be, *part(split, 150, first["state_dn"]), "alloc", second)
+        assert nmse(np.concatenate([y1, y2]), y) < 1e-10, be.name
+        assert nmse(second["state_dn"], one["state_dn"]) < 1e-10, be.name
+
+
+@pytest.mark.parametrize("shape", ["small", "qwen35"])
+def test_reference_delta_net_chunked_equals_steps(shape):
+    """The oracle's chunked (WY) form == its step form: 150 tokens in one call (two whole chunks
+    and a part), and in two calls split inside a chunk and at a chunk's end (state carried)."""
+    from hearthlm.backends.reference import gated_delta_net
+    tokens, state, _ = _delta_split(shape)
+    scale = DELTA_SHAPES[shape][2] ** -0.5
+    run = lambda lo, hi, st, chunked: gated_delta_net(  # noqa: E731
+        st, *(tokens[k][lo:hi] for k in ("q", "k", "v", "gate", "beta")), np.array([0, hi - lo], np.int32),
+        np.array([3], np.int32), scale, chunked=chunked)
+    steps = state.copy()
+    y = run(0, 150, steps, False)
+    for split in (150, 40, 64):
+        st = state.copy()
+        y_c = np.concatenate([run(0, split, st, True), run(split, 150, st, True)])
+        assert nmse(y_c, y) < 1e-12 and nmse(st, steps) < 1e-12, split
+
+
+def test_reference_delta_net_semantics():
+    """The oracle's GATED_DELTA_NET against a per-token loop written out here: rows of 3 and 2
+    tokens and a padding token; 4 v-heads over 2 key heads, tiled as ggml (v-head h reads key
+    head h % 2, where GQA's h // 2 would differ for heads 1 and 2); d_k 3 != d_v 2."""
+    rng = rng_for("ref_delta")
+    seq_off, slots, n = np.array([0, 3, 5], np.int32), np.array([2, 0], np.int32), 6
+    t, state = delta_tokens(rng, n, 2, 4, 3, 2), f32(rng, 3, 4, 2, 3)
+    want_y, want_s = np.zeros((n, 4, 2)), state.astype(np.float64)
+    for i in range(2):
+        s = want_s[slots[i]]  # (H_v, d_v, d_k), a view
+        for tok in range(seq_off[i], seq_off[i + 1]):
+            for h in range(4):
+                k, q = t["k"][tok, h % 2], t["q"][tok, h % 2] * 0.5
+                for j in range(2):
+                    s[h, j] *= math.exp(t["gate"][tok, h])
+                    delta = (t["v"][tok, h, j] - sum(s[h, j, c] * k[c] for c in range(3))) * t["beta"][tok, h]
+                    s[h, j] += delta * k
+                    want_y[tok, h, j] = sum(s[h, j, c] * q[c] for c in range(3))
+    g, feed, _ = delta_graph(t, seq_off, slots, state, 0.5)
+    node, got_s = g.outputs[0], state.copy()
+    got_y = REF.kernels[node.op](node, got_s, *(feed[s.name] for s in node.srcs[1:]))
     assert nmse(got_y, want_y) < 1e-12 and nmse(got_s, want_s) < 1e-12 and np.array_equal(got_s[1], state[1])
     assert not got_y[5].any()  # the padding token

@@ -1,5 +1,5 @@
-"""granitehybrid (IBM Granite 4.0-H): Mamba-2 layers and a few attention layers (GQA, no RoPE
-unless rope.scaling.finetuned says so), a SwiGLU FFN (or experts plus a shared expert) in every
+"""granitehybrid (IBM Granite 4.0-H): Mamba-2 layers and a few attention layers (GQA; RoPE
+unless rope.scaling.finetuned is false, as in the released 4.0-H models), a SwiGLU FFN (or experts plus a shared expert) in every
 layer, and Granite's multipliers on the embedding, each residual branch and the logits. The
 per-layer attention.head_count_kv array marks the Mamba-2 layers with 0. Reference: llama.cpp
 src/models/granite-hybrid.cpp and graph-context-mamba.cpp (build_mamba2_layer)."""
@@ -27,11 +27,10 @@ class Config(HParams):
     residual_scale: float = 1.0
     logit_scale: float = 1.0
     attn_scale: float = 0.0  # 0: 1/sqrt(head_dim)
-    use_rope: bool = False
+    use_rope: bool = True    # rope.scaling.finetuned: Granite's switch for RoPE (absent: on, as llama.cpp)
     n_expert: int = 0
     n_expert_used: int = 0
-    n_ff_exp: int = 0
-    n_ff_shexp: int = 0
+    n_ff_shexp: int = 0     # a shared expert's width (experts' own: feed_forward_length, as llama.cpp)
 
     @classmethod
     def read(cls, r: Reader) -> dict:
@@ -39,8 +38,8 @@ class Config(HParams):
                  n_ssm_head=r.need("ssm.time_step_rank"), n_group=r.opt("ssm.group_count", 1),
                  embd_scale=r.opt("embedding_scale", 1.0, float), residual_scale=r.opt("residual_scale", 1.0, float),
                  logit_scale=r.opt("logit_scale", 1.0, float), attn_scale=r.opt("attention.scale", 0.0, float),
-                 use_rope=r.get("rope.scaling.finetuned", False, bool), n_expert=r.opt("expert_count", 0),
-                 n_expert_used=r.opt("expert_used_count", 0), n_ff_exp=r.opt("expert_feed_forward_length", 0),
+                 use_rope=r.get("rope.scaling.finetuned", True, bool), n_expert=r.opt("expert_count", 0),
+                 n_expert_used=r.opt("expert_used_count", 0),
                  n_ff_shexp=r.opt("expert_shared_feed_forward_length", 0))
         if c["d_inner"] % c["n_ssm_head"] or c["d_inner"] % c["n_group"] or c["n_ssm_head"] % c["n_group"]:
             raise ModelLoadError(f"{r.key('ssm.inner_size')} {c['d_inner']} does not split into "
@@ -67,8 +66,8 @@ def tensors(c: Config, n_vocab: int) -> list[Spec]:
     e, q, kv, h = c.n_embd, c.n_head * c.head_dim, c.n_head_kv * c.head_dim, c.n_ssm_head
     out = [Spec("token_embd.weight", (n_vocab, e)), Spec("output_norm.weight", (e,)),
            Spec("output.weight", (n_vocab, e), optional=True)]
-    ffn = ({"ffn_gate_inp.weight": (c.n_expert, e), "ffn_gate_exps.weight": (c.n_expert, c.n_ff_exp, e),
-            "ffn_up_exps.weight": (c.n_expert, c.n_ff_exp, e), "ffn_down_exps.weight": (c.n_expert, e, c.n_ff_exp),
+    ffn = ({"ffn_gate_inp.weight": (c.n_expert, e), "ffn_gate_exps.weight": (c.n_expert, c.n_ff, e),
+            "ffn_up_exps.weight": (c.n_expert, c.n_ff, e), "ffn_down_exps.weight": (c.n_expert, e, c.n_ff),
             **({"ffn_gate_shexp.weight": (c.n_ff_shexp, e), "ffn_up_shexp.weight": (c.n_ff_shexp, e),
                 "ffn_down_shexp.weight": (e, c.n_ff_shexp)} if c.n_ff_shexp else {})}
            if c.n_expert else

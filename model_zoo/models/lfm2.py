@@ -69,7 +69,8 @@ def build_attn_layer(c: Config, g: Graph, w, inp, h, il: int):
                         wq=w(b + "attn_q.weight"), wk=w(b + "attn_k.weight"), wv=w(b + "attn_v.weight"))
     q, k = build_qk(g, q, k, inp, c.rope, il=il, q_norm=w(b + "attn_q_norm.weight"),
                     k_norm=w(b + "attn_k_norm.weight"), eps=c.norm_eps)
-    return build_attn(g, inp, q, k, v, il=il, wo=w(b + "attn_output.weight"), scale=1.0 / math.sqrt(c.head_dim))
+    return build_attn(g, inp, q, k, v, il=il, wo=w(b + "attn_output.weight"), scale=1.0 / math.sqrt(c.head_dim),
+                      window=c.sliding_window)  # LFM2.5's attention layers may slide
 
 
 def build(c: Config, g: Graph, w, shape: BatchShape) -> None:

@@ -26,7 +26,7 @@ HPARAMS = {  # every architecture reads what it needs of these
     "expert_feed_forward_length": 32, "shortconv.l_cache": 3,
 }
 GRANITE_H = {"block_count": 6, "attention.head_count_kv": [0, 0, 2, 0, 0, 2], "ssm.conv_kernel": 4,
-             "ssm.inner_size": 64, "ssm.state_size": 16, "ssm.time_step_rank": 8, "ssm.group_count": 2,
+             "ssm.inner_size": 128, "ssm.state_size": 16, "ssm.time_step_rank": 8, "ssm.group_count": 2,
              "embedding_scale": 1.5, "residual_scale": 0.7, "logit_scale": 1.25, "attention.scale": 0.3}
 VARIANTS = {  # name -> (architecture, extra metadata, extra F32 tensors by name -> values)
     **{a: (a, {}, {}) for a in ARCHITECTURES},
@@ -36,8 +36,9 @@ VARIANTS = {  # name -> (architecture, extra metadata, extra F32 tensors by name
     "qwen35": ("qwen35", {"block_count": 6, "full_attention_interval": 3, "rope.dimension_count": 8,
                           "rope.dimension_sections": [2, 1, 1, 0], "ssm.conv_kernel": 4, "ssm.inner_size": 64,
                           "ssm.state_size": 16, "ssm.time_step_rank": 4, "ssm.group_count": 2}, {}),
-    # Mamba-2 with 8 heads in 2 groups, NoPE attention, Granite's multipliers; dense and MoE + shared expert
-    "granitehybrid": ("granitehybrid", {**GRANITE_H, "expert_count": None, "expert_used_count": None}, {}),
+    # Mamba-2 with 8 heads in 2 groups, Granite's multipliers; dense with NoPE attention, MoE + shared expert with RoPE
+    "granitehybrid": ("granitehybrid", {**GRANITE_H, "expert_count": None, "expert_used_count": None,
+                                        "rope.scaling.finetuned": False}, {}),  # NoPE, as Granite 4.0-H
     "granitehybrid-moe": ("granitehybrid", {**GRANITE_H, "expert_shared_feed_forward_length": 48}, {}),
     "llama-rope-llama3": ("llama", {}, {"rope_freqs.weight": np.array([4.0, 9.0, 1.0, 1.7, 4.2, 8.0, 8.0, 8.0])}),
     "llama-rope-yarn": ("llama", {"rope.scaling.type": "yarn", "rope.scaling.factor": 4.0,
@@ -66,6 +67,8 @@ def _vocab(w: gguf.GGUFWriter) -> None:
 def _add(w: gguf.GGUFWriter, key: str, v) -> None:
     if isinstance(v, list):
         w.add_array(key, v)
+    elif isinstance(v, bool):
+        w.add_bool(key, v)
     elif isinstance(v, str):
         w.add_string(key, v)
     elif isinstance(v, float):
