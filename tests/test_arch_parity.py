@@ -63,11 +63,15 @@ def test_fusion_rules_fire(tmp_path, variant):
     m = load_model(write(tmp_path / "m.gguf", variant))
     try:
         g = fusion.fuse(m.build_graph(BatchShape(n_tokens=8, n_seqs=1, max_blocks=4, n_out=1, n_slots=64,
-                                                 block_size=16)))
+                                                 block_size=16, n_state=3)))
         ops = [n.op for n in g.nodes]
         n = m.config.n_layer
-        assert ops.count(Op.ROPE_SET_ROWS) == n
-        assert ops.count(Op.ATTN) == n and Op.KQ not in ops  # Gemma 2: soft-capped scores too
+        n_attn = sum(m.config.has_attention(il) for il in range(n))  # hybrids: the attention layers
+        roped = n_attn if getattr(m.config, "use_rope", True) else 0  # Granite 4.0-H: NoPE
+        assert ops.count(Op.ROPE_SET_ROWS) == roped
+        assert ops.count(Op.ATTN) == n_attn and Op.KQ not in ops  # Gemma 2: soft-capped scores too
+        recurrent = n - n_attn
+        assert ops.count(Op.SSM_CONV) == recurrent  # every recurrent layer starts with its conv
         if not getattr(m.config, "n_expert", 0):
             assert ops.count(Op.FFN_GLU) == n and Op.GLU not in ops
     finally:
