@@ -37,7 +37,7 @@ class Reader:
         """A per-layer array of ints >= 0 (llama.cpp's get_key_or_arr), or None where the key is
         absent or a single number."""
         v = self.md[self.key(k)] if self.key(k) in self.md else None
-        if isinstance(v, np.ndarray) and v.ndim == 1 and v.dtype.kind in "iu":  # as the GGUF reader gives it
+        if isinstance(v, np.ndarray) and v.ndim == 1 and v.dtype.kind in "iub":  # as the GGUF reader gives it
             v = [int(x) for x in v]
         if not isinstance(v, (list, tuple, np.ndarray)):
             return None
@@ -94,6 +94,9 @@ class HParams:
         r = Reader(md, arch)
         n_embd, n_head = r.need("embedding_length"), r.need("attention.head_count")
         head_dim = r.opt("attention.key_length", n_embd // n_head)
+        if r.opt("attention.value_length", head_dim) != head_dim:
+            raise ModelLoadError(f"GGUF metadata {r.key('attention.value_length')!r} differs from "
+                                 f"{r.key('attention.key_length')!r} ({head_dim}): not supported")
         n_layer = r.need("block_count")
         kv_layers = r.per_layer("attention.head_count_kv", n_layer)  # hybrids: 0 on recurrent layers
         if kv_layers is not None and len(set(kv_layers) - {0}) > 1:

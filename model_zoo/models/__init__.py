@@ -21,6 +21,7 @@ ARCHITECTURES = {  # general.architecture -> module
     "qwen3": "qwen3",
     "qwen3moe": "qwen3moe",
     "qwen35": "qwen35",
+    "qwen35moe": "qwen35moe",
 }
 
 

@@ -5,6 +5,7 @@ per head; per-head Q/K norms; partial NeoX RoPE). Post-attention norm before the
 Reference: llama.cpp src/models/qwen35.cpp and delta-net-base.cpp."""
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -25,13 +26,27 @@ class Config(HParams):
     n_v_heads: int = 0       # ssm.time_step_rank
     n_k_heads: int = 0       # ssm.group_count
     attn_interval: int = 4   # full_attention_interval: layer il attends when (il + 1) % it == 0
+    recurrent_layers: tuple[int, ...] = ()  # attention.recurrent_layers, where given: 1 per recurrent layer
+    n_nextn: int = 0         # nextn_predict_layers: multi-token-prediction blocks after the main stack (unused)
     NEOX, NORM_EPS = True, 1e-6
+
+    @classmethod
+    def from_gguf(cls, md, arch: str) -> "Config":
+        """The main stack only: block_count counts the MTP blocks appended after it."""
+        c = super().from_gguf(md, arch)
+        if c.n_nextn:
+            if c.n_nextn >= c.n_layer:
+                raise ModelLoadError(f"{arch}.nextn_predict_layers {c.n_nextn} leaves no layers of {c.n_layer}")
+            c = dataclasses.replace(c, n_layer=c.n_layer - c.n_nextn)
+        return c
 
     @classmethod
     def read(cls, r: Reader) -> dict:
         c = dict(d_conv=r.need("ssm.conv_kernel"), d_inner=r.need("ssm.inner_size"), d_state=r.need("ssm.state_size"),
                  n_v_heads=r.need("ssm.time_step_rank"), n_k_heads=r.need("ssm.group_count"),
-                 attn_interval=r.opt("full_attention_interval", 4))
+                 attn_interval=r.opt("full_attention_interval", 4),
+                 recurrent_layers=r.per_layer("attention.recurrent_layers", r.need("block_count")) or (),
+                 n_nextn=r.get("nextn_predict_layers", 0, positive=False))
         if c["d_inner"] % c["n_v_heads"] or c["n_v_heads"] % c["n_k_heads"]:
             raise ModelLoadError(f"{r.key('ssm.inner_size')} {c['d_inner']} must split into "
                                  f"{r.key('ssm.time_step_rank')} {c['n_v_heads']} value heads, a multiple of "
@@ -51,15 +66,17 @@ class Config(HParams):
         return 2 * self.n_k_heads * self.d_state + self.d_inner
 
     def has_attention(self, il: int) -> bool:
-        return (il + 1) % self.attn_interval == 0
+        return not self.recurrent_layers[il] if self.recurrent_layers else (il + 1) % self.attn_interval == 0
 
     def layer_state_dims(self) -> list[dict[str, tuple[int, ...]]]:
         rec = {"state_conv": (self.d_conv - 1, self.conv_dim), "state_ssm": (self.n_v_heads, self.d_v, self.d_state)}
         return [{} if self.has_attention(il) else rec for il in range(self.n_layer)]
 
 
-def tensors(c: Config, n_vocab: int) -> list[Spec]:
+def tensors(c: Config, n_vocab: int, ffn: dict | None = None) -> list[Spec]:
+    """`ffn`: each layer's FFN tensors (qwen35moe's experts), else the dense SwiGLU's."""
     e, q, kv = c.n_embd, c.n_head * c.head_dim, c.n_head_kv * c.head_dim
+    ffn = ffn or {"ffn_gate.weight": (c.n_ff, e), "ffn_up.weight": (c.n_ff, e), "ffn_down.weight": (e, c.n_ff)}
     out = [Spec("token_embd.weight", (n_vocab, e)), Spec("output_norm.weight", (e,)),
            Spec("output.weight", (n_vocab, e), optional=True)]
     for il in range(c.n_layer):
@@ -70,8 +87,7 @@ def tensors(c: Config, n_vocab: int) -> list[Spec]:
                   "ssm_conv1d.weight": (c.conv_dim, c.d_conv), "ssm_dt.bias": (c.n_v_heads,),
                   "ssm_a": (c.n_v_heads,), "ssm_beta.weight": (c.n_v_heads, e), "ssm_alpha.weight": (c.n_v_heads, e),
                   "ssm_norm.weight": (c.d_v,), "ssm_out.weight": (e, c.d_inner)})
-        per = {"attn_norm.weight": (e,), **mixer, "post_attention_norm.weight": (e,),
-               "ffn_gate.weight": (c.n_ff, e), "ffn_up.weight": (c.n_ff, e), "ffn_down.weight": (e, c.n_ff)}
+        per = {"attn_norm.weight": (e,), **mixer, "post_attention_norm.weight": (e,), **ffn}
         out += [Spec(f"blk.{il}.{n}", s) for n, s in per.items()]
     return out
 
@@ -113,15 +129,22 @@ def build_delta_net(c: Config, g: Graph, w, inp, h, il: int):
     return g.mul_mat(w(b + "ssm_out.weight"), g.reshape(o, (n, c.d_inner), "delta_2d", il), "linear_attn_out", il)
 
 
-def build(c: Config, g: Graph, w, shape: BatchShape) -> None:
+def build_layers(c: Config, g: Graph, w, shape: BatchShape, ffn) -> None:
+    """The whole model with `ffn(x, il)` as each layer's FFN half (dense here, experts in qwen35moe)."""
     inp = build_inputs(g, shape)
     x = build_inp_embd(g, w("token_embd.weight"), inp)
     for il in range(c.n_layer):
-        b = f"blk.{il}."
-        h = build_norm(g, x, w(b + "attn_norm.weight"), eps=c.norm_eps, name="attn_norm", il=il)
+        h = build_norm(g, x, w(f"blk.{il}.attn_norm.weight"), eps=c.norm_eps, name="attn_norm", il=il)
         h = (build_gated_attn if c.has_attention(il) else build_delta_net)(c, g, w, inp, h, il)
-        x = build_ffn_block(g, g.add(x, h, "attn_residual", il), il=il, norm=w(b + "post_attention_norm.weight"),
-                            eps=c.norm_eps, gate=w(b + "ffn_gate.weight"), up=w(b + "ffn_up.weight"),
-                            down=w(b + "ffn_down.weight"), act="silu")
+        x = ffn(g.add(x, h, "attn_residual", il), il)
     build_output(g, x, inp, norm=w("output_norm.weight"), output=w("output.weight", fallback="token_embd.weight"),
                  eps=c.norm_eps)
+
+
+def build(c: Config, g: Graph, w, shape: BatchShape) -> None:
+    def ffn(x, il):
+        b = f"blk.{il}."
+        return build_ffn_block(g, x, il=il, norm=w(b + "post_attention_norm.weight"), eps=c.norm_eps,
+                               gate=w(b + "ffn_gate.weight"), up=w(b + "ffn_up.weight"),
+                               down=w(b + "ffn_down.weight"), act="silu")
+    build_layers(c, g, w, shape, ffn)

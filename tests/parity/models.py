@@ -10,6 +10,8 @@ from pathlib import Path
 
 import gguf
 import numpy as np
+from gguf.constants import GGML_QUANT_SIZES
+from gguf.constants import GGMLQuantizationType as T
 
 from hearthlm.model_zoo.models import ARCHITECTURES, get_architecture
 from hearthlm.model_zoo.tokenizer_bpe import _byte_to_unicode
@@ -25,6 +27,9 @@ HPARAMS = {  # every architecture reads what it needs of these
     "final_logit_softcapping": 30.0, "expert_count": 4, "expert_used_count": 2,
     "expert_feed_forward_length": 32, "shortconv.l_cache": 3,
 }
+QWEN35 = {"block_count": 6, "full_attention_interval": 3, "rope.dimension_count": 8,
+          "rope.dimension_sections": [2, 1, 1, 0], "ssm.conv_kernel": 4, "ssm.inner_size": 64,
+          "ssm.state_size": 16, "ssm.time_step_rank": 4, "ssm.group_count": 2}
 GRANITE_H = {"block_count": 6, "attention.head_count_kv": [0, 0, 2, 0, 0, 2], "ssm.conv_kernel": 4,
              "ssm.inner_size": 128, "ssm.state_size": 16, "ssm.time_step_rank": 8, "ssm.group_count": 2,
              "embedding_scale": 1.5, "residual_scale": 0.7, "logit_scale": 1.25, "attention.scale": 0.3}
@@ -33,9 +38,8 @@ VARIANTS = {  # name -> (architecture, extra metadata, extra F32 tensors by name
     # hybrids: several layers of each kind, so that the layer pattern matters
     "lfm2": ("lfm2", {"block_count": 6, "attention.head_count_kv": [0, 0, 2, 0, 2, 0]}, {}),
     # 2 key heads for 4 value heads (the delta rule's GQA), partial RoPE (8 of 16 dims)
-    "qwen35": ("qwen35", {"block_count": 6, "full_attention_interval": 3, "rope.dimension_count": 8,
-                          "rope.dimension_sections": [2, 1, 1, 0], "ssm.conv_kernel": 4, "ssm.inner_size": 64,
-                          "ssm.state_size": 16, "ssm.time_step_rank": 4, "ssm.group_count": 2}, {}),
+    "qwen35": ("qwen35", QWEN35, {}),
+    "qwen35moe": ("qwen35moe", {**QWEN35, "expert_shared_feed_forward_length": 48}, {}),
     # Mamba-2 with 8 heads in 2 groups, Granite's multipliers; dense with NoPE attention, MoE + shared expert with RoPE
     "granitehybrid": ("granitehybrid", {**GRANITE_H, "expert_count": None, "expert_used_count": None,
                                         "rope.scaling.finetuned": False}, {}),  # NoPE, as Granite 4.0-H
@@ -51,13 +55,16 @@ VARIANTS = {  # name -> (architecture, extra metadata, extra F32 tensors by name
 }
 
 
-def _vocab(w: gguf.GGUFWriter) -> None:
+def _vocab(w: gguf.GGUFWriter, n_vocab: int = N_VOCAB) -> None:
+    """Specials, the 256 bytes, one merge; past N_VOCAB unused tokens (a real model's vocabulary
+    size, for the LM head's cost in benchmarks)."""
     table = _byte_to_unicode()
     tokens = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"] + [table[b] for b in range(256)] + [table[32] + "t"]
+    tokens += [f"<|unused_{i}|>" for i in range(n_vocab - len(tokens))]
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("qwen2")  # a pre-tokenizer both sides know
     w.add_token_list(tokens)
-    w.add_token_types([3] * 3 + [1] * 257)
+    w.add_token_types([3] * 3 + [1] * 257 + [5] * (n_vocab - N_VOCAB))
     w.add_token_merges([f"{table[32]} t"])
     w.add_bos_token_id(0)
     w.add_eos_token_id(2)
@@ -89,12 +96,23 @@ class _Seen(dict):
         return super().__contains__(k)
 
 
+def _random_blocks(qtype, shape, rng) -> np.ndarray:
+    """Random quantized blocks with sane float16 scales (gguf.quants cannot quantize K-quants, and
+    a benchmark's weights need only the real layout): bytes (rows, row_bytes)."""
+    block, size = GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, size=(int(np.prod(shape)) // block, size), dtype=np.uint8)
+    for off in F16_FIELDS[qtype]:
+        raw[:, off:off + 2] = rng.uniform(0.001, 0.02, raw.shape[0]).astype(np.float16).view(np.uint8).reshape(-1, 2)
+    return raw.reshape(shape[0], -1)
+
+
 def write(path: Path, variant: str, seed: int = 0, *, defects: dict | None = None,
-          qtype: gguf.GGMLQuantizationType | None = None) -> Path:
+          qtype: gguf.GGMLQuantizationType | None = None, n_vocab: int = N_VOCAB, qtypes=None) -> Path:
     """`defects` (bad-input tests): {"metadata": {key: value} written over what the
     architecture reads, "drop": tensor name, "shape": {tensor name: shape}}. `qtype`: matrices
-    quantized to it (gguf.quants) instead of F32 (the recorded parity data is F32)."""
-    arch, extra_md, extra_t = VARIANTS[variant]
+    quantized to it (gguf.quants) instead of F32 (the recorded parity data is F32). `qtypes`
+    (benchmarks): `qtypes(name, shape)` -> the tensor's type, written as random blocks, or None: F32."""
+    arch, extra_md, extra_t = VARIANTS[variant] if variant in VARIANTS else BENCH[variant]
     d = defects or {}
     rng = np.random.default_rng(seed)
     md = _Seen({f"{arch}.{k}": v for k, v in {**HPARAMS, **extra_md}.items() if v is not None})  # None: absent
@@ -106,12 +124,18 @@ def write(path: Path, variant: str, seed: int = 0, *, defects: dict | None = Non
     for k, v in md.items():
         if k in md.seen:  # only the keys the architecture reads (an expert count would make llama MoE)
             _add(w, k, v)
-    _vocab(w)
-    specs = mod.tensors(cfg, N_VOCAB)
+    _vocab(w, n_vocab)
+    specs = mod.tensors(cfg, n_vocab)
     for s in specs:
         if s.name == d.get("drop"):
             continue
         s = dataclasses.replace(s, shape=tuple(d.get("shape", {}).get(s.name, s.shape)))
+        if qtypes and s.optional:  # benchmarks: tied embeddings, no RoPE factors
+            continue
+        bq = qtypes(s.name, s.shape) if qtypes else None
+        if bq is not None:
+            w.add_tensor(s.name, _random_blocks(bq, s.shape, rng), raw_dtype=bq)
+            continue
         if s.name in extra_t:
             data = np.asarray(extra_t[s.name], np.float32).reshape(s.shape)
         elif s.optional and not s.name.endswith((".bias", "output.weight")):
@@ -134,6 +158,46 @@ def write(path: Path, variant: str, seed: int = 0, *, defects: dict | None = Non
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+F16_FIELDS = {T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,), T.Q8_0: (0,), T.Q4_0: (0,)}  # scale bytes per block
+
+# Benchmarks (`make bench-hybrid`): the real shapes of small hybrids, written with random
+# Q4_K_M-like weights (no such file ships on the package index), tied embeddings
+BENCH = {
+    "qwen35-0.8b": ("qwen35", {"block_count": 24, "context_length": 4096, "embedding_length": 1024,
+                               "feed_forward_length": 3584, "attention.head_count": 8, "attention.head_count_kv": 2,
+                               "attention.key_length": 256, "attention.value_length": 256,
+                               "attention.layer_norm_rms_epsilon": 1e-6, "rope.freq_base": 1e7,
+                               "rope.dimension_count": 64, "rope.dimension_sections": [11, 11, 10, 0],
+                               "attention.sliding_window": None, "full_attention_interval": 4,
+                               "ssm.conv_kernel": 4, "ssm.inner_size": 2048, "ssm.state_size": 128,
+                               "ssm.time_step_rank": 16, "ssm.group_count": 16}, {}),
+    "lfm2-350m": ("lfm2", {"block_count": 16, "context_length": 4096, "embedding_length": 1024,
+                           "feed_forward_length": 4608, "attention.head_count": 16, "attention.key_length": 64,
+                           "attention.value_length": 64, "attention.head_count_kv":
+                               [8 if il in (2, 5, 8, 10, 12, 14) else 0 for il in range(16)],
+                           "rope.freq_base": 1e6, "rope.dimension_count": 64, "attention.sliding_window": None,
+                           "shortconv.l_cache": 3}, {}),
+}
+BENCH_VOCAB = {"qwen35-0.8b": 248320, "lfm2-350m": 65536}
+
+
+def q4_k_m(n_layer: int):
+    """llama.cpp's Q4_K_M choice, roughly: Q6_K for the embedding and, in the first and last
+    eighth and every third layer between, attn_v and ffn_down; Q4_K for the other matrices;
+    vectors and conv kernels F32."""
+    def more_bits(il: int) -> bool:
+        return il < n_layer // 8 or il >= 7 * n_layer // 8 or (il - n_layer // 8) % 3 == 2
+
+    def pick(name: str, shape) -> T | None:
+        if len(shape) < 2 or shape[-1] % 256 or "conv" in name:
+            return None
+        if name == "token_embd.weight" or (name.endswith(("attn_v.weight", "ffn_down.weight"))
+                                           and more_bits(int(name.split(".")[1]))):
+            return T.Q6_K
+        return T.Q4_K
+    return pick
 
 
 PROMPTS = [[40, 101, 7, 200, 33, 150], [9, 9, 120, 250, 61, 4, 88, 173, 14, 230, 99]]
