@@ -175,16 +175,24 @@ def build_output(g: Graph, x: Tensor, inp: Inputs, *, norm: Tensor, output: Tens
 
 
 def build_moe_ffn(g: Graph, x: Tensor, *, il: int, gate_inp: Tensor, up_exps: Tensor, gate_exps: Tensor,
-                  down_exps: Tensor, n_expert_used: int, norm_w: bool = True) -> Tensor:
-    """Mixture of experts as llama.cpp's build_moe_ffn (softmax gating, SwiGLU experts): the
-    router's softmax, the top n_expert_used experts per token weighted by their probabilities
-    (renormalized over the chosen ones with norm_w), their outputs summed."""
+                  down_exps: Tensor, n_expert_used: int, norm_w: bool = True, gating: str = "softmax",
+                  probs_bias: Tensor | None = None, w_scale: float = 0.0) -> Tensor:
+    """Mixture of experts as llama.cpp's build_moe_ffn (SwiGLU experts): the router's softmax
+    (or sigmoid), the top n_expert_used experts per token (chosen by probability plus
+    `probs_bias` where given, as LFM2-MoE's) weighted by their probabilities (renormalized over the
+    chosen ones with norm_w, then times w_scale where set), their outputs summed."""
     n_tokens, n_embd = x.shape
-    probs = g.soft_max(g.mul_mat(gate_inp, x, "ffn_moe_logits", il), "ffn_moe_probs", il)  # (n_tokens, n_expert)
-    ids = g.top_k(probs, n_expert_used, "ffn_moe_topk", il)  # (n_tokens, k)
+    logits = g.mul_mat(gate_inp, x, "ffn_moe_logits", il)  # (n_tokens, n_expert)
+    probs = (g.soft_max(logits, "ffn_moe_probs", il) if gating == "softmax"
+             else g.sigmoid(logits, "ffn_moe_probs", il))
+    select = probs if probs_bias is None else g.add(probs, probs_bias, "ffn_moe_probs_biased", il)
+    ids = g.top_k(select, n_expert_used, "ffn_moe_topk", il)  # (n_tokens, k)
     w = g.take(probs, ids, "ffn_moe_weights", il)  # (n_tokens, k)
-    if norm_w:  # a softmax's top-k sum is >= k / n_expert: llama.cpp's clamp of the sum never binds
+    if norm_w:  # llama.cpp clamps the sum at 6.1e-5: a softmax's top-k sum is >= k / n_expert, and
+        # the sigmoid routers' top-k sums are far above it
         w = g.div(w, g.sum_rows(w, "ffn_moe_weights_sum", il), "ffn_moe_weights_norm", il)
+    if w_scale not in (0.0, 1.0):
+        w = g.scale(w, w_scale, "ffn_moe_weights_scaled", il)
     up = g.mul_mat_id(up_exps, x, ids, "ffn_moe_up", il)  # (n_tokens, k, n_ff_exp)
     gate = g.mul_mat_id(gate_exps, x, ids, "ffn_moe_gate", il)
     act = g.glu(gate, up, "silu", "ffn_moe_swiglu", il)

@@ -12,6 +12,7 @@ from hearthlm.runtime.errors import UnsupportedModelError
 
 ARCHITECTURES = {  # general.architecture -> module
     "lfm2": "lfm2",
+    "lfm2moe": "lfm2moe",
     "llama": "llama",
     "gemma2": "gemma2",
     "gemma3": "gemma3",

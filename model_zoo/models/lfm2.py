@@ -36,7 +36,13 @@ class Config(HParams):
                 for il in range(self.n_layer)]
 
 
-def tensors(c: Config, n_vocab: int) -> list[Spec]:
+def dense_ffn(c: HParams) -> dict[str, tuple[int, ...]]:
+    return {"ffn_gate.weight": (c.n_ff, c.n_embd), "ffn_up.weight": (c.n_ff, c.n_embd),
+            "ffn_down.weight": (c.n_embd, c.n_ff)}
+
+
+def tensors(c: Config, n_vocab: int, ffn=None) -> list[Spec]:
+    """`ffn(il)`: layer il's FFN tensors (lfm2moe's experts), else the dense SwiGLU's."""
     e, q, kv = c.n_embd, c.n_head * c.head_dim, c.n_head_kv * c.head_dim
     out = [Spec("token_embd.weight", (n_vocab, e)), Spec("token_embd_norm.weight", (e,)),
            Spec("output.weight", (n_vocab, e), optional=True)]
@@ -47,8 +53,7 @@ def tensors(c: Config, n_vocab: int) -> list[Spec]:
                   "attn_k_norm.weight": (c.head_dim,)} if c.has_attention(il) else
                  {"shortconv.conv.weight": (e, c.l_cache), "shortconv.in_proj.weight": (3 * e, e),
                   "shortconv.out_proj.weight": (e, e)})
-        per = {"attn_norm.weight": (e,), **mixer, "ffn_norm.weight": (e,), "ffn_gate.weight": (c.n_ff, e),
-               "ffn_up.weight": (c.n_ff, e), "ffn_down.weight": (e, c.n_ff)}
+        per = {"attn_norm.weight": (e,), **mixer, "ffn_norm.weight": (e,), **(ffn(il) if ffn else dense_ffn(c))}
         out += [Spec(b + n, s) for n, s in per.items()]
     return out
 
@@ -73,15 +78,19 @@ def build_attn_layer(c: Config, g: Graph, w, inp, h, il: int):
                       window=c.sliding_window)  # LFM2.5's attention layers may slide
 
 
-def build(c: Config, g: Graph, w, shape: BatchShape) -> None:
+def build_dense_ffn(c: Config, g: Graph, w, x, il: int):
+    b = f"blk.{il}."
+    return build_ffn_block(g, x, il=il, norm=w(b + "ffn_norm.weight"), eps=c.norm_eps, gate=w(b + "ffn_gate.weight"),
+                           up=w(b + "ffn_up.weight"), down=w(b + "ffn_down.weight"), act="silu")
+
+
+def build(c: Config, g: Graph, w, shape: BatchShape, ffn=build_dense_ffn) -> None:
+    """`ffn(c, g, w, x, il)`: the FFN half with its residual (lfm2moe's experts in later layers)."""
     inp = build_inputs(g, shape)
     x = build_inp_embd(g, w("token_embd.weight"), inp)
     for il in range(c.n_layer):
-        b = f"blk.{il}."
-        h = build_norm(g, x, w(b + "attn_norm.weight"), eps=c.norm_eps, name="attn_norm", il=il)
+        h = build_norm(g, x, w(f"blk.{il}.attn_norm.weight"), eps=c.norm_eps, name="attn_norm", il=il)
         h = (build_attn_layer if c.has_attention(il) else build_shortconv)(c, g, w, inp, h, il)
-        x = build_ffn_block(g, g.add(x, h, "ffn_inp", il), il=il, norm=w(b + "ffn_norm.weight"), eps=c.norm_eps,
-                            gate=w(b + "ffn_gate.weight"), up=w(b + "ffn_up.weight"),
-                            down=w(b + "ffn_down.weight"), act="silu")
+        x = ffn(c, g, w, g.add(x, h, "ffn_inp", il), il)
     build_output(g, x, inp, norm=w("token_embd_norm.weight", fallback="output_norm.weight"),
                  output=w("output.weight", fallback="token_embd.weight"), eps=c.norm_eps)

@@ -37,6 +37,8 @@ VARIANTS = {  # name -> (architecture, extra metadata, extra F32 tensors by name
     **{a: (a, {}, {}) for a in ARCHITECTURES},
     # hybrids: several layers of each kind, so that the layer pattern matters
     "lfm2": ("lfm2", {"block_count": 6, "attention.head_count_kv": [0, 0, 2, 0, 2, 0]}, {}),
+    "lfm2moe": ("lfm2moe", {"block_count": 6, "attention.head_count_kv": [0, 0, 2, 0, 2, 0],
+                            "leading_dense_block_count": 2, "expert_gating_func": 2}, {}),
     # 2 key heads for 4 value heads (the delta rule's GQA), partial RoPE (8 of 16 dims)
     "qwen35": ("qwen35", QWEN35, {}),
     "qwen35moe": ("qwen35moe", {**QWEN35, "expert_shared_feed_forward_length": 48}, {}),
