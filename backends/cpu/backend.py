@@ -225,8 +225,7 @@ def _ssm_conv(node, state, x, w, seq_off, slots, out=None):
     # w (C, K) is float32 here (prepare_weight keeps narrow matrices so); as (K, C) the
     # kernel's loop over channels reads it contiguously (a copy of C*K floats a call)
     w_t = np.ascontiguousarray(np.asarray(w, np.float32).T)
-    kern = ssm.ssm_conv if x.shape[0] >= ops.PAR_MIN_ROWS else ssm.ssm_conv_1
-    kern(_state(node, state), np.ascontiguousarray(x, np.float32), w_t, seq_off, slots, y)
+    ssm.ssm_conv(_state(node, state), np.ascontiguousarray(x, np.float32), w_t, seq_off, slots, y)
     return y
 
 

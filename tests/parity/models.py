@@ -193,7 +193,7 @@ def q4_k_m(n_layer: int):
         return il < n_layer // 8 or il >= 7 * n_layer // 8 or (il - n_layer // 8) % 3 == 2
 
     def pick(name: str, shape) -> T | None:
-        if len(shape) < 2 or shape[-1] % 256 or "conv" in name:
+        if len(shape) < 2 or shape[-1] % 256 or name.endswith(("conv.weight", "conv1d.weight")):
             return None
         if name == "token_embd.weight" or (name.endswith(("attn_v.weight", "ffn_down.weight"))
                                            and more_bits(int(name.split(".")[1]))):
