@@ -4,6 +4,8 @@
 against a reference: walk both greedy sequences; at the first difference each side's token
 must be in the other side's top 5 at that step; then stop. The first step's top-1 log-prob
 must also agree."""
+import anyio
+
 from hearthlm import Session
 
 # llama.cpp quantizes activations to 8 bits inside its matmuls; our kernels keep them
@@ -35,12 +37,18 @@ def compare(case: dict, token_ids: list[int], top: list[list[tuple[int, float]]]
 
 
 async def check_golden(path, backend: str, cases: list[dict]) -> None:
+    """The cases run concurrently: one batch a step (a greedy sequence does not depend on its
+    neighbours: tests/test_engine.py), which the numpy reference backend computes in about the
+    time of one sequence."""
     failures = []
     async with Session.open(str(path), backend=backend, n_ctx=1024) as s:
-        for i, case in enumerate(cases):
+        async def one(i: int, case: dict) -> None:
             c = await s.generate(case["prompt_ids"], max_tokens=len(case["greedy_ids"]), temperature=0,
                                  top_logprobs=5)
             why = compare(case, c.token_ids, c.top_logprobs, c.finish_reason)
             if why:
                 failures.append(f"case {i} ({case['prompt'][:30]!r}): {why}")
-    assert not failures, "\n".join(failures)
+        async with anyio.create_task_group() as tg:
+            for i, case in enumerate(cases):
+                tg.start_soon(one, i, case)
+    assert not failures, "\n".join(sorted(failures))
