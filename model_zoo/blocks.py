@@ -174,6 +174,13 @@ def build_output(g: Graph, x: Tensor, inp: Inputs, *, norm: Tensor, output: Tens
     return logits
 
 
+def moe_weights(w, il: int) -> dict[str, Tensor]:
+    """Layer il's router and stacked experts under their GGUF names, as build_moe_ffn takes them."""
+    b = f"blk.{il}."
+    return dict(gate_inp=w(b + "ffn_gate_inp.weight"), up_exps=w(b + "ffn_up_exps.weight"),
+                gate_exps=w(b + "ffn_gate_exps.weight"), down_exps=w(b + "ffn_down_exps.weight"))
+
+
 def build_moe_ffn(g: Graph, x: Tensor, *, il: int, gate_inp: Tensor, up_exps: Tensor, gate_exps: Tensor,
                   down_exps: Tensor, n_expert_used: int, norm_w: bool = True, gating: str = "softmax",
                   probs_bias: Tensor | None = None, w_scale: float = 0.0) -> Tensor:

@@ -33,6 +33,14 @@ class Reader:
         """An optional positive number, `default` when absent."""
         return self.get(k, default, kind)
 
+    def experts(self) -> tuple[int, int]:
+        """(expert_count, expert_used_count), required, the second no more than the first."""
+        n_expert, used = self.need("expert_count"), self.need("expert_used_count")
+        if used > n_expert:
+            raise ModelLoadError(f"GGUF metadata {self.key('expert_used_count')!r} = {used} exceeds "
+                                 f"{self.key('expert_count')!r} = {n_expert}")
+        return n_expert, used
+
     def per_layer(self, k: str, n_layer: int) -> tuple[int, ...] | None:
         """A per-layer array of ints >= 0 (llama.cpp's get_key_or_arr), or None where the key is
         absent or a single number."""

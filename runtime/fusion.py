@@ -212,7 +212,8 @@ def stack_matmuls(graph: Graph) -> Graph:
 def prune(graph: Graph) -> Graph:
     """Drop nodes nothing needs: what the rewrites absorbed."""
     keep: set[int] = set()
-    stack = [*graph.outputs, *(n for n in graph.nodes if n.op.props.writes_cache or n.op.props.updates_state)]  # kept though unread
+    # kept though unread: cache writes (and state updates)
+    stack = [*graph.outputs, *(n for n in graph.nodes if n.op.props.writes_cache or n.op.props.updates_state)]
     while stack:
         n = stack.pop()
         if id(n) not in keep:

@@ -1,6 +1,6 @@
 """granitehybrid (IBM Granite 4.0-H): Mamba-2 layers and a few attention layers (GQA; RoPE
-unless rope.scaling.finetuned is false, as in the released 4.0-H models), a SwiGLU FFN (or experts plus a shared expert) in every
-layer, and Granite's multipliers on the embedding, each residual branch and the logits. The
+unless rope.scaling.finetuned is false, as in the released 4.0-H models), a SwiGLU FFN (or
+experts plus a shared expert) in every layer, and Granite's multipliers on the embedding, each residual branch and the logits. The
 per-layer attention.head_count_kv array marks the Mamba-2 layers with 0. Reference: llama.cpp
 src/models/granite-hybrid.cpp and graph-context-mamba.cpp (build_mamba2_layer)."""
 from __future__ import annotations
@@ -8,7 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hearthlm.model_zoo.blocks import (build_attn, build_conv, build_ffn, build_inp_embd, build_inputs,
-                                       build_moe_ffn, build_norm, build_output, build_qk, build_qkv, build_state)
+                                       build_moe_ffn, build_norm, build_output, build_qk, build_qkv, build_state,
+                                       moe_weights)
 from hearthlm.model_zoo.config import HParams, Reader
 from hearthlm.model_zoo.tensors import Spec
 from hearthlm.runtime.batch import BatchShape
@@ -125,9 +126,7 @@ def build_ffn_half(c: Config, g: Graph, w, h, il: int):
     if not c.n_expert:
         return build_ffn(g, h, il=il, gate=w(b + "ffn_gate.weight"), up=w(b + "ffn_up.weight"),
                          down=w(b + "ffn_down.weight"), act="silu")
-    out = build_moe_ffn(g, h, il=il, gate_inp=w(b + "ffn_gate_inp.weight"), up_exps=w(b + "ffn_up_exps.weight"),
-                        gate_exps=w(b + "ffn_gate_exps.weight"), down_exps=w(b + "ffn_down_exps.weight"),
-                        n_expert_used=c.n_expert_used)
+    out = build_moe_ffn(g, h, il=il, **moe_weights(w, il), n_expert_used=c.n_expert_used)
     if c.n_ff_shexp:
         sh = build_ffn(g, h, il=il, gate=w(b + "ffn_gate_shexp.weight"), up=w(b + "ffn_up_shexp.weight"),
                        down=w(b + "ffn_down_shexp.weight"), act="silu")
@@ -146,8 +145,8 @@ def build(c: Config, g: Graph, w, shape: BatchShape) -> None:
         h = build_norm(g, x, w(b + "ffn_norm.weight"), eps=c.norm_eps, name="ffn_norm", il=il)
         h = build_ffn_half(c, g, w, h, il)
         x = g.add(x, g.scale(h, c.residual_scale, "ffn_scaled", il), "l_out", il)
-    logits = build_output(g, x, inp, norm=w("output_norm.weight"), output=w("output.weight", fallback="token_embd.weight"),
-                          eps=c.norm_eps)
+    logits = build_output(g, x, inp, norm=w("output_norm.weight"),
+                          output=w("output.weight", fallback="token_embd.weight"), eps=c.norm_eps)
     if c.logit_scale != 1.0:  # llama.cpp divides the logits by it
         i = g.outputs.index(logits)
         g.outputs[i] = g.scale(logits, 1.0 / c.logit_scale, "result_scaled")

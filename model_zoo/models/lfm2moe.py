@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from hearthlm.model_zoo.blocks import build_moe_ffn, build_norm
+from hearthlm.model_zoo.blocks import build_moe_ffn, build_norm, moe_weights
 from hearthlm.model_zoo.config import Reader
 from hearthlm.model_zoo.models import lfm2
 from hearthlm.model_zoo.tensors import Spec
@@ -28,10 +28,7 @@ class Config(lfm2.Config):
 
     @classmethod
     def read(cls, r: Reader) -> dict:
-        n_expert, used = r.need("expert_count"), r.need("expert_used_count")
-        if used > n_expert:
-            raise ModelLoadError(f"GGUF metadata {r.key('expert_used_count')!r} = {used} exceeds "
-                                 f"{r.key('expert_count')!r} = {n_expert}")
+        n_expert, used = r.experts()
         func = r.opt("expert_gating_func", 2)
         if func not in GATING:
             raise ModelLoadError(f"GGUF metadata {r.key('expert_gating_func')!r} = {func}: unknown gating function")
@@ -60,9 +57,8 @@ def build_ffn(c: Config, g: Graph, w, x, il: int):
         return lfm2.build_dense_ffn(c, g, w, x, il)
     b = f"blk.{il}."
     h = build_norm(g, x, w(b + "ffn_norm.weight"), eps=c.norm_eps, name="ffn_norm", il=il)
-    h = build_moe_ffn(g, h, il=il, gate_inp=w(b + "ffn_gate_inp.weight"), up_exps=w(b + "ffn_up_exps.weight"),
-                      gate_exps=w(b + "ffn_gate_exps.weight"), down_exps=w(b + "ffn_down_exps.weight"),
-                      n_expert_used=c.n_expert_used, gating=c.gating, probs_bias=w(b + "exp_probs_b.bias"))
+    h = build_moe_ffn(g, h, il=il, **moe_weights(w, il), n_expert_used=c.n_expert_used, gating=c.gating,
+                      probs_bias=w(b + "exp_probs_b.bias"))
     return g.add(x, h, "l_out", il)
 
 

@@ -5,12 +5,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hearthlm.model_zoo.blocks import build_ffn, build_moe_ffn, build_norm
+from hearthlm.model_zoo.blocks import build_ffn, build_moe_ffn, build_norm, moe_weights
 from hearthlm.model_zoo.config import Reader
 from hearthlm.model_zoo.models import qwen35
 from hearthlm.model_zoo.tensors import Spec
 from hearthlm.runtime.batch import BatchShape
-from hearthlm.runtime.errors import ModelLoadError
 from hearthlm.runtime.graph import Graph
 
 
@@ -23,10 +22,7 @@ class Config(qwen35.Config):
 
     @classmethod
     def read(cls, r: Reader) -> dict:
-        n_expert, used = r.need("expert_count"), r.need("expert_used_count")
-        if used > n_expert:
-            raise ModelLoadError(f"GGUF metadata {r.key('expert_used_count')!r} = {used} exceeds "
-                                 f"{r.key('expert_count')!r} = {n_expert}")
+        n_expert, used = r.experts()
         return {**super().read(r), "n_expert": n_expert, "n_expert_used": used,
                 "n_ff_exp": r.need("expert_feed_forward_length"),
                 "n_ff_shexp": r.opt("expert_shared_feed_forward_length", 0)}
@@ -46,9 +42,7 @@ def build(c: Config, g: Graph, w, shape: BatchShape) -> None:
     def ffn(x, il):
         b = f"blk.{il}."
         h = build_norm(g, x, w(b + "post_attention_norm.weight"), eps=c.norm_eps, name="ffn_norm", il=il)
-        out = build_moe_ffn(g, h, il=il, gate_inp=w(b + "ffn_gate_inp.weight"), up_exps=w(b + "ffn_up_exps.weight"),
-                            gate_exps=w(b + "ffn_gate_exps.weight"), down_exps=w(b + "ffn_down_exps.weight"),
-                            n_expert_used=c.n_expert_used)
+        out = build_moe_ffn(g, h, il=il, **moe_weights(w, il), n_expert_used=c.n_expert_used)
         if c.n_ff_shexp:
             sh = build_ffn(g, h, il=il, gate=w(b + "ffn_gate_shexp.weight"), up=w(b + "ffn_up_shexp.weight"),
                            down=w(b + "ffn_down_shexp.weight"), act="silu")

@@ -5,12 +5,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hearthlm.model_zoo.blocks import build_moe_ffn, build_norm, build_residual
+from hearthlm.model_zoo.blocks import build_moe_ffn, build_norm, build_residual, moe_weights
 from hearthlm.model_zoo.config import HParams, Reader
 from hearthlm.model_zoo.models.qwen3 import attn_specs, build_layers
 from hearthlm.model_zoo.tensors import Spec, layer_specs
 from hearthlm.runtime.batch import BatchShape
-from hearthlm.runtime.errors import ModelLoadError
 from hearthlm.runtime.graph import Graph
 
 
@@ -23,10 +22,7 @@ class Config(HParams):
 
     @classmethod
     def read(cls, r: Reader) -> dict:
-        n_expert, used = r.need("expert_count"), r.need("expert_used_count")
-        if used > n_expert:
-            raise ModelLoadError(f"GGUF metadata {r.key('expert_used_count')!r} = {used} exceeds "
-                                 f"{r.key('expert_count')!r} = {n_expert}")
+        n_expert, used = r.experts()
         # llama.cpp: expert_feed_forward_length, else feed_forward_length / expert_used_count
         n_ff_exp = r.opt("expert_feed_forward_length", 0) or r.need("feed_forward_length") // used
         return dict(n_expert=n_expert, n_expert_used=used, n_ff_exp=n_ff_exp)
@@ -44,8 +40,6 @@ def build(c: Config, g: Graph, w, shape: BatchShape) -> None:
     def ffn(x, il):
         b = f"blk.{il}."
         h = build_norm(g, x, w(b + "ffn_norm.weight"), eps=c.norm_eps, name="ffn_norm", il=il)
-        h = build_moe_ffn(g, h, il=il, gate_inp=w(b + "ffn_gate_inp.weight"), up_exps=w(b + "ffn_up_exps.weight"),
-                          gate_exps=w(b + "ffn_gate_exps.weight"), down_exps=w(b + "ffn_down_exps.weight"),
-                          n_expert_used=c.n_expert_used)
+        h = build_moe_ffn(g, h, il=il, **moe_weights(w, il), n_expert_used=c.n_expert_used)
         return build_residual(g, x, h, name="l_out", il=il)
     build_layers(c, g, w, shape, ffn)
