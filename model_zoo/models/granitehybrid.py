@@ -1,7 +1,8 @@
 """granitehybrid (IBM Granite 4.0-H): Mamba-2 layers and a few attention layers (GQA; RoPE
 unless rope.scaling.finetuned is false, as in the released 4.0-H models), a SwiGLU FFN (or
-experts plus a shared expert) in every layer, and Granite's multipliers on the embedding, each residual branch and the logits. The
-per-layer attention.head_count_kv array marks the Mamba-2 layers with 0. Reference: llama.cpp
+experts plus a shared expert) in every layer, and Granite's multipliers on the embedding, each
+residual branch and the logits. The per-layer attention.head_count_kv array marks the Mamba-2
+layers with 0. Reference: llama.cpp
 src/models/granite-hybrid.cpp and graph-context-mamba.cpp (build_mamba2_layer)."""
 from __future__ import annotations
 
