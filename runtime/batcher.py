@@ -33,10 +33,6 @@ class Batcher:
         self.max_batch_tokens = max_batch_tokens
         self.max_seqs = max_seqs
 
-    @property
-    def reused_tokens(self) -> int:
-        return self.memory.reused_tokens
-
     def release(self, req: Request) -> None:
         self.memory.release(req)
 
