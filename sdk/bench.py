@@ -34,6 +34,9 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
                         "token and inter-token latency with that many concurrent generations")
     p.add_argument("--repeat", type=int, default=3, help="rounds of the single-stream measurements (median)")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--profile", action="store_true",
+                   help="time per op kind, kernels vs Python, per decode step at --concurrency levels "
+                        "(default 1,4,16,64)")
     p.add_argument("--startup", action="store_true",
                    help="fresh processes that open the model and generate 1 token: start to first token and "
                         "peak RSS (paired with llama-cpp-python when importable); --repeat runs each")
@@ -273,6 +276,11 @@ async def _bench_json_schema(a) -> list[dict]:
 
 
 def run_bench(a) -> None:
+    if a.profile:
+        from hearthlm.profile_bench import print_profile, run_profile
+        rows = run_profile(a)
+        print(json.dumps(rows, indent=2)) if a.json else print_profile(rows, a.model)
+        return
     if a.startup:
         from hearthlm.startup_bench import bench_startup, first_run, print_rows
         path = str(resolve_model(a.model, filename=a.filename))

@@ -176,6 +176,47 @@ def _by_subblock(builder, red, sub):
     return out
 
 
+def _fifth_bits(context, builder, arrty, qs, inds, codes, offset):
+    """A "nib5" row's 64 nibble codes with their fifth bits (the 8 bytes after the 32 of
+    nibbles, bit j = weight j) or-ed in, plus `offset`."""
+    v64 = ir.VectorType(_I8, 64)
+    bits = builder.load(_vec_ptr(context, builder, arrty, qs, inds + [(context.get_constant(types.intp, 32),
+                                                                        types.intp)], ir.IntType(64)), align=1)
+    mask = builder.bitcast(bits, ir.VectorType(ir.IntType(1), 64))
+    return builder.or_(codes, builder.select(mask, ir.Constant(v64, [16 + offset] * 64),
+                                             ir.Constant(v64, [offset] * 64)))
+
+
+@intrinsic
+def _unpack5(typingctx, qs, rb, buf):
+    """Block rb of "nib5" codes (40 bytes per row and group) -> buf[0] as int8 codes (64 per
+    row and group), a vector load, two shifts and a select per row: the scalar loop this
+    replaces cost more than the products of 8 tokens (measured on AVX2)."""
+    sig = types.none(qs, rb, buf)
+
+    def codegen(context, builder, sig, args):
+        qs_v, rb_v, buf_v = args
+        ip = types.intp
+        cst = lambda v: context.get_constant(ip, v)
+        rb = context.cast(builder, rb_v, sig.args[1], ip)
+        n_groups = cgutils.unpack_tuple(builder, context.make_array(sig.args[0])(context, builder, qs_v).shape)[1]
+        v8, v64 = ir.VectorType(_I8, 32), ir.VectorType(_I8, 64)
+        with cgutils.for_range(builder, n_groups) as loop:
+            g = loop.index
+            for i in range(ROWS):
+                inds = [(rb, ip), (g, ip), (cst(i), ip)]
+                b = builder.load(_vec_ptr(context, builder, sig.args[0], qs_v, inds + [(cst(0), ip)], v8), align=1)
+                lo = builder.and_(b, ir.Constant(v8, [15] * 32))
+                hi = builder.lshr(b, ir.Constant(v8, [4] * 32))
+                codes = builder.shuffle_vector(lo, hi, ir.Constant(ir.VectorType(_I32, 64), list(range(64))))
+                codes = _fifth_bits(context, builder, sig.args[0], qs_v, inds, codes, 0)
+                builder.store(codes, _vec_ptr(context, builder, sig.args[2], buf_v,
+                                              [(cst(0), ip), (g, ip), (cst(i), ip), (cst(0), ip)], v64), align=1)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
 def _make_group(kind, sub, has_m, n_tok):
     """An intrinsic group(qs, rb, g, xq, t, d, m, c, xd, xs, y, rq): weights g*64..g*64+63 of
     the rows of block rb (their codes in qs's block rq) against tokens t..t+n_tok-1, added into
@@ -216,14 +257,9 @@ def _make_group(kind, sub, has_m, n_tok):
                     lo = builder.and_(b, ir.Constant(v8, [15] * 32))
                     hi = builder.lshr(b, ir.Constant(v8, [4] * 32))
                     codes = builder.shuffle_vector(lo, hi, ir.Constant(ir.VectorType(_I32, 64), list(range(64))))
-                    if kind == "nib5":  # the fifth bits: 8 bytes after the nibbles, bit j = weight j
-                        bits = builder.load(_vec_ptr(context, builder, ta[0], qs_v,
-                                                     [(rq, ip), (g, ip), (cst(i), ip), (cst(32), ip)], ir.IntType(64)),
-                                            align=1)
-                        mask = builder.bitcast(bits, ir.VectorType(ir.IntType(1), 64))
-                        # and + 128, as the i8 path takes the same codes unpacked (see dot_nib5_32)
-                        codes = builder.or_(codes, builder.select(mask, ir.Constant(v64, [16 + 128] * 64),
-                                                                  ir.Constant(v64, [128] * 64)))
+                    if kind == "nib5":  # + 128, as the i8 path takes the same codes unpacked (see dot_nib5_32)
+                        codes = _fifth_bits(context, builder, ta[0], qs_v, [(rq, ip), (g, ip), (cst(i), ip)],
+                                            codes, 128)
                 for u, xv in enumerate(xvs):
                     parts[u].append(_dot4(builder, codes, xv, kind))
             per = 64 // sub  # sub-blocks per group
@@ -420,18 +456,6 @@ def dot_nib32(qs, d, m, ms, c, xq, xd, xs, y):
 
 
 UNPACK_MIN_TOKENS = 4  # above this, unpacking a block of 5-bit codes once beats unpacking them per pair
-
-
-@numba.njit(inline="always", cache=True, nogil=True)
-def _unpack5(qs, rb, buf):
-    """Block rb of "nib5" codes (40 bytes per row and group) -> buf[0] as int8 codes (64)."""
-    for g in range(qs.shape[1]):
-        for i in range(ROWS):
-            q = qs[rb, g, i]
-            for j in range(32):
-                b = q[j]
-                buf[0, g, i, j] = np.int8((b & 15) | (((q[32 + (j >> 3)] >> (j & 7)) & 1) << 4))
-                buf[0, g, i, 32 + j] = np.int8((b >> 4) | (((q[36 + (j >> 3)] >> (j & 7)) & 1) << 4))
 
 
 @numba.njit(**_JIT)

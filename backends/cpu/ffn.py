@@ -12,7 +12,8 @@ from hearthlm.backends.cpu.matmul import ffn_glu1, matmul, quantize_for, start_p
 from hearthlm.backends.cpu.qtypes import PackedWeight
 
 CHUNK = 512  # output columns per slab: a multiple of matmul.TILE_ROWS
-WHOLE_MAX = 1 << 16  # up to this many outputs (n_tokens x n_ff), one slab: slabs cost a call each
+WHOLE_MAX = 1 << 19  # up to this many outputs (n_tokens x n_ff), one slab: slabs cost a call each (64 tokens
+# of Qwen2.5-0.5B whole: 5.35 ms against 5.61 in slabs)
 
 _slabs: "weakref.WeakKeyDictionary[PackedWeight, list[PackedWeight]]" = weakref.WeakKeyDictionary()
 

@@ -1,0 +1,110 @@
+"""`hearthlm bench --profile`: where a decode step's time goes at 1, 4, 16 and 64 tokens per
+step. n requests decode together (8-token prompts, so the steps timed are decode steps of n
+tokens); each step's wall time splits into kernels by op kind, the rest of the graph walk
+(Python per node), and the engine around it (plan, inputs, sampling, callbacks)."""
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+
+import anyio
+
+from hearthlm.runtime import dispatch, engine as engine_mod
+from hearthlm.runtime.graph_cache import bucket
+from hearthlm.session import Session
+
+
+class _Acc:
+    def __init__(self) -> None:
+        self.by_op: dict[int, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+        self.walk: dict[int, float] = defaultdict(float)   # execute() as a whole
+        self.steps: dict[int, int] = defaultdict(int)
+
+
+def _timed_execute(acc: _Acc):
+    def execute(cg, feed, cache_of):
+        n = len(feed["tokens"])
+        by_op = acc.by_op[n]
+        t_walk = time.perf_counter()
+        for st in cg.steps:  # wraps each kernel once per graph; the walk itself is dispatch.execute
+            if st.kind is dispatch.KERNEL and not getattr(st.fn, "_timed", False):
+                st.fn = _wrap(st.fn, acc, st.node.op.value)
+        acc.cur = by_op
+        outs = dispatch.execute(cg, feed, cache_of)
+        acc.walk[n] += time.perf_counter() - t_walk
+        acc.steps[n] += 1
+        return outs
+    return execute
+
+
+def _wrap(fn, acc: _Acc, name: str):
+    def k(*args, **kw):
+        t = time.perf_counter()
+        r = fn(*args, **kw)
+        acc.cur[name] += time.perf_counter() - t
+        return r
+    k._timed = True
+    return k
+
+
+async def _run(a, levels: list[int], decode: int) -> list[dict]:
+    acc = _Acc()
+    rows = []
+    async with Session.open(a.model, backend=a.backend, n_ctx=a.n_ctx, filename=a.filename,
+                            max_batch_tokens=512, max_seqs=max(levels)) as s:
+        eng = s.engine
+        step0 = eng.step
+        step_t: dict[int, float] = defaultdict(float)
+
+        def step():  # the whole step, keyed by the tokens it computed (bucketed as the graph is)
+            before = eng.counters["tokens_computed"]
+            t = time.perf_counter()
+            step0()
+            n = eng.counters["tokens_computed"] - before
+            if n:
+                step_t[bucket(n, eng.max_batch_tokens)] += time.perf_counter() - t
+        eng.step = step
+        engine_mod.execute = _timed_execute(acc)
+        try:
+            for warm in (True, False):
+                for n in levels:
+                    async with anyio.create_task_group() as tg:
+                        for i in range(n):
+                            tg.start_soon(lambda i=i: s.generate([1000 + i + 7 * j for j in range(8)],
+                                                                 max_tokens=4 if warm else decode,
+                                                                 temperature=0, ignore_eos=True))
+                if warm:
+                    acc.__init__()
+                    step_t.clear()
+        finally:
+            engine_mod.execute = dispatch.execute
+        for n in levels:
+            k = acc.steps[n]
+            if not k:
+                continue
+            ops = {op: t / k for op, t in acc.by_op[n].items()}
+            kern = sum(ops.values())
+            walk = acc.walk[n] / k
+            total = step_t[n] / k
+            rows.append(dict(tokens=n, steps=k, step_ms=1e3 * total, kernels_ms=1e3 * kern,
+                             walk_python_ms=1e3 * (walk - kern), engine_python_ms=1e3 * (total - walk),
+                             tok_s=n / total, ops={op: 1e3 * t for op, t in sorted(ops.items(), key=lambda x: -x[1])}))
+    return rows
+
+
+def run_profile(a) -> list[dict]:
+    levels = [int(x) for x in (a.concurrency or "1,4,16,64").split(",")]
+    return anyio.run(_run, a, levels, min(a.decode_tokens, 48))
+
+
+def print_profile(rows: list[dict], model: str) -> None:
+    print(f"model: {model}  per decode step (ms), tokens per step = concurrent requests")
+    print(f"{'tokens':>6} {'step':>8} {'kernels':>8} {'walk py':>8} {'engine py':>9} {'tok/s':>8}")
+    for r in rows:
+        print(f"{r['tokens']:>6} {r['step_ms']:>8.2f} {r['kernels_ms']:>8.2f} {r['walk_python_ms']:>8.2f} "
+              f"{r['engine_python_ms']:>9.2f} {r['tok_s']:>8.1f}")
+    ops = list(dict.fromkeys(op for r in rows for op in r["ops"]))
+    print("\nkernel time per step by op (ms)")
+    print(f"{'op':>18} " + " ".join(f"{r['tokens']:>8}" for r in rows))
+    for op in ops:
+        print(f"{op:>18} " + " ".join(f"{r['ops'].get(op, 0.0):>8.2f}" for r in rows))
