@@ -81,6 +81,15 @@ class Backend:
         """Called in the engine's worker thread before it runs any kernel (a GPU backend
         makes its device current there: kernels run in that thread, not the caller's)."""
 
+    def thread_counts(self) -> tuple[int, ...]:
+        """Worker-thread counts the engine may choose between, step by step (runtime.threads
+        measures which is fastest now: on a CPU shared with other work, fewer threads than
+        cores). Empty: the backend's own choice, untuned."""
+        return ()
+
+    def use_threads(self, n: int) -> None:
+        """Run the calling thread's next kernels on n worker threads (one of thread_counts)."""
+
     def loaded(self) -> None:
         """Called once the weights a session needs at start are prepared (a GPU backend
         frees its upload staging memory)."""

@@ -26,6 +26,7 @@ from hearthlm.runtime.placement import Placement
 from hearthlm.runtime.request import Request
 from hearthlm.runtime.seq_memory import SequenceMemory, StateCache
 from hearthlm.runtime.sampling import sample, top_logprobs
+from hearthlm.runtime.threads import ThreadTuner
 
 log = get_logger("hearthlm.engine")
 _blas = {"engines": 0, "limit": None}
@@ -126,6 +127,10 @@ class Engine:
                              preemptions=0)
         self._ttft: deque[float] = deque(maxlen=1000)
         self._masks: MaskWorker | None = None  # started with the first constrained request
+        # the host backend's worker threads, chosen per step shape by measuring (runtime.threads)
+        self._host = next((b for b in self.placement.backends.values() if b.thread_counts()), None)
+        self.threads = ThreadTuner(self._host.thread_counts() if self._host else ())
+        self._threads_now = self.threads.current()
 
     # ---- caller side (any thread) -------------------------------------------------
     def start(self) -> None:
@@ -193,6 +198,7 @@ class Engine:
         m = self._masks
         c.update(mask_ms_per_token=1e3 * m.compute_s / m.n_masks if m and m.n_masks else 0.0,
                  mask_wait_ms_per_token=1e3 * m.wait_s / m.n_masks if m and m.n_masks else 0.0)
+        c.update(threads=self._threads_now, thread_switches=self.threads.switches)
         c.update(healthy=self._failed is None, engine_error=str(self._failed) if self._failed else None)
         return c
 
@@ -274,7 +280,14 @@ class Engine:
                 self._masks = MaskWorker(self.model.n_vocab)
             job = self._masks.start([r.matcher for r in constrained]) if constrained else None
             try:
-                outs = execute(self._graph(shape), feed, self.memory.cache_of)
+                cg = self._graph(shape)
+                n_threads = self.threads.pick(shape)
+                if n_threads != self._threads_now:
+                    self._host.use_threads(n_threads)
+                    self._threads_now = n_threads
+                t_run = time.perf_counter()
+                outs = execute(cg, feed, self.memory.cache_of)
+                self.threads.done(shape, n_threads, time.perf_counter() - t_run)
             finally:  # the matchers are not touched again before their masks are done
                 masks = self._masks.join(job) if job else None
             # counted before _update wakes the callers, so their stats() see this step
@@ -367,7 +380,7 @@ class Engine:
             try:
                 if r.matcher is not None:
                     lg = r.matcher.apply(lg, masks[id(r)])
-                tok = sample(lg, p, r.rng, r.tokens)
+                tok = sample(lg, p, r.rng, r.counts if r.counts is not None else ())
                 tlp = top_logprobs(lg, p.top_logprobs, tok) if p.top_logprobs else None
                 ff = []  # tokens the grammar forces after tok: fed in the next step, unsampled
                 if r.matcher is not None and tok not in eog:
@@ -388,7 +401,7 @@ class Engine:
                 continue
             try:
                 for t, lp in [(tok, tlp), *((t, None) for t in ff)]:
-                    r.tokens.append(t)
+                    r.append(t)
                     r.n_generated += 1
                     self.counters["tokens_generated"] += 1
                     r.on_token(t, lp)

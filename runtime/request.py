@@ -7,7 +7,7 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
-from hearthlm.runtime.sampling import SamplingParams
+from hearthlm.runtime.sampling import SamplingParams, TokenCounts, penalized
 
 _ids = itertools.count(1)
 
@@ -39,10 +39,19 @@ class Request:
     pooling: str | None = None
     pooled: np.ndarray | None = None  # while running: the sum of rows (mean), the first (cls) or the last
     matcher: Any = None  # runtime.constraint.Matcher: the grammar the output must follow
+    counts: TokenCounts | None = None  # of `tokens`, for the penalties (kept only where they apply)
 
     def __post_init__(self) -> None:
         self.tokens = list(self.prompt)
         self.rng = np.random.default_rng(self.params.seed)
+        if penalized(self.params):
+            self.counts = TokenCounts(self.tokens)
+
+    def append(self, t: int) -> None:
+        """A generated token."""
+        self.tokens.append(t)
+        if self.counts is not None:
+            self.counts.add(t)
 
     @property
     def n_wanted(self) -> int:

@@ -74,12 +74,45 @@ def top_logprobs(logits: np.ndarray, k: int, sampled: int | None = None) -> list
     return [(i, float(lp[i])) for i in idx]
 
 
-def apply_penalties(logits: np.ndarray, p: SamplingParams, history: list[int]) -> np.ndarray:
-    if not history or (p.repetition_penalty == 1.0 and p.frequency_penalty == 0.0 and p.presence_penalty == 0.0):
+class TokenCounts:
+    """How often each token occurred in a request's tokens, kept as they come (the penalties
+    read it every step: counting the whole history each time was quadratic in its length).
+    ids[:n] in first-seen order, counts[:n] beside them."""
+
+    def __init__(self, tokens=()) -> None:
+        self.index: dict[int, int] = {}
+        self.ids = np.empty(16, np.int64)
+        self.counts = np.zeros(16, np.int64)
+        for t in tokens:
+            self.add(t)
+
+    def add(self, t: int) -> None:
+        i = self.index.get(t)
+        if i is None:
+            i = self.index[t] = len(self.index)
+            if i == len(self.ids):
+                self.ids, self.counts = (np.concatenate([a, np.zeros_like(a)]) for a in (self.ids, self.counts))
+            self.ids[i] = t
+        self.counts[i] += 1
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+
+def penalized(p: SamplingParams) -> bool:
+    return p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
+
+
+def apply_penalties(logits: np.ndarray, p: SamplingParams, history) -> np.ndarray:
+    """history: a TokenCounts, or the tokens themselves."""
+    if not len(history) or not penalized(p):
         return logits
+    if not isinstance(history, TokenCounts):
+        history = TokenCounts(history)
     logits = logits.astype(np.float32).copy()
-    ids, counts = np.unique(np.asarray(history, np.int64), return_counts=True)
-    ids_ok = ids < logits.shape[0]
+    n = len(history)
+    ids, counts = history.ids[:n], history.counts[:n]
+    ids_ok = (ids >= 0) & (ids < logits.shape[0])
     ids, counts = ids[ids_ok], counts[ids_ok]
     if p.repetition_penalty != 1.0:  # as llama.cpp / HF: shrink positive logits, grow negative ones
         v = logits[ids]
@@ -88,8 +121,8 @@ def apply_penalties(logits: np.ndarray, p: SamplingParams, history: list[int]) -
     return logits
 
 
-def sample(logits: np.ndarray, p: SamplingParams, rng: np.random.Generator, history: list[int]) -> int:
-    """logits (n_vocab,) float32 -> token id."""
+def sample(logits: np.ndarray, p: SamplingParams, rng: np.random.Generator, history) -> int:
+    """logits (n_vocab,) float32 -> token id; history: what apply_penalties takes."""
     logits = apply_penalties(logits, p, history)
     if p.greedy:
         return int(np.argmax(logits))

@@ -3,6 +3,8 @@ anyio has no non-blocking "call soon from a foreign thread", so we use the runni
 loop's own: asyncio's call_soon_threadsafe or trio's TrioToken.run_sync_soon."""
 from __future__ import annotations
 
+import threading
+import weakref
 from collections import deque
 from typing import Any, Callable
 
@@ -10,45 +12,81 @@ import anyio
 import sniffio
 
 
-def loop_waker() -> Callable[[Callable[[], None]], None]:
-    """Call on the event loop; returns `wake(fn)` that runs fn on that loop, from any thread."""
+_wakers: "weakref.WeakKeyDictionary[Any, _Waker]" = weakref.WeakKeyDictionary()
+
+
+class _Waker:
+    """One loop's wake-ups from the engine thread, batched: the channels that got items since
+    the last wake-up are set in one call on the loop, so a step's tokens for many requests
+    cost the loop (and the engine thread) one cross-thread call, not one per token."""
+
+    def __init__(self, call: Callable[[Callable[[], None]], Any]) -> None:
+        self._call = call
+        self._lock = threading.Lock()
+        self._dirty: list[Channel] = []
+
+    def notify(self, ch: "Channel") -> None:  # any thread
+        with self._lock:
+            self._dirty.append(ch)
+            if len(self._dirty) > 1:  # a wake-up is on its way, and will see this one
+                return
+        try:
+            self._call(self._run)
+        except RuntimeError:  # the loop is closed: nobody is listening any more
+            with self._lock:
+                self._dirty = []
+
+    def _run(self) -> None:  # on the loop
+        with self._lock:
+            chans, self._dirty = self._dirty, []
+        for ch in chans:
+            ch._set()
+
+
+def loop_waker() -> _Waker:
+    """Call on the event loop; returns the waker that reaches that loop from any thread."""
     lib = sniffio.current_async_library()
     if lib == "asyncio":
         import asyncio
         loop = asyncio.get_running_loop()
-        call = loop.call_soon_threadsafe
+        key, call = loop, loop.call_soon_threadsafe
     elif lib == "trio":
         import trio
-        call = trio.lowlevel.current_trio_token().run_sync_soon
+        token = trio.lowlevel.current_trio_token()
+        key, call = token, token.run_sync_soon
     else:
         raise RuntimeError(f"unsupported async library {lib!r}")
-
-    def wake(fn: Callable[[], None]) -> None:
-        try:
-            call(fn)
-        except RuntimeError:  # the loop is closed: nobody is listening any more
-            pass
-    return wake
+    w = _wakers.get(key)
+    if w is None:
+        w = _wakers[key] = _Waker(call)
+    return w
 
 
 class Channel:
-    """Engine thread puts, one task on the loop takes. FIFO, unbounded (one request's tokens)."""
+    """Engine thread puts, one task on the loop takes. FIFO, unbounded (one request's tokens).
+    A put wakes the loop only where the taker has not yet been woken for earlier items."""
 
-    def __init__(self, wake: Callable[[Callable[[], None]], None]) -> None:
+    def __init__(self, waker: _Waker) -> None:
         self._items: deque[Any] = deque()
-        self._wake = wake
+        self._waker = waker
+        self._armed = False  # a wake-up is pending: the taker will see what is put meanwhile
         self._event = anyio.Event()
 
     def put(self, item: Any) -> None:  # any thread
         self._items.append(item)
-        self._wake(self._set)
+        if not self._armed:
+            self._armed = True
+            self._waker.notify(self)
 
     def _set(self) -> None:
         self._event.set()
 
     async def get_all(self) -> list[Any]:
         """Everything queued so far, waiting for at least one item."""
-        while not self._items:
+        while True:
+            self._armed = False  # before looking: an item put after this wakes us again
+            if self._items:
+                break
             self._event = anyio.Event()
             if self._items:  # arrived between the check and the new event
                 break

@@ -34,6 +34,10 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
                         "token and inter-token latency with that many concurrent generations")
     p.add_argument("--repeat", type=int, default=3, help="rounds of the single-stream measurements (median)")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--competing-load", type=int, default=0, metavar="N",
+                   help="measure twice: quiet, then beside N CPU-bound processes (as other work in an app), "
+                        "and report the fraction of the quiet rate each engine kept")
+    p.add_argument("--competing-nice", type=int, default=0, metavar="K", help="the competitors' nice level")
     p.add_argument("--profile", action="store_true",
                    help="time per op kind, kernels vs Python, per decode step at --concurrency levels "
                         "(default 1,4,16,64)")
@@ -275,6 +279,76 @@ async def _bench_json_schema(a) -> list[dict]:
     return rows
 
 
+def _spin(nice: int) -> None:
+    import os
+    os.nice(nice)
+    while True:
+        pass
+
+
+class competitors:
+    """N CPU-bound processes at nice K while the block runs."""
+
+    def __init__(self, n: int, nice: int) -> None:
+        self.n, self.nice, self.procs = n, nice, []
+
+    def __enter__(self):
+        ctx = multiprocessing.get_context("spawn")
+        self.procs = [ctx.Process(target=_spin, args=(self.nice,), daemon=True) for _ in range(self.n)]
+        for p in self.procs:
+            p.start()
+        time.sleep(0.5)  # started and spinning
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for p in self.procs:
+            p.terminate()
+        for p in self.procs:
+            p.join()
+
+
+_RATE_KEYS = ("prefill_tok_s", "decode_tok_s", "aggregate_tok_s")
+
+
+def _with_load(a, measure) -> list[dict]:
+    """measure() quiet, then beside the competitors; the loaded rows, and per engine a "kept"
+    row: loaded rate / quiet rate."""
+    quiet = [r for r in measure() if r["engine"] != "ratio"]
+    with competitors(a.competing_load, a.competing_nice):
+        loaded = measure()
+    kept = []
+    for q, l in zip(quiet, [r for r in loaded if r["engine"] != "ratio"]):
+        kept.append(dict(l, engine=f"{l['engine']} kept", **{k: l[k] / q[k] for k in _RATE_KEYS if k in l and q.get(k)}))
+    tag = f"+{a.competing_load}@nice{a.competing_nice}"
+    return ([dict(r, engine=f"{r['engine']} quiet") for r in quiet]
+            + [dict(r, engine=f"{r['engine']} {tag}") if r["engine"] != "ratio" else r for r in loaded] + kept)
+
+
+def _concurrency_rows(a) -> list[dict]:
+    rows = anyio.run(_bench_concurrency, a)
+    if a.compare_llama_cpp:
+        levels = [int(x) for x in a.concurrency.split(",")]
+        with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as ex:
+            ref = ex.submit(_concurrency_llama_cpp, a, str(resolve_model(a.model, filename=a.filename)),
+                            levels).result()
+        if ref is None:
+            print("llama-cpp-python is not importable; skipping the comparison")
+        else:
+            rows += ref + [dict(engine="ratio", concurrency=h["concurrency"],
+                                aggregate_tok_s=h["aggregate_tok_s"] / r["aggregate_tok_s"],
+                                ttft_p50_s=h["ttft_p50_s"] / r["ttft_p50_s"])
+                           for h, r in zip(rows[:len(levels)], ref)]
+    return rows
+
+
+def _single_rows(a) -> list[dict]:
+    if a.compare_llama_cpp:
+        # llama.cpp in its own process: its own peak RSS, and no numba threads beside it
+        with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as ex:
+            return anyio.run(_bench_single, a, ex, str(resolve_model(a.model, filename=a.filename)))
+    return anyio.run(_bench_single, a, None, "")
+
+
 def run_bench(a) -> None:
     if a.profile:
         from hearthlm.profile_bench import print_profile, run_profile
@@ -302,23 +376,11 @@ def run_bench(a) -> None:
             print("  ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()))
         return
     if a.concurrency:
-        rows = anyio.run(_bench_concurrency, a)
-        if a.compare_llama_cpp:
-            levels = [int(x) for x in a.concurrency.split(",")]
-            with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as ex:
-                ref = ex.submit(_concurrency_llama_cpp, a, str(resolve_model(a.model, filename=a.filename)),
-                                levels).result()
-            if ref is None:
-                print("llama-cpp-python is not importable; skipping the comparison")
-            else:
-                rows += ref + [dict(engine="ratio", concurrency=h["concurrency"],
-                                    aggregate_tok_s=h["aggregate_tok_s"] / r["aggregate_tok_s"],
-                                    ttft_p50_s=h["ttft_p50_s"] / r["ttft_p50_s"])
-                               for h, r in zip(rows[:len(levels)], ref)]
+        rows = (_with_load(a, lambda: _concurrency_rows(a)) if a.competing_load else _concurrency_rows(a))
         if a.json:
             print(json.dumps(rows, indent=2))
             return
-        cols = list(rows[0])
+        cols = list(dict.fromkeys(c for r in rows for c in r))
         print(f"model: {a.model}  decode: {a.decode_tokens} tokens per request")
         print("  ".join(f"{c:>15}" for c in cols))
         for r in rows:
@@ -328,12 +390,7 @@ def run_bench(a) -> None:
     if a.threads:
         import numba
         numba.set_num_threads(a.threads)
-    if a.compare_llama_cpp:
-        # llama.cpp in its own process: its own peak RSS, and no numba threads beside it
-        with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as ex:
-            rows = anyio.run(_bench_single, a, ex, str(resolve_model(a.model, filename=a.filename)))
-    else:
-        rows = anyio.run(_bench_single, a, None, "")
+    rows = _with_load(a, lambda: _single_rows(a)) if a.competing_load else _single_rows(a)
     if a.json:
         print(json.dumps(rows, indent=2))
         return

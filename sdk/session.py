@@ -307,7 +307,9 @@ class Session:
         yield len(ids)
         decoder = StreamDecoder(self.model.tokenizer, prompt_ids=ids)
         calls = ToolOutput(plan) if plan is not None else None
-        text_out, held = "", ""  # held: text that may be the start of a stop string
+        # held: text that may be the start of a stop string; recent: the text emitted last, as
+        # much as a stop string could reach back into (the whole text made the matching quadratic)
+        recent, held, keep = "", "", max(map(len, stops), default=0)
         done = False
         try:
             while not done:
@@ -326,7 +328,7 @@ class Session:
                         reason, done = a, True
                         # a character cut short by max_tokens is dropped, not shown as U+FFFD
                         tail = decoder.flush()
-                        piece, held, hit = _cut_at_stop(text_out + new, held + tail.rstrip("\ufffd"),
+                        piece, held, hit = _cut_at_stop(recent + new, held + tail.rstrip("\ufffd"),
                                                         stops, final=True)
                         new += piece
                         reason = "stop" if hit else reason
@@ -335,13 +337,13 @@ class Session:
                     toks.append(a)
                     if b is not None:
                         lps.append(b)
-                    piece, held, hit = _cut_at_stop(text_out + new, held + decoder.push(a), stops, final=False)
+                    piece, held, hit = _cut_at_stop(recent + new, held + decoder.push(a), stops, final=False)
                     new += piece
                     if hit:
                         reason, done = "stop", True
                         self.engine.abort(req.id)  # the engine may still be running it
                         break
-                text_out += new
+                recent = (recent + new)[-keep:] if keep else ""
                 if toks or new or done:
                     c = Chunk(new, toks, reason, lps or None, prompt_tokens=len(ids) if done else None)
                     yield calls.feed(c) if calls is not None else c

@@ -6,7 +6,7 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from hearthlm.runtime.sampling import SamplingParams, apply_penalties, sample
+from hearthlm.runtime.sampling import SamplingParams, TokenCounts, apply_penalties, sample
 
 V = 64
 LOGITS = (np.random.default_rng(0).standard_normal(V) * 2.0).astype(np.float32)  # distinct values
@@ -109,6 +109,23 @@ def test_penalties(rep, freq, pres):
     np.testing.assert_allclose(got[seen], want[seen], rtol=1e-6, atol=1e-6)
     assert np.any(got[seen] != LOGITS[seen])
     assert LOGITS.tolist() == apply_penalties(LOGITS, p, []).tolist()  # no history, no change
+
+
+def test_token_counts_kept_as_tokens_come():
+    """The request's counts grow with each generated token (past the first array size) and
+    give what counting the whole history gives."""
+    from hearthlm.runtime.request import Request
+    rng = np.random.default_rng(3)
+    p = SamplingParams(repetition_penalty=1.2, frequency_penalty=0.3)
+    r = Request(prompt=HISTORY, params=p, max_tokens=64, on_token=None, on_finish=None)
+    for t in rng.integers(0, V, 50):
+        r.append(int(t))
+    ids, counts = np.unique(r.tokens, return_counts=True)
+    n = len(r.counts)
+    assert n == len(ids) > 16
+    assert dict(zip(r.counts.ids[:n].tolist(), r.counts.counts[:n].tolist())) == dict(zip(ids.tolist(), counts.tolist()))
+    assert np.array_equal(apply_penalties(LOGITS, p, r.counts), apply_penalties(LOGITS, p, r.tokens))
+    assert Request(prompt=[1, 2], params=SamplingParams(), max_tokens=1, on_token=None, on_finish=None).counts is None
 
 
 def test_penalties_steer_the_greedy_choice():

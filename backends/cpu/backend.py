@@ -330,7 +330,8 @@ class CPUBackend(Backend):
     kv_dtype = np.dtype(np.float16 if NATIVE_HALF else np.float32)
     weight_layout = f"cpu-qtypes-{LAYOUT_VERSION}"
 
-    def __init__(self) -> None:
+    def __init__(self, threads: int | None = None) -> None:
+        self.threads = threads  # worker threads at most (None: numba's, one per core)
         self.kernels = {
             Op.GET_ROWS: _get_rows,
             Op.MUL_MAT: _mul_mat,
@@ -370,6 +371,18 @@ class CPUBackend(Backend):
             Op.SSM_SCAN: _ssm_scan,
             Op.GATED_DELTA_NET: _gated_delta_net,
         }
+
+    def thread_counts(self) -> tuple[int, ...]:
+        # all of numba's threads, or one: a parallel kernel waits at its end for every worker,
+        # so one worker descheduled by another process stalls each kernel of a step (measured:
+        # one competing process cut decode to 0.13 of its quiet rate at 2 threads)
+        import numba
+        n = numba.config.NUMBA_NUM_THREADS if self.threads is None else self.threads
+        return (n, 1) if n > 1 else ()
+
+    def use_threads(self, n: int) -> None:
+        import numba
+        numba.set_num_threads(n)  # per calling thread: the engine's
 
     def loaded(self) -> None:
         if not kernels_cached():

@@ -1,0 +1,68 @@
+"""How many worker threads the engine's steps run on, chosen by measuring. On a CPU shared
+with other work (inside an app it is), a parallel kernel waits at its end for every worker,
+and a worker descheduled by another process stalls it: fewer threads than cores can be
+several times faster then, and slower again once the other work stops. So each step shape
+keeps a running mean of its step time per thread count; steps run on the fastest, and now
+and then one runs on another, to notice when the machine has changed."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+ALPHA = 0.3        # weight of the newest step in a running mean: a competitor shows within a few steps
+EXPLORE_EVERY = 32  # steps between tries of another count, times how much slower it was (so a try costs
+                   # at most ~1/32 of the time), and at most MAX_EVERY
+MAX_EVERY = 128
+
+
+@dataclass
+class _Shape:
+    mean: dict[int, float] = field(default_factory=dict)  # thread count -> running mean of its step time (s)
+    steps: int = 0
+    next_try: int = 0  # step number at which another count is tried
+    warm: bool = False
+
+
+class ThreadTuner:
+    """`pick(key)` before a step, `done(key, n, seconds)` after it. counts: the choices, the
+    first preferred while nothing is measured."""
+
+    def __init__(self, counts: tuple[int, ...]) -> None:
+        self.counts = counts
+        self.shapes: dict[object, _Shape] = {}
+        self.switches = 0  # steps whose count differed from the previous step's
+        self._last = counts[0] if counts else None
+
+    def pick(self, key) -> int | None:
+        if len(self.counts) < 2:
+            return self._last
+        s = self.shapes.setdefault(key, _Shape())
+        unmeasured = [n for n in self.counts if n not in s.mean]
+        if unmeasured:
+            return unmeasured[0]
+        best = min(s.mean, key=s.mean.get)
+        if s.steps >= s.next_try:  # try the runner-up
+            return min((n for n in self.counts if n != best), key=s.mean.get)
+        return best
+
+    def done(self, key, n: int | None, seconds: float) -> None:
+        if n is None or len(self.counts) < 2:
+            return
+        if n != self._last:
+            self.switches += 1
+        self._last = n
+        s = self.shapes[key]
+        if not s.warm:  # a shape's first run loads its kernels: not a measure of the threads
+            s.warm = True
+            return
+        tried = s.steps >= s.next_try
+        old = s.mean.get(n)
+        # a try's one measurement replaces its count's mean: that mean is old, and may be of
+        # another machine state (a competitor since gone)
+        s.mean[n] = seconds if old is None or tried else (1 - ALPHA) * old + ALPHA * seconds
+        s.steps += 1
+        if tried:
+            ratio = max(s.mean.values()) / max(min(s.mean.values()), 1e-9)
+            s.next_try = s.steps + min(int(EXPLORE_EVERY * ratio), MAX_EVERY)
+
+    def current(self) -> int | None:
+        return self._last
