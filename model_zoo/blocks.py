@@ -90,7 +90,7 @@ def build_rope(g: Graph, x: Tensor, inp: Inputs, rope: Rope, *, name: str, il: i
     return g.rope(x, inp.pos, name=name, il=il, **rope.params())
 
 
-def build_qk(g: Graph, q: Tensor, k: Tensor, inp: Inputs, rope: Rope, *, il: int, q_norm: Tensor | None = None,
+def build_qk_norm_rope(g: Graph, q: Tensor, k: Tensor, inp: Inputs, rope: Rope, *, il: int, q_norm: Tensor | None = None,
              k_norm: Tensor | None = None, eps: float = 0.0) -> tuple[Tensor, Tensor]:
     """Per-head Q/K RMSNorm where the architecture has it (Qwen3, Gemma 3), then RoPE on both."""
     if q_norm is not None:

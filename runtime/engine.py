@@ -77,22 +77,22 @@ MIN_KV_BLOCKS = 16  # smallest KV-length bucket of unfused graphs (256 tokens at
 
 
 class Engine:
-    def __init__(self, model: Any, backend: Any, *, n_ctx: int, kv_blocks: int | None = None,
+    def __init__(self, model: Any, placement: Placement | Any, *, n_ctx: int, kv_blocks: int | None = None,
                  block_size: int = 16, max_batch_tokens: int = 512, max_seqs: int = 64,
                  max_queued_requests: int = 1024, fusion: bool | None = None, graph_cache: bool = True,
                  weight_cache=None, state_snapshots: int = 8) -> None:
         """`model` provides build_graph(shape) -> Graph, weights, kv_dims, n_vocab, eog_ids.
-        `backend`: one backend (the trivial placement), or a runtime.placement.Placement of
-        layers over several. `fusion`: None follows HEARTHLM_NO_FUSION; `graph_cache=False`
-        rebuilds every step. `weight_cache`: a runtime.weights.WeightCache of the model's file
+        `placement`: a runtime.placement.Placement of layers over backends, or one backend
+        (the trivial placement). `fusion`: None follows HEARTHLM_NO_FUSION; `graph_cache=False`
+        rebuilds every step. `weight_cache`: a runtime.weight_cache.WeightCache of the model's file
         (packed weights mapped from disk, written there when packed afresh), or None.
         A hybrid model (`model.state_dims`: per layer, its recurrent state's shapes) gets a state
         slot per running sequence and `state_snapshots` slots of prefix states."""
         self.model = model
         self.n_ctx = n_ctx
         self.max_queued_requests = max_queued_requests
-        self.placement = (backend if isinstance(backend, Placement)
-                          else Placement.single(backend, len(model.kv_dims)))
+        self.placement = (placement if isinstance(placement, Placement)
+                          else Placement.single(placement, len(model.kv_dims)))
         # each layer's K/V lives on the backend that runs its attention
         blocks_per_seq = -(-n_ctx // block_size)
         n_blocks = max(kv_blocks or 0, blocks_per_seq) + 1

@@ -68,7 +68,7 @@ class GraphCache:
         self.build, self.placement = build, placement
         self.key = placement.key
         # each backend's prepared weights, shared by all the graphs compiled here; mapped from
-        # `weight_cache` (a runtime.weights.WeightCache) where it holds them
+        # `weight_cache` (a runtime.weight_cache.WeightCache) where it holds them
         self.stores = {name: WeightStore(b, weight_cache) for name, b in placement.backends.items()}
         self.arena = memory.Arena()  # the planned intermediates of every graph here: one at a time runs
         self.fused = fusion.enabled(fusion_on)

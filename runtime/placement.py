@@ -15,10 +15,10 @@ from __future__ import annotations
 import dataclasses
 import re
 from dataclasses import dataclass
-from typing import Callable, Mapping
+from typing import Mapping
 
 from hearthlm.backends.base import Backend
-from hearthlm.runtime.errors import BackendError, InvalidRequestError
+from hearthlm.runtime.errors import BackendError
 from hearthlm.runtime.graph import Graph, Op, Tensor
 from hearthlm.runtime.log import get_logger
 
@@ -85,28 +85,6 @@ def offload(backends: Mapping[str, Backend], n_layer: int, n_gpu_layers: int | N
         return Placement.single(backends[names[0]], n_layer)
     host, dev = names[0], names[1]
     return Placement({host: backends[host], dev: backends[dev]}, [host] * (n_layer - k) + [dev] * k)
-
-
-def open_device(device: str, n_gpu_layers: int | None, make_backend: Callable[[str], Backend]) -> dict[str, Backend]:
-    """The backends of `device`: {"cpu"}, or {"cpu", "cuda"} for "cuda" (BackendError where
-    CuPy or a GPU is missing) and for "auto" where a GPU answers."""
-    if n_gpu_layers is not None and (isinstance(n_gpu_layers, bool) or not isinstance(n_gpu_layers, int)
-                                     or n_gpu_layers < 0):
-        raise InvalidRequestError(f"n_gpu_layers must be None (all) or an int >= 0, got {n_gpu_layers!r}")
-    if device not in ("cpu", "cuda", "auto"):
-        raise InvalidRequestError(f"device must be 'cpu', 'cuda' or 'auto', got {device!r}")
-    if device == "cpu":
-        if n_gpu_layers:
-            raise InvalidRequestError(f"n_gpu_layers={n_gpu_layers} needs device='cuda' or 'auto'")
-        return {"cpu": make_backend("cpu")}
-    try:
-        gpu = make_backend("cuda")
-    except BackendError as e:
-        if device == "cuda":
-            raise BackendError(f"device='cuda' is not available: {e}") from e
-        log.info("device_auto", chose="cpu", why=str(e))
-        return {"cpu": make_backend("cpu")}
-    return {"cpu": make_backend("cpu"), "cuda": gpu}
 
 
 # ---- the passes ---------------------------------------------------------------------------

@@ -23,10 +23,11 @@ from hearthlm.runtime.engine import Engine
 from hearthlm.runtime.log import get_logger
 from hearthlm.runtime.errors import (ContextLengthError, HearthError, InvalidRequestError, RequestTimeoutError,
                                      SessionClosedError)
-from hearthlm.runtime.placement import offload, open_device
+from hearthlm.runtime.devices import open_device
+from hearthlm.runtime.placement import offload
 from hearthlm.runtime.request import Request
 from hearthlm.runtime.sampling import SamplingParams
-from hearthlm.runtime.weights import WeightCache, cache_dir
+from hearthlm.runtime.weight_cache import WeightCache, cache_dir
 from hearthlm.tools import ToolOutput, ToolPlan
 from hearthlm.types import Chunk, Completion
 

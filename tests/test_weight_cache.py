@@ -15,7 +15,7 @@ from gguf import GGMLQuantizationType as T
 from hearthlm import SyncSession
 from hearthlm.backends.cpu.backend import CPUBackend
 from hearthlm.model_zoo.gguf_file import GGUFFile
-from hearthlm.runtime.weights import CACHE_FORMAT, WeightCache, cache_dir, default_cache_dir
+from hearthlm.runtime.weight_cache import CACHE_FORMAT, WeightCache, cache_dir, default_cache_dir
 from tiny_gguf import write_tiny
 
 PROMPT = [5, 40, 77, 120, 9]

@@ -423,7 +423,7 @@ def _row_i8_16(qs, d, m, ms, c, xq, xd, xs, r, t):
     return acc
 
 
-# The kernels: qs, d, m, ms, c in qtypes' blocked layout; xq, xd, xs from kernels.quantize_x
+# The kernels: qs, d, m, ms, c in qtypes' blocked layout; xq, xd, xs from quantize.quantize_x
 # -> y (n_tok, n_rows). Task rb < n_rows // 16 takes block rb through the vector groups; the
 # last, the rows of a partial block. One kernel per family, alike on purpose: a single kernel
 # choosing the family's intrinsics at run time measured 4-13% slower at 16-128 tokens.

@@ -12,7 +12,7 @@ import numba
 import numpy as np
 from gguf.constants import GGMLQuantizationType
 
-from . import dot, halfs, kernels, ops
+from . import dot, halfs, ops, quantize
 from .qtypes import PackedWeight
 
 # the quantized types: integer kernels below BLAS_MIN_TOKENS, dequantize + BLAS from there.
@@ -85,7 +85,7 @@ def _quantize1(x, n_pad, sub):
     xq = np.empty((1, n_pad), dtype=np.int8)
     xd = np.empty((1, n_pad // 32), dtype=np.float32)
     xs = np.empty((1, n_pad // sub), dtype=np.float32)
-    kernels._quantize_rows(x, xq, xd, xs, sub)
+    quantize._quantize_rows(x, xq, xd, xs, sub)
     return xq, xd, xs
 
 
@@ -164,7 +164,7 @@ def quantize_for(w: PackedWeight, x: np.ndarray):
     n_tok = x.shape[0]
     if w.kind < 0 or n_tok >= BLAS_MIN_TOKENS:
         return None
-    return (w.n_pad, w.sub), kernels.quantize_x(np.ascontiguousarray(x, dtype=np.float32), w.n_pad, w.sub)
+    return (w.n_pad, w.sub), quantize.quantize_x(np.ascontiguousarray(x, dtype=np.float32), w.n_pad, w.sub)
 
 
 def _matmul_int(w: PackedWeight, n_tok: int, prepared, out: np.ndarray | None = None) -> np.ndarray:
@@ -193,5 +193,5 @@ def _dequant(w: PackedWeight, rows: np.ndarray, out: np.ndarray) -> None:
     if w.layout == "half":
         halfs.widen_rows(w.qs, w.ggml_type == GGMLQuantizationType.F16, rows, out)
         return
-    dequant = kernels.dequant_i8 if w.layout == "i8" else kernels.dequant_nib  # nib5: the same, plus bits
+    dequant = quantize.dequant_i8 if w.layout == "i8" else quantize.dequant_nib  # nib5: the same, plus bits
     dequant(w.qs, w.d, w.m, w.ms, np.float32(w.c), w.sub, rows, out)

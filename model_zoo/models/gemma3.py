@@ -9,7 +9,7 @@ import math
 from dataclasses import dataclass
 
 from hearthlm.model_zoo.blocks import (build_attn, build_ffn_block, build_inp_embd, build_inputs, build_norm,
-                                       build_output, build_qk, build_qkv, build_residual)
+                                       build_output, build_qk_norm_rope, build_qkv, build_residual)
 from hearthlm.model_zoo.config import HParams
 from hearthlm.model_zoo.tensors import Spec, layer_specs
 from hearthlm.runtime.batch import BatchShape
@@ -50,7 +50,7 @@ def build(c: Config, g: Graph, w, shape: BatchShape) -> None:
         h = build_norm(g, x, w(b + "attn_norm.weight"), name="attn_norm", il=il, **norm)
         q, k, v = build_qkv(g, h, il=il, n_head=c.n_head, n_head_kv=c.n_head_kv, head_dim=c.head_dim,
                             wq=w(b + "attn_q.weight"), wk=w(b + "attn_k.weight"), wv=w(b + "attn_v.weight"))
-        q, k = build_qk(g, q, k, inp, rope, il=il, q_norm=w(b + "attn_q_norm.weight"),
+        q, k = build_qk_norm_rope(g, q, k, inp, rope, il=il, q_norm=w(b + "attn_q_norm.weight"),
                         k_norm=w(b + "attn_k_norm.weight"), **norm)
         h = build_attn(g, inp, q, k, v, il=il, wo=w(b + "attn_output.weight"), scale=1.0 / math.sqrt(c.head_dim),
                        window=c.sliding_window if local else 0)

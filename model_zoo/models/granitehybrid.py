@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hearthlm.model_zoo.blocks import (build_attn, build_conv, build_ffn, build_inp_embd, build_inputs,
-                                       build_moe_ffn, build_norm, build_output, build_qk, build_qkv, build_state,
+                                       build_moe_ffn, build_norm, build_output, build_qk_norm_rope, build_qkv, build_state,
                                        moe_weights)
 from hearthlm.model_zoo.config import HParams, Reader
 from hearthlm.model_zoo.tensors import Spec
@@ -117,7 +117,7 @@ def build_attn_layer(c: Config, g: Graph, w, inp, h, il: int):
     q, k, v = build_qkv(g, h, il=il, n_head=c.n_head, n_head_kv=c.n_head_kv, head_dim=c.head_dim,
                         wq=w(b + "attn_q.weight"), wk=w(b + "attn_k.weight"), wv=w(b + "attn_v.weight"))
     if c.use_rope:
-        q, k = build_qk(g, q, k, inp, c.rope, il=il)
+        q, k = build_qk_norm_rope(g, q, k, inp, c.rope, il=il)
     return build_attn(g, inp, q, k, v, il=il, wo=w(b + "attn_output.weight"),
                       scale=c.attn_scale or 1.0 / c.head_dim ** 0.5)
 

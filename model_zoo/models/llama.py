@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass
 
 from hearthlm.model_zoo.blocks import (build_attn, build_ffn_block, build_inp_embd, build_inputs, build_norm,
-                                       build_output, build_qk, build_qkv)
+                                       build_output, build_qk_norm_rope, build_qkv)
 from hearthlm.model_zoo.config import HParams
 from hearthlm.model_zoo.tensors import Spec, layer_specs
 from hearthlm.runtime.batch import BatchShape
@@ -44,7 +44,7 @@ def build(c: Config, g: Graph, w, shape: BatchShape) -> None:
                             wq=w(b + "attn_q.weight"), wk=w(b + "attn_k.weight"), wv=w(b + "attn_v.weight"),
                             bq=w(b + "attn_q.bias", optional=True), bk=w(b + "attn_k.bias", optional=True),
                             bv=w(b + "attn_v.bias", optional=True))
-        q, k = build_qk(g, q, k, inp, c.rope, il=il)
+        q, k = build_qk_norm_rope(g, q, k, inp, c.rope, il=il)
         h = build_attn(g, inp, q, k, v, il=il, wo=w(b + "attn_output.weight"),
                        bo=w(b + "attn_output.bias", optional=True), scale=1.0 / math.sqrt(c.head_dim))
         x = g.add(x, h, "ffn_inp", il)

@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass
 
 from hearthlm.model_zoo.blocks import (build_attn, build_ffn_block, build_inp_embd, build_inputs, build_norm,
-                                       build_output, build_qk, build_qkv)
+                                       build_output, build_qk_norm_rope, build_qkv)
 from hearthlm.model_zoo.config import HParams
 from hearthlm.model_zoo.tensors import Spec, layer_specs
 from hearthlm.runtime.batch import BatchShape
@@ -39,7 +39,7 @@ def build_attn_block(c: HParams, g: Graph, w, inp, x, il: int):
     h = build_norm(g, x, w(b + "attn_norm.weight"), eps=c.norm_eps, name="attn_norm", il=il)
     q, k, v = build_qkv(g, h, il=il, n_head=c.n_head, n_head_kv=c.n_head_kv, head_dim=c.head_dim,
                         wq=w(b + "attn_q.weight"), wk=w(b + "attn_k.weight"), wv=w(b + "attn_v.weight"))
-    q, k = build_qk(g, q, k, inp, c.rope, il=il, q_norm=w(b + "attn_q_norm.weight"),
+    q, k = build_qk_norm_rope(g, q, k, inp, c.rope, il=il, q_norm=w(b + "attn_q_norm.weight"),
                     k_norm=w(b + "attn_k_norm.weight"), eps=c.norm_eps)
     return build_attn(g, inp, q, k, v, il=il, wo=w(b + "attn_output.weight"), scale=1.0 / math.sqrt(c.head_dim))
 

@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass
 
 from hearthlm.model_zoo.blocks import (build_attn, build_conv, build_ffn_block, build_inp_embd, build_inputs,
-                                       build_norm, build_output, build_qk, build_state)
+                                       build_norm, build_output, build_qk_norm_rope, build_state)
 from hearthlm.model_zoo.config import HParams, Reader
 from hearthlm.model_zoo.tensors import Spec
 from hearthlm.runtime.batch import BatchShape
@@ -99,7 +99,7 @@ def build_gated_attn(c: Config, g: Graph, w, inp, h, il: int):
     q, gate = g.slice(qg, 0, d, "Qcur", il), g.slice(qg, d, 2 * d, "gate", il)  # per head: q | gate
     k = g.reshape(g.mul_mat(w(b + "attn_k.weight"), h, "Kcur", il), (n, c.n_head_kv, d), "Kcur_3d", il)
     v = g.reshape(g.mul_mat(w(b + "attn_v.weight"), h, "Vcur", il), (n, c.n_head_kv, d), "Vcur_3d", il)
-    q, k = build_qk(g, q, k, inp, c.rope, il=il, q_norm=w(b + "attn_q_norm.weight"),
+    q, k = build_qk_norm_rope(g, q, k, inp, c.rope, il=il, q_norm=w(b + "attn_q_norm.weight"),
                     k_norm=w(b + "attn_k_norm.weight"), eps=c.norm_eps)
     att = build_attn(g, inp, q, k, v, il=il, wo=None, scale=1.0 / math.sqrt(d))  # (n, n_head * d)
     gate = g.reshape(g.sigmoid(gate, "gate_sigmoid", il), (n, c.n_head * d), "gate_2d", il)

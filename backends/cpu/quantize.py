@@ -1,4 +1,5 @@
-"""numba kernels behind matmul.py: activation quantization and dequantization (dot.py has
+"""Quantization on the CPU, behind matmul.py: activations to int8 blocks, and weights back to
+float32 (dequantization, for BLAS tiles and embedding lookups; dot.py has
 the integer dot products). Layouts are those of qtypes.py: weight = d*(code + c) + m, rows in blocks of 16 interleaved
 by 64-weight group (qs[r >> 4, g, r & 15]), d and m (block, sub-block, row in block), m a single
 zero per sub-block (ms=0) for types without a minimum.
