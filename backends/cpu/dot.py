@@ -5,27 +5,22 @@ Sub-block k of a row holds weight = d*(code + c) + m; activations are x = xd*xq 
 codes, amax/127: ggml's q8_0), and xs = xd*sum(xq) per sub-block, so the sub-block's share of
 the dot product is d*xd*sum(code*xq) + (m + c*d)*xs: integers inside, one float multiply-add per
 sub-block. Codes go in as unsigned bytes (int8 ones as s + 128, c lower by I8_SHIFT) because
-vpdpbusd multiplies unsigned by signed bytes: one instruction per row and 64 weights, lane i
-summing weights 4i..4i+3 (without AVX512-VNNI, two pmaddwd give the same integers).
+vpdpbusd multiplies unsigned by signed bytes (without AVX512-VNNI, pmaddwd or vpmaddubsw give
+the same integers).
 
-Rows go 16 at a time: a transposing tree of shuffles and adds turns 16 rows' <16 x i32> of
-partial sums into vectors of the 16 rows' sums per sub-block, and the float update runs on
-vectors of 16 rows (qtypes interleaves each block of 16 rows and its scales so that this reads
-one stream). Summed a row at a time, each sum would end in a horizontal reduction and a scalar
-update, which cost more than the products (2.5-3x slower, measured on cache-resident weights).
-Rows past the last whole 16 take the scalar loops below, which compute the same thing.
-
-5-bit codes ("nib5": Q5_0, Q5_1, Q5_K) are read as nibbles plus a bit plane, 0.625 bytes a
-weight against 1 for int8 codes (decode reads memory; 1.3x on a 46 MB Q5_0 matvec). Unpacking
-them costs instructions, so beyond UNPACK_MIN_TOKENS tokens a block's codes are unpacked once
-into an int8 scratch block and the i8 path runs on it; both paths give the products the same
-unsigned bytes (code + 128) and the same c, so a token's result does not depend on which ran.
+Rows go 16 at a time, interleaved 4 weights at a time (qtypes): one 64-byte load holds 4
+consecutive weights of each of the 16 rows, a row a 32-bit lane, so one vpdpbusd against the
+token's 4 activations broadcast to every lane adds each row's 4 products into that row's own
+lane. A sub-block's sums thus build up in one vector of 16 rows, and the float update runs on
+vectors of 16 rows, with no reduction across lanes (the previous layout, a row's 64 weights per
+load, needed a transposing tree of shuffles per group and token that cost several times the
+products: ~90 -> see qtypes for the figures). 4- and 5-bit codes are unpacked in registers (two
+nibbles a byte; the fifth bits as a 64-bit mask per load), once for the tokens of a pair.
 
 Many tokens (batched decode, prefill) go through the same kernels, two tokens at a time within
 each block of rows (a block's codes loaded and unpacked once for both, and in L1 for the next
-pair). Against int16 activations and pmaddwd (this kernel's previous form), int8 and vpdpbusd
-measured 1.5x on 512-token Q5_0/Q8_0 matmuls and 1.4x on Q6_K; the error of int8 activations is
-llama.cpp's own (q8_0 activations), ~3e-5 NMSE on random data.
+pair); the error of int8 activations is llama.cpp's own (q8_0 activations), ~3e-5 NMSE on
+random data.
 
 Batch invariance: a token's result is computed alone, by the same operations whatever else is
 in its batch; the float update per row,
@@ -108,21 +103,6 @@ def _load_scales(context, builder, arrty, arr, inds, n):
     return widen(builder, v) if half else v
 
 
-def _reduce_rows(builder, vecs, seg):
-    """vecs: 16 <16 x i32> (one per row), each of segments of `seg` lanes (a sub-block's partial
-    sums) -> seg vectors whose lanes are the segments' sums, in (row, segment) order."""
-    while seg > 1:
-        half, nxt = seg // 2, []
-        for a, b in zip(vecs[0::2], vecs[1::2]):
-            lo = [q * seg + i for q in range(16 // seg) for i in range(half)]
-            lo = lo + [16 + i for i in lo]
-            hi = [i + half for i in lo]
-            mask = lambda idx: ir.Constant(ir.VectorType(_I32, 16), idx)
-            nxt.append(builder.add(builder.shuffle_vector(a, b, mask(lo)), builder.shuffle_vector(a, b, mask(hi))))
-        vecs, seg = nxt, half
-    return vecs
-
-
 def _dot4(builder, a, b, kind: str = "i8"):
     """<64 x i8> a (unsigned codes), b (signed activations) -> <16 x i32>: lane i sums
     a[4i+j] * b[4i+j] for j < 4 (vpdpbusd). Without AVX512-VNNI: widened to int16 and two
@@ -133,7 +113,7 @@ def _dot4(builder, a, b, kind: str = "i8"):
         fty = ir.FunctionType(v32, [v32] * 3)
         fn = cgutils.get_or_insert_function(builder.module, fty, "llvm.x86.avx512.vpdpbusd.512")
         return builder.call(fn, [ir.Constant(v32, [0] * 16), builder.bitcast(a, v32), builder.bitcast(b, v32)])
-    if _HAS_AVX2 and not _HAS_BW and kind == "nib":  # 5-bit and int8 codes: the pmaddwd path measured faster
+    if _HAS_AVX2 and not _HAS_BW and kind in ("nib", "nib5"):  # int8 codes (as s + 128) would saturate it
         return _join(builder, *(_dot4_avx2(builder, x, y) for x, y in zip(_halves(builder, a), _halves(builder, b))))
     v16 = ir.VectorType(_I16, 32)
     halves = []
@@ -156,65 +136,14 @@ def _dot4_avx2(builder, a, b):
     return _call(builder, "llvm.x86.avx2.pmadd.wd", v32, [pairs, ir.Constant(v16, [1] * 16)])
 
 
-def _by_subblock(builder, red, sub):
-    """_reduce_rows' output for one 64-weight group, lanes in (row, sub-block) order -> one
-    <16 x i32> per sub-block (64 // sub of them), lanes = the 16 rows."""
-    n = 64 // sub
-    out = []
-    for e in range(n):
-        parts = []
-        for a, b in zip(red[0::2], red[1::2]):  # each pair of vectors covers 32 // n rows
-            idx = [r * n + e for r in range(16 // n)]
-            parts.append(builder.shuffle_vector(a, b, ir.Constant(ir.VectorType(_I32, len(idx) * 2),
-                                                                  idx + [16 + i for i in idx])))
-        while len(parts) > 1:  # join halves: 8 + 8 lanes
-            w = parts[0].type.count
-            parts = [builder.shuffle_vector(parts[i], parts[i + 1], ir.Constant(ir.VectorType(_I32, 2 * w),
-                                                                                list(range(2 * w))))
-                     for i in range(0, len(parts), 2)]
-        out.append(parts[0])
-    return out
-
-
-def _fifth_bits(context, builder, arrty, qs, inds, codes, offset):
-    """A "nib5" row's 64 nibble codes with their fifth bits (the 8 bytes after the 32 of
-    nibbles, bit j = weight j) or-ed in, plus `offset`."""
-    v64 = ir.VectorType(_I8, 64)
-    bits = builder.load(_vec_ptr(context, builder, arrty, qs, inds + [(context.get_constant(types.intp, 32),
-                                                                        types.intp)], ir.IntType(64)), align=1)
-    mask = builder.bitcast(bits, ir.VectorType(ir.IntType(1), 64))
-    return builder.or_(codes, builder.select(mask, ir.Constant(v64, [16 + offset] * 64),
-                                             ir.Constant(v64, [offset] * 64)))
-
-
-@intrinsic
-def _unpack5(typingctx, qs, rb, buf):
-    """Block rb of "nib5" codes (40 bytes per row and group) -> buf[0] as int8 codes (64 per
-    row and group), a vector load, two shifts and a select per row: the scalar loop this
-    replaces cost more than the products of 8 tokens (measured on AVX2)."""
-    sig = types.none(qs, rb, buf)
-
-    def codegen(context, builder, sig, args):
-        qs_v, rb_v, buf_v = args
-        ip = types.intp
-        cst = lambda v: context.get_constant(ip, v)
-        rb = context.cast(builder, rb_v, sig.args[1], ip)
-        n_groups = cgutils.unpack_tuple(builder, context.make_array(sig.args[0])(context, builder, qs_v).shape)[1]
-        v8, v64 = ir.VectorType(_I8, 32), ir.VectorType(_I8, 64)
-        with cgutils.for_range(builder, n_groups) as loop:
-            g = loop.index
-            for i in range(ROWS):
-                inds = [(rb, ip), (g, ip), (cst(i), ip)]
-                b = builder.load(_vec_ptr(context, builder, sig.args[0], qs_v, inds + [(cst(0), ip)], v8), align=1)
-                lo = builder.and_(b, ir.Constant(v8, [15] * 32))
-                hi = builder.lshr(b, ir.Constant(v8, [4] * 32))
-                codes = builder.shuffle_vector(lo, hi, ir.Constant(ir.VectorType(_I32, 64), list(range(64))))
-                codes = _fifth_bits(context, builder, sig.args[0], qs_v, inds, codes, 0)
-                builder.store(codes, _vec_ptr(context, builder, sig.args[2], buf_v,
-                                              [(cst(0), ip), (g, ip), (cst(i), ip), (cst(0), ip)], v64), align=1)
-        return context.get_dummy_value()
-
-    return sig, codegen
+def _dpbusd(builder, acc, a, b, kind):
+    """acc + _dot4(a, b): vpdpbusd accumulating in place where there is VNNI. acc None: zero."""
+    if _HAS_VNNI:
+        v32 = ir.VectorType(_I32, 16)
+        acc = ir.Constant(v32, [0] * 16) if acc is None else acc
+        return _call(builder, "llvm.x86.avx512.vpdpbusd.512", v32, [acc, builder.bitcast(a, v32), builder.bitcast(b, v32)])
+    r = _dot4(builder, a, b, kind)
+    return r if acc is None else builder.add(acc, r)
 
 
 def _make_group(kind, sub, has_m, n_tok):
@@ -241,38 +170,47 @@ def _make_group(kind, sub, has_m, n_tok):
             toks = [builder.add(t0, cst(u)) for u in range(n_tok)]
             vf = ir.VectorType(_F32, ROWS)
             v64 = ir.VectorType(_I8, 64)
+            v16i = ir.VectorType(_I32, ROWS)
+            i8p = ir.IntType(8).as_pointer()
             col = builder.mul(g, cst(64))
-            xvs = [builder.load(_vec_ptr(context, builder, ta[3], xq_v, [(tu, ip), (col, ip)], v64), align=1)
-                   for tu in toks]
-            parts = [[] for _ in toks]
-            for i in range(ROWS):
-                if kind == "i8":  # signed codes s as unsigned s + 128 (c moves down by 128: I8_SHIFT)
-                    codes = builder.load(_vec_ptr(context, builder, ta[0], qs_v,
-                                                  [(rq, ip), (g, ip), (cst(i), ip), (cst(0), ip)], v64), align=1)
-                    codes = builder.xor(codes, ir.Constant(v64, [0x80] * 64))
-                else:
-                    v8 = ir.VectorType(_I8, 32)
-                    b = builder.load(_vec_ptr(context, builder, ta[0], qs_v,
-                                              [(rq, ip), (g, ip), (cst(i), ip), (cst(0), ip)], v8), align=1)
-                    lo = builder.and_(b, ir.Constant(v8, [15] * 32))
-                    hi = builder.lshr(b, ir.Constant(v8, [4] * 32))
-                    codes = builder.shuffle_vector(lo, hi, ir.Constant(ir.VectorType(_I32, 64), list(range(64))))
-                    if kind == "nib5":  # + 128, as the i8 path takes the same codes unpacked (see dot_nib5_32)
-                        codes = _fifth_bits(context, builder, ta[0], qs_v, [(rq, ip), (g, ip), (cst(i), ip)],
-                                            codes, 128)
-                for u, xv in enumerate(xvs):
-                    parts[u].append(_dot4(builder, codes, xv, kind))
+            base = builder.bitcast(_ptr(context, builder, ta[0], qs_v, [(rq, ip), (g, ip), (cst(0), ip), (cst(0), ip)]),
+                                   i8p)  # the block's group: 1024 bytes (i8), 512 (nib) or 640 (nib5)
+            at = lambda p, off, ty: builder.load(builder.bitcast(builder.gep(p, [cst(off)]), ty.as_pointer()), align=1)
+            xps = [builder.bitcast(_ptr(context, builder, ta[3], xq_v, [(tu, ip), (col, ip)]), i8p) for tu in toks]
+
+            def xb(u, off):  # token u's activations off..off+3, in every lane
+                v = builder.insert_element(ir.Constant(v16i, ir.Undefined), at(xps[u], off, _I32), ir.Constant(_I32, 0))
+                return builder.bitcast(builder.shuffle_vector(v, v, ir.Constant(v16i, [0] * ROWS)), v64)
             per = 64 // sub  # sub-blocks per group
-            sums = [list(zip(range(per), _by_subblock(builder, _reduce_rows(builder, p, 16 // per), sub)))
-                    for p in parts]
-            sums = [[(builder.add(builder.mul(g, cst(per)), cst(e)), v) for e, v in s] for s in sums]
+            acc = [[None] * per for _ in toks]  # per token and sub-block: 16 rows' integer sums, a row a lane
+
+            def add(codes, w):  # codes: weights w..w+3 of the 16 rows, 4 bytes a row
+                for u in range(n_tok):
+                    acc[u][w // sub] = _dpbusd(builder, acc[u][w // sub], codes, xb(u, w), kind)
+            if kind == "i8":  # signed codes s as unsigned s + 128 (c moves down by 128: I8_SHIFT)
+                for j in range(16):
+                    add(builder.xor(at(base, 64 * j, v64), ir.Constant(v64, [0x80] * 64)), 4 * j)
+            else:  # byte b of row i in load j: weight 4j+b (low nibble) and 32+4j+b (high)
+                for j in range(8):
+                    q = at(base, 64 * j, v64)
+                    lo = builder.and_(q, ir.Constant(v64, [15] * 64))
+                    hi = builder.lshr(q, ir.Constant(v64, [4] * 64))
+                    if kind == "nib5":  # their fifth bits: a 64-bit mask each, after the nibbles
+                        five = lambda off: builder.select(builder.bitcast(at(base, off, ir.IntType(64)),
+                                                                          ir.VectorType(ir.IntType(1), 64)),
+                                                          ir.Constant(v64, [16] * 64), ir.Constant(v64, [0] * 64))
+                        lo = builder.or_(lo, five(512 + 16 * j))
+                        hi = builder.or_(hi, five(512 + 16 * j + 8))
+                    add(lo, 4 * j)
+                    add(hi, 32 + 4 * j)
+            sums = [[(builder.add(builder.mul(g, cst(per)), cst(e)), a[e]) for e in range(per)] for a in acc]
 
             def splat(x):
                 v = builder.insert_element(ir.Constant(vf, ir.Undefined), x, ir.Constant(_I32, 0))
                 return builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, ROWS), [0] * ROWS))
 
             cv = context.cast(builder, c_v, ta[7], types.float32)
-            if kind in ("i8", "nib5"):
+            if kind == "i8":
                 cv = builder.fsub(cv, ir.Constant(_F32, I8_SHIFT))
             cv = splat(cv)
             for tu, tok_sums in zip(toks, sums):
@@ -320,106 +258,52 @@ def _term(d, m, ms, c, r, k, xdv, s, xsv):
 
 
 @numba.njit(inline="always", cache=True, nogil=True)
-def _sums16(acc, d, m, ms, c, r, k, xd0, xd1, xs, t, s0, s1, s2, s3):
-    """Four 16-weight sub-blocks k..k+3 (the first two under activation scale xd0), one at a time."""
-    acc = acc + _term(d, m, ms, c, r, k, xd0, s0, xs[t, k])
-    acc = acc + _term(d, m, ms, c, r, k + 1, xd0, s1, xs[t, k + 1])
-    acc = acc + _term(d, m, ms, c, r, k + 2, xd1, s2, xs[t, k + 2])
-    return acc + _term(d, m, ms, c, r, k + 3, xd1, s3, xs[t, k + 3])
+def _code(qs, five, r, g, w):
+    """Weight w (0..63) of group g of row r from a nibble layout (see qtypes): byte b of row i
+    in 64-byte load j holds weights 4j+b (low nibble) and 32+4j+b (high), fifth bits after."""
+    i, j, b = r & 15, (w & 31) >> 2, w & 3
+    f = 64 * j + 4 * i + b
+    width = qs.shape[3]
+    byte = np.int32(qs[r >> 4, g, f // width, f % width])
+    code = (byte >> 4) if w >= 32 else (byte & 15)
+    if five:
+        f = 512 + 16 * j + 8 * (w >> 5) + ((4 * i + b) >> 3)
+        code |= ((np.int32(qs[r >> 4, g, f // width, f % width]) >> ((4 * i + b) & 7)) & 1) << 4
+    return code
 
 
 @numba.njit(inline="always", cache=True, nogil=True)
-def _row_nib32(qs, d, m, ms, c, xq, xd, xs, r, t):
+def _row_nibs(qs, d, m, ms, c, xq, xd, xs, r, t, sub):
+    """Row r (one past the last whole block of 16) against token t, nibble layouts."""
     acc = np.float32(0.0)
-    q = qs[r >> 4, :, r & 15]  # (groups, 32)
-    for g in range(q.shape[0]):  # 64 weights: low nibbles, then high nibbles
-        s0 = np.int32(0)
-        s1 = np.int32(0)
-        for j in range(32):
-            b = q[g, j]
-            s0 = np.int32(s0 + np.int32(np.int16(b & 15)) * np.int32(xq[t, g * 64 + j]))
-            s1 = np.int32(s1 + np.int32(np.int16(b >> 4)) * np.int32(xq[t, g * 64 + 32 + j]))
-        k = 2 * g
-        acc = acc + _term(d, m, ms, c, r, k, xd[t, k], s0, xs[t, k])
-        acc = acc + _term(d, m, ms, c, r, k + 1, xd[t, k + 1], s1, xs[t, k + 1])
+    five = qs.shape[3] == 40
+    for g in range(qs.shape[1]):
+        for e in range(64 // sub):
+            s = np.int32(0)
+            for u in range(sub):
+                w = e * sub + u
+                s = np.int32(s + _code(qs, five, r, g, w) * np.int32(xq[t, g * 64 + w]))
+            k = g * (64 // sub) + e
+            acc = acc + _term(d, m, ms, c, r, k, xd[t, (k * sub) // 32], s, xs[t, k])
     return acc
 
 
 @numba.njit(inline="always", cache=True, nogil=True)
-def _row_nib5_32(qs, d, m, ms, c, xq, xd, xs, r, t):
+def _row_i8(qs, d, m, ms, c, xq, xd, xs, r, t, sub):
+    """As _row_nibs for int8 codes (qs[block, group, j, 4i+b] = row i's weight 4j+b), entering
+    the sums as s + 128 with c lower by 128, as the vector path takes them."""
     acc = np.float32(0.0)
-    q = qs[r >> 4, :, r & 15]  # (groups, 40): nibbles, then the fifth bits
-    for g in range(q.shape[0]):
-        s0 = np.int32(0)
-        s1 = np.int32(0)
-        for j in range(32):
-            b = q[g, j]
-            lo = np.int32(b & 15) | (np.int32((q[g, 32 + (j >> 3)] >> (j & 7)) & 1) << 4)
-            hi = np.int32(b >> 4) | (np.int32((q[g, 36 + (j >> 3)] >> (j & 7)) & 1) << 4)
-            s0 = np.int32(s0 + lo * np.int32(xq[t, g * 64 + j]))
-            s1 = np.int32(s1 + hi * np.int32(xq[t, g * 64 + 32 + j]))
-        k = 2 * g
-        acc = acc + _term(d, m, ms, c, r, k, xd[t, k], s0, xs[t, k])
-        acc = acc + _term(d, m, ms, c, r, k + 1, xd[t, k + 1], s1, xs[t, k + 1])
-    return acc
-
-
-@numba.njit(inline="always", cache=True, nogil=True)
-def _row_nib16(qs, d, m, ms, c, xq, xd, xs, r, t):
-    acc = np.float32(0.0)
-    q = qs[r >> 4, :, r & 15]  # (groups, 32)
-    for g in range(q.shape[0]):
-        o = g * 32
-        s0 = np.int32(0)
-        s1 = np.int32(0)
-        s2 = np.int32(0)
-        s3 = np.int32(0)
-        for j in range(16):  # sub-blocks 4g..4g+3: low nibbles of 2 x 16 bytes, then high
-            b0 = q[g, j]
-            b1 = q[g, 16 + j]
-            s0 = np.int32(s0 + np.int32(np.int16(b0 & 15)) * np.int32(xq[t, 2 * o + j]))
-            s1 = np.int32(s1 + np.int32(np.int16(b1 & 15)) * np.int32(xq[t, 2 * o + 16 + j]))
-            s2 = np.int32(s2 + np.int32(np.int16(b0 >> 4)) * np.int32(xq[t, 2 * o + 32 + j]))
-            s3 = np.int32(s3 + np.int32(np.int16(b1 >> 4)) * np.int32(xq[t, 2 * o + 48 + j]))
-        acc = _sums16(acc, d, m, ms, c, r, 4 * g, xd[t, 2 * g], xd[t, 2 * g + 1], xs, t, s0, s1, s2, s3)
-    return acc
-
-
-@numba.njit(inline="always", cache=True, nogil=True)
-def _row_i8_32(qs, d, m, ms, c, xq, xd, xs, r, t):
-    acc = np.float32(0.0)
-    c = c - np.float32(I8_SHIFT)  # codes as unsigned, as the vector path takes them
-    q = qs[r >> 4, :, r & 15]  # (groups, 64)
-    for g in range(q.shape[0]):
-        o = g * 64
-        s0 = np.int32(0)
-        s1 = np.int32(0)
-        for j in range(32):
-            s0 = np.int32(s0 + (np.int32(q[g, j]) + np.int32(128)) * np.int32(xq[t, o + j]))
-            s1 = np.int32(s1 + (np.int32(q[g, 32 + j]) + np.int32(128)) * np.int32(xq[t, o + 32 + j]))
-        k = 2 * g
-        acc = acc + _term(d, m, ms, c, r, k, xd[t, k], s0, xs[t, k])
-        acc = acc + _term(d, m, ms, c, r, k + 1, xd[t, k + 1], s1, xs[t, k + 1])
-    return acc
-
-
-@numba.njit(inline="always", cache=True, nogil=True)
-def _row_i8_16(qs, d, m, ms, c, xq, xd, xs, r, t):
-    acc = np.float32(0.0)
-    c = c - np.float32(I8_SHIFT)  # codes as unsigned, as the vector path takes them
-    q = qs[r >> 4, :, r & 15]  # (groups, 64)
-    for g in range(q.shape[0]):
-        o = g * 64
-        s0 = np.int32(0)
-        s1 = np.int32(0)
-        s2 = np.int32(0)
-        s3 = np.int32(0)
-        for j in range(16):
-            s0 = np.int32(s0 + (np.int32(q[g, j]) + np.int32(128)) * np.int32(xq[t, o + j]))
-            s1 = np.int32(s1 + (np.int32(q[g, 16 + j]) + np.int32(128)) * np.int32(xq[t, o + 16 + j]))
-            s2 = np.int32(s2 + (np.int32(q[g, 32 + j]) + np.int32(128)) * np.int32(xq[t, o + 32 + j]))
-            s3 = np.int32(s3 + (np.int32(q[g, 48 + j]) + np.int32(128)) * np.int32(xq[t, o + 48 + j]))
-        acc = _sums16(acc, d, m, ms, c, r, 4 * g, xd[t, 2 * g], xd[t, 2 * g + 1], xs, t, s0, s1, s2, s3)
+    c = c - np.float32(I8_SHIFT)
+    i = r & 15
+    for g in range(qs.shape[1]):
+        for e in range(64 // sub):
+            s = np.int32(0)
+            for u in range(sub):
+                w = e * sub + u
+                s = np.int32(s + (np.int32(qs[r >> 4, g, w >> 2, 4 * i + (w & 3)]) + np.int32(128))
+                             * np.int32(xq[t, g * 64 + w]))
+            k = g * (64 // sub) + e
+            acc = acc + _term(d, m, ms, c, r, k, xd[t, (k * sub) // 32], s, xs[t, k])
     return acc
 
 
@@ -437,7 +321,7 @@ def dot_nib32(qs, d, m, ms, c, xq, xd, xs, y):
         if rb == nb:
             for t in range(n_tok):
                 for r in range(nb * ROWS, y.shape[1]):
-                    y[t, r] = _row_nib32(qs, d, m, ms, c, xq, xd, xs, r, t)
+                    y[t, r] = _row_nibs(qs, d, m, ms, c, xq, xd, xs, r, t, 32)
             continue
         for t in range(0, n_tok, 2):  # tokens in pairs: one load and unpack of the codes for two
             y[t, rb * ROWS:rb * ROWS + ROWS] = 0
@@ -455,7 +339,6 @@ def dot_nib32(qs, d, m, ms, c, xq, xd, xs, y):
                     _nib32(qs, rb, g, xq, t, d, m, c, xd, xs, y, rb)
 
 
-UNPACK_MIN_TOKENS = 4  # above this, unpacking a block of 5-bit codes once beats unpacking them per pair
 
 
 @numba.njit(**_JIT)
@@ -467,25 +350,7 @@ def dot_nib5_32(qs, d, m, ms, c, xq, xd, xs, y):
         if rb == nb:
             for t in range(n_tok):
                 for r in range(nb * ROWS, y.shape[1]):
-                    y[t, r] = _row_nib5_32(qs, d, m, ms, c, xq, xd, xs, r, t)
-            continue
-        if n_tok > UNPACK_MIN_TOKENS:  # many tokens: the block unpacked once to int8, the i8 path on it
-            buf = np.empty((1, qs.shape[1], ROWS, 64), np.int8)
-            _unpack5(qs, rb, buf)
-            for t in range(0, n_tok, 2):
-                y[t, rb * ROWS:rb * ROWS + ROWS] = 0
-                if t + 1 < n_tok:
-                    y[t + 1, rb * ROWS:rb * ROWS + ROWS] = 0
-                for g in range(qs.shape[1]):
-                    if t + 1 < n_tok:
-                        if ms:
-                            _i8_32m_2(buf, rb, g, xq, t, d, m, c, xd, xs, y, 0)
-                        else:
-                            _i8_32_2(buf, rb, g, xq, t, d, m, c, xd, xs, y, 0)
-                    elif ms:
-                        _i8_32m(buf, rb, g, xq, t, d, m, c, xd, xs, y, 0)
-                    else:
-                        _i8_32(buf, rb, g, xq, t, d, m, c, xd, xs, y, 0)
+                    y[t, r] = _row_nibs(qs, d, m, ms, c, xq, xd, xs, r, t, 32)
             continue
         for t in range(0, n_tok, 2):  # tokens in pairs: one load and unpack of the codes for two
             y[t, rb * ROWS:rb * ROWS + ROWS] = 0
@@ -512,7 +377,7 @@ def dot_nib16(qs, d, m, ms, c, xq, xd, xs, y):
         if rb == nb:
             for t in range(n_tok):
                 for r in range(nb * ROWS, y.shape[1]):
-                    y[t, r] = _row_nib16(qs, d, m, ms, c, xq, xd, xs, r, t)
+                    y[t, r] = _row_nibs(qs, d, m, ms, c, xq, xd, xs, r, t, 16)
             continue
         for t in range(0, n_tok, 2):  # tokens in pairs: one load and unpack of the codes for two
             y[t, rb * ROWS:rb * ROWS + ROWS] = 0
@@ -539,7 +404,7 @@ def dot_i8_32(qs, d, m, ms, c, xq, xd, xs, y):
         if rb == nb:
             for t in range(n_tok):
                 for r in range(nb * ROWS, y.shape[1]):
-                    y[t, r] = _row_i8_32(qs, d, m, ms, c, xq, xd, xs, r, t)
+                    y[t, r] = _row_i8(qs, d, m, ms, c, xq, xd, xs, r, t, 32)
             continue
         for t in range(0, n_tok, 2):  # tokens in pairs: one load and unpack of the codes for two
             y[t, rb * ROWS:rb * ROWS + ROWS] = 0
@@ -566,7 +431,7 @@ def dot_i8_16(qs, d, m, ms, c, xq, xd, xs, y):
         if rb == nb:
             for t in range(n_tok):
                 for r in range(nb * ROWS, y.shape[1]):
-                    y[t, r] = _row_i8_16(qs, d, m, ms, c, xq, xd, xs, r, t)
+                    y[t, r] = _row_i8(qs, d, m, ms, c, xq, xd, xs, r, t, 16)
             continue
         for t in range(0, n_tok, 2):  # tokens in pairs: one load and unpack of the codes for two
             y[t, rb * ROWS:rb * ROWS + ROWS] = 0

@@ -9,11 +9,16 @@ two layouts, so a handful of kernels serve all of them:
     low 4 bits, then 8 bytes whose bit j (little-endian) is weight j's fifth bit: 40 bytes.
   - "i8":  one int8 code per weight (Q8_0, and Q6_K, whose 2-bit planes would cost more to
     unpack than the extra bytes cost to read).
-Rows go in blocks of ROWS = 16, interleaved by group of 64 weights: qs[rb, g, i] holds group g
-of row 16*rb + i (32 bytes for "nib", 40 for "nib5", 64 for "i8"). The decode kernels work on 16 rows at once
-(dot.py), and this order makes their reads one sequential stream: 16 rows read side by side from
-a row-major matrix are 16 streams, which the hardware prefetcher does not follow (measured: the
-same kernel read SmolLM2's weights at 16 GB/s that way, where one stream reaches ~50).
+Rows go in blocks of ROWS = 16, and within a block and group of 64 weights, 4 weights at a
+time: one 64-byte load is 4 consecutive weights of each of the 16 rows, a row a 32-bit lane
+(dot.py: each vpdpbusd then adds into a lane per row, with no shuffling across lanes). "i8":
+qs[rb, g] holds, for j < 16, row i's weights 4j..4j+3 at bytes 64j + 4i; "nib": for j < 8, byte
+64j + 4i + b holds row i's weight 4j+b (low nibble) and 32+4j+b (high); "nib5": those 512 bytes,
+then per j a 64-bit mask of the low weights' fifth bits (bit 4i+b) and one of the high weights'.
+qs's shape, (blocks, groups, 16, 64 / 32 / 40 bytes), is the bytes' count, not rows: a block's
+group is one stream of 1024 / 512 / 640 bytes. Reading 16 rows side by side from a row-major
+matrix would be 16 streams, which the hardware prefetcher does not follow (measured: the same
+kernel read SmolLM2's weights at 16 GB/s that way, where one stream reaches ~50).
 Each sub-block (32 weights, or 16 for Q2_K/Q3_K/Q6_K) has a float32 scale `d`, and types with
 a stored minimum an offset `m`: weight = d * (code + c) + m, with c a per-type constant (-8 for
 Q4_0's unsigned nibbles). d and m are (row block, sub-block, 16 rows): the kernels read a
@@ -41,7 +46,7 @@ SUPPORTED_TYPES = frozenset(int(t) for t in (
     T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K,
 ))
 
-LAYOUT_VERSION = 2  # of everything below: bump it when a layout changes (cached packed weights are rebuilt)
+LAYOUT_VERSION = 3  # of everything below: bump it when a layout changes (cached packed weights are rebuilt)
 ROWS = 16  # rows per block of the quantized layouts
 PACK_ROWS = 4096  # rows unpacked at a time (a multiple of ROWS)
 KINDS = {("nib", 32): 0, ("nib", 16): 1, ("i8", 32): 2, ("i8", 16): 3, ("nib5", 32): 4}  # dot.py's kernel families
@@ -142,14 +147,19 @@ def _pack_codes(ggml_type, shape, layout, sub, codes, d, m, c) -> PackedWeight:
     pad = ((0, n_blk * ROWS - n_rows), (0, n_pad - n_cols))  # zero codes and scales contribute nothing
     codes = np.pad(codes, pad)
     pad_s = ((0, pad[0][1]), (0, pad[1][1] // sub))
+    per_row = codes.reshape(n_blk, ROWS, n_pad // 64, 2, 8, 4)  # (block, row, group, half, j, b): weight 32h+4j+b
     if layout in ("nib", "nib5"):
-        pairs = codes.reshape(n_blk * ROWS, n_pad // 64, 2, 32)
-        qs = ((pairs[:, :, 0, :] & 15) | ((pairs[:, :, 1, :] & 15) << 4)).astype(np.uint8)  # (rows, groups, 32)
-        if layout == "nib5":  # then the fifth bits of the group's 64 weights, bit j = weight j
-            high = np.packbits((codes >> 4).reshape(n_blk * ROWS, n_pad // 64, 64), axis=-1, bitorder="little")
-            qs = np.concatenate([qs, high], axis=-1)
-    else:
-        qs = codes.astype(np.int8, copy=False).reshape(n_blk * ROWS, n_pad // 64, 64)
+        # byte (j, row i, b) of a group: weight 4j+b in the low nibble, 32+4j+b in the high
+        nib = (per_row[:, :, :, 0] & 15) | ((per_row[:, :, :, 1] & 15) << 4)  # (block, row, group, j, b)
+        qs = nib.astype(np.uint8).transpose(0, 2, 3, 1, 4).reshape(n_blk, n_pad // 64, 512)
+        if layout == "nib5":  # per load j and half: a 64-bit mask, bit 4i+b = row i's weight's fifth bit
+            five = ((per_row >> 4) & 1).astype(np.uint8).transpose(0, 2, 4, 3, 1, 5)  # (block, group, j, half, row, b)
+            bits = np.packbits(five.reshape(n_blk, n_pad // 64, 8, 2, 64), axis=-1, bitorder="little")
+            qs = np.concatenate([qs, bits.reshape(n_blk, n_pad // 64, 128)], axis=-1)
+        qs = qs.reshape(n_blk, n_pad // 64, ROWS, -1)
+    else:  # (block, group, j, 4i+b): row i's weight 4j+b, j < 16
+        i8 = codes.astype(np.int8, copy=False).reshape(n_blk, ROWS, n_pad // 64, 16, 4)
+        qs = np.ascontiguousarray(i8.transpose(0, 2, 3, 1, 4)).reshape(n_blk, n_pad // 64, ROWS, 64)
     blocked = lambda a: np.ascontiguousarray(a.reshape(n_blk, ROWS, *a.shape[1:]).swapaxes(1, 2))
     # float16 bits where every scale is a float16 of the file (the simple quants): a sixth of
     # Q4_1's bytes, read at memory speed by decode; float32 where they are products (K-quants)
@@ -158,7 +168,7 @@ def _pack_codes(ggml_type, shape, layout, sub, codes, d, m, c) -> PackedWeight:
     scales = lambda a: blocked(stored(np.pad(np.asarray(a, dtype=np.float32), pad_s)))
     ms = 0 if m is None else 1
     m = stored(np.zeros((1, n_pad // sub, 1), dtype=np.float32)) if m is None else scales(m)
-    return PackedWeight(ggml_type, shape, layout, sub, qs=blocked(qs), d=scales(d), m=m, ms=ms, c=float(c))
+    return PackedWeight(ggml_type, shape, layout, sub, qs=np.ascontiguousarray(qs), d=scales(d), m=m, ms=ms, c=float(c))
 
 
 def _blocks(raw, n_rows, n_cols, block_bytes):

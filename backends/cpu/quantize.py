@@ -1,7 +1,7 @@
 """Quantization on the CPU, behind matmul.py: activations to int8 blocks, and weights back to
 float32 (dequantization, for BLAS tiles and embedding lookups; dot.py has
 the integer dot products). Layouts are those of qtypes.py: weight = d*(code + c) + m, rows in blocks of 16 interleaved
-by 64-weight group (qs[r >> 4, g, r & 15]), d and m (block, sub-block, row in block), m a single
+by 64-weight group 4 weights at a time (see qtypes), d and m (block, sub-block, row in block), m a single
 zero per sub-block (ms=0) for types without a minimum.
 """
 
@@ -87,60 +87,37 @@ def offset(d, m, ms, c, r, k):
 
 @numba.njit(**_JIT)
 def dequant_nib(qs, d, m, ms, c, sub, rows, out):
-    """out[i] = row rows[i] as float32 (n, n_pad); scales hoisted so the stores vectorize.
-    Serial: the tiles feed BLAS, whose threads would fight numba's spinning ones. "nib5"
-    rows (40 bytes per group) add each weight's fifth bit from the group's last 8 bytes."""
+    """out[i] = row rows[i] as float32 (n, n_pad). Serial: the tiles feed BLAS, whose threads
+    would fight numba's spinning ones. The layout (qtypes): byte 64j + 4i + b of a block's group
+    holds row i's weights 4j+b and 32+4j+b; "nib5" (40 "bytes" a row) adds each weight's fifth
+    bit from the masks after the 512 nibble bytes."""
     five = qs.shape[3] == 40
-    for i in range(rows.shape[0]):
-        r = rows[i]
-        q = qs[r >> 4, :, r & 15]  # (groups, 32 or 40)
-        for g in range(q.shape[0]):
-            o = g * 32
-            if sub == 32:
-                d0, d1 = scale(d, r, 2 * g), scale(d, r, 2 * g + 1)
-                m0, m1 = offset(d, m, ms, c, r, 2 * g), offset(d, m, ms, c, r, 2 * g + 1)
-                for j in range(32):
-                    b = q[g, j]
-                    lo, hi = b & 15, b >> 4
-                    if five:
-                        lo |= ((q[g, 32 + (j >> 3)] >> (j & 7)) & 1) << 4
-                        hi |= ((q[g, 36 + (j >> 3)] >> (j & 7)) & 1) << 4
-                    out[i, 2 * o + j] = d0 * np.float32(lo) + m0
-                    out[i, 2 * o + 32 + j] = d1 * np.float32(hi) + m1
-            else:
-                k = 4 * g
-                d0, d1, d2, d3 = scale(d, r, k), scale(d, r, k + 1), scale(d, r, k + 2), scale(d, r, k + 3)
-                m0, m1 = offset(d, m, ms, c, r, k), offset(d, m, ms, c, r, k + 1)
-                m2, m3 = offset(d, m, ms, c, r, k + 2), offset(d, m, ms, c, r, k + 3)
-                for j in range(16):
-                    b0 = q[g, j]
-                    b1 = q[g, 16 + j]
-                    out[i, 2 * o + j] = d0 * np.float32(b0 & 15) + m0
-                    out[i, 2 * o + 16 + j] = d1 * np.float32(b1 & 15) + m1
-                    out[i, 2 * o + 32 + j] = d2 * np.float32(b0 >> 4) + m2
-                    out[i, 2 * o + 48 + j] = d3 * np.float32(b1 >> 4) + m3
+    width = qs.shape[3]
+    for n in range(rows.shape[0]):
+        r = rows[n]
+        i = r & 15
+        for g in range(qs.shape[1]):
+            q = qs[r >> 4, g]  # (16, width): the group's bytes, row-major
+            for w in range(64):
+                j, b = (w & 31) >> 2, w & 3
+                f = 64 * j + 4 * i + b
+                byte = np.int32(q[f // width, f % width])
+                code = (byte >> 4) if w >= 32 else (byte & 15)
+                if five:
+                    f = 512 + 16 * j + 8 * (w >> 5) + ((4 * i + b) >> 3)
+                    code |= ((np.int32(q[f // width, f % width]) >> ((4 * i + b) & 7)) & 1) << 4
+                k = (g * 64 + w) // sub
+                out[n, g * 64 + w] = scale(d, r, k) * np.float32(code) + offset(d, m, ms, c, r, k)
 
 
 @numba.njit(**_JIT)
 def dequant_i8(qs, d, m, ms, c, sub, rows, out):
-    for i in range(rows.shape[0]):
-        r = rows[i]
-        q = qs[r >> 4, :, r & 15]  # (groups, 64)
-        for g in range(q.shape[0]):
-            o = g * 64
-            if sub == 32:
-                d0, d1 = scale(d, r, 2 * g), scale(d, r, 2 * g + 1)
-                m0, m1 = offset(d, m, ms, c, r, 2 * g), offset(d, m, ms, c, r, 2 * g + 1)
-                for j in range(32):
-                    out[i, o + j] = d0 * np.float32(q[g, j]) + m0
-                    out[i, o + 32 + j] = d1 * np.float32(q[g, 32 + j]) + m1
-            else:
-                k = 4 * g
-                d0, d1, d2, d3 = scale(d, r, k), scale(d, r, k + 1), scale(d, r, k + 2), scale(d, r, k + 3)
-                m0, m1 = offset(d, m, ms, c, r, k), offset(d, m, ms, c, r, k + 1)
-                m2, m3 = offset(d, m, ms, c, r, k + 2), offset(d, m, ms, c, r, k + 3)
-                for j in range(16):
-                    out[i, o + j] = d0 * np.float32(q[g, j]) + m0
-                    out[i, o + 16 + j] = d1 * np.float32(q[g, 16 + j]) + m1
-                    out[i, o + 32 + j] = d2 * np.float32(q[g, 32 + j]) + m2
-                    out[i, o + 48 + j] = d3 * np.float32(q[g, 48 + j]) + m3
+    """As dequant_nib for int8 codes: qs[block, group, j, 4i+b] is row i's weight 4j+b."""
+    for n in range(rows.shape[0]):
+        r = rows[n]
+        i = r & 15
+        for g in range(qs.shape[1]):
+            for w in range(64):
+                k = (g * 64 + w) // sub
+                out[n, g * 64 + w] = (scale(d, r, k) * np.float32(qs[r >> 4, g, w >> 2, 4 * i + (w & 3)])
+                                      + offset(d, m, ms, c, r, k))
