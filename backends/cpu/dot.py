@@ -213,21 +213,23 @@ def _make_group(kind, sub, has_m, n_tok):
             if kind == "i8":
                 cv = builder.fsub(cv, ir.Constant(_F32, I8_SHIFT))
             cv = splat(cv)
+            scl = []  # per sub-block, shared by the tokens: d and m + c*d of the 16 rows
+            for k, _ in sums[0]:
+                dv = _load_scales(context, builder, ta[5], d_v, [(rb, ip), (k, ip), (cst(0), ip)], ROWS)
+                if has_m:
+                    mv = _load_scales(context, builder, ta[6], m_v, [(rb, ip), (k, ip), (cst(0), ip)], ROWS)
+                else:
+                    mv = splat(_load_scales(context, builder, ta[6], m_v, [(cst(0), ip), (k, ip), (cst(0), ip)], 1))
+                scl.append((dv, builder.fadd(mv, builder.fmul(cv, dv))))
             for tu, tok_sums in zip(toks, sums):
                 py = _vec_ptr(context, builder, ta[10], y_v, [(tu, ip), (builder.mul(rb, cst(ROWS)), ip)], vf)
                 yv = builder.load(py, align=4)
-                for k, s in tok_sums:
-                    dv = _load_scales(context, builder, ta[5], d_v, [(rb, ip), (k, ip), (cst(0), ip)], ROWS)
-                    if has_m:
-                        mv = _load_scales(context, builder, ta[6], m_v, [(rb, ip), (k, ip), (cst(0), ip)], ROWS)
-                    else:
-                        mv = splat(_load_scales(context, builder, ta[6], m_v, [(cst(0), ip), (k, ip), (cst(0), ip)], 1))
+                for (k, s), (dv, mcd) in zip(tok_sums, scl):
                     xk = k if sub == 32 else builder.udiv(k, cst(2))  # the activation scale covers 32 weights
                     xdv = splat(builder.load(_ptr(context, builder, ta[8], xd_v, [(tu, ip), (xk, ip)])))
                     xsv = splat(builder.load(_ptr(context, builder, ta[9], xs_v, [(tu, ip), (k, ip)])))
                     a = builder.fmul(builder.fmul(dv, xdv), builder.sitofp(s, vf))
-                    b = builder.fmul(builder.fadd(mv, builder.fmul(cv, dv)), xsv)
-                    yv = builder.fadd(yv, builder.fadd(a, b))
+                    yv = builder.fadd(yv, builder.fadd(a, builder.fmul(mcd, xsv)))
                 builder.store(yv, py, align=4)
             return context.get_dummy_value()
 
@@ -238,12 +240,12 @@ def _make_group(kind, sub, has_m, n_tok):
 
 _G = {(kind, sub, has_m, n): _make_group(kind, sub, has_m, n)
       for kind, sub in (("nib", 32), ("nib", 16), ("i8", 32), ("i8", 16), ("nib5", 32))
-      for has_m in (False, True) for n in (1, 2)}
-_nib32, _nib32m, _nib32_2, _nib32m_2 = (_G[("nib", 32, hm, n)] for n in (1, 2) for hm in (False, True))
-_nib16, _nib16m, _nib16_2, _nib16m_2 = (_G[("nib", 16, hm, n)] for n in (1, 2) for hm in (False, True))
-_i8_32, _i8_32m, _i8_32_2, _i8_32m_2 = (_G[("i8", 32, hm, n)] for n in (1, 2) for hm in (False, True))
-_i8_16, _i8_16m, _i8_16_2, _i8_16m_2 = (_G[("i8", 16, hm, n)] for n in (1, 2) for hm in (False, True))
-_nib5, _nib5m, _nib5_2, _nib5m_2 = (_G[("nib5", 32, hm, n)] for n in (1, 2) for hm in (False, True))
+      for has_m in (False, True) for n in (1, 2, 4)}
+_nib32, _nib32m, _nib32_2, _nib32m_2, _nib32_4, _nib32m_4 = (_G[("nib", 32, hm, n)] for n in (1, 2, 4) for hm in (False, True))
+_nib16, _nib16m, _nib16_2, _nib16m_2, _nib16_4, _nib16m_4 = (_G[("nib", 16, hm, n)] for n in (1, 2, 4) for hm in (False, True))
+_i8_32, _i8_32m, _i8_32_2, _i8_32m_2, _i8_32_4, _i8_32m_4 = (_G[("i8", 32, hm, n)] for n in (1, 2, 4) for hm in (False, True))
+_i8_16, _i8_16m, _i8_16_2, _i8_16m_2, _i8_16_4, _i8_16m_4 = (_G[("i8", 16, hm, n)] for n in (1, 2, 4) for hm in (False, True))
+_nib5, _nib5m, _nib5_2, _nib5m_2, _nib5_4, _nib5m_4 = (_G[("nib5", 32, hm, n)] for n in (1, 2, 4) for hm in (False, True))
 
 
 # The scalar loops (rows past the last whole 16) keep constant trip counts and several
@@ -323,20 +325,28 @@ def dot_nib32(qs, d, m, ms, c, xq, xd, xs, y):
                 for r in range(nb * ROWS, y.shape[1]):
                     y[t, r] = _row_nibs(qs, d, m, ms, c, xq, xd, xs, r, t, 32)
             continue
-        for t in range(0, n_tok, 2):  # tokens in pairs: one load and unpack of the codes for two
-            y[t, rb * ROWS:rb * ROWS + ROWS] = 0
-            if t + 1 < n_tok:
-                y[t + 1, rb * ROWS:rb * ROWS + ROWS] = 0
+        for t in range(0, n_tok, 4):  # tokens 4 at a time (then 2, 1): one load and unpack of the codes for all
+            for u in range(t, min(t + 4, n_tok)):
+                y[u, rb * ROWS:rb * ROWS + ROWS] = 0
             for g in range(qs.shape[1]):
-                if t + 1 < n_tok:
+                if t + 3 < n_tok:
                     if ms:
-                        _nib32m_2(qs, rb, g, xq, t, d, m, c, xd, xs, y, rb)
+                        _nib32m_4(qs, rb, g, xq, t, d, m, c, xd, xs, y, rb)
                     else:
-                        _nib32_2(qs, rb, g, xq, t, d, m, c, xd, xs, y, rb)
-                elif ms:
-                    _nib32m(qs, rb, g, xq, t, d, m, c, xd, xs, y, rb)
-                else:
-                    _nib32(qs, rb, g, xq, t, d, m, c, xd, xs, y, rb)
+                        _nib32_4(qs, rb, g, xq, t, d, m, c, xd, xs, y, rb)
+                    continue
+                u = t
+                if u + 1 < n_tok:
+                    if ms:
+                        _nib32m_2(qs, rb, g, xq, u, d, m, c, xd, xs, y, rb)
+                    else:
+                        _nib32_2(qs, rb, g, xq, u, d, m, c, xd, xs, y, rb)
+                    u += 2
+                if u < n_tok:
+                    if ms:
+                        _nib32m(qs, rb, g, xq, u, d, m, c, xd, xs, y, rb)
+                    else:
+                        _nib32(qs, rb, g, xq, u, d, m, c, xd, xs, y, rb)
 
 
 
@@ -352,20 +362,28 @@ def dot_nib5_32(qs, d, m, ms, c, xq, xd, xs, y):
                 for r in range(nb * ROWS, y.shape[1]):
                     y[t, r] = _row_nibs(qs, d, m, ms, c, xq, xd, xs, r, t, 32)
             continue
-        for t in range(0, n_tok, 2):  # tokens in pairs: one load and unpack of the codes for two
-            y[t, rb * ROWS:rb * ROWS + ROWS] = 0
-            if t + 1 < n_tok:
-                y[t + 1, rb * ROWS:rb * ROWS + ROWS] = 0
+        for t in range(0, n_tok, 4):  # tokens 4 at a time (then 2, 1): one load and unpack of the codes for all
+            for u in range(t, min(t + 4, n_tok)):
+                y[u, rb * ROWS:rb * ROWS + ROWS] = 0
             for g in range(qs.shape[1]):
-                if t + 1 < n_tok:
+                if t + 3 < n_tok:
                     if ms:
-                        _nib5m_2(qs, rb, g, xq, t, d, m, c, xd, xs, y, rb)
+                        _nib5m_4(qs, rb, g, xq, t, d, m, c, xd, xs, y, rb)
                     else:
-                        _nib5_2(qs, rb, g, xq, t, d, m, c, xd, xs, y, rb)
-                elif ms:
-                    _nib5m(qs, rb, g, xq, t, d, m, c, xd, xs, y, rb)
-                else:
-                    _nib5(qs, rb, g, xq, t, d, m, c, xd, xs, y, rb)
+                        _nib5_4(qs, rb, g, xq, t, d, m, c, xd, xs, y, rb)
+                    continue
+                u = t
+                if u + 1 < n_tok:
+                    if ms:
+                        _nib5m_2(qs, rb, g, xq, u, d, m, c, xd, xs, y, rb)
+                    else:
+                        _nib5_2(qs, rb, g, xq, u, d, m, c, xd, xs, y, rb)
+                    u += 2
+                if u < n_tok:
+                    if ms:
+                        _nib5m(qs, rb, g, xq, u, d, m, c, xd, xs, y, rb)
+                    else:
+                        _nib5(qs, rb, g, xq, u, d, m, c, xd, xs, y, rb)
 
 
 @numba.njit(**_JIT)
@@ -379,20 +397,28 @@ def dot_nib16(qs, d, m, ms, c, xq, xd, xs, y):
                 for r in range(nb * ROWS, y.shape[1]):
                     y[t, r] = _row_nibs(qs, d, m, ms, c, xq, xd, xs, r, t, 16)
             continue
-        for t in range(0, n_tok, 2):  # tokens in pairs: one load and unpack of the codes for two
-            y[t, rb * ROWS:rb * ROWS + ROWS] = 0
-            if t + 1 < n_tok:
-                y[t + 1, rb * ROWS:rb * ROWS + ROWS] = 0
+        for t in range(0, n_tok, 4):  # tokens 4 at a time (then 2, 1): one load and unpack of the codes for all
+            for u in range(t, min(t + 4, n_tok)):
+                y[u, rb * ROWS:rb * ROWS + ROWS] = 0
             for g in range(qs.shape[1]):
-                if t + 1 < n_tok:
+                if t + 3 < n_tok:
                     if ms:
-                        _nib16m_2(qs, rb, g, xq, t, d, m, c, xd, xs, y, rb)
+                        _nib16m_4(qs, rb, g, xq, t, d, m, c, xd, xs, y, rb)
                     else:
-                        _nib16_2(qs, rb, g, xq, t, d, m, c, xd, xs, y, rb)
-                elif ms:
-                    _nib16m(qs, rb, g, xq, t, d, m, c, xd, xs, y, rb)
-                else:
-                    _nib16(qs, rb, g, xq, t, d, m, c, xd, xs, y, rb)
+                        _nib16_4(qs, rb, g, xq, t, d, m, c, xd, xs, y, rb)
+                    continue
+                u = t
+                if u + 1 < n_tok:
+                    if ms:
+                        _nib16m_2(qs, rb, g, xq, u, d, m, c, xd, xs, y, rb)
+                    else:
+                        _nib16_2(qs, rb, g, xq, u, d, m, c, xd, xs, y, rb)
+                    u += 2
+                if u < n_tok:
+                    if ms:
+                        _nib16m(qs, rb, g, xq, u, d, m, c, xd, xs, y, rb)
+                    else:
+                        _nib16(qs, rb, g, xq, u, d, m, c, xd, xs, y, rb)
 
 
 @numba.njit(**_JIT)
@@ -406,20 +432,28 @@ def dot_i8_32(qs, d, m, ms, c, xq, xd, xs, y):
                 for r in range(nb * ROWS, y.shape[1]):
                     y[t, r] = _row_i8(qs, d, m, ms, c, xq, xd, xs, r, t, 32)
             continue
-        for t in range(0, n_tok, 2):  # tokens in pairs: one load and unpack of the codes for two
-            y[t, rb * ROWS:rb * ROWS + ROWS] = 0
-            if t + 1 < n_tok:
-                y[t + 1, rb * ROWS:rb * ROWS + ROWS] = 0
+        for t in range(0, n_tok, 4):  # tokens 4 at a time (then 2, 1): one load and unpack of the codes for all
+            for u in range(t, min(t + 4, n_tok)):
+                y[u, rb * ROWS:rb * ROWS + ROWS] = 0
             for g in range(qs.shape[1]):
-                if t + 1 < n_tok:
+                if t + 3 < n_tok:
                     if ms:
-                        _i8_32m_2(qs, rb, g, xq, t, d, m, c, xd, xs, y, rb)
+                        _i8_32m_4(qs, rb, g, xq, t, d, m, c, xd, xs, y, rb)
                     else:
-                        _i8_32_2(qs, rb, g, xq, t, d, m, c, xd, xs, y, rb)
-                elif ms:
-                    _i8_32m(qs, rb, g, xq, t, d, m, c, xd, xs, y, rb)
-                else:
-                    _i8_32(qs, rb, g, xq, t, d, m, c, xd, xs, y, rb)
+                        _i8_32_4(qs, rb, g, xq, t, d, m, c, xd, xs, y, rb)
+                    continue
+                u = t
+                if u + 1 < n_tok:
+                    if ms:
+                        _i8_32m_2(qs, rb, g, xq, u, d, m, c, xd, xs, y, rb)
+                    else:
+                        _i8_32_2(qs, rb, g, xq, u, d, m, c, xd, xs, y, rb)
+                    u += 2
+                if u < n_tok:
+                    if ms:
+                        _i8_32m(qs, rb, g, xq, u, d, m, c, xd, xs, y, rb)
+                    else:
+                        _i8_32(qs, rb, g, xq, u, d, m, c, xd, xs, y, rb)
 
 
 @numba.njit(**_JIT)
@@ -433,20 +467,28 @@ def dot_i8_16(qs, d, m, ms, c, xq, xd, xs, y):
                 for r in range(nb * ROWS, y.shape[1]):
                     y[t, r] = _row_i8(qs, d, m, ms, c, xq, xd, xs, r, t, 16)
             continue
-        for t in range(0, n_tok, 2):  # tokens in pairs: one load and unpack of the codes for two
-            y[t, rb * ROWS:rb * ROWS + ROWS] = 0
-            if t + 1 < n_tok:
-                y[t + 1, rb * ROWS:rb * ROWS + ROWS] = 0
+        for t in range(0, n_tok, 4):  # tokens 4 at a time (then 2, 1): one load and unpack of the codes for all
+            for u in range(t, min(t + 4, n_tok)):
+                y[u, rb * ROWS:rb * ROWS + ROWS] = 0
             for g in range(qs.shape[1]):
-                if t + 1 < n_tok:
+                if t + 3 < n_tok:
                     if ms:
-                        _i8_16m_2(qs, rb, g, xq, t, d, m, c, xd, xs, y, rb)
+                        _i8_16m_4(qs, rb, g, xq, t, d, m, c, xd, xs, y, rb)
                     else:
-                        _i8_16_2(qs, rb, g, xq, t, d, m, c, xd, xs, y, rb)
-                elif ms:
-                    _i8_16m(qs, rb, g, xq, t, d, m, c, xd, xs, y, rb)
-                else:
-                    _i8_16(qs, rb, g, xq, t, d, m, c, xd, xs, y, rb)
+                        _i8_16_4(qs, rb, g, xq, t, d, m, c, xd, xs, y, rb)
+                    continue
+                u = t
+                if u + 1 < n_tok:
+                    if ms:
+                        _i8_16m_2(qs, rb, g, xq, u, d, m, c, xd, xs, y, rb)
+                    else:
+                        _i8_16_2(qs, rb, g, xq, u, d, m, c, xd, xs, y, rb)
+                    u += 2
+                if u < n_tok:
+                    if ms:
+                        _i8_16m(qs, rb, g, xq, u, d, m, c, xd, xs, y, rb)
+                    else:
+                        _i8_16(qs, rb, g, xq, u, d, m, c, xd, xs, y, rb)
 
 
 # The family travels as a type: a tag, an empty array whose dtype names it (TAGS[kind]), so
