@@ -182,11 +182,15 @@ def _make_group(kind, sub, has_m, n_tok):
                 v = builder.insert_element(ir.Constant(v16i, ir.Undefined), at(xps[u], off, _I32), ir.Constant(_I32, 0))
                 return builder.bitcast(builder.shuffle_vector(v, v, ir.Constant(v16i, [0] * ROWS)), v64)
             per = 64 // sub  # sub-blocks per group
-            acc = [[None] * per for _ in toks]  # per token and sub-block: 16 rows' integer sums, a row a lane
+            # per token, sub-block and part: 16 rows' integer sums, a row a lane; fewer tokens
+            # take more parts, so that enough independent vpdpbusd chains are in flight
+            parts = max(4 // n_tok, 1)
+            acc = [[[None] * parts for _ in range(per)] for _ in toks]
 
             def add(codes, w):  # codes: weights w..w+3 of the 16 rows, 4 bytes a row
+                k, p = w // sub, (w // 4) % parts
                 for u in range(n_tok):
-                    acc[u][w // sub] = _dpbusd(builder, acc[u][w // sub], codes, xb(u, w), kind)
+                    acc[u][k][p] = _dpbusd(builder, acc[u][k][p], codes, xb(u, w), kind)
             if kind == "i8":  # signed codes s as unsigned s + 128 (c moves down by 128: I8_SHIFT)
                 for j in range(16):
                     add(builder.xor(at(base, 64 * j, v64), ir.Constant(v64, [0x80] * 64)), 4 * j)
@@ -203,7 +207,12 @@ def _make_group(kind, sub, has_m, n_tok):
                         hi = builder.or_(hi, five(512 + 16 * j + 8))
                     add(lo, 4 * j)
                     add(hi, 32 + 4 * j)
-            sums = [[(builder.add(builder.mul(g, cst(per)), cst(e)), a[e]) for e in range(per)] for a in acc]
+            def total(ps):
+                ps = [v for v in ps if v is not None]
+                while len(ps) > 1:
+                    ps = [builder.add(ps[i], ps[i + 1]) if i + 1 < len(ps) else ps[i] for i in range(0, len(ps), 2)]
+                return ps[0]
+            sums = [[(builder.add(builder.mul(g, cst(per)), cst(e)), total(a[e])) for e in range(per)] for a in acc]
 
             def splat(x):
                 v = builder.insert_element(ir.Constant(vf, ir.Undefined), x, ir.Constant(_I32, 0))
