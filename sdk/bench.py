@@ -27,6 +27,8 @@ from hearthlm.session import Session
 def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt-tokens", type=int, default=512)
     p.add_argument("--decode-tokens", type=int, default=128)
+    p.add_argument("--context", type=int, default=8, metavar="N",
+                   help="prompt tokens before the decode measurement (decode after a long prompt: e.g. 1500)")
     p.add_argument("--threads", type=int, default=None, help="numba threads (default: all cores)")
     p.add_argument("--compare-llama-cpp", action="store_true")
     p.add_argument("--concurrency", default=None,
@@ -64,13 +66,19 @@ def _prompt(n_vocab: int, n: int, seed: int = 0) -> list[int]:
     return [int(t) for t in np.random.default_rng(seed).integers(1000, min(n_vocab, 30000), n)]
 
 
+def _decode_prompt(n_vocab: int, a, rep: int) -> list[int]:
+    """The decode rounds' prompt: --context tokens, none shared with the other rounds' prompts."""
+    return _prompt(n_vocab, a.context, seed=100 + rep)
+
+
 async def _hearthlm_round(s, a, rep: int) -> dict:
     prompt = _prompt(s.model.n_vocab, a.prompt_tokens, seed=10 + rep)  # shares no prefix with earlier ones
     t = time.perf_counter()
     await s.generate(prompt, max_tokens=1, temperature=0)
     prefill_s = time.perf_counter() - t
     t, first, n = time.perf_counter(), None, 0
-    async for c in s.stream(prompt[:8], max_tokens=a.decode_tokens, temperature=0, ignore_eos=True):
+    async for c in s.stream(_decode_prompt(s.model.n_vocab, a, rep), max_tokens=a.decode_tokens, temperature=0,
+                            ignore_eos=True):
         if first is None:
             first = time.perf_counter() - t
         n += len(c.token_ids)
@@ -101,7 +109,7 @@ def _llama_cpp_round(a, path: str, rep: int) -> dict | None:
     t = time.perf_counter(); llm.eval(prompt); prefill_s = time.perf_counter() - t
     llm.reset()
     t, first, n = time.perf_counter(), None, 0
-    for tok in llm.generate(prompt[:8], temp=0.0, top_k=1):
+    for tok in llm.generate(_decode_prompt(llm.n_vocab(), a, rep), temp=0.0, top_k=1):
         if first is None:
             first = time.perf_counter() - t
         n += 1
@@ -141,7 +149,7 @@ async def _bench_single(a, ex, path: str) -> list[dict]:
                     ex = None
                 else:
                     ref.append(r)
-        ctx = 8 + a.decode_tokens / 2  # the decode rounds' mean context
+        ctx = a.context + a.decode_tokens / 2  # the decode rounds' mean context
         bpt = [hearthlm_bytes_per_token(s, ctx), gguf_bytes_per_token(s, ctx)]
     bw = float(np.median(bws)) if bws else None
     rows = [_median_row("hearthlm", a.backend, load_s, ours)]

@@ -228,15 +228,16 @@ def test_one_token_matmul_first_in_a_fresh_process():
     assert np.isfinite(float(r.stdout.strip()))
 
 
-@pytest.mark.parametrize("target", ["generic", "skylake-avx512"])
+@pytest.mark.parametrize("target", ["generic", "haswell", "skylake-avx512"])
 def test_portable_target_without_avx512_or_f16c(tmp_path, target):
     """NUMBA_CPU_NAME=generic compiles for baseline x86-64 (as for caches that travel): the
     kernels must then skip the AVX-512 intrinsics and widen float16 scales with integer
     arithmetic (LLVM's own conversion would call compiler-rt, absent from numba's JIT); a
-    Skylake-X target has AVX-512BW but no VNNI: pmaddwd stands in for vpdpbusd. Checked in a
+    Haswell target has AVX2 only (vpmaddubsw and pmaddwd on 256-bit halves); a Skylake-X one has
+    AVX-512BW but no VNNI: pmaddwd stands in for vpdpbusd. Checked in a
     fresh process with its own cache: every float16 bit pattern, and matmuls of a 4-bit family
     with float16 scales and an int8 one with float32 scales against dequantization."""
-    if target != "generic" and "avx512bw" not in open("/proc/cpuinfo").read():
+    if target == "skylake-avx512" and "avx512bw" not in open("/proc/cpuinfo").read():
         pytest.skip("this CPU cannot run AVX-512BW code")
     import os
     import subprocess
@@ -252,6 +253,8 @@ from hearthlm.backends.cpu.qtypes import pack_weight
 import sys
 if sys.argv[1] == "generic":
     assert not halfs.NATIVE_HALF and not dot._HAS_BW
+elif sys.argv[1] == "haswell":  # AVX2: vpmaddubsw for 4- and 5-bit codes, pmaddwd for int8 ones
+    assert halfs.NATIVE_HALF and dot._HAS_AVX2 and not dot._HAS_BW
 else:
     assert halfs.NATIVE_HALF and dot._HAS_BW and not dot._HAS_VNNI
 @numba.njit
@@ -262,10 +265,10 @@ h = np.arange(65536, dtype=np.uint16); out = np.empty(65536, np.float32); widen_
 ref = h.view(np.float16).astype(np.float32)
 assert np.array_equal(np.isnan(out), np.isnan(ref)) and np.array_equal(out[~np.isnan(ref)], ref[~np.isnan(ref)])
 rng = np.random.default_rng(0)
-for qt in (T.Q4_1, T.Q6_K):
+for qt in (T.Q4_1, T.Q5_0, T.Q6_K, T.Q8_0):
     raw = random_raw(qt, 37, 512, rng)
     w = pack_weight(int(qt), raw, (37, 512))
-    for n in (1, 3):
+    for n in (1, 3, 6):
         x = rng.standard_normal((n, 512)).astype(np.float32)
         r = x @ quants.dequantize(raw, qt).reshape(37, 512).T
         err = float(((matmul(w, x) - r) ** 2).sum() / (r ** 2).sum())
@@ -273,7 +276,9 @@ for qt in (T.Q4_1, T.Q6_K):
 print("ok")
 """
     env = dict(os.environ, NUMBA_CPU_NAME=target, NUMBA_CACHE_DIR=str(tmp_path))
-    if target != "generic":
+    if target == "haswell":
+        env["NUMBA_CPU_FEATURES"] = "+avx,+avx2,+fma,+f16c,+sse4.2,+popcnt,+bmi,+bmi2"
+    elif target != "generic":
         env["NUMBA_CPU_FEATURES"] = "+avx2,+fma,+f16c,+avx512f,+avx512bw,+avx512vl,+avx512dq,-avx512vnni"
     r = subprocess.run([sys.executable, "-c", code, target], capture_output=True, text=True, timeout=600, env=env)
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
