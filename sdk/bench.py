@@ -216,8 +216,10 @@ def _concurrency_llama_cpp(a, path: str, levels: list[int]) -> list[dict] | None
 async def _bench_concurrency(a) -> list[dict]:
     levels = [int(x) for x in a.concurrency.split(",")]
     rows = []
+    # KV for every stream's prompt and output at once (the default, 4 x n_ctx, would preempt at 64)
+    kv = max(levels) * (64 + max(levels) + a.decode_tokens + 16)
     async with Session.open(a.model, backend=a.backend, n_ctx=a.n_ctx, filename=a.filename,
-                            max_batch_tokens=512, max_seqs=max(levels)) as s:
+                            max_batch_tokens=512, max_seqs=max(levels), kv_cache_tokens=max(kv, 4 * a.n_ctx)) as s:
         await s.generate([1000, 1001, 1002], max_tokens=2, temperature=0)  # warm the JIT caches
         for n in levels:
             ttft, itl, counts = [], [], []
@@ -240,6 +242,7 @@ async def _bench_concurrency(a) -> list[dict]:
                     tg.start_soon(one, i)
             wall = anyio.current_time() - t
             rows.append(_row(n, wall, counts, ttft, itl, "hearthlm"))
+            rows[-1]["preemptions"] = s.stats()["preemptions"]
     return rows
 
 
