@@ -130,6 +130,7 @@ class Engine:
         # the host backend's worker threads, chosen per step shape by measuring (runtime.threads)
         self._host = next((b for b in self.placement.backends.values() if b.thread_counts()), None)
         self.threads = ThreadTuner(self._host.thread_counts() if self._host else ())
+        # what the backend runs on now (the tuner's last measured count lags it when a step fails)
         self._threads_now = self.threads.current()
 
     # ---- caller side (any thread) -------------------------------------------------

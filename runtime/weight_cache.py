@@ -15,8 +15,6 @@ from typing import Any
 
 import numpy as np
 
-
-# ---- the packed-weight cache on disk ----------------------------------------------------
 # One file per (model file, backend): a fixed head, a JSON index, then each array at a
 # 64-byte aligned offset. Mapped copy-on-write (MAP_PRIVATE): the arrays are writable numpy
 # arrays (kernels compiled for writable ones serve them) whose pages stay the file's, shared

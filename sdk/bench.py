@@ -223,6 +223,7 @@ async def _bench_concurrency(a) -> list[dict]:
         await s.generate([1000, 1001, 1002], max_tokens=2, temperature=0)  # warm the JIT caches
         for n in levels:
             ttft, itl, counts = [], [], []
+            preempted = s.stats()["preemptions"]
 
             async def one(i: int) -> None:
                 prompt = _concurrent_prompt(s.model.n_vocab, i)
@@ -242,7 +243,7 @@ async def _bench_concurrency(a) -> list[dict]:
                     tg.start_soon(one, i)
             wall = anyio.current_time() - t
             rows.append(_row(n, wall, counts, ttft, itl, "hearthlm"))
-            rows[-1]["preemptions"] = s.stats()["preemptions"]
+            rows[-1]["preemptions"] = s.stats()["preemptions"] - preempted
     return rows
 
 

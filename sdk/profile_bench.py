@@ -15,10 +15,16 @@ from hearthlm.session import Session
 
 
 class _Acc:
+    """Per step size (tokens): kernel seconds by op, execute() seconds, steps."""
+
     def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
         self.by_op: dict[int, dict[str, float]] = defaultdict(lambda: defaultdict(float))
         self.walk: dict[int, float] = defaultdict(float)   # execute() as a whole
         self.steps: dict[int, int] = defaultdict(int)
+        self.cur: dict[str, float] = {}  # the running step's by_op
 
 
 def _timed_execute(acc: _Acc):
@@ -74,7 +80,7 @@ async def _run(a, levels: list[int], decode: int) -> list[dict]:
                                                                  max_tokens=4 if warm else decode,
                                                                  temperature=0, ignore_eos=True))
                 if warm:
-                    acc.__init__()
+                    acc.reset()
                     step_t.clear()
         finally:
             engine_mod.execute = dispatch.execute

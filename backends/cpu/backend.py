@@ -330,8 +330,7 @@ class CPUBackend(Backend):
     kv_dtype = np.dtype(np.float16 if NATIVE_HALF else np.float32)
     weight_layout = f"cpu-qtypes-{LAYOUT_VERSION}"
 
-    def __init__(self, threads: int | None = None) -> None:
-        self.threads = threads  # worker threads at most (None: numba's, one per core)
+    def __init__(self) -> None:
         self.kernels = {
             Op.GET_ROWS: _get_rows,
             Op.MUL_MAT: _mul_mat,
@@ -377,7 +376,7 @@ class CPUBackend(Backend):
         # so one worker descheduled by another process stalls each kernel of a step (measured:
         # one competing process cut decode to 0.13 of its quiet rate at 2 threads)
         import numba
-        n = numba.config.NUMBA_NUM_THREADS if self.threads is None else self.threads
+        n = numba.config.NUMBA_NUM_THREADS
         return (n, 1) if n > 1 else ()
 
     def use_threads(self, n: int) -> None:

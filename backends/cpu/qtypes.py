@@ -147,8 +147,8 @@ def _pack_codes(ggml_type, shape, layout, sub, codes, d, m, c) -> PackedWeight:
     pad = ((0, n_blk * ROWS - n_rows), (0, n_pad - n_cols))  # zero codes and scales contribute nothing
     codes = np.pad(codes, pad)
     pad_s = ((0, pad[0][1]), (0, pad[1][1] // sub))
-    per_row = codes.reshape(n_blk, ROWS, n_pad // 64, 2, 8, 4)  # (block, row, group, half, j, b): weight 32h+4j+b
     if layout in ("nib", "nib5"):
+        per_row = codes.reshape(n_blk, ROWS, n_pad // 64, 2, 8, 4)  # (block, row, group, half, j, b): weight 32h+4j+b
         # byte (j, row i, b) of a group: weight 4j+b in the low nibble, 32+4j+b in the high
         nib = (per_row[:, :, :, 0] & 15) | ((per_row[:, :, :, 1] & 15) << 4)  # (block, row, group, j, b)
         qs = nib.astype(np.uint8).transpose(0, 2, 3, 1, 4).reshape(n_blk, n_pad // 64, 512)
