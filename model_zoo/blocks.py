@@ -90,12 +90,16 @@ def build_rope(g: Graph, x: Tensor, inp: Inputs, rope: Rope, *, name: str, il: i
     return g.rope(x, inp.pos, name=name, il=il, **rope.params())
 
 
-def build_qk_norm_rope(g: Graph, q: Tensor, k: Tensor, inp: Inputs, rope: Rope, *, il: int, q_norm: Tensor | None = None,
-             k_norm: Tensor | None = None, eps: float = 0.0) -> tuple[Tensor, Tensor]:
-    """Per-head Q/K RMSNorm where the architecture has it (Qwen3, Gemma 3), then RoPE on both."""
+def build_qk_norm_rope(g: Graph, q: Tensor, k: Tensor, inp: Inputs, rope: Rope | None, *, il: int,
+                       q_norm: Tensor | None = None, k_norm: Tensor | None = None,
+                       eps: float = 0.0) -> tuple[Tensor, Tensor]:
+    """Per-head Q/K RMSNorm where the architecture has it (Qwen3, Gemma 3), then RoPE on both
+    (rope None: a layer without, as SmolLM3's every fourth)."""
     if q_norm is not None:
         q = build_norm(g, q, q_norm, eps=eps, name="Qcur_normed", il=il)
         k = build_norm(g, k, k_norm, eps=eps, name="Kcur_normed", il=il)
+    if rope is None:
+        return q, k
     return build_rope(g, q, inp, rope, name="Qcur_rope", il=il), build_rope(g, k, inp, rope, name="Kcur_rope", il=il)
 
 
@@ -105,14 +109,6 @@ def build_residual(g: Graph, x: Tensor, h: Tensor, *, name: str, il: int, post_n
     if post_norm is not None:
         h = build_norm(g, h, post_norm, eps=eps, name=post_name, il=il)
     return g.add(x, h, name, il)
-
-
-def build_ffn_block(g: Graph, x: Tensor, *, il: int, norm: Tensor, eps: float, gate: Tensor, up: Tensor,
-                    down: Tensor, act: str, post_norm: Tensor | None = None) -> Tensor:
-    """The FFN half of a layer: ffn_norm, the gated FFN, (post-norm,) the residual add."""
-    h = build_norm(g, x, norm, eps=eps, name="ffn_norm", il=il)
-    h = build_ffn(g, h, il=il, gate=gate, up=up, down=down, act=act)
-    return build_residual(g, x, h, name="l_out", il=il, post_norm=post_norm, post_name="ffn_post_norm", eps=eps)
 
 
 def build_attn(g: Graph, inp: Inputs, q: Tensor, k: Tensor, v: Tensor, *, il: int, wo: Tensor | None,
@@ -159,8 +155,9 @@ def build_ffn(g: Graph, x: Tensor, *, il: int, gate: Tensor, up: Tensor, down: T
 def build_output(g: Graph, x: Tensor, inp: Inputs, *, norm: Tensor, output: Tensor, eps: float,
                  softcap: float = 0.0) -> Tensor:
     """Final norm and LM head on the output rows only (prefill tokens mostly need no logits);
-    `softcap`: logits = softcap * tanh(logits / softcap) (Gemma 2). For steps with embedding
-    requests, every token's normed hidden state is a second output."""
+    `softcap`: logits = softcap * tanh(logits / softcap) (Gemma 2). Returns the logits (the
+    architecture may scale them; the model makes them the graph's first output). For steps with
+    embedding requests, every token's normed hidden state is registered as an output here."""
     hidden = x
     x = g.get_rows(x, inp.out_rows, "inp_out_ids")  # (n_out, n_embd)
     x = build_norm(g, x, norm, eps=eps, name="result_norm")
@@ -168,17 +165,18 @@ def build_output(g: Graph, x: Tensor, inp: Inputs, *, norm: Tensor, output: Tens
     if softcap:
         logits = g.scale(g.tanh(g.scale(logits, 1.0 / softcap, "result_scaled_1"), "result_tanh"), softcap,
                          "result_softcapped")
-    g.outputs.append(logits)
-    if inp.shape.embd:  # second, after the logits
+    if inp.shape.embd:  # after the logits
         g.outputs.append(build_norm(g, hidden, norm, eps=eps, name="result_embd"))  # (n_tokens, n_embd)
     return logits
 
 
-def moe_weights(w, il: int) -> dict[str, Tensor]:
-    """Layer il's router and stacked experts under their GGUF names, as build_moe_ffn takes them."""
-    b = f"blk.{il}."
-    return dict(gate_inp=w(b + "ffn_gate_inp.weight"), up_exps=w(b + "ffn_up_exps.weight"),
-                gate_exps=w(b + "ffn_gate_exps.weight"), down_exps=w(b + "ffn_down_exps.weight"))
+def moe_weights(w, il: int, *, n_expert: int, n_embd: int, n_ff: int) -> dict[str, Tensor]:
+    """Layer il's router and stacked experts (n_ff wide) under their GGUF names, as build_moe_ffn takes them."""
+    L = w.layer(il)
+    return dict(gate_inp=L("ffn_gate_inp.weight", (n_expert, n_embd)),
+                up_exps=L("ffn_up_exps.weight", (n_expert, n_ff, n_embd)),
+                gate_exps=L("ffn_gate_exps.weight", (n_expert, n_ff, n_embd)),
+                down_exps=L("ffn_down_exps.weight", (n_expert, n_embd, n_ff)))
 
 
 def build_moe_ffn(g: Graph, x: Tensor, *, il: int, gate_inp: Tensor, up_exps: Tensor, gate_exps: Tensor,

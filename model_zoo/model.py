@@ -9,11 +9,10 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-import numpy as np
 
 from hearthlm.model_zoo.gguf_file import GGUFFile
 from hearthlm.model_zoo.models import get_architecture
-from hearthlm.model_zoo.tensors import check
+from hearthlm.model_zoo.tensors import Weights
 from hearthlm.model_zoo.tokenizer import Tokenizer
 from hearthlm.runtime.batch import BatchShape, one_token
 from hearthlm.runtime.errors import HearthError, ModelLoadError
@@ -53,39 +52,11 @@ class Model:
         return self.tokenizer.eog_ids
 
     def build_graph(self, shape: BatchShape) -> Graph:
+        """The architecture's forward pass for this batch shape; its logits are the first output."""
         g = Graph()
-
-        def w(name: str, fallback: str | None = None, optional: bool = False, rows: tuple[int, int] | None = None,
-              flat: bool = False):
-            """`flat`: a float tensor of any shape as one vector (what backends keep as plain floats,
-            for elementwise use: Mamba-2's A, D and grouped norm); the builder reshapes it."""
-            qw = self.weights.get(name) or (self.weights.get(fallback) if fallback else None)
-            if qw is None:
-                if optional:
-                    return None
-                raise ModelLoadError(f"{self.path}: tensor {name!r} is missing ({self.arch_name} architecture)")
-            if flat and len(qw.shape) > 1:
-                qw = self._flat(qw)
-            return g.weight(qw if rows is None else self._rows(qw, *rows))
-
-        self.arch.build(self.config, g, w, shape)
+        w = Weights(g, self.weights, self.n_vocab, where=self.path, arch=self.arch_name, views=self._views)
+        g.outputs.insert(0, self.arch.build(self.config, g, w, shape))
         return g
-
-    def _rows(self, qw: QWeight, start: int, stop: int) -> QWeight:
-        """Rows start..stop of a weight, a view of the file made once (Phi-3's gate and up halves
-        of ffn_up): the fusion rules then see two projections, as for any gated FFN."""
-        key = f"{qw.name}[{start}:{stop}]"
-        if key not in self._views:
-            self._views[key] = QWeight(key, qw.ggml_type, (stop - start, *qw.shape[1:]), qw.raw[start:stop])
-        return self._views[key]
-
-    def _flat(self, qw: QWeight) -> QWeight:
-        key = f"{qw.name}[flat]"
-        if key not in self._views:
-            if qw.ggml_type not in (0, 1):  # F32, F16: elementwise weights are never quantized
-                raise ModelLoadError(f"{self.path}: tensor {qw.name!r} must be F32 or F16, not ggml type {qw.ggml_type}")
-            self._views[key] = QWeight(key, qw.ggml_type, (int(np.prod(qw.shape)),), qw.raw.reshape(-1))
-        return self._views[key]
 
     def set_context(self, n_ctx: int) -> None:
         """The context each sequence may reach: LongRoPE picks its factors by it."""
@@ -112,8 +83,6 @@ def load_model(path) -> Model:
             raise ModelLoadError(f"{path}: no 2-D output.weight or token_embd.weight tensor")
         if config.n_layer > len(weights):  # every layer has tensors: refuse before a spec is built per layer
             raise ModelLoadError(f"{path}: block_count {config.n_layer} is more than the {len(weights)} tensors in the file")
-        check(arch.tensors(config, out.shape[0]), {n: q.shape for n, q in weights.items()}, path=str(path),
-              arch=arch_name)
         try:
             config = dataclasses.replace(config, rope=config.rope.bind(weights))
         except ModelLoadError as e:
@@ -144,7 +113,7 @@ def default_chat_template(arch_name: str) -> str | None:
 
 
 def _check_graph(model: Model) -> None:
-    """Build a one-token graph: every tensor the architecture needs exists with a fitting shape."""
+    """Build a one-token graph: every tensor the architecture reads exists with the shape it declares."""
     try:
         model.build_graph(one_token(n_state=2 if any(model.state_dims) else 0))
     except HearthError:

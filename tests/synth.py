@@ -6,6 +6,7 @@ import numpy as np
 from gguf import GGMLQuantizationType as T
 
 from hearthlm.model_zoo.models import gemma3, llama
+from hearthlm.model_zoo.tensors import Weights, specs
 from hearthlm.runtime.batch import BatchShape
 from hearthlm.runtime.graph import Graph
 from hearthlm.runtime.weights import QWeight
@@ -30,18 +31,9 @@ def config(arch: str, n_layer: int, **dims):
 
 
 def weight_shapes(arch: str, n_layer: int, **dims) -> dict[str, tuple[int, ...]]:
-    d = {**DIMS, **dims}
-    e, q, kv, ff = d["n_embd"], d["n_head"] * d["head_dim"], d["n_head_kv"] * d["head_dim"], d["n_ff"]
-    s = {"token_embd.weight": (d["n_vocab"], e), "output_norm.weight": (e,)}
-    for i in range(n_layer):
-        b = f"blk.{i}."
-        s.update({b + "attn_norm.weight": (e,), b + "attn_q.weight": (q, e), b + "attn_k.weight": (kv, e),
-                  b + "attn_v.weight": (kv, e), b + "attn_output.weight": (e, q), b + "ffn_norm.weight": (e,),
-                  b + "ffn_gate.weight": (ff, e), b + "ffn_up.weight": (ff, e), b + "ffn_down.weight": (e, ff)})
-        if arch == "gemma3":
-            s.update({b + "attn_q_norm.weight": (d["head_dim"],), b + "attn_k_norm.weight": (d["head_dim"],),
-                      b + "post_attention_norm.weight": (e,), b + "post_ffw_norm.weight": (e,)})
-    return s
+    """What the architecture reads (its own declarations), less the optional tensors."""
+    mod, cfg = config(arch, n_layer, **dims)
+    return {sp.name: sp.shape for sp in specs(mod, cfg, {**DIMS, **dims}["n_vocab"]) if not sp.optional}
 
 
 def weights(arch: str, n_layer: int, seed: int = 0, raw: bool = True, **dims) -> dict[str, QWeight]:
@@ -61,11 +53,7 @@ def weights(arch: str, n_layer: int, seed: int = 0, raw: bool = True, **dims) ->
 def build(arch: str, ws: dict[str, QWeight], shape: BatchShape, n_layer: int, **dims) -> Graph:
     mod, cfg = config(arch, n_layer, **dims)
     g = Graph()
-
-    def w(name, fallback=None, optional=False):
-        qw = ws.get(name) or ws.get(fallback)
-        return None if qw is None and optional else g.weight(qw or ws[name])
-    mod.build(cfg, g, w, shape)
+    g.outputs.insert(0, mod.build(cfg, g, Weights(g, ws, {**DIMS, **dims}["n_vocab"], where="synth"), shape))
     return g
 
 

@@ -140,8 +140,8 @@ def test_chat_template_of_the_wrong_type(tmp_path, value):
 
 @pytest.mark.parametrize("n_layer", [2**32, 244095056949372])
 def test_absurd_block_count(tmp_path, n_layer):
-    """gguf fuzz: load_model built a tensor spec per layer before checking any (tensors.py's
-    layer_specs): block_count 2**32 hung and grew 300 MB in its first 2 s."""
+    """gguf fuzz: load_model built a tensor spec per layer before checking any (the tensor lists
+    of the time): block_count 2**32 hung and grew 300 MB in its first 2 s."""
     Path("/proc/self/clear_refs").write_text("5")
     before, start = _status_mb("VmRSS"), time.monotonic()
     with wall_limit(5), pytest.raises(ModelLoadError):

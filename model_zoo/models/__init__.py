@@ -1,8 +1,9 @@
 """One module per architecture, named by GGUF `general.architecture`, each with a frozen
-`Config` (HParams subclass: `Config.from_gguf(metadata, arch)`), `tensors(cfg, n_vocab)` (what
-it reads, with shapes) and `build(cfg, g, w, shape)` (the forward pass into graph g).
-A new architecture is one file and one line here; an alias maps another name to the same
-module and reads its metadata under its own name."""
+`Config` (HParams subclass: `Config.from_gguf(metadata, arch)`) and `build(cfg, g, w, shape)`:
+the forward pass into graph g, returning the logits, each weight read as `w(name, shape)` where
+it is used (model_zoo.tensors derives the tensor list from that). Most are a few hooks over the
+shared loop in model_zoo.decoder. A new architecture is one file and one line here; an alias
+maps another name to the same module and reads its metadata under its own name."""
 from __future__ import annotations
 
 import importlib

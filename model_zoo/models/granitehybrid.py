@@ -8,14 +8,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hearthlm.model_zoo.blocks import (build_attn, build_conv, build_ffn, build_inp_embd, build_inputs,
-                                       build_moe_ffn, build_norm, build_output, build_qk_norm_rope, build_qkv, build_state,
-                                       moe_weights)
+from hearthlm.model_zoo.blocks import build_conv, build_ffn, build_moe_ffn, build_norm, build_state, moe_weights
 from hearthlm.model_zoo.config import HParams, Reader
-from hearthlm.model_zoo.tensors import Spec
-from hearthlm.runtime.batch import BatchShape
+from hearthlm.model_zoo.decoder import Decoder, build_decoder
 from hearthlm.runtime.errors import ModelLoadError
-from hearthlm.runtime.graph import Graph
 
 
 @dataclass(frozen=True)
@@ -64,90 +60,51 @@ class Config(HParams):
         return [{} if self.has_attention(il) else rec for il in range(self.n_layer)]
 
 
-def tensors(c: Config, n_vocab: int) -> list[Spec]:
-    e, q, kv, h = c.n_embd, c.n_head * c.head_dim, c.n_head_kv * c.head_dim, c.n_ssm_head
-    out = [Spec("token_embd.weight", (n_vocab, e)), Spec("output_norm.weight", (e,)),
-           Spec("output.weight", (n_vocab, e), optional=True)]
-    ffn = ({"ffn_gate_inp.weight": (c.n_expert, e), "ffn_gate_exps.weight": (c.n_expert, c.n_ff, e),
-            "ffn_up_exps.weight": (c.n_expert, c.n_ff, e), "ffn_down_exps.weight": (c.n_expert, e, c.n_ff),
-            **({"ffn_gate_shexp.weight": (c.n_ff_shexp, e), "ffn_up_shexp.weight": (c.n_ff_shexp, e),
-                "ffn_down_shexp.weight": (e, c.n_ff_shexp)} if c.n_ff_shexp else {})}
-           if c.n_expert else
-           {"ffn_gate.weight": (c.n_ff, e), "ffn_up.weight": (c.n_ff, e), "ffn_down.weight": (e, c.n_ff)})
-    for il in range(c.n_layer):
-        mixer = ({"attn_q.weight": (q, e), "attn_k.weight": (kv, e), "attn_v.weight": (kv, e),
-                  "attn_output.weight": (e, q)} if c.has_attention(il) else
-                 {"ssm_in.weight": (2 * c.d_inner + 2 * c.n_group * c.d_state + h, e),
-                  "ssm_conv1d.weight": (c.conv_dim, c.d_conv), "ssm_conv1d.bias": (c.conv_dim,),
-                  "ssm_dt.bias": (h,), "ssm_a": (h, 1), "ssm_d": (h, 1),
-                  "ssm_norm.weight": (c.n_group, c.d_inner // c.n_group), "ssm_out.weight": (e, c.d_inner)})
-        per = {"attn_norm.weight": (e,), **mixer, "ffn_norm.weight": (e,), **ffn}
-        out += [Spec(f"blk.{il}.{n}", s) for n, s in per.items()]
-    return out
-
-
-def build_mamba2(c: Config, g: Graph, w, inp, h, il: int):
+def build_mamba2(c: Config, g, w, inp, h, il: int):
     """in_proj to z | xBC | dt; conv + SiLU over xBC; the selective scan; + D x; times SiLU(z);
     the grouped RMSNorm; out_proj."""
-    b, n, di, gs = f"blk.{il}.", h.shape[0], c.d_inner, c.n_group * c.d_state
+    L, n, di, gs, e = w.layer(il), h.shape[0], c.d_inner, c.n_group * c.d_state, c.n_embd
     hd, p = c.n_ssm_head, c.d_inner // c.n_ssm_head
-    zxbcdt = g.mul_mat(w(b + "ssm_in.weight"), h, "ssm_in", il)
-    xbc = build_conv(g, inp, g.slice(zxbcdt, di, 2 * di + 2 * gs, "xBC", il), w(b + "ssm_conv1d.weight"), il=il,
-                     bias=w(b + "ssm_conv1d.bias"), act="silu")
+    zxbcdt = g.mul_mat(L("ssm_in.weight", (2 * di + 2 * gs + hd, e)), h, "ssm_in", il)
+    xbc = build_conv(g, inp, g.slice(zxbcdt, di, 2 * di + 2 * gs, "xBC", il), L("ssm_conv1d.weight", (c.conv_dim, c.d_conv)),
+                     il=il, bias=L("ssm_conv1d.bias", (c.conv_dim,)), act="silu")
     x = g.reshape(g.slice(xbc, 0, di, "ssm_x", il), (n, hd, p), "ssm_x_3d", il)
     bb = g.reshape(g.slice(xbc, di, di + gs, "ssm_B", il), (n, c.n_group, c.d_state), "ssm_B_3d", il)
     cc = g.reshape(g.slice(xbc, di + gs, di + 2 * gs, "ssm_C", il), (n, c.n_group, c.d_state), "ssm_C_3d", il)
-    dt = g.add(g.slice(zxbcdt, 2 * di + 2 * gs, 2 * di + 2 * gs + hd, "ssm_dt", il), w(b + "ssm_dt.bias"),
+    dt = g.add(g.slice(zxbcdt, 2 * di + 2 * gs, 2 * di + 2 * gs + hd, "ssm_dt", il), L("ssm_dt.bias", (hd,)),
                "ssm_dt_b", il)
     state = build_state(g, inp, "state_ssm", (hd, p, c.d_state), il=il)
-    y = g.ssm_scan(state, x, dt, w(b + "ssm_a", flat=True), bb, cc, inp.seq_off, inp.state_slot, name="ssm_scan",
+    y = g.ssm_scan(state, x, dt, L("ssm_a", (hd, 1), flat=True), bb, cc, inp.seq_off, inp.state_slot, name="ssm_scan",
                    il=il)  # (n, hd, p)
-    d = g.reshape(w(b + "ssm_d", flat=True), (hd, 1), "ssm_d_2d", il)
+    d = g.reshape(L("ssm_d", (hd, 1), flat=True), (hd, 1), "ssm_d_2d", il)
     y = g.add(y, g.mul(x, d, "ssm_dx", il), "mamba2_y_add_d", il)
     z = g.reshape(g.slice(zxbcdt, 0, di, "ssm_z", il), (n, hd, p), "ssm_z_3d", il)
     y = g.reshape(g.mul(g.silu(z, "ssm_z_silu", il), y, "ssm_gated", il), (n, c.n_group, di // c.n_group),
                   "ssm_grouped", il)
-    norm = g.reshape(w(b + "ssm_norm.weight", flat=True), (c.n_group, di // c.n_group), "ssm_norm_2d", il)
+    norm = g.reshape(L("ssm_norm.weight", (c.n_group, di // c.n_group), flat=True), (c.n_group, di // c.n_group), "ssm_norm_2d", il)
     y = build_norm(g, y, norm, eps=c.norm_eps, name="ssm_norm", il=il)
-    return g.mul_mat(w(b + "ssm_out.weight"), g.reshape(y, (n, di), "ssm_y_2d", il), "mamba_out", il)
+    return g.mul_mat(L("ssm_out.weight", (e, di)), g.reshape(y, (n, di), "ssm_y_2d", il), "mamba_out", il)
 
 
-def build_attn_layer(c: Config, g: Graph, w, inp, h, il: int):
-    b = f"blk.{il}."
-    q, k, v = build_qkv(g, h, il=il, n_head=c.n_head, n_head_kv=c.n_head_kv, head_dim=c.head_dim,
-                        wq=w(b + "attn_q.weight"), wk=w(b + "attn_k.weight"), wv=w(b + "attn_v.weight"))
-    if c.use_rope:
-        q, k = build_qk_norm_rope(g, q, k, inp, c.rope, il=il)
-    return build_attn(g, inp, q, k, v, il=il, wo=w(b + "attn_output.weight"),
-                      scale=c.attn_scale or 1.0 / c.head_dim ** 0.5)
-
-
-def build_ffn_half(c: Config, g: Graph, w, h, il: int):
-    b = f"blk.{il}."
+def build_ffn_half(c: Config, g, w, h, il: int):
+    L, e = w.layer(il), c.n_embd
     if not c.n_expert:
-        return build_ffn(g, h, il=il, gate=w(b + "ffn_gate.weight"), up=w(b + "ffn_up.weight"),
-                         down=w(b + "ffn_down.weight"), act="silu")
-    out = build_moe_ffn(g, h, il=il, **moe_weights(w, il), n_expert_used=c.n_expert_used)
+        return build_ffn(g, h, il=il, gate=L("ffn_gate.weight", (c.n_ff, e)), up=L("ffn_up.weight", (c.n_ff, e)),
+                         down=L("ffn_down.weight", (e, c.n_ff)), act="silu")
+    out = build_moe_ffn(g, h, il=il, **moe_weights(w, il, n_expert=c.n_expert, n_embd=e, n_ff=c.n_ff),
+                        n_expert_used=c.n_expert_used)
     if c.n_ff_shexp:
-        sh = build_ffn(g, h, il=il, gate=w(b + "ffn_gate_shexp.weight"), up=w(b + "ffn_up_shexp.weight"),
-                       down=w(b + "ffn_down_shexp.weight"), act="silu")
+        f = c.n_ff_shexp
+        sh = build_ffn(g, h, il=il, gate=L("ffn_gate_shexp.weight", (f, e)), up=L("ffn_up_shexp.weight", (f, e)),
+                       down=L("ffn_down_shexp.weight", (e, f)), act="silu")
         out = g.add(out, sh, "ffn_moe_shexp", il)
     return out
 
 
-def build(c: Config, g: Graph, w, shape: BatchShape) -> None:
-    inp = build_inputs(g, shape)
-    x = build_inp_embd(g, w("token_embd.weight"), inp, scale=c.embd_scale if c.embd_scale != 1.0 else None)
-    for il in range(c.n_layer):
-        b = f"blk.{il}."
-        h = build_norm(g, x, w(b + "attn_norm.weight"), eps=c.norm_eps, name="attn_norm", il=il)
-        h = (build_attn_layer if c.has_attention(il) else build_mamba2)(c, g, w, inp, h, il)
-        x = g.add(x, g.scale(h, c.residual_scale, "attn_scaled", il), "ffn_inp", il)
-        h = build_norm(g, x, w(b + "ffn_norm.weight"), eps=c.norm_eps, name="ffn_norm", il=il)
-        h = build_ffn_half(c, g, w, h, il)
-        x = g.add(x, g.scale(h, c.residual_scale, "ffn_scaled", il), "l_out", il)
-    logits = build_output(g, x, inp, norm=w("output_norm.weight"),
-                          output=w("output.weight", fallback="token_embd.weight"), eps=c.norm_eps)
-    if c.logit_scale != 1.0:  # llama.cpp divides the logits by it
-        i = g.outputs.index(logits)
-        g.outputs[i] = g.scale(logits, 1.0 / c.logit_scale, "result_scaled")
+def build(c: Config, g, w, shape):
+    def mixer(g, w, inp, h, il):
+        return None if c.has_attention(il) else build_mamba2(c, g, w, inp, h, il)
+    return build_decoder(c, g, w, shape, Decoder(
+        mixer=mixer, ffn=lambda g, w, h, il: build_ffn_half(c, g, w, h, il),
+        rope=lambda il: c.rope if c.use_rope else None, attn_scale=c.attn_scale, residual_scale=c.residual_scale,
+        embd_scale=c.embd_scale if c.embd_scale != 1.0 else None, logit_scale=c.logit_scale))

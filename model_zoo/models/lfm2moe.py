@@ -7,13 +7,10 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from hearthlm.model_zoo.blocks import build_moe_ffn, build_norm, moe_weights
+from hearthlm.model_zoo.blocks import build_ffn, build_moe_ffn, moe_weights
 from hearthlm.model_zoo.config import Reader
 from hearthlm.model_zoo.models import lfm2
-from hearthlm.model_zoo.tensors import Spec
-from hearthlm.runtime.batch import BatchShape
 from hearthlm.runtime.errors import ModelLoadError
-from hearthlm.runtime.graph import Graph
 
 GATING = {1: "softmax", 2: "sigmoid"}  # llama.cpp's expert_gating_func values
 
@@ -45,22 +42,14 @@ class Config(lfm2.Config):
         return il >= self.n_dense_lead
 
 
-def tensors(c: Config, n_vocab: int) -> list[Spec]:
-    e, x, n = c.n_embd, c.n_ff_exp, c.n_expert
-    moe = {"ffn_gate_inp.weight": (n, e), "ffn_gate_exps.weight": (n, x, e), "ffn_up_exps.weight": (n, x, e),
-           "ffn_down_exps.weight": (n, e, x), "exp_probs_b.bias": (n,)}
-    return lfm2.tensors(c, n_vocab, lambda il: moe if c.is_moe(il) else lfm2.dense_ffn(c))
-
-
-def build_ffn(c: Config, g: Graph, w, x, il: int):
-    if not c.is_moe(il):
-        return lfm2.build_dense_ffn(c, g, w, x, il)
-    b = f"blk.{il}."
-    h = build_norm(g, x, w(b + "ffn_norm.weight"), eps=c.norm_eps, name="ffn_norm", il=il)
-    h = build_moe_ffn(g, h, il=il, **moe_weights(w, il), n_expert_used=c.n_expert_used, gating=c.gating,
-                      probs_bias=w(b + "exp_probs_b.bias"))
-    return g.add(x, h, "l_out", il)
-
-
-def build(c: Config, g: Graph, w, shape: BatchShape) -> None:
-    lfm2.build(c, g, w, shape, ffn=build_ffn)
+def build(c: Config, g, w, shape):
+    def ffn(g, w, h, il):
+        L = w.layer(il)
+        if not c.is_moe(il):
+            return build_ffn(g, h, il=il, gate=L("ffn_gate.weight", (c.n_ff, c.n_embd)),
+                             up=L("ffn_up.weight", (c.n_ff, c.n_embd)), down=L("ffn_down.weight", (c.n_embd, c.n_ff)),
+                             act="silu")
+        return build_moe_ffn(g, h, il=il, **moe_weights(w, il, n_expert=c.n_expert, n_embd=c.n_embd, n_ff=c.n_ff_exp),
+                             n_expert_used=c.n_expert_used, gating=c.gating,
+                             probs_bias=L("exp_probs_b.bias", (c.n_expert,)))
+    return lfm2.build(c, g, w, shape, ffn=ffn)

@@ -4,18 +4,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hearthlm.model_zoo.models import llama
-from hearthlm.model_zoo.tensors import Spec
+from hearthlm.model_zoo.config import HParams
+from hearthlm.model_zoo.decoder import Decoder, build_decoder
 
 
 @dataclass(frozen=True)
-class Config(llama.Config):
+class Config(HParams):
     NEOX = True
 
 
-def tensors(c: Config, n_vocab: int) -> list[Spec]:
-    """llama's, less the output-projection bias qwen2 has not."""
-    return [s for s in llama.tensors(c, n_vocab) if not s.name.endswith("attn_output.bias")]
-
-
-build = llama.build
+def build(c: Config, g, w, shape):
+    return build_decoder(c, g, w, shape, Decoder(biases="qkv"))

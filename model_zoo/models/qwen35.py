@@ -9,13 +9,10 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from hearthlm.model_zoo.blocks import (build_attn, build_conv, build_ffn_block, build_inp_embd, build_inputs,
-                                       build_norm, build_output, build_qk_norm_rope, build_state)
+from hearthlm.model_zoo.blocks import build_attn, build_conv, build_norm, build_qk_norm_rope, build_state
 from hearthlm.model_zoo.config import HParams, Reader
-from hearthlm.model_zoo.tensors import Spec
-from hearthlm.runtime.batch import BatchShape
+from hearthlm.model_zoo.decoder import Decoder, build_decoder
 from hearthlm.runtime.errors import ModelLoadError
-from hearthlm.runtime.graph import Graph
 
 
 @dataclass(frozen=True)
@@ -73,78 +70,47 @@ class Config(HParams):
         return [{} if self.has_attention(il) else rec for il in range(self.n_layer)]
 
 
-def tensors(c: Config, n_vocab: int, ffn: dict | None = None) -> list[Spec]:
-    """`ffn`: each layer's FFN tensors (qwen35moe's experts), else the dense SwiGLU's."""
-    e, q, kv = c.n_embd, c.n_head * c.head_dim, c.n_head_kv * c.head_dim
-    ffn = ffn or {"ffn_gate.weight": (c.n_ff, e), "ffn_up.weight": (c.n_ff, e), "ffn_down.weight": (e, c.n_ff)}
-    out = [Spec("token_embd.weight", (n_vocab, e)), Spec("output_norm.weight", (e,)),
-           Spec("output.weight", (n_vocab, e), optional=True)]
-    for il in range(c.n_layer):
-        mixer = ({"attn_q.weight": (2 * q, e), "attn_k.weight": (kv, e), "attn_v.weight": (kv, e),
-                  "attn_output.weight": (e, q), "attn_q_norm.weight": (c.head_dim,),
-                  "attn_k_norm.weight": (c.head_dim,)} if c.has_attention(il) else
-                 {"attn_qkv.weight": (c.conv_dim, e), "attn_gate.weight": (c.d_inner, e),
-                  "ssm_conv1d.weight": (c.conv_dim, c.d_conv), "ssm_dt.bias": (c.n_v_heads,),
-                  "ssm_a": (c.n_v_heads,), "ssm_beta.weight": (c.n_v_heads, e), "ssm_alpha.weight": (c.n_v_heads, e),
-                  "ssm_norm.weight": (c.d_v,), "ssm_out.weight": (e, c.d_inner)})
-        per = {"attn_norm.weight": (e,), **mixer, "post_attention_norm.weight": (e,), **ffn}
-        out += [Spec(f"blk.{il}.{n}", s) for n, s in per.items()]
-    return out
-
-
-def build_gated_attn(c: Config, g: Graph, w, inp, h, il: int):
+def build_gated_attn(c: Config, g, w, inp, h, il: int):
     """Attention whose output is gated per head by sigmoid(gate), gate from Q's own projection."""
-    b, n, d = f"blk.{il}.", h.shape[0], c.head_dim
-    qg = g.reshape(g.mul_mat(w(b + "attn_q.weight"), h, "Qcur_full", il), (n, c.n_head, 2 * d), "Qcur_full_3d", il)
+    L, n, d, e = w.layer(il), h.shape[0], c.head_dim, c.n_embd
+    nkv = c.n_head_kv * d
+    qg = g.reshape(g.mul_mat(L("attn_q.weight", (2 * c.n_head * d, e)), h, "Qcur_full", il), (n, c.n_head, 2 * d), "Qcur_full_3d", il)
     q, gate = g.slice(qg, 0, d, "Qcur", il), g.slice(qg, d, 2 * d, "gate", il)  # per head: q | gate
-    k = g.reshape(g.mul_mat(w(b + "attn_k.weight"), h, "Kcur", il), (n, c.n_head_kv, d), "Kcur_3d", il)
-    v = g.reshape(g.mul_mat(w(b + "attn_v.weight"), h, "Vcur", il), (n, c.n_head_kv, d), "Vcur_3d", il)
-    q, k = build_qk_norm_rope(g, q, k, inp, c.rope, il=il, q_norm=w(b + "attn_q_norm.weight"),
-                    k_norm=w(b + "attn_k_norm.weight"), eps=c.norm_eps)
+    k = g.reshape(g.mul_mat(L("attn_k.weight", (nkv, e)), h, "Kcur", il), (n, c.n_head_kv, d), "Kcur_3d", il)
+    v = g.reshape(g.mul_mat(L("attn_v.weight", (nkv, e)), h, "Vcur", il), (n, c.n_head_kv, d), "Vcur_3d", il)
+    q, k = build_qk_norm_rope(g, q, k, inp, c.rope, il=il, q_norm=L("attn_q_norm.weight", (d,)),
+                              k_norm=L("attn_k_norm.weight", (d,)), eps=c.norm_eps)
     att = build_attn(g, inp, q, k, v, il=il, wo=None, scale=1.0 / math.sqrt(d))  # (n, n_head * d)
     gate = g.reshape(g.sigmoid(gate, "gate_sigmoid", il), (n, c.n_head * d), "gate_2d", il)
-    return g.mul_mat(w(b + "attn_output.weight"), g.mul(att, gate, "attn_gated", il), "attn_out", il)
+    return g.mul_mat(L("attn_output.weight", (e, c.n_head * d)), g.mul(att, gate, "attn_gated", il), "attn_out", il)
 
 
-def build_delta_net(c: Config, g: Graph, w, inp, h, il: int):
+def build_delta_net(c: Config, g, w, inp, h, il: int):
     """Gated DeltaNet: conv(Q|K|V) + SiLU, L2-normed Q, K, the delta rule with decay
     exp(softplus(alpha + dt) * A) and rate sigmoid(beta), then RMSNorm(out) * SiLU(z)."""
-    b, n = f"blk.{il}.", h.shape[0]
+    L, n, e = w.layer(il), h.shape[0], c.n_embd
     kd, hk, hv, dv = c.n_k_heads * c.d_state, c.n_k_heads, c.n_v_heads, c.d_v
-    qkv = build_conv(g, inp, g.mul_mat(w(b + "attn_qkv.weight"), h, "qkv_mixed", il), w(b + "ssm_conv1d.weight"),
+    qkv = build_conv(g, inp, g.mul_mat(L("attn_qkv.weight", (c.conv_dim, e)), h, "qkv_mixed", il),
+                     L("ssm_conv1d.weight", (c.conv_dim, c.d_conv)),
                      il=il, act="silu")  # (n, conv_dim)
     q = g.l2_norm(g.reshape(g.slice(qkv, 0, kd, "q_conv", il), (n, hk, c.d_state), "q_3d", il), c.norm_eps, "q_l2", il)
     k = g.l2_norm(g.reshape(g.slice(qkv, kd, 2 * kd, "k_conv", il), (n, hk, c.d_state), "k_3d", il), c.norm_eps,
                   "k_l2", il)
     v = g.reshape(g.slice(qkv, 2 * kd, 2 * kd + c.d_inner, "v_conv", il), (n, hv, dv), "v_3d", il)
-    beta = g.sigmoid(g.mul_mat(w(b + "ssm_beta.weight"), h, "beta", il), "beta_sigmoid", il)  # (n, hv)
-    alpha = g.add(g.mul_mat(w(b + "ssm_alpha.weight"), h, "alpha", il), w(b + "ssm_dt.bias"), "alpha_biased", il)
-    gate = g.mul(g.softplus(alpha, "a_softplus", il), w(b + "ssm_a"), "gate", il)  # log-decay: A = -exp(A_log)
+    beta = g.sigmoid(g.mul_mat(L("ssm_beta.weight", (hv, e)), h, "beta", il), "beta_sigmoid", il)  # (n, hv)
+    alpha = g.add(g.mul_mat(L("ssm_alpha.weight", (hv, e)), h, "alpha", il), L("ssm_dt.bias", (hv,)), "alpha_biased", il)
+    gate = g.mul(g.softplus(alpha, "a_softplus", il), L("ssm_a", (hv,)), "gate", il)  # log-decay: A = -exp(A_log)
     state = build_state(g, inp, "state_ssm", (hv, dv, c.d_state), il=il)
     o = g.gated_delta_net(state, q, k, v, gate, beta, inp.seq_off, inp.state_slot,
                           scale=1.0 / math.sqrt(c.d_state), name="delta_net", il=il)  # (n, hv, dv)
-    z = g.reshape(g.mul_mat(w(b + "attn_gate.weight"), h, "z", il), (n, hv, dv), "z_3d", il)
-    o = g.mul(build_norm(g, o, w(b + "ssm_norm.weight"), eps=c.norm_eps, name="delta_norm", il=il),
+    z = g.reshape(g.mul_mat(L("attn_gate.weight", (c.d_inner, e)), h, "z", il), (n, hv, dv), "z_3d", il)
+    o = g.mul(build_norm(g, o, L("ssm_norm.weight", (dv,)), eps=c.norm_eps, name="delta_norm", il=il),
               g.silu(z, "z_silu", il), "delta_gated", il)
-    return g.mul_mat(w(b + "ssm_out.weight"), g.reshape(o, (n, c.d_inner), "delta_2d", il), "linear_attn_out", il)
+    return g.mul_mat(L("ssm_out.weight", (e, c.d_inner)), g.reshape(o, (n, c.d_inner), "delta_2d", il), "linear_attn_out", il)
 
 
-def build_layers(c: Config, g: Graph, w, shape: BatchShape, ffn) -> None:
-    """The whole model with `ffn(x, il)` as each layer's FFN half (dense here, experts in qwen35moe)."""
-    inp = build_inputs(g, shape)
-    x = build_inp_embd(g, w("token_embd.weight"), inp)
-    for il in range(c.n_layer):
-        h = build_norm(g, x, w(f"blk.{il}.attn_norm.weight"), eps=c.norm_eps, name="attn_norm", il=il)
-        h = (build_gated_attn if c.has_attention(il) else build_delta_net)(c, g, w, inp, h, il)
-        x = ffn(g.add(x, h, "attn_residual", il), il)
-    build_output(g, x, inp, norm=w("output_norm.weight"), output=w("output.weight", fallback="token_embd.weight"),
-                 eps=c.norm_eps)
-
-
-def build(c: Config, g: Graph, w, shape: BatchShape) -> None:
-    def ffn(x, il):
-        b = f"blk.{il}."
-        return build_ffn_block(g, x, il=il, norm=w(b + "post_attention_norm.weight"), eps=c.norm_eps,
-                               gate=w(b + "ffn_gate.weight"), up=w(b + "ffn_up.weight"),
-                               down=w(b + "ffn_down.weight"), act="silu")
-    build_layers(c, g, w, shape, ffn)
+def build(c: Config, g, w, shape, ffn=None):
+    """`ffn(g, w, h, il)`: the FFN (qwen35moe's experts); its norm is post_attention_norm."""
+    def mixer(g, w, inp, h, il):
+        return (build_gated_attn if c.has_attention(il) else build_delta_net)(c, g, w, inp, h, il)
+    return build_decoder(c, g, w, shape, Decoder(mixer=mixer, ffn=ffn, ffn_norm="post_attention_norm.weight"))

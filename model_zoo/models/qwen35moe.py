@@ -5,12 +5,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hearthlm.model_zoo.blocks import build_ffn, build_moe_ffn, build_norm, moe_weights
+from hearthlm.model_zoo.blocks import build_ffn, build_moe_ffn, moe_weights
 from hearthlm.model_zoo.config import Reader
 from hearthlm.model_zoo.models import qwen35
-from hearthlm.model_zoo.tensors import Spec
-from hearthlm.runtime.batch import BatchShape
-from hearthlm.runtime.graph import Graph
 
 
 @dataclass(frozen=True)
@@ -28,26 +25,17 @@ class Config(qwen35.Config):
                 "n_ff_shexp": r.opt("expert_shared_feed_forward_length", 0)}
 
 
-def tensors(c: Config, n_vocab: int) -> list[Spec]:
-    e, x = c.n_embd, c.n_ff_exp
-    ffn = {"ffn_gate_inp.weight": (c.n_expert, e), "ffn_gate_exps.weight": (c.n_expert, x, e),
-           "ffn_up_exps.weight": (c.n_expert, x, e), "ffn_down_exps.weight": (c.n_expert, e, x)}
-    if c.n_ff_shexp:
-        ffn |= {"ffn_gate_inp_shexp.weight": (e,), "ffn_gate_shexp.weight": (c.n_ff_shexp, e),
-                "ffn_up_shexp.weight": (c.n_ff_shexp, e), "ffn_down_shexp.weight": (e, c.n_ff_shexp)}
-    return qwen35.tensors(c, n_vocab, ffn)
+def build(c: Config, g, w, shape):
+    e, f = c.n_embd, c.n_ff_shexp
 
-
-def build(c: Config, g: Graph, w, shape: BatchShape) -> None:
-    def ffn(x, il):
-        b = f"blk.{il}."
-        h = build_norm(g, x, w(b + "post_attention_norm.weight"), eps=c.norm_eps, name="ffn_norm", il=il)
-        out = build_moe_ffn(g, h, il=il, **moe_weights(w, il), n_expert_used=c.n_expert_used)
-        if c.n_ff_shexp:
-            sh = build_ffn(g, h, il=il, gate=w(b + "ffn_gate_shexp.weight"), up=w(b + "ffn_up_shexp.weight"),
-                           down=w(b + "ffn_down_shexp.weight"), act="silu")
-            gate = g.sum_rows(g.mul(h, w(b + "ffn_gate_inp_shexp.weight"), "shexp_gate_prod", il), "shexp_gate", il)
-            out = g.add(out, g.mul(sh, g.sigmoid(gate, "shexp_gate_sigmoid", il), "ffn_shexp_gated", il),
-                        "ffn_moe_shexp", il)
-        return g.add(x, out, "l_out", il)
-    qwen35.build_layers(c, g, w, shape, ffn)
+    def ffn(g, w, h, il):
+        L = w.layer(il)
+        out = build_moe_ffn(g, h, il=il, **moe_weights(w, il, n_expert=c.n_expert, n_embd=e, n_ff=c.n_ff_exp),
+                            n_expert_used=c.n_expert_used)
+        if not f:
+            return out
+        sh = build_ffn(g, h, il=il, gate=L("ffn_gate_shexp.weight", (f, e)), up=L("ffn_up_shexp.weight", (f, e)),
+                       down=L("ffn_down_shexp.weight", (e, f)), act="silu")
+        gate = g.sum_rows(g.mul(h, L("ffn_gate_inp_shexp.weight", (e,)), "shexp_gate_prod", il), "shexp_gate", il)
+        return g.add(out, g.mul(sh, g.sigmoid(gate, "shexp_gate_sigmoid", il), "ffn_shexp_gated", il), "ffn_moe_shexp", il)
+    return qwen35.build(c, g, w, shape, ffn=ffn)

@@ -5,12 +5,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hearthlm.model_zoo.blocks import build_moe_ffn, build_norm, build_residual, moe_weights
+from hearthlm.model_zoo.blocks import build_moe_ffn, moe_weights
 from hearthlm.model_zoo.config import HParams, Reader
-from hearthlm.model_zoo.models.qwen3 import attn_specs, build_layers
-from hearthlm.model_zoo.tensors import Spec, layer_specs
-from hearthlm.runtime.batch import BatchShape
-from hearthlm.runtime.graph import Graph
+from hearthlm.model_zoo.decoder import Decoder, build_decoder
 
 
 @dataclass(frozen=True)
@@ -28,18 +25,8 @@ class Config(HParams):
         return dict(n_expert=n_expert, n_expert_used=used, n_ff_exp=n_ff_exp)
 
 
-def tensors(c: Config, n_vocab: int) -> list[Spec]:
-    e, f, n = c.n_embd, c.n_ff_exp, c.n_expert
-    return [Spec("token_embd.weight", (n_vocab, e)), Spec("output_norm.weight", (e,)),
-            Spec("output.weight", (n_vocab, e), optional=True),
-            *layer_specs(c.n_layer, {**attn_specs(c), "ffn_gate_inp.weight": (n, e), "ffn_gate_exps.weight": (n, f, e),
-                                     "ffn_up_exps.weight": (n, f, e), "ffn_down_exps.weight": (n, e, f)})]
-
-
-def build(c: Config, g: Graph, w, shape: BatchShape) -> None:
-    def ffn(x, il):
-        b = f"blk.{il}."
-        h = build_norm(g, x, w(b + "ffn_norm.weight"), eps=c.norm_eps, name="ffn_norm", il=il)
-        h = build_moe_ffn(g, h, il=il, **moe_weights(w, il), n_expert_used=c.n_expert_used)
-        return build_residual(g, x, h, name="l_out", il=il)
-    build_layers(c, g, w, shape, ffn)
+def build(c: Config, g, w, shape):
+    def ffn(g, w, h, il):
+        return build_moe_ffn(g, h, il=il, **moe_weights(w, il, n_expert=c.n_expert, n_embd=c.n_embd, n_ff=c.n_ff_exp),
+                             n_expert_used=c.n_expert_used)
+    return build_decoder(c, g, w, shape, Decoder(qk_norm="head", ffn=ffn))

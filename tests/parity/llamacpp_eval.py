@@ -5,6 +5,7 @@ import json
 import sys
 
 import numpy as np
+import llama_cpp
 from llama_cpp import Llama
 
 
@@ -22,7 +23,7 @@ def run(path: str, prompts: list[list[int]], n_steps: int) -> list[dict]:
             top = np.argsort(-lp, kind="stable")[:5]
             steps.append({"top_ids": [int(t) for t in top], "top_logprobs": [round(float(lp[t]), 5) for t in top]})
             ids.append(int(top[0]))
-            if int(top[0]) == llm.token_eos():
+            if llama_cpp.llama_vocab_is_eog(llama_cpp.llama_model_get_vocab(llm.model), int(top[0])):  # any end token
                 break
             llm.eval([int(top[0])])
         out.append({"prompt_ids": prompt, "greedy_ids": ids, "steps": steps})

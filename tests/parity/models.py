@@ -1,6 +1,6 @@
 """Tiny random-weight GGUFs for every registered architecture (mlx-lm's model_test_runner):
 one generic set of hyperparameters under the architecture's own prefix, the tensors and
-shapes the architecture itself describes (`tensors(cfg, n_vocab)`), llama.cpp's names as
+shapes the architecture itself reads (`model_zoo.tensors.specs`), llama.cpp's names as
 they are, F32 weights scaled so the next-token distribution is peaked. Variants add what
 a model family carries on top (RoPE scaling kinds)."""
 from __future__ import annotations
@@ -14,6 +14,8 @@ from gguf.constants import GGML_QUANT_SIZES
 from gguf.constants import GGMLQuantizationType as T
 
 from hearthlm.model_zoo.models import ARCHITECTURES, get_architecture
+from hearthlm.model_zoo.tensors import Spec
+from hearthlm.model_zoo.tensors import specs as tensor_specs
 from hearthlm.model_zoo.tokenizer_bpe import _byte_to_unicode
 
 N_VOCAB = 260  # 3 specials + 256 bytes + one merge
@@ -127,12 +129,14 @@ def write(path: Path, variant: str, seed: int = 0, *, defects: dict | None = Non
         if k in md.seen:  # only the keys the architecture reads (an expert count would make llama MoE)
             _add(w, k, v)
     _vocab(w, n_vocab)
-    specs = mod.tensors(cfg, n_vocab)
+    specs = tensor_specs(mod, cfg, n_vocab)
+    names = {s.name for s in specs}
+    specs += [Spec(n, np.shape(v)) for n, v in extra_t.items() if n not in names]  # RoPE factors: read by Rope.bind
     for s in specs:
         if s.name == d.get("drop"):
             continue
         s = dataclasses.replace(s, shape=tuple(d.get("shape", {}).get(s.name, s.shape)))
-        if qtypes and s.optional:  # benchmarks: tied embeddings, no RoPE factors
+        if qtypes and s.optional and s.name.endswith((".bias", "output.weight")):  # benchmarks: tied, no biases
             continue
         bq = qtypes(s.name, s.shape) if qtypes else None
         if bq is not None:
@@ -140,13 +144,11 @@ def write(path: Path, variant: str, seed: int = 0, *, defects: dict | None = Non
             continue
         if s.name in extra_t:
             data = np.asarray(extra_t[s.name], np.float32).reshape(s.shape)
-        elif s.optional and not s.name.endswith((".bias", "output.weight")):
-            continue  # RoPE factors only in their variants
         elif s.name.endswith(".ssm_a"):  # a recurrent layer's A = -exp(A_log): decays, never grows
             data = -np.exp(0.5 * rng.standard_normal(s.shape))
         elif len(s.shape) == 1:  # norms ~1, biases ~0
             data = (0.0 if s.name.endswith(".bias") else 1.0) + 0.1 * rng.standard_normal(s.shape)
-        elif s.name == "token_embd.weight" and not any(t.name == "output.weight" for t in specs):
+        elif s.name == "token_embd.weight" and "output.weight" not in names:
             data = TIED * rng.standard_normal(s.shape)  # the LM head too (Gemma 2)
         else:  # fan-in scaled; the LM head large enough to peak the logits
             data = (PEAK if s.name == "output.weight" else 1.0) / np.sqrt(s.shape[-1]) * rng.standard_normal(s.shape)
