@@ -101,6 +101,11 @@ def kq(q, k, tok_seq):
     return np.einsum("thd,tkhd->thk", q.astype(np.float64), kt).astype(np.float32)
 
 
+def attn_temp(pos, floor, beta):
+    t = np.log(np.floor(pos.astype(np.float64) / floor) + 1.0) * beta + 1.0
+    return t.astype(np.float32)[:, None, None]
+
+
 def kq_mask(pos, n_kv, window):
     p = np.arange(n_kv)[None, :]
     lo = pos[:, None] - window + 1 if window > 0 else 0
@@ -285,6 +290,7 @@ class ReferenceBackend(Backend):
             Op.GATHER_KV: lambda n, cache, bt: gather_kv(cache, bt, n.params["block_size"]),
             Op.KQ: lambda n, q, k, seq: kq(q, k, seq),
             Op.KQ_MASK: lambda n, pos: kq_mask(pos, n.shape[2], n.params["window"]),
+            Op.ATTN_TEMP: lambda n, pos: attn_temp(pos, n.params["floor"], n.params["beta"]),
             Op.SOFT_MAX: lambda n, x: soft_max(x),
             Op.KQV: lambda n, p, v, seq: kqv(p, v, seq),
             Op.ADD_N: lambda n, *xs: sum(xs[1:], xs[0]).astype(np.float32),

@@ -142,6 +142,10 @@ class HParams:
     def has_attention(self, il: int) -> bool:
         return True
 
+    def uses_rope(self, il: int) -> bool:
+        """Whether layer il's attention rotates Q and K (SmolLM3 and Granite 4.0-H have NoPE layers)."""
+        return True
+
     def layer_state_dims(self) -> list[dict[str, tuple[int, ...]]]:
         """Per layer, its recurrent state's per-sequence shapes by cache name (hybrid models)."""
         return [{} for _ in range(self.n_layer)]

@@ -19,7 +19,7 @@ from hearthlm.runtime.graph import Graph, Tensor
 @dataclass(frozen=True)
 class Decoder:
     # attention
-    rope: Callable[[int], Rope | None] | None = None  # layer il's RoPE, None there for none (NoPE); unset: c.rope
+    rope: Callable[[int], Rope | None] | None = None  # layer il's RoPE; unset: c.rope where c.uses_rope(il)
     window: Callable[[int], int] | None = None  # layer il's sliding window (0: every position)
     qk_norm: str = ""         # "head": RMSNorm per head on Q and K (Qwen3, Gemma 3); "all": over all heads (OLMo 2)
     biases: str = ""          # which of the q, k, v, o projections may have a bias ("qkvo": llama's)
@@ -81,7 +81,8 @@ def build_self_attn(c: HParams, g: Graph, L, inp: Inputs, h: Tensor, il: int, d:
     elif d.qk_norm == "all":  # over the whole projection, before the split into heads
         q = _norm_all(g, q, L("attn_q_norm.weight", (nq,)), c.norm_eps, "Qcur", il)
         k = _norm_all(g, k, L("attn_k_norm.weight", (nkv,)), c.norm_eps, "Kcur", il)
-    q, k = build_qk_norm_rope(g, q, k, inp, d.rope(il) if d.rope else c.rope, il=il, **norms)
+    rope = (d.rope(il) if d.rope else c.rope) if c.uses_rope(il) else None
+    q, k = build_qk_norm_rope(g, q, k, inp, rope, il=il, **norms)
     if d.q_scale is not None:
         q = d.q_scale(g, inp, q, il)
     return build_attn(g, inp, q, k, v, il=il, wo=L("attn_output.weight", (e, nq)), bo=bias("output", e),

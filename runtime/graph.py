@@ -60,6 +60,9 @@ class Op(enum.Enum):
     # attention, unfused: what the builders emit (runtime.fusion turns it into ATTN)
     GATHER_KV = "gather_kv"  # (cache (n_slots, h, d), block_table (n_seqs, mb)) -> (n_seqs, mb*block_size, h, d)
     KQ = "kq"                # (q (n_tokens, n_head, d), k (n_seqs, n_kv, h_kv, d), tok_seq) -> (n_tokens, n_head, n_kv); GQA
+    # (pos (n_tokens,)) -> (n_tokens, 1, 1): log(floor(pos / floor) + 1) * beta + 1, Llama 4's attention
+    # temperature on Q (Ministral 3); params: floor, beta
+    ATTN_TEMP = "attn_temp"
     KQ_MASK = "kq_mask"      # (pos (n_tokens,)) -> (n_tokens, 1, n_kv): 0 on [pos-window+1 (or 0), pos], else -inf
     SOFT_MAX = "soft_max", OpProps(inplace=(0,))  # (x,) over the last axis
     KQV = "kqv"              # (probs (n_tokens, n_head, n_kv), v (n_seqs, n_kv, h_kv, dv), tok_seq) -> (n_tokens, n_head, dv)
@@ -213,6 +216,9 @@ class Graph:
     def kq(self, q: Tensor, k: Tensor, tok_seq: Tensor, name: str, il: int = -1) -> Tensor:
         assert q.shape[2] == k.shape[3] and q.shape[1] % k.shape[2] == 0, f"{name}: {q.shape} vs {k.shape}"
         return self._add(Op.KQ, (q, k, tok_seq), (q.shape[0], q.shape[1], k.shape[1]), name, il)
+
+    def attn_temp(self, pos: Tensor, *, floor: int, beta: float, name: str, il: int = -1) -> Tensor:
+        return self._add(Op.ATTN_TEMP, (pos,), (pos.shape[0], 1, 1), name, il, floor=int(floor), beta=float(beta))
 
     def kq_mask(self, pos: Tensor, *, n_kv: int, window: int = 0, name: str, il: int = -1) -> Tensor:
         return self._add(Op.KQ_MASK, (pos,), (pos.shape[0], 1, n_kv), name, il, window=int(window))

@@ -67,7 +67,7 @@ def test_fusion_rules_fire(tmp_path, variant):
         ops = [n.op for n in g.nodes]
         n = m.config.n_layer
         n_attn = sum(m.config.has_attention(il) for il in range(n))  # hybrids: the attention layers
-        roped = n_attn if getattr(m.config, "use_rope", True) else 0  # Granite 4.0-H: NoPE
+        roped = sum(m.config.has_attention(il) and m.config.uses_rope(il) for il in range(n))  # NoPE layers
         assert ops.count(Op.ROPE_SET_ROWS) == roped
         assert ops.count(Op.ATTN) == n_attn and Op.KQ not in ops  # Gemma 2: soft-capped scores too
         recurrent = n - n_attn

@@ -22,6 +22,7 @@ from gguf.constants import GGML_QUANT_SIZES
 from gguf.constants import GGMLQuantizationType as T
 
 from hearthlm.backends import get_backend
+from hearthlm.backends.random_blocks import IQUANTS, random_blocks
 from hearthlm.backends.reference import ReferenceBackend, dequantize
 from hearthlm.runtime.errors import BackendError
 from hearthlm.runtime.graph import Graph, Op
@@ -33,9 +34,10 @@ NOT_KERNELS = {Op.INPUT, Op.WEIGHT, Op.CACHE, Op.COPY}  # bound leaves, and disp
 FLOATS = [T.F32, T.F16, T.BF16]
 LEGACY = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0]
 KQUANTS = [T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K]
-TYPES = FLOATS + LEGACY + KQUANTS
+TYPES = FLOATS + LEGACY + KQUANTS + list(IQUANTS)
 KS = [576, 640, 896, 1536]  # n_embd of SmolLM2-135M, Gemma-3-270M, Qwen2.5-0.5B; SmolLM2's n_ff
 KQUANT_KS = [1536, 2048]  # K-quant rows are whole 256-blocks (llama.cpp falls back elsewhere)
+SUPER = {*KQUANTS, *(t for t in IQUANTS if GGML_QUANT_SIZES[t][0] == 256)}  # 256-weight blocks
 TOKENS = [0, 1, 5, 17]
 TOKENS_MM = [0, 1, 5, 8, 17]  # 8: the most cuda's mmvq takes; the CPU kernels take tokens in pairs
 GQA = [(9, 3, 64), (4, 1, 256), (14, 2, 64), (8, 2, 128)]  # (n_head, n_head_kv, head_dim)
@@ -61,17 +63,11 @@ def backend(request):
 
 # ---- weights (made once per module: quantizing is the slow part) ----
 
-KQUANT_F16_FIELDS = {T.Q2_K: (80, 82), T.Q3_K: (108,), T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,)}
-
-
 def make_raw(qtype, n_rows, n_cols, rng) -> np.ndarray:
     """Raw GGUF bytes (n_rows, row_bytes): quantized normals, or (gguf cannot quantize
     K-quants) random K-quant blocks with sane float16 scales."""
-    if qtype in KQUANTS:
-        block, size = GGML_QUANT_SIZES[qtype]
-        raw = rng.integers(0, 256, size=(n_rows * n_cols // block, size), dtype=np.uint8)
-        for off in KQUANT_F16_FIELDS[qtype]:
-            raw[:, off:off + 2] = rng.uniform(0.001, 0.02, raw.shape[0]).astype(np.float16).view(np.uint8).reshape(-1, 2)
+    if qtype in KQUANTS or qtype in IQUANTS:
+        raw = random_blocks(qtype, n_rows, n_cols, rng)
     else:
         w = rng.standard_normal((n_rows, n_cols)).astype(np.float32)
         raw = w.view(np.uint8) if qtype == T.F32 else quants.quantize(w, qtype).view(np.uint8)
@@ -221,7 +217,7 @@ def mul_mat(qtype, k, n):
 
 
 def mul_mat_add(qtype, n):
-    rng, k = rng_for("mma", qtype, n), KQUANT_KS[0] if qtype in KQUANTS else 896
+    rng, k = rng_for("mma", qtype, n), KQUANT_KS[0] if qtype in SUPER else 896
     w = qweight(qtype, 67, k)
     x, r = x_for(w, rng, n), f32(rng, n, 67)  # the residual no bigger than the product: both count
     g = Graph()
@@ -232,7 +228,7 @@ def mul_mat_add(qtype, n):
 
 def ffn_glu(qtype, n, act, n_ff=600):
     """n_ff = 600: more than one CPU slab (ffn.CHUNK = 512), the last one partial."""
-    k = KQUANT_KS[0] if qtype in KQUANTS else 576
+    k = KQUANT_KS[0] if qtype in SUPER else 576
     wg, wu = qweight(qtype, n_ff, k, 0), qweight(qtype, n_ff, k, 1)
     x = 2 * x_for(wg, rng_for("ffn", qtype, n, act), n)  # gate ~ N(0, 4): both sides of the activation's bend
     g = Graph()
@@ -241,7 +237,7 @@ def ffn_glu(qtype, n, act, n_ff=600):
 
 
 def get_rows(qtype, n):
-    k = KQUANT_KS[0] if qtype in KQUANTS else 640
+    k = KQUANT_KS[0] if qtype in SUPER else 640
     ids = rng_for("gr", qtype, n).integers(0, 97, n).astype(np.int32)
     ids[:2] = [96, 96][:n]  # the last row, repeated
     g = Graph()
@@ -410,6 +406,7 @@ def attention(part, shape, scen, window, softcap=0.0):
         "kq": lambda: g.kq(q, k, sq, "kq"),
         "kqv": lambda: g.kqv(p, v, sq, "kqv"),
         "kq_mask": mask,
+        "attn_temp": lambda: g.mul(q, g.attn_temp(ps, floor=3, beta=0.1, name="temp"), "q_scaled"),
         "soft_max": lambda: g.soft_max(x, "probs"),
         "soft_max_masked": lambda: g.soft_max(g.add(x, mask(), "masked"), "probs"),
     }[part]())
@@ -521,6 +518,8 @@ def case(fn, **kw):
 
 
 def ks_for(qtype):
+    if qtype in IQUANTS:  # one row length each: their kernels are the i8 and nibble ones
+        return KQUANT_KS[:1] if qtype in SUPER else KS[2:3]
     return KQUANT_KS if qtype in KQUANTS else KS
 
 
@@ -556,6 +555,8 @@ CASES = [
       for sh in GQA for s in ("empty", "chunk", "prefill")],
     *[case(attention, part=p, shape=GQA[0], scen=s, window=w) for p in ("kq_mask", "soft_max_masked")
       for s in SCENARIOS for w in (0, 8)],
+    # Ministral 3's temperature: positions past the floor (3) scale Q by log(floor(pos / 3) + 1) * 0.1 + 1
+    *[case(attention, part="attn_temp", shape=GQA[0], scen=s, window=0) for s in SCENARIOS],
     *[case(elementwise, kind=kind, n=n) for kind in ("sigmoid", "softplus", "l2_norm", "l2_norm_tiny") for n in TOKENS],
     *[case(ssm_conv, c=c, k=k, batch=b) for c, k in ((1024, 3), (3328, 4)) for b in BATCHES],
     case(ssm_conv, c=1024, k=3, batch="uneven", qtype=T.F16),

@@ -150,6 +150,7 @@ def _case(op: Op, n: int, qtype=T.Q8_0):
         Op.GATHER_KV: lambda: g.gather_kv(kc, bt, block_size=BS, name="k"),
         Op.KQ: lambda: g.kq(xh, f("kg", 2, 3 * BS, HKV, D), seq, "kq"),
         Op.KQ_MASK: lambda: g.kq_mask(pos, n_kv=3 * BS, name="m"),
+        Op.ATTN_TEMP: lambda: g.attn_temp(pos, floor=4, beta=0.1, name="t"),
         Op.SOFT_MAX: lambda: g.soft_max(f("s", n, H, 3 * BS), "p"),
         Op.KQV: lambda: g.kqv(f("p", n, H, 3 * BS), f("vg", 2, 3 * BS, HKV, D), seq, "o"),
         Op.TANH: lambda: g.tanh(x, "t"),

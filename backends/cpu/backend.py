@@ -134,6 +134,14 @@ def _gather_kv(node, cache, bt, out=None):
     return out
 
 
+def _attn_temp(node, pos, out=None):
+    """As llama.cpp computes it on the host (float32 of the float expression), per token."""
+    out = _buf(node, out)
+    t = np.log(np.floor(pos.astype(np.float64) / node.params["floor"]) + 1.0) * node.params["beta"] + 1.0
+    np.copyto(out, t.astype(np.float32)[:, None, None])
+    return out
+
+
 def _kq_mask(node, pos, out=None):
     n_kv, window = node.shape[2], node.params["window"]
     p = np.arange(n_kv)[None, :]
@@ -355,6 +363,7 @@ class CPUBackend(Backend):
             Op.GATHER_KV: _gather_kv,
             Op.KQ: _kq,
             Op.KQ_MASK: _kq_mask,
+            Op.ATTN_TEMP: _attn_temp,
             Op.SOFT_MAX: _soft_max,
             Op.KQV: _kqv,
             Op.ATTN: _attn,

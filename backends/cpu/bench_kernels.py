@@ -2,7 +2,7 @@
 
     python -m hearthlm.backends.cpu.bench_kernels [--types Q4_1,Q8_0] [--rows 32768] [--cols 2048]
 
-Random weights (quantized with gguf.quants, or random bytes with sane scales for K-quants).
+Random weights (quantized with gguf.quants, or random blocks with sane scales for K-quants and IQ types).
 The default matvec matrix (32768 x 2048) is larger than the L3 cache, like a model's weights.
 Then one decode token's matrices of two real models (same shapes and types, random values).
 Timings are the best of many runs: on a shared machine, other processes only add noise.
@@ -14,9 +14,9 @@ import time
 import numba
 import numpy as np
 from gguf import quants
-from gguf.constants import GGML_QUANT_SIZES
 from gguf.constants import GGMLQuantizationType as T
 
+from ..random_blocks import IQUANTS, KQUANTS, random_blocks
 from .matmul import matmul
 from .qtypes import pack_weight
 
@@ -28,17 +28,13 @@ MODELS = {
                             (18, 640, 1024, "Q4_K"), (36, 2048, 640, "Q5_0"), (18, 640, 2048, "Q6_K"),
                             (1, 262144, 640, "Q8_0")],
 }
-DEFAULT_TYPES = "F32,F16,BF16,Q8_0,Q4_0,Q4_1,Q5_0,Q5_1,Q2_K,Q3_K,Q4_K,Q5_K,Q6_K"
-_F16_FIELDS = {T.Q2_K: (80, 82), T.Q3_K: (108,), T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,)}
+DEFAULT_TYPES = ("F32,F16,BF16,Q8_0,Q4_0,Q4_1,Q5_0,Q5_1,Q2_K,Q3_K,Q4_K,Q5_K,Q6_K,IQ4_NL,IQ4_XS,MXFP4,TQ1_0,TQ2_0,"
+                 "IQ2_XXS,IQ2_XS,IQ2_S,IQ3_XXS,IQ3_S,IQ1_S,IQ1_M")
 
 
 def random_raw(qtype: T, n_rows: int, n_cols: int, rng) -> np.ndarray:
-    if qtype in _F16_FIELDS:
-        block, size = GGML_QUANT_SIZES[qtype]
-        raw = rng.integers(0, 256, size=(n_rows * n_cols // block, size), dtype=np.uint8)
-        for off in _F16_FIELDS[qtype]:
-            raw[:, off:off + 2] = rng.uniform(0.001, 0.02, raw.shape[0]).astype(np.float16).view(np.uint8).reshape(-1, 2)
-        return raw.reshape(n_rows, -1)
+    if qtype in KQUANTS or qtype in IQUANTS:  # gguf.quants cannot quantize them
+        return random_blocks(qtype, n_rows, n_cols, rng)
     w = rng.standard_normal((n_rows, n_cols)).astype(np.float32)
     return w.view(np.uint8) if qtype == T.F32 else quants.quantize(w, qtype).view(np.uint8).reshape(n_rows, -1)
 

@@ -279,6 +279,11 @@ def kq(node, q, k, tok_seq, out=None):
     return _into(s.reshape(node.shape), out)
 
 
+def attn_temp(node, pos, out=None):
+    t = cp.log(cp.floor(_i(pos).astype(cp.float64) / node.params["floor"]) + 1.0) * node.params["beta"] + 1.0
+    return _into(t.astype(cp.float32)[:, None, None], out)
+
+
 def kq_mask(node, pos, out=None):
     n_kv, window = node.shape[2], node.params["window"]
     p, pos = cp.arange(n_kv, dtype=cp.int32)[None, :], _i(pos)[:, None]
@@ -456,7 +461,7 @@ KERNELS = {
     Op.SILU: activation("silu"), Op.GELU: activation("gelu"), Op.GLU: glu,
     Op.RESHAPE: reshape, Op.SLICE: slice_,
     Op.ROPE: rope, Op.SET_ROWS: set_rows, Op.ROPE_SET_ROWS: rope_set_rows,
-    Op.ATTN: attn, Op.GATHER_KV: gather_kv, Op.KQ: kq, Op.KQ_MASK: kq_mask, Op.SOFT_MAX: soft_max, Op.KQV: kqv,
+    Op.ATTN: attn, Op.GATHER_KV: gather_kv, Op.KQ: kq, Op.KQ_MASK: kq_mask, Op.ATTN_TEMP: attn_temp, Op.SOFT_MAX: soft_max, Op.KQV: kqv,
     Op.TANH: tanh, Op.TOP_K: top_k, Op.TAKE: take, Op.SUM_ROWS: sum_rows, Op.DIV: div, Op.MUL_MAT_ID: mul_mat_id,
     Op.SIGMOID: sigmoid, Op.SOFTPLUS: softplus, Op.L2_NORM: l2_norm, Op.SSM_CONV: ssm_conv, Op.SSM_SCAN: ssm_scan,
     Op.GATED_DELTA_NET: gated_delta_net,

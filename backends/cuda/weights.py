@@ -1,6 +1,7 @@
 """Weights on the GPU. Quantized matrices keep their raw GGUF blocks (the kernels read them
 as llama.cpp's do: quants.cuh); float matrices (F32, F16, BF16) and vectors become float32
-for cuBLAS and the elementwise kernels."""
+for cuBLAS and the elementwise kernels, and so do the types without a kernel here yet (the IQ,
+TQ and MXFP4 types: dequantized once at upload, exactly as gguf.quants does, at 4 bytes a weight)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -18,7 +19,10 @@ QUANT_KERNELS = {int(T.Q4_0): "q4_0", int(T.Q4_1): "q4_1", int(T.Q5_0): "q5_0", 
                  int(T.Q8_0): "q8_0", int(T.Q2_K): "q2_k", int(T.Q3_K): "q3_k", int(T.Q4_K): "q4_k",
                  int(T.Q5_K): "q5_k", int(T.Q6_K): "q6_k"}
 FLOAT_TYPES = frozenset(int(t) for t in (T.F32, T.F16, T.BF16))
-SUPPORTED_TYPES = FLOAT_TYPES | frozenset(QUANT_KERNELS)
+DEQUANTIZED_TYPES = frozenset(int(t) for t in (  # float32 on the device until they have kernels
+    T.IQ4_NL, T.IQ4_XS, T.MXFP4, T.TQ1_0, T.TQ2_0, T.IQ2_XXS, T.IQ2_XS, T.IQ2_S, T.IQ3_XXS, T.IQ3_S,
+    T.IQ1_S, T.IQ1_M))
+SUPPORTED_TYPES = FLOAT_TYPES | frozenset(QUANT_KERNELS) | DEQUANTIZED_TYPES
 
 
 @dataclass(eq=False)
@@ -50,7 +54,7 @@ def upload(cp, w: QWeight):
     if len(w.shape) != 2:
         raise UnsupportedModelError(f"{w.name}: {len(w.shape)}-d weights are not supported by the cuda backend")
     n_rows, n_cols = (int(s) for s in w.shape)
-    if t in FLOAT_TYPES:
+    if t in FLOAT_TYPES or t in DEQUANTIZED_TYPES:
         return CudaWeight(t, (n_rows, n_cols), f=cp.asarray(np.ascontiguousarray(dequantize(w), np.float32)))
     block, size = GGML_QUANT_SIZES[T(t)]
     raw = np.ascontiguousarray(np.asarray(w.raw, np.uint8)).reshape(n_rows, -1)

@@ -51,6 +51,9 @@ class Config(HParams):
     def conv_dim(self) -> int:  # the conv runs over x | B | C
         return self.d_inner + 2 * self.n_group * self.d_state
 
+    def uses_rope(self, il: int) -> bool:
+        return self.use_rope
+
     def has_attention(self, il: int) -> bool:
         return not self.head_count_kv_layers or self.head_count_kv_layers[il] > 0
 
@@ -106,5 +109,5 @@ def build(c: Config, g, w, shape):
         return None if c.has_attention(il) else build_mamba2(c, g, w, inp, h, il)
     return build_decoder(c, g, w, shape, Decoder(
         mixer=mixer, ffn=lambda g, w, h, il: build_ffn_half(c, g, w, h, il),
-        rope=lambda il: c.rope if c.use_rope else None, attn_scale=c.attn_scale, residual_scale=c.residual_scale,
+        attn_scale=c.attn_scale, residual_scale=c.residual_scale,
         embd_scale=c.embd_scale if c.embd_scale != 1.0 else None, logit_scale=c.logit_scale))

@@ -6,13 +6,14 @@ a model family carries on top (RoPE scaling kinds)."""
 from __future__ import annotations
 
 import dataclasses
+import sys
 from pathlib import Path
 
 import gguf
 import numpy as np
-from gguf.constants import GGML_QUANT_SIZES
 from gguf.constants import GGMLQuantizationType as T
 
+from hearthlm.backends.random_blocks import random_blocks
 from hearthlm.model_zoo.models import ARCHITECTURES, get_architecture
 from hearthlm.model_zoo.tensors import Spec
 from hearthlm.model_zoo.tensors import specs as tensor_specs
@@ -48,6 +49,15 @@ VARIANTS = {  # name -> (architecture, extra metadata, extra F32 tensors by name
     "granitehybrid": ("granitehybrid", {**GRANITE_H, "expert_count": None, "expert_used_count": None,
                                         "rope.scaling.finetuned": False}, {}),  # NoPE, as Granite 4.0-H
     "granitehybrid-moe": ("granitehybrid", {**GRANITE_H, "expert_shared_feed_forward_length": 48}, {}),
+    # a NoPE layer (every fourth); OLMo 3's sliding layers (all but every fourth) and OLMo 2 without
+    "smollm3": ("smollm3", {"block_count": 4}, {}),
+    "olmo2": ("olmo2", {"block_count": 4}, {}),
+    "olmo2-no-swa": ("olmo2", {"attention.sliding_window": None}, {}),
+    # YaRN with the file's ramp bounds and log multiplier; the attention temperature from position 8 on
+    "mistral3": ("mistral3", {"rope.scaling.type": "yarn", "rope.scaling.factor": 4.0,
+                              "rope.scaling.original_context_length": 8, "rope.scaling.yarn_log_multiplier": 1.0,
+                              "rope.scaling.yarn_beta_fast": 16.0, "rope.scaling.yarn_beta_slow": 2.0,
+                              "attention.temperature_scale": 0.5}, {}),
     "llama-rope-llama3": ("llama", {}, {"rope_freqs.weight": np.array([4.0, 9.0, 1.0, 1.7, 4.2, 8.0, 8.0, 8.0])}),
     "llama-rope-yarn": ("llama", {"rope.scaling.type": "yarn", "rope.scaling.factor": 4.0,
                                   "rope.scaling.original_context_length": 64}, {}),
@@ -100,16 +110,6 @@ class _Seen(dict):
         return super().__contains__(k)
 
 
-def _random_blocks(qtype, shape, rng) -> np.ndarray:
-    """Random quantized blocks with sane float16 scales (gguf.quants cannot quantize K-quants, and
-    a benchmark's weights need only the real layout): bytes (rows, row_bytes)."""
-    block, size = GGML_QUANT_SIZES[qtype]
-    raw = rng.integers(0, 256, size=(int(np.prod(shape)) // block, size), dtype=np.uint8)
-    for off in F16_FIELDS[qtype]:
-        raw[:, off:off + 2] = rng.uniform(0.001, 0.02, raw.shape[0]).astype(np.float16).view(np.uint8).reshape(-1, 2)
-    return raw.reshape(shape[0], -1)
-
-
 def write(path: Path, variant: str, seed: int = 0, *, defects: dict | None = None,
           qtype: gguf.GGMLQuantizationType | None = None, n_vocab: int = N_VOCAB, qtypes=None) -> Path:
     """`defects` (bad-input tests): {"metadata": {key: value} written over what the
@@ -140,7 +140,7 @@ def write(path: Path, variant: str, seed: int = 0, *, defects: dict | None = Non
             continue
         bq = qtypes(s.name, s.shape) if qtypes else None
         if bq is not None:
-            w.add_tensor(s.name, _random_blocks(bq, s.shape, rng), raw_dtype=bq)
+            w.add_tensor(s.name, random_blocks(bq, s.shape[0] if len(s.shape) == 2 else int(np.prod(s.shape[:-1])), s.shape[-1], rng), raw_dtype=bq)
             continue
         if s.name in extra_t:
             data = np.asarray(extra_t[s.name], np.float32).reshape(s.shape)
@@ -163,8 +163,6 @@ def write(path: Path, variant: str, seed: int = 0, *, defects: dict | None = Non
     w.close()
     return path
 
-
-F16_FIELDS = {T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,), T.Q8_0: (0,), T.Q4_0: (0,)}  # scale bytes per block
 
 # Benchmarks (`make bench-hybrid`): the real shapes of small hybrids, written with random
 # Q4_K_M-like weights (no such file ships on the package index), tied embeddings

@@ -1,0 +1,43 @@
+"""olmo2 (OLMo 2, and OLMo 3 under the same name): no norm before attention or FFN, an RMSNorm
+on each half's output before its residual add; RMSNorm over all of Q and over all of K (not per
+head) before NeoX RoPE. OLMo 3's sliding-window layers (a per-layer sliding_window_pattern, or
+every layer but each fourth) keep unscaled RoPE. Reference: llama.cpp src/models/olmo2.cpp."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from hearthlm.model_zoo.config import HParams, Reader
+from hearthlm.model_zoo.decoder import Decoder, build_decoder
+from hearthlm.runtime.errors import ModelLoadError
+
+
+@dataclass(frozen=True)
+class Config(HParams):
+    swa_layers: tuple[bool, ...] = ()  # per layer: slides (OLMo 3); empty: none does
+    NEOX, NORM_EPS = True, 1e-6
+
+    @classmethod
+    def read(cls, r: Reader) -> dict:
+        n_layer, window = r.need("block_count"), r.opt("attention.sliding_window", 0)
+        if not window:
+            return {}
+        key = r.key("attention.sliding_window_pattern")
+        v = r.md.get(key, 4)
+        if isinstance(v, int) and not isinstance(v, bool):  # a period: every layer but each v-th slides
+            return {"swa_layers": tuple(v == 0 or il % v < v - 1 for il in range(n_layer))}
+        v = list(v)
+        if len(v) != n_layer or not all(isinstance(x, (bool, int)) or hasattr(x, "dtype") for x in v):
+            raise ModelLoadError(f"GGUF metadata {key!r} must be {n_layer} bools (one per layer), got {v[:8]!r}")
+        return {"swa_layers": tuple(bool(x) for x in v)}
+
+    def is_swa(self, il: int) -> bool:
+        return bool(self.swa_layers) and self.swa_layers[il]
+
+
+def build(c: Config, g, w, shape):
+    # llama.cpp: sliding layers rotate with freq_scale 1 and no YaRN (ext_factor 0, attn_factor 1)
+    local = dataclasses.replace(c.rope, scaling="none", freq_scale=1.0, attn_factor=1.0)
+    return build_decoder(c, g, w, shape, Decoder(
+        rope=lambda il: local if c.is_swa(il) else c.rope, window=lambda il: c.sliding_window if c.is_swa(il) else 0,
+        qk_norm="all", biases="qkv", pre_norm=False, post_norm=True))
