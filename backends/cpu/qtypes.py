@@ -2,13 +2,15 @@
 
 F32 stays float32 (a zero-copy view of the file when it can), F16 and BF16 stay 2-byte bit
 patterns (layout "half", in `qs`; halfs.py widens them). Every quantized type becomes one of
-two layouts, so a handful of kernels serve all of them:
+three layouts, so a handful of kernels serve all of them:
   - "nib": 4-bit codes (0..15), two per byte, per 64 weights 32 bytes: the low nibble of byte j
     is weight j, the high nibble weight 32+j (Q4_K's own order; one widening load per 32).
   - "nib5": 5-bit codes (0..31, Q5_0/Q5_1/Q5_K): per 64 weights the 32 bytes of "nib" for the
     low 4 bits, then 8 bytes whose bit j (little-endian) is weight j's fifth bit: 40 bytes.
   - "i8":  one int8 code per weight (Q8_0, and Q6_K, whose 2-bit planes would cost more to
-    unpack than the extra bytes cost to read).
+    unpack than the extra bytes cost to read; the IQ types' grid values and IQ4/MXFP4's lookup
+    values, iquants.py: exact, at up to 4x their bytes, until they get kernels of their own).
+  TQ1_0/TQ2_0's ternary codes go in "nib".
 Rows go in blocks of ROWS = 16, and within a block and group of 64 weights, 4 weights at a
 time: one 64-byte load is 4 consecutive weights of each of the 16 rows, a row a 32-bit lane
 (dot.py: each vpdpbusd then adds into a lane per row, with no shuffling across lanes). "i8":
@@ -39,11 +41,13 @@ from gguf.constants import GGMLQuantizationType as T
 from hearthlm.runtime.errors import UnsupportedModelError
 from hearthlm.runtime.weights import release_pages
 
+from .iquants import IQUANT_UNPACKERS
 from .kquants import KQUANT_UNPACKERS, f16_field
 
 SUPPORTED_TYPES = frozenset(int(t) for t in (
     T.F32, T.F16, T.BF16, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0,
     T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K,
+    T.IQ4_NL, T.IQ4_XS, T.MXFP4, T.TQ1_0, T.TQ2_0, T.IQ2_XXS, T.IQ2_XS, T.IQ2_S, T.IQ3_XXS, T.IQ3_S, T.IQ1_S, T.IQ1_M,
 ))
 
 LAYOUT_VERSION = 3  # of everything below: bump it when a layout changes (cached packed weights are rebuilt)
@@ -51,7 +55,7 @@ ROWS = 16  # rows per block of the quantized layouts
 PACK_ROWS = 4096  # rows unpacked at a time (a multiple of ROWS)
 KINDS = {("nib", 32): 0, ("nib", 16): 1, ("i8", 32): 2, ("i8", 16): 3, ("nib5", 32): 4}  # dot.py's kernel families
 
-HALF_SCALE_TYPES = frozenset(int(t) for t in (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0))
+HALF_SCALE_TYPES = frozenset(int(t) for t in (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.IQ4_NL, T.TQ1_0, T.TQ2_0))
 
 FLOAT_TYPES = frozenset(int(t) for t in (T.F32, T.F16, T.BF16))
 
@@ -214,5 +218,5 @@ def _q5_1(raw, n_rows, n_cols):
 
 _UNPACKERS = {
     int(T.Q8_0): _q8_0, int(T.Q4_0): _q4_0, int(T.Q4_1): _q4_1,
-    int(T.Q5_0): _q5_0, int(T.Q5_1): _q5_1, **KQUANT_UNPACKERS,
+    int(T.Q5_0): _q5_0, int(T.Q5_1): _q5_1, **KQUANT_UNPACKERS, **IQUANT_UNPACKERS,
 }
