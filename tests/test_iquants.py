@@ -6,7 +6,7 @@ from gguf import quants as gq
 from gguf.constants import GGML_QUANT_SIZES
 from gguf.constants import GGMLQuantizationType as T
 
-from hearthlm.backends.cpu.iquants import IQUANT_UNPACKERS
+from hearthlm.backends.cpu.iquants import IQUANT_UNPACKERS, LUTS
 from hearthlm.backends.random_blocks import F16_FIELDS, IQUANTS
 from hearthlm.backends.cpu.qtypes import KINDS, _pack_codes
 
@@ -46,6 +46,8 @@ def random_raw(qtype, n_rows, n_cols, seed=0, extreme=False):
 
 def weights(out):
     layout, sub, codes, d, m, c = out
+    if layout in LUTS:  # the lookup layouts: codes index the type's table
+        codes = np.array(LUTS[layout], np.int8)[codes]
     return np.repeat(d, sub, axis=1) * (codes.astype(np.float32) + np.float32(c))
 
 
@@ -64,6 +66,9 @@ def test_exact(qtype, shape):
         assert (layout, c) == ("nib", -1) and codes.dtype == np.uint8
         # TQ1_0's base-3 digits are 0..2; TQ2_0's 2-bit fields may also hold 3 (decodes to +2)
         assert set(np.unique(codes)) == ({0, 1, 2} if qtype == T.TQ1_0 else {0, 1, 2, 3})
+    elif qtype in (T.IQ4_NL, T.IQ4_XS, T.MXFP4):  # 4-bit indices into the type's table
+        assert (layout, c) == ({T.MXFP4: "mxfp4"}.get(qtype, "iq4nl"), 0) and codes.dtype == np.uint8
+        assert codes.max() <= 15 and len(np.unique(codes)) == 16
     else:
         assert (layout, c) == ("i8", 0) and codes.dtype == np.int8
         assert np.abs(codes.astype(np.int16)).max() <= 127

@@ -39,13 +39,38 @@ from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
 from .halfs import TARGET_FEATURES, f32, widen
-from .qtypes import ROWS  # rows per vector (one zmm of int32 or float32 lanes) and per block
+from .qtypes import LUTS, ROWS  # ROWS: rows per vector (one zmm of int32 or float32 lanes) and per block
 
 _I8, _I16, _I32, _F32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.FloatType()
 _HAS_BW = "+avx512bw" in TARGET_FEATURES  # the target numba compiles for (halfs)
 _HAS_VNNI = _HAS_BW and "+avx512vnni" in TARGET_FEATURES
 _HAS_AVX2 = "+avx2" in TARGET_FEATURES  # without AVX-512: vpmaddubsw / vpmaddwd on 256-bit halves
 I8_SHIFT = 128.0  # int8 codes s enter the products as s + 128 (vpdpbusd multiplies unsigned by signed)
+# the lookup layouts' 16 values as s + 128, and the identity for plain nibbles (the scalar tails')
+_TABLES = {name: np.array(v, np.int32) + 128 for name, v in LUTS.items()}
+# AVX2 without AVX-512: the signed values themselves, multiplied as vpmaddubsw(|s|, sign(x, s)), whose
+# pair sums cannot saturate (|s| <= 127), where s + 128 would need the slow widening path
+_SIGNED_LUT = _HAS_AVX2 and not _HAS_BW
+_ID32 = np.arange(32, dtype=np.int32)  # 5-bit codes too
+_LUT_IQ4, _LUT_FP4 = _TABLES["iq4nl"], _TABLES["mxfp4"]
+
+
+def _lookup(builder, idx, table):
+    """<64 x i8> nibbles (0..15) -> table[idx] as unsigned bytes: vpshufb within each 16-byte
+    lane (the table repeated in every lane); a chain of selects without SSSE3."""
+    v64 = ir.VectorType(_I8, 64)
+    if _HAS_BW or _HAS_AVX2:
+        tbl = lambda n: ir.Constant(ir.VectorType(_I8, n), [int(table[i % 16]) & 255 for i in range(n)])  # noqa: E731
+        if _HAS_BW:
+            return _call(builder, "llvm.x86.avx512.pshuf.b.512", v64, [tbl(64), idx])
+        halves = [_call(builder, "llvm.x86.avx2.pshuf.b", ir.VectorType(_I8, 32), [tbl(32), h])
+                  for h in _halves(builder, idx)]
+        return _join(builder, *halves)
+    out = ir.Constant(v64, [0] * 64)
+    for i in range(16):
+        hit = builder.icmp_unsigned("==", idx, ir.Constant(v64, [i] * 64))
+        out = builder.select(hit, ir.Constant(v64, [int(table[i]) & 255] * 64), out)
+    return out
 
 
 def _ptr(context, builder, arrty, arr, inds):
@@ -117,6 +142,10 @@ def _dot4(builder, a, b, kind: str = "i8"):
         return builder.call(fn, [ir.Constant(v32, [0] * 16), builder.bitcast(a, v32), builder.bitcast(b, v32)])
     if _HAS_AVX2 and not _HAS_BW and kind in ("nib", "nib5"):  # int8 codes (as s + 128) would saturate it
         return _join(builder, *(_dot4_avx2(builder, x, y) for x, y in zip(_halves(builder, a), _halves(builder, b))))
+    if _SIGNED_LUT and kind in LUTS:  # signed table values (see _SIGNED_LUT)
+        return _join(builder, *(_dot4_avx2(builder, _call(builder, "llvm.abs.v32i8", x.type, [x, ir.Constant(ir.IntType(1), 0)]),
+                                           _call(builder, "llvm.x86.avx2.psign.b", y.type, [y, x]))
+                                for x, y in zip(_halves(builder, a), _halves(builder, b))))
     v16 = ir.VectorType(_I16, 32)
     halves = []
     for h in range(2):
@@ -130,8 +159,9 @@ def _dot4(builder, a, b, kind: str = "i8"):
 
 
 def _dot4_avx2(builder, a, b):
-    """<32 x i8> -> <8 x i32>, as _dot4, for 4-bit codes (0..15): vpmaddubsw, whose int16 pair
-    sums cannot saturate here (2 * 15 * 127 < 2**15), then vpmaddwd by 1. (Codes that arrive as
+    """<32 x i8> -> <8 x i32>, as _dot4, for 4-bit codes (0..15), or |s| of signed ones with the
+    activations' signs flipped to match: vpmaddubsw, whose int16 pair sums cannot saturate here
+    (2 * 127 * 127 < 2**15), then vpmaddwd by 1. (Codes that arrive as
     s + 128 would need the offset taken out and added back: slower than the pmaddwd path.)"""
     v16, v32 = ir.VectorType(_I16, 16), ir.VectorType(_I32, 8)
     pairs = _call(builder, "llvm.x86.avx2.pmadd.ub.sw", v16, [a, b])
@@ -193,6 +223,9 @@ def _make_group(kind, sub, has_m, n_tok):
                 k, p = w // sub, (w // 4) % parts
                 for u in range(n_tok):
                     acc[u][k][p] = _dpbusd(builder, acc[u][k][p], codes, xb(u, w), kind)
+            lut = _TABLES.get(kind)  # the lookup layouts: nibbles, then their table's values as s + 128
+            if lut is not None and _SIGNED_LUT:
+                lut = lut - 128
             if kind == "i8":  # signed codes s as unsigned s + 128 (c moves down by 128: I8_SHIFT)
                 for j in range(16):
                     add(builder.xor(at(base, 64 * j, v64), ir.Constant(v64, [0x80] * 64)), 4 * j)
@@ -207,6 +240,8 @@ def _make_group(kind, sub, has_m, n_tok):
                                                           ir.Constant(v64, [16] * 64), ir.Constant(v64, [0] * 64))
                         lo = builder.or_(lo, five(512 + 16 * j))
                         hi = builder.or_(hi, five(512 + 16 * j + 8))
+                    if lut is not None:
+                        lo, hi = _lookup(builder, lo, lut), _lookup(builder, hi, lut)
                     add(lo, 4 * j)
                     add(hi, 32 + 4 * j)
             def total(ps):
@@ -221,7 +256,7 @@ def _make_group(kind, sub, has_m, n_tok):
                 return builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, ROWS), [0] * ROWS))
 
             cv = context.cast(builder, c_v, ta[7], types.float32)
-            if kind == "i8":
+            if kind == "i8" or lut is not None and not _SIGNED_LUT:
                 cv = builder.fsub(cv, ir.Constant(_F32, I8_SHIFT))
             cv = splat(cv)
             scl = []  # per sub-block, shared by the tokens: d and m + c*d of the 16 rows
@@ -250,13 +285,15 @@ def _make_group(kind, sub, has_m, n_tok):
 
 
 _G = {(kind, sub, has_m, n): _make_group(kind, sub, has_m, n)
-      for kind, sub in (("nib", 32), ("nib", 16), ("i8", 32), ("i8", 16), ("nib5", 32))
+      for kind, sub in (("nib", 32), ("nib", 16), ("i8", 32), ("i8", 16), ("nib5", 32), ("iq4nl", 32), ("mxfp4", 32))
       for has_m in (False, True) for n in (1, 2, 4)}
 _nib32, _nib32m, _nib32_2, _nib32m_2, _nib32_4, _nib32m_4 = (_G[("nib", 32, hm, n)] for n in (1, 2, 4) for hm in (False, True))
 _nib16, _nib16m, _nib16_2, _nib16m_2, _nib16_4, _nib16m_4 = (_G[("nib", 16, hm, n)] for n in (1, 2, 4) for hm in (False, True))
 _i8_32, _i8_32m, _i8_32_2, _i8_32m_2, _i8_32_4, _i8_32m_4 = (_G[("i8", 32, hm, n)] for n in (1, 2, 4) for hm in (False, True))
 _i8_16, _i8_16m, _i8_16_2, _i8_16m_2, _i8_16_4, _i8_16m_4 = (_G[("i8", 16, hm, n)] for n in (1, 2, 4) for hm in (False, True))
 _nib5, _nib5m, _nib5_2, _nib5m_2, _nib5_4, _nib5m_4 = (_G[("nib5", 32, hm, n)] for n in (1, 2, 4) for hm in (False, True))
+_iq4, _iq4_2, _iq4_4 = (_G[("iq4nl", 32, False, n)] for n in (1, 2, 4))
+_fp4, _fp4_2, _fp4_4 = (_G[("mxfp4", 32, False, n)] for n in (1, 2, 4))
 
 
 # The scalar loops (rows past the last whole 16) keep constant trip counts and several
@@ -286,8 +323,9 @@ def _code(qs, five, r, g, w):
 
 
 @numba.njit(inline="always", cache=True, nogil=True)
-def _row_nibs(qs, d, m, ms, c, xq, xd, xs, r, t, sub):
-    """Row r (one past the last whole block of 16) against token t, nibble layouts."""
+def _row_nibs(qs, d, m, ms, c, xq, xd, xs, r, t, sub, lut):
+    """Row r (one past the last whole block of 16) against token t, nibble layouts; `lut` maps
+    a code to what enters the sums (_ID32, or a lookup table's values as s + 128, c lower by 128)."""
     acc = np.float32(0.0)
     five = qs.shape[3] == 40
     for g in range(qs.shape[1]):
@@ -295,7 +333,7 @@ def _row_nibs(qs, d, m, ms, c, xq, xd, xs, r, t, sub):
             s = np.int32(0)
             for u in range(sub):
                 w = e * sub + u
-                s = np.int32(s + _code(qs, five, r, g, w) * np.int32(xq[t, g * 64 + w]))
+                s = np.int32(s + lut[_code(qs, five, r, g, w)] * np.int32(xq[t, g * 64 + w]))
             k = g * (64 // sub) + e
             acc = acc + _term(d, m, ms, c, r, k, xd[t, (k * sub) // 32], s, xs[t, k])
     return acc
@@ -334,7 +372,7 @@ def dot_nib32(qs, d, m, ms, c, xq, xd, xs, y):
         if rb == nb:
             for t in range(n_tok):
                 for r in range(nb * ROWS, y.shape[1]):
-                    y[t, r] = _row_nibs(qs, d, m, ms, c, xq, xd, xs, r, t, 32)
+                    y[t, r] = _row_nibs(qs, d, m, ms, c, xq, xd, xs, r, t, 32, _ID32)
             continue
         for t in range(0, n_tok, 4):  # tokens 4 at a time (then 2, 1): one load and unpack of the codes for all
             for u in range(t, min(t + 4, n_tok)):
@@ -371,7 +409,7 @@ def dot_nib5_32(qs, d, m, ms, c, xq, xd, xs, y):
         if rb == nb:
             for t in range(n_tok):
                 for r in range(nb * ROWS, y.shape[1]):
-                    y[t, r] = _row_nibs(qs, d, m, ms, c, xq, xd, xs, r, t, 32)
+                    y[t, r] = _row_nibs(qs, d, m, ms, c, xq, xd, xs, r, t, 32, _ID32)
             continue
         for t in range(0, n_tok, 4):  # tokens 4 at a time (then 2, 1): one load and unpack of the codes for all
             for u in range(t, min(t + 4, n_tok)):
@@ -406,7 +444,7 @@ def dot_nib16(qs, d, m, ms, c, xq, xd, xs, y):
         if rb == nb:
             for t in range(n_tok):
                 for r in range(nb * ROWS, y.shape[1]):
-                    y[t, r] = _row_nibs(qs, d, m, ms, c, xq, xd, xs, r, t, 16)
+                    y[t, r] = _row_nibs(qs, d, m, ms, c, xq, xd, xs, r, t, 16, _ID32)
             continue
         for t in range(0, n_tok, 4):  # tokens 4 at a time (then 2, 1): one load and unpack of the codes for all
             for u in range(t, min(t + 4, n_tok)):
@@ -502,11 +540,63 @@ def dot_i8_16(qs, d, m, ms, c, xq, xd, xs, y):
                         _i8_16(qs, rb, g, xq, u, d, m, c, xd, xs, y, rb)
 
 
+@numba.njit(**_JIT)
+def dot_iq4nl_32(qs, d, m, ms, c, xq, xd, xs, y):
+    """4-bit indices into IQ4_NL's table (IQ4_NL, IQ4_XS), a scale per 32."""
+    nb = y.shape[1] // ROWS
+    n_tok = xq.shape[0]
+    for rb in prange(nb + 1):
+        if rb == nb:
+            for t in range(n_tok):
+                for r in range(nb * ROWS, y.shape[1]):
+                    y[t, r] = _row_nibs(qs, d, m, ms, c - np.float32(I8_SHIFT), xq, xd, xs, r, t, 32, _LUT_IQ4)
+            continue
+        for t in range(0, n_tok, 4):  # tokens 4 at a time (then 2, 1): one load and unpack of the codes for all
+            for u in range(t, min(t + 4, n_tok)):
+                y[u, rb * ROWS:rb * ROWS + ROWS] = 0
+            for g in range(qs.shape[1]):
+                if t + 3 < n_tok:
+                    _iq4_4(qs, rb, g, xq, t, d, m, c, xd, xs, y, rb)
+                    continue
+                u = t
+                if u + 1 < n_tok:
+                    _iq4_2(qs, rb, g, xq, u, d, m, c, xd, xs, y, rb)
+                    u += 2
+                if u < n_tok:
+                    _iq4(qs, rb, g, xq, u, d, m, c, xd, xs, y, rb)
+
+
+@numba.njit(**_JIT)
+def dot_mxfp4_32(qs, d, m, ms, c, xq, xd, xs, y):
+    """4-bit indices into MXFP4's table (doubled e2m1), a scale per 32."""
+    nb = y.shape[1] // ROWS
+    n_tok = xq.shape[0]
+    for rb in prange(nb + 1):
+        if rb == nb:
+            for t in range(n_tok):
+                for r in range(nb * ROWS, y.shape[1]):
+                    y[t, r] = _row_nibs(qs, d, m, ms, c - np.float32(I8_SHIFT), xq, xd, xs, r, t, 32, _LUT_FP4)
+            continue
+        for t in range(0, n_tok, 4):  # tokens 4 at a time (then 2, 1): one load and unpack of the codes for all
+            for u in range(t, min(t + 4, n_tok)):
+                y[u, rb * ROWS:rb * ROWS + ROWS] = 0
+            for g in range(qs.shape[1]):
+                if t + 3 < n_tok:
+                    _fp4_4(qs, rb, g, xq, t, d, m, c, xd, xs, y, rb)
+                    continue
+                u = t
+                if u + 1 < n_tok:
+                    _fp4_2(qs, rb, g, xq, u, d, m, c, xd, xs, y, rb)
+                    u += 2
+                if u < n_tok:
+                    _fp4(qs, rb, g, xq, u, d, m, c, xd, xs, y, rb)
+
+
 # The family travels as a type: a tag, an empty array whose dtype names it (TAGS[kind]), so
 # that compiled callers specialize on it and only the families a model's weights use are ever
 # compiled (a first run compiles them: each is seconds of LLVM). An integer `kind` would be one
 # type for all four, and each caller would compile every family.
-TAGS = tuple(np.empty(0, dt) for dt in (np.int8, np.int16, np.int32, np.int64, np.uint8))  # by qtypes.KINDS
+TAGS = tuple(np.empty(0, dt) for dt in (np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32))  # by qtypes.KINDS
 
 
 def _family(tag, qs, d, m, ms, c, xq, xd, xs, y):
@@ -517,7 +607,7 @@ def _family(tag, qs, d, m, ms, c, xq, xd, xs, y):
 @overload(_family)
 def _family_for_tag(tag, qs, d, m, ms, c, xq, xd, xs, y):
     kernel = {"int8": dot_nib32, "int16": dot_nib16, "int32": dot_i8_32, "int64": dot_i8_16,
-              "uint8": dot_nib5_32}[str(tag.dtype)]
+              "uint8": dot_nib5_32, "uint16": dot_iq4nl_32, "uint32": dot_mxfp4_32}[str(tag.dtype)]
 
     def impl(tag, qs, d, m, ms, c, xq, xd, xs, y):
         kernel(qs, d, m, ms, c, xq, xd, xs, y)

@@ -1,7 +1,8 @@
 """Unpacking the i-quants, IQ4/MXFP4 and the ternary TQ types into codes + per-sub-block scales.
 
 Same contract as `kquants.py`: (layout, sub, codes, d, m=None, c) with weight = d * (code + c),
-for `qtypes._pack_codes`, so the existing "i8" and "nib" kernels run these types unchanged.
+for `qtypes._pack_codes`: the existing "i8" and "nib" kernels run the grid and ternary types,
+and IQ4_NL/IQ4_XS/MXFP4 keep their 4-bit codes in a lookup layout (LUTS).
 Each weight equals `gguf.quants.dequantize` bitwise: d is computed in float32 with gguf's (and
 ggml's) operation order, and codes hold the exact integer factor (grid value times sign).
 """
@@ -62,10 +63,17 @@ def _i8(sub, codes, d, n_rows, n_cols):
     return "i8", sub, codes, d.astype(np.float32, copy=False).reshape(n_rows, n_cols // sub), None, 0
 
 
+# the lookup layouts (qtypes): 4-bit codes index these tables of int8 values; weight = d * table[code]
+LUTS = {"iq4nl": tuple(gq.IQ4_NL.kvalues), "mxfp4": tuple(gq.MXFP4.kvalues)}
+
+
+def _lut(layout, idx, d, n_rows, n_cols):
+    return layout, 32, idx.astype(np.uint8).reshape(n_rows, n_cols), d.reshape(n_rows, n_cols // 32), None, 0
+
+
 def _iq4_nl(raw, n_rows, n_cols):
     b = _blocks(raw, n_rows, n_cols, 32, 18)
-    codes = np.array(gq.IQ4_NL.kvalues, dtype=np.int8)[_nibbles(b[:, 2:])]
-    return _i8(32, codes, f16_field(b, 0), n_rows, n_cols)
+    return _lut("iq4nl", _nibbles(b[:, 2:]), f16_field(b, 0), n_rows, n_cols)
 
 
 def _iq4_xs(raw, n_rows, n_cols):
@@ -75,14 +83,12 @@ def _iq4_xs(raw, n_rows, n_cols):
     hi = _fields(_words(b[:, 2:4], "<u2"), range(0, 16, 2), 3)
     ls = (lo | (hi << 4)).astype(np.int16) - 32
     dl = f16_field(b, 0)[:, None] * ls.astype(np.float32)
-    codes = np.array(gq.IQ4_NL.kvalues, dtype=np.int8)[_nibbles(b[:, 8:].reshape(-1, 8, 16))]
-    return _i8(32, codes, dl, n_rows, n_cols)
+    return _lut("iq4nl", _nibbles(b[:, 8:].reshape(-1, 8, 16)), dl, n_rows, n_cols)
 
 
 def _mxfp4(raw, n_rows, n_cols):
     b = _blocks(raw, n_rows, n_cols, 32, 17)
-    codes = np.array(gq.MXFP4.kvalues, dtype=np.int8)[_nibbles(b[:, 1:])]  # e2m1, doubled
-    return _i8(32, codes, gq.MXFP4.e8m0_to_fp32_half(b[:, 0]), n_rows, n_cols)
+    return _lut("mxfp4", _nibbles(b[:, 1:]), gq.MXFP4.e8m0_to_fp32_half(b[:, 0]), n_rows, n_cols)
 
 
 def _ternary(q, d, n_rows, n_cols):

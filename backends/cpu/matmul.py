@@ -13,7 +13,7 @@ import numpy as np
 from gguf.constants import GGMLQuantizationType
 
 from . import dot, halfs, ops, quantize
-from .qtypes import PackedWeight
+from .qtypes import LUTS, PackedWeight
 
 # the quantized types: integer kernels below BLAS_MIN_TOKENS, dequantize + BLAS from there.
 # Measured on 2 cores with BLAS on one thread (as the engine runs it): the integer kernels beat
@@ -23,6 +23,9 @@ BLAS_MIN_TOKENS = 4096
 HALF_BLAS_MIN_TOKENS = 8  # F16/BF16: their per-token kernel against widened tiles + BLAS
 TILE_ROWS = 256  # rows dequantized per BLAS call: big enough for BLAS, small enough for L2
 
+
+_CODES = np.arange(32, dtype=np.float32)  # a nibble layout's code is its value (5-bit ones too)
+_VALUES = {name: np.array(v, np.float32) for name, v in LUTS.items()}
 
 def matmul(w: PackedWeight, x: np.ndarray, out: np.ndarray | None = None, xq=None) -> np.ndarray:
     """x (n_tokens, n_cols) float32 -> (n_tokens, n_rows) float32, written into `out` (a
@@ -193,5 +196,7 @@ def _dequant(w: PackedWeight, rows: np.ndarray, out: np.ndarray) -> None:
     if w.layout == "half":
         halfs.widen_rows(w.qs, w.ggml_type == GGMLQuantizationType.F16, rows, out)
         return
-    dequant = quantize.dequant_i8 if w.layout == "i8" else quantize.dequant_nib  # nib5: the same, plus bits
-    dequant(w.qs, w.d, w.m, w.ms, np.float32(w.c), w.sub, rows, out)
+    if w.layout == "i8":
+        quantize.dequant_i8(w.qs, w.d, w.m, w.ms, np.float32(w.c), w.sub, rows, out)
+    else:  # nib5: the same, plus bits; the lookup layouts: their tables' values
+        quantize.dequant_nib(w.qs, w.d, w.m, w.ms, np.float32(w.c), w.sub, rows, out, _VALUES.get(w.layout, _CODES))

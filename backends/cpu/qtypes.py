@@ -11,6 +11,8 @@ three layouts, so a handful of kernels serve all of them:
     unpack than the extra bytes cost to read; the IQ types' grid values and IQ4/MXFP4's lookup
     values, iquants.py: exact, at up to 4x their bytes, until they get kernels of their own).
   TQ1_0/TQ2_0's ternary codes go in "nib".
+  - "iq4nl", "mxfp4": "nib" bytes whose codes index the type's table of 16 int8 values (LUTS),
+    looked up in registers by the kernels (vpshufb): IQ4_NL, IQ4_XS and MXFP4 at 4 bits a weight.
 Rows go in blocks of ROWS = 16, and within a block and group of 64 weights, 4 weights at a
 time: one 64-byte load is 4 consecutive weights of each of the 16 rows, a row a 32-bit lane
 (dot.py: each vpdpbusd then adds into a lane per row, with no shuffling across lanes). "i8":
@@ -41,7 +43,7 @@ from gguf.constants import GGMLQuantizationType as T
 from hearthlm.runtime.errors import UnsupportedModelError
 from hearthlm.runtime.weights import release_pages
 
-from .iquants import IQUANT_UNPACKERS
+from .iquants import IQUANT_UNPACKERS, LUTS
 from .kquants import KQUANT_UNPACKERS, f16_field
 
 SUPPORTED_TYPES = frozenset(int(t) for t in (
@@ -53,7 +55,8 @@ SUPPORTED_TYPES = frozenset(int(t) for t in (
 LAYOUT_VERSION = 3  # of everything below: bump it when a layout changes (cached packed weights are rebuilt)
 ROWS = 16  # rows per block of the quantized layouts
 PACK_ROWS = 4096  # rows unpacked at a time (a multiple of ROWS)
-KINDS = {("nib", 32): 0, ("nib", 16): 1, ("i8", 32): 2, ("i8", 16): 3, ("nib5", 32): 4}  # dot.py's kernel families
+KINDS = {("nib", 32): 0, ("nib", 16): 1, ("i8", 32): 2, ("i8", 16): 3, ("nib5", 32): 4,  # dot.py's kernel families
+         ("iq4nl", 32): 5, ("mxfp4", 32): 6}
 
 HALF_SCALE_TYPES = frozenset(int(t) for t in (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.IQ4_NL, T.TQ1_0, T.TQ2_0))
 
@@ -66,7 +69,7 @@ class PackedWeight:
 
     ggml_type: int
     shape: tuple[int, int]
-    layout: str                    # "f32", "half", "nib", "nib5" or "i8"
+    layout: str                    # "f32", "half", "nib", "nib5", "i8", or a lookup layout ("iq4nl", "mxfp4")
     sub: int = 0                   # weights per scale: 32 or 16 (0 for f32)
     w: np.ndarray | None = None    # f32: (n_rows, n_cols) float32
     qs: np.ndarray | None = None   # nib: (n_blocks, n_pad // 64, ROWS, 32) uint8; nib5: (..., 40) uint8;
@@ -151,7 +154,7 @@ def _pack_codes(ggml_type, shape, layout, sub, codes, d, m, c) -> PackedWeight:
     pad = ((0, n_blk * ROWS - n_rows), (0, n_pad - n_cols))  # zero codes and scales contribute nothing
     codes = np.pad(codes, pad)
     pad_s = ((0, pad[0][1]), (0, pad[1][1] // sub))
-    if layout in ("nib", "nib5"):
+    if layout in ("nib", "nib5", *LUTS):
         per_row = codes.reshape(n_blk, ROWS, n_pad // 64, 2, 8, 4)  # (block, row, group, half, j, b): weight 32h+4j+b
         # byte (j, row i, b) of a group: weight 4j+b in the low nibble, 32+4j+b in the high
         nib = (per_row[:, :, :, 0] & 15) | ((per_row[:, :, :, 1] & 15) << 4)  # (block, row, group, j, b)

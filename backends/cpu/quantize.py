@@ -86,11 +86,12 @@ def offset(d, m, ms, c, r, k):
 
 
 @numba.njit(**_JIT)
-def dequant_nib(qs, d, m, ms, c, sub, rows, out):
+def dequant_nib(qs, d, m, ms, c, sub, rows, out, values):
     """out[i] = row rows[i] as float32 (n, n_pad). Serial: the tiles feed BLAS, whose threads
     would fight numba's spinning ones. The layout (qtypes): byte 64j + 4i + b of a block's group
     holds row i's weights 4j+b and 32+4j+b; "nib5" (40 "bytes" a row) adds each weight's fifth
-    bit from the masks after the 512 nibble bytes."""
+    bit from the masks after the 512 nibble bytes. `values[code]` is the code's value: the codes
+    themselves, or a lookup layout's table."""
     five = qs.shape[3] == 40
     width = qs.shape[3]
     for n in range(rows.shape[0]):
@@ -107,7 +108,7 @@ def dequant_nib(qs, d, m, ms, c, sub, rows, out):
                     f = 512 + 16 * j + 8 * (w >> 5) + ((4 * i + b) >> 3)
                     code |= ((np.int32(q[f // width, f % width]) >> ((4 * i + b) & 7)) & 1) << 4
                 k = (g * 64 + w) // sub
-                out[n, g * 64 + w] = scale(d, r, k) * np.float32(code) + offset(d, m, ms, c, r, k)
+                out[n, g * 64 + w] = scale(d, r, k) * values[code] + offset(d, m, ms, c, r, k)
 
 
 @numba.njit(**_JIT)
