@@ -34,7 +34,8 @@ NOT_KERNELS = {Op.INPUT, Op.WEIGHT, Op.CACHE, Op.COPY}  # bound leaves, and disp
 FLOATS = [T.F32, T.F16, T.BF16]
 LEGACY = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0]
 KQUANTS = [T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K]
-TYPES = FLOATS + LEGACY + KQUANTS + list(IQUANTS)
+BASE_TYPES = FLOATS + LEGACY + KQUANTS
+TYPES = BASE_TYPES + list(IQUANTS)
 KS = [576, 640, 896, 1536]  # n_embd of SmolLM2-135M, Gemma-3-270M, Qwen2.5-0.5B; SmolLM2's n_ff
 KQUANT_KS = [1536, 2048]  # K-quant rows are whole 256-blocks (llama.cpp falls back elsewhere)
 SUPER = {*KQUANTS, *(t for t in IQUANTS if GGML_QUANT_SIZES[t][0] == 256)}  # 256-weight blocks
@@ -518,16 +519,19 @@ def case(fn, **kw):
 
 
 def ks_for(qtype):
-    if qtype in IQUANTS:  # one row length each: their kernels are the i8 and nibble ones
+    if qtype in IQUANTS:  # one row length each: their kernels are the ones above
         return KQUANT_KS[:1] if qtype in SUPER else KS[2:3]
     return KQUANT_KS if qtype in KQUANTS else KS
 
 
 CASES = [
     *[case(mul_mat, qtype=t, k=k, n=n) for t in TYPES for k in ks_for(t) for n in TOKENS_MM],
-    *[case(mul_mat_add, qtype=t, n=n) for t in TYPES for n in TOKENS],
-    *[case(ffn_glu, qtype=t, n=n, act=a) for t in TYPES for n in TOKENS for a in ("silu", "gelu")
+    *[case(mul_mat_add, qtype=t, n=n) for t in BASE_TYPES for n in TOKENS],
+    *[case(ffn_glu, qtype=t, n=n, act=a) for t in BASE_TYPES for n in TOKENS for a in ("silu", "gelu")
       if n != 0 or a == "silu"],
+    # the IQ types share the kernels above (i8, nibble, the two lookup layouts): one type of each here
+    *[case(f, qtype=t, n=n, **kw) for t in (T.IQ4_XS, T.MXFP4, T.IQ2_XS, T.TQ2_0) for n in (1, 5)
+      for f, kw in ((mul_mat_add, {}), (ffn_glu, {"act": "silu"}))],
     case(ffn_glu, qtype=T.Q8_0, n=120, act="silu"),  # n_tokens * n_ff > ffn.WHOLE_MAX: CPU slabs
     *[case(get_rows, qtype=t, n=n) for t in TYPES for n in (0, 1, 17)],
     *[case(get_rows_act, n_out=n) for n in (0, 1, 4)],

@@ -552,3 +552,20 @@ async def test_unsupported_architecture_lists_supported(tmp_path):
     p = write_tiny(tmp_path / "rwkv.gguf", arch="rwkv7")
     msg = assert_names(await open_error(p), UnsupportedModelError, "rwkv7")
     assert all(a in msg for a in ("llama", "qwen2", "qwen3", "qwen3moe", "phi3", "gemma2", "gemma3"))
+
+
+async def test_unsupported_weight_type_names_type_and_tensor(tmp_path):
+    """A file whose matrix is in a type the CPU backend has no kernels for (NVFP4) is refused at
+    open, naming the tensor and the type."""
+    import sys
+    sys.path.insert(0, str(Path(__file__).parent / "parity"))
+    from models import write as write_arch
+    tensor = "blk.1.ffn_up.weight"
+    p = write_arch(tmp_path / "nvfp4.gguf", "llama",
+                   qtypes=lambda name, shape: gguf.GGMLQuantizationType.NVFP4 if name == tensor else None)
+    assert_names(await open_error(p, backend="cpu"), UnsupportedModelError, tensor, "NVFP4")
+
+
+async def test_sliding_pattern_of_the_wrong_length_names_the_key(tmp_path):
+    p = _arch_file(tmp_path, "olmo2", metadata={"attention.sliding_window_pattern": [True, False, True]})
+    assert_names(await open_error(p, backend="reference"), ModelLoadError, "olmo2.attention.sliding_window_pattern")

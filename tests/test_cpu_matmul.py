@@ -121,7 +121,7 @@ def test_get_rows_rejects_out_of_range():
         get_rows(w, np.array([4], dtype=np.int32))
 
 
-@pytest.mark.parametrize("qtype", [T.IQ2_XXS, T.TQ1_0, T.I8, T.F64])
+@pytest.mark.parametrize("qtype", [T.NVFP4, T.I8, T.F64])
 def test_unsupported_type_raises(qtype):
     raw = np.zeros((2, 64), dtype=np.uint8)
     with pytest.raises(UnsupportedModelError):

@@ -7,6 +7,7 @@ return it; without, they allocate."""
 from __future__ import annotations
 
 import numpy as np
+from gguf.constants import GGMLQuantizationType as T
 
 from hearthlm.backends.base import Backend
 from hearthlm.backends.cpu import delta_net, ops, ssm
@@ -15,7 +16,7 @@ from hearthlm.backends.cpu.halfs import NATIVE_HALF
 from hearthlm.backends.cpu import dot
 from hearthlm.backends.cpu.matmul import expert_matvecs, get_rows, matmul, matmul_add, start_pool
 from hearthlm.backends.cpu.qtypes import LAYOUT_VERSION, SUPPORTED_TYPES, PackedWeight, pack_weight
-from hearthlm.runtime.errors import BackendError
+from hearthlm.runtime.errors import BackendError, UnsupportedModelError
 from hearthlm.runtime.graph import Op
 from hearthlm.runtime.log import get_logger
 from hearthlm.runtime.weights import QWeight
@@ -398,6 +399,9 @@ class CPUBackend(Backend):
                         "(about 20 s on 2 cores); `hearthlm prepare MODEL` does it ahead of time")
 
     def prepare_weight(self, w: QWeight):
+        if int(w.ggml_type) not in SUPPORTED_TYPES:  # named with the tensor (pack_weight knows only the type)
+            name = T(w.ggml_type).name if int(w.ggml_type) in T._value2member_map_ else f"ggml type {w.ggml_type}"
+            raise UnsupportedModelError(f"{w.name}: the CPU backend cannot run weights of type {name}")
         if len(w.shape) == 1 or (len(w.shape) == 2 and w.shape[1] < 32):
             # norms and biases, and matrices narrower than a quant block (conv kernels): float32
             from hearthlm.backends.reference import dequantize

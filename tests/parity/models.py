@@ -58,6 +58,8 @@ VARIANTS = {  # name -> (architecture, extra metadata, extra F32 tensors by name
                               "rope.scaling.original_context_length": 8, "rope.scaling.yarn_log_multiplier": 1.0,
                               "rope.scaling.yarn_beta_fast": 16.0, "rope.scaling.yarn_beta_slow": 2.0,
                               "attention.temperature_scale": 0.5}, {}),
+    # Phi-4-mini's shape: partial rotary (12 of 16 dims), the LM head tied (None: the tensor left out)
+    "phi3-phi4mini": ("phi3", {"rope.dimension_count": 12}, {"output.weight": None}),
     "llama-rope-llama3": ("llama", {}, {"rope_freqs.weight": np.array([4.0, 9.0, 1.0, 1.7, 4.2, 8.0, 8.0, 8.0])}),
     "llama-rope-yarn": ("llama", {"rope.scaling.type": "yarn", "rope.scaling.factor": 4.0,
                                   "rope.scaling.original_context_length": 64}, {}),
@@ -131,9 +133,9 @@ def write(path: Path, variant: str, seed: int = 0, *, defects: dict | None = Non
     _vocab(w, n_vocab)
     specs = tensor_specs(mod, cfg, n_vocab)
     names = {s.name for s in specs}
-    specs += [Spec(n, np.shape(v)) for n, v in extra_t.items() if n not in names]  # RoPE factors: read by Rope.bind
+    specs += [Spec(n, np.shape(v)) for n, v in extra_t.items() if n not in names and v is not None]  # RoPE factors: read by Rope.bind
     for s in specs:
-        if s.name == d.get("drop"):
+        if s.name == d.get("drop") or s.name in extra_t and extra_t[s.name] is None:
             continue
         s = dataclasses.replace(s, shape=tuple(d.get("shape", {}).get(s.name, s.shape)))
         if qtypes and s.optional and s.name.endswith((".bias", "output.weight")):  # benchmarks: tied, no biases
@@ -148,7 +150,7 @@ def write(path: Path, variant: str, seed: int = 0, *, defects: dict | None = Non
             data = -np.exp(0.5 * rng.standard_normal(s.shape))
         elif len(s.shape) == 1:  # norms ~1, biases ~0
             data = (0.0 if s.name.endswith(".bias") else 1.0) + 0.1 * rng.standard_normal(s.shape)
-        elif s.name == "token_embd.weight" and "output.weight" not in names:
+        elif s.name == "token_embd.weight" and ("output.weight" not in names or "output.weight" in extra_t):
             data = TIED * rng.standard_normal(s.shape)  # the LM head too (Gemma 2)
         else:  # fan-in scaled; the LM head large enough to peak the logits
             data = (PEAK if s.name == "output.weight" else 1.0) / np.sqrt(s.shape[-1]) * rng.standard_normal(s.shape)
