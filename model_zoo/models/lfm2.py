@@ -4,7 +4,6 @@ is the per-layer attention.head_count_kv array: 0 marks a conv layer, whose stat
 l_cache - 1 inputs. Reference: llama.cpp src/models/lfm2.cpp."""
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from hearthlm.model_zoo.blocks import build_conv

@@ -6,7 +6,6 @@ a model family carries on top (RoPE scaling kinds)."""
 from __future__ import annotations
 
 import dataclasses
-import sys
 from pathlib import Path
 
 import gguf
