@@ -10,7 +10,7 @@ from gguf import quants
 
 from hearthlm.backends.base import Backend
 from hearthlm.runtime.errors import UnsupportedModelError
-from hearthlm.runtime.graph import Op
+from hearthlm.runtime.graph import Op, attn_bounds
 from hearthlm.runtime.weights import QWeight
 
 
@@ -66,16 +66,16 @@ def _rope(n, x, pos):
     return rope(x, pos, p["n_rot"], p["base"], p["freq_scale"], p["neox"], p.get("freqs"), p.get("mscale", 1.0))
 
 
-def attention(q, k_cache, v_cache, tok_seq, tok_pos, block_table, *, scale, block_size, window, softcap=0.0):
+def attention(q, k_cache, v_cache, tok_seq, tok_pos, block_table, seq_len=None, *, scale, block_size, window,
+              softcap=0.0, causal=True):
     """q (n_tokens, n_head, d); caches (n_slots, n_head_kv, d). Each token attends to its
-    sequence's positions [lo, pos] through the block table. Returns (n_tokens, n_head*d)."""
+    sequence's positions [lo, hi] (attn_bounds) through the block table. Returns (n_tokens, n_head*d)."""
     n_tokens, n_head, _ = q.shape
     group = n_head // k_cache.shape[1]
     out = np.zeros((n_tokens, n_head, v_cache.shape[2]), np.float32)
+    los, his = attn_bounds(tok_pos.astype(np.int64), None if causal else seq_len.astype(np.int64), window, causal)
     for t in range(n_tokens):
-        pos = int(tok_pos[t])
-        lo = max(0, pos - window + 1) if window > 0 else 0
-        p = np.arange(lo, pos + 1)
+        p = np.arange(los[t], his[t] + 1)
         slots = block_table[tok_seq[t], p // block_size] * block_size + p % block_size
         k = np.repeat(k_cache[slots], group, axis=1)  # (n_kv, n_head, d)
         v = np.repeat(v_cache[slots], group, axis=1)
@@ -106,10 +106,11 @@ def attn_temp(pos, floor, beta):
     return t.astype(np.float32)[:, None, None]
 
 
-def kq_mask(pos, n_kv, window):
+def kq_mask(pos, n_kv, window, seq_len=None):
     p = np.arange(n_kv)[None, :]
-    lo = pos[:, None] - window + 1 if window > 0 else 0
-    ok = (p <= pos[:, None]) & (p >= lo)
+    lo, hi = attn_bounds(pos.astype(np.int64), None if seq_len is None else seq_len.astype(np.int64), window,
+                         seq_len is None)
+    ok = (p <= hi[:, None]) & (p >= lo[:, None])
     return np.where(ok, 0.0, -np.inf).astype(np.float32)[:, None, :]  # (n_tokens, 1, n_kv)
 
 
@@ -281,15 +282,15 @@ class ReferenceBackend(Backend):
             Op.SLICE: lambda n, x: x[..., n.params["start"]:n.params["stop"]],
             Op.ROPE: _rope,
             Op.SET_ROWS: _set_rows,
-            Op.ATTN: lambda n, q, k, v, seq, pos, bt: attention(
-                q, k, v, seq, pos, bt, scale=n.params["scale"], block_size=n.params["block_size"],
-                window=n.params["window"], softcap=n.params.get("softcap", 0.0)),
+            Op.ATTN: lambda n, q, k, v, seq, pos, bt, *sl: attention(
+                q, k, v, seq, pos, bt, *sl, scale=n.params["scale"], block_size=n.params["block_size"],
+                window=n.params["window"], softcap=n.params.get("softcap", 0.0), causal=n.params["causal"]),
             Op.RMS_NORM_MUL: lambda n, x, w: (rms_norm(x, n.params["eps"]) * w).astype(np.float32),
             Op.GLU: lambda n, g, u: _act(n, g) * u,
             # unfused attention
             Op.GATHER_KV: lambda n, cache, bt: gather_kv(cache, bt, n.params["block_size"]),
             Op.KQ: lambda n, q, k, seq: kq(q, k, seq),
-            Op.KQ_MASK: lambda n, pos: kq_mask(pos, n.shape[2], n.params["window"]),
+            Op.KQ_MASK: lambda n, pos, *sl: kq_mask(pos, n.shape[2], n.params["window"], *sl),
             Op.ATTN_TEMP: lambda n, pos: attn_temp(pos, n.params["floor"], n.params["beta"]),
             Op.SOFT_MAX: lambda n, x: soft_max(x),
             Op.KQV: lambda n, p, v, seq: kqv(p, v, seq),

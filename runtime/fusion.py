@@ -51,14 +51,15 @@ def _attn_pattern(softcap: bool) -> P:
     scores = P(Op.SCALE, P(Op.KQ, X.q, P(Op.GATHER_KV, X.kc, X.bt, name="gk"), X.seq), name="scale")
     if softcap:  # softcap * tanh(scores / softcap)
         scores = P(Op.SCALE, P(Op.TANH, P(Op.SCALE, scores, name="inv")), name="cap")
-    return P(Op.RESHAPE, P(Op.KQV, P(Op.SOFT_MAX, P(Op.ADD, scores, P(Op.KQ_MASK, X.pos, name="mask"))),
+    return P(Op.RESHAPE, P(Op.KQV, P(Op.SOFT_MAX, P(Op.ADD, scores, P(Op.KQ_MASK, name="mask", any_srcs=True))),
                            P(Op.GATHER_KV, X.vc, X.bt), X.seq))
 
 
 def _attn(g, root, m, softcap: float):
-    return g.attn(m["q"], m["kc"], m["vc"], m["seq"], m["pos"], m["bt"], scale=m["scale"].params["s"],
-                  block_size=m["gk"].params["block_size"], window=m["mask"].params["window"], softcap=softcap,
-                  name=root.name, il=root.layer)
+    mask = m["mask"]  # (pos) causal, or (pos, seq_len) an encoder's
+    return g.attn(m["q"], m["kc"], m["vc"], m["seq"], mask.srcs[0], m["bt"], scale=m["scale"].params["s"],
+                  block_size=m["gk"].params["block_size"], window=mask.params["window"], softcap=softcap,
+                  seq_len=mask.srcs[1] if len(mask.srcs) > 1 else None, name=root.name, il=root.layer)
 
 
 RULES = [

@@ -29,6 +29,19 @@ class OpProps:
 _LEAF = OpProps(bound=True, per_backend=True)
 
 
+def attn_bounds(pos, seq_len, window: int, causal: bool):
+    """Each token's attend range [lo, hi] (inclusive) in its sequence, numpy or cupy arrays alike.
+    Causal: [pos - window + 1 (or 0), pos]. Non-causal (an encoder's whole sequence, seq_len
+    tokens): everything, or with a window llama.cpp's symmetric one, |p - pos| <= window // 2."""
+    if causal:
+        return (pos - window + 1).clip(0) if window > 0 else pos * 0, pos
+    hi = seq_len - 1
+    if window <= 0:
+        return pos * 0, hi
+    half = window // 2
+    return (pos - half).clip(0), hi + (pos + half - hi).clip(None, 0)
+
+
 class Op(enum.Enum):
     def __new__(cls, value: str, props: OpProps = OpProps()):
         obj = object.__new__(cls)
@@ -63,7 +76,9 @@ class Op(enum.Enum):
     # (pos (n_tokens,)) -> (n_tokens, 1, 1): log(floor(pos / floor) + 1) * beta + 1, Llama 4's attention
     # temperature on Q (Ministral 3); params: floor, beta
     ATTN_TEMP = "attn_temp"
-    KQ_MASK = "kq_mask"      # (pos (n_tokens,)) -> (n_tokens, 1, n_kv): 0 on [pos-window+1 (or 0), pos], else -inf
+    # (pos (n_tokens,)[, seq_len (n_tokens,)]) -> (n_tokens, 1, n_kv): 0 on the token's attend range
+    # (attn_bounds), else -inf; params: window, causal (False: an encoder's, seq_len given)
+    KQ_MASK = "kq_mask"
     SOFT_MAX = "soft_max", OpProps(inplace=(0,))  # (x,) over the last axis
     KQV = "kqv"              # (probs (n_tokens, n_head, n_kv), v (n_seqs, n_kv, h_kv, dv), tok_seq) -> (n_tokens, n_head, dv)
     ADD_N = "add_n", OpProps(inplace=(0, 1, 2, 3))  # (a, b, c, ...) -> their sum, one pass
@@ -86,7 +101,8 @@ class Op(enum.Enum):
     # -> (n, H, P): Mamba-2's selective scan (ggml's SSM_SCAN; softplus of dt inside, no D skip)
     SSM_SCAN = "ssm_scan", OpProps(updates_state=True)
     # fused ops (runtime.fusion rewrites into these)
-    ATTN = "attn"            # (q, k_cache, v_cache, tok_seq, tok_pos, block_table) -> (n_tokens, n_head*head_dim)
+    # (q, k_cache, v_cache, tok_seq, tok_pos, block_table[, seq_len]) -> (n_tokens, n_head*head_dim)
+    ATTN = "attn"
     RMS_NORM_MUL = "rms_norm_mul", OpProps(inplace=(0,))  # (x, w) = rms_norm(x) * w
     # (x, w, r) = rms_norm(x) * w + r (a post-norm into the residual)
     RMS_NORM_MUL_ADD = "rms_norm_mul_add", OpProps(inplace=(2, 0))
@@ -220,8 +236,12 @@ class Graph:
     def attn_temp(self, pos: Tensor, *, floor: int, beta: float, name: str, il: int = -1) -> Tensor:
         return self._add(Op.ATTN_TEMP, (pos,), (pos.shape[0], 1, 1), name, il, floor=int(floor), beta=float(beta))
 
-    def kq_mask(self, pos: Tensor, *, n_kv: int, window: int = 0, name: str, il: int = -1) -> Tensor:
-        return self._add(Op.KQ_MASK, (pos,), (pos.shape[0], 1, n_kv), name, il, window=int(window))
+    def kq_mask(self, pos: Tensor, *, n_kv: int, window: int = 0, seq_len: Tensor | None = None, name: str,
+                il: int = -1) -> Tensor:
+        """seq_len given: non-causal (an encoder), each token sees its whole sequence (attn_bounds)."""
+        srcs = (pos,) if seq_len is None else (pos, seq_len)
+        return self._add(Op.KQ_MASK, srcs, (pos.shape[0], 1, n_kv), name, il, window=int(window),
+                         causal=seq_len is None)
 
     def soft_max(self, x: Tensor, name: str, il: int = -1) -> Tensor:
         return self._add(Op.SOFT_MAX, (x,), x.shape, name, il)
@@ -280,14 +300,15 @@ class Graph:
     # fused ops: created by runtime.fusion, or directly by tests
     def attn(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, tok_seq: Tensor, tok_pos: Tensor,
              block_table: Tensor, *, scale: float, block_size: int, window: int = 0, softcap: float = 0.0,
-             name: str, il: int = -1) -> Tensor:
-        """Attention of each query token over its own sequence's cached positions
-        [pos - window + 1 (or 0), pos], read through the block table (paged KV). Scores are
-        q.k * scale, then softcap * tanh(score / softcap) when softcap > 0 (Gemma 2)."""
+             seq_len: Tensor | None = None, name: str, il: int = -1) -> Tensor:
+        """Attention of each query token over its own sequence's cached positions in its range
+        (attn_bounds: causal, or with seq_len the whole sequence), read through the block table
+        (paged KV). Scores are q.k * scale, then softcap * tanh(score / softcap) when softcap > 0."""
         n_tokens, n_head, head_dim = q.shape
-        return self._add(Op.ATTN, (q, k_cache, v_cache, tok_seq, tok_pos, block_table),
-                         (n_tokens, n_head * v_cache.shape[2]), name, il, scale=float(scale),
-                         block_size=int(block_size), window=int(window), softcap=float(softcap))
+        srcs = (q, k_cache, v_cache, tok_seq, tok_pos, block_table) + (() if seq_len is None else (seq_len,))
+        return self._add(Op.ATTN, srcs, (n_tokens, n_head * v_cache.shape[2]), name, il, scale=float(scale),
+                         block_size=int(block_size), window=int(window), softcap=float(softcap),
+                         causal=seq_len is None)
 
     def rms_norm_mul(self, x: Tensor, w: Tensor, eps: float, name: str, il: int = -1) -> Tensor:
         return self._add(Op.RMS_NORM_MUL, (x, w), x.shape, name, il, eps=float(eps))

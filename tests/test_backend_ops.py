@@ -356,6 +356,7 @@ SCENARIOS = {
     "decode": ([0, 1, 2], [40, 7, 0]),
     "chunk": ([0] * 5 + [1], [20, 21, 22, 23, 24, 33]),  # a prefill chunk beside a decode token
     "prefill": ([2] * 20, list(range(10, 30))),  # 20 tokens after a cached prefix of 10
+    "encode": ([0] * 13 + [1] * 7, [*range(13), *range(7)]),  # two whole inputs of an encoder
 }
 
 
@@ -377,20 +378,26 @@ def kv_write(fused, n_kv, d, scen, neox=True):
     return g, {"x": x, "pos": pos, "slots": slots}, {"cache_k": cache}
 
 
-def attention(part, shape, scen, window, softcap=0.0):
-    """The fused ATTN, or one unfused part, over a scenario's tokens and random cached K/V."""
+def attention(part, shape, scen, window, softcap=0.0, causal=True):
+    """The fused ATTN, or one unfused part, over a scenario's tokens and random cached K/V;
+    causal=False: an encoder's mask, each token over its whole sequence (its last position + 1)."""
     n_head, n_kv, d = shape
     seq, pos, _ = scenario(scen)
     n, width = len(seq), BT.shape[1] * BS
-    rng = rng_for("attn", part, shape, scen, window)
+    rng = rng_for("attn", part, shape, scen, window, causal)
     kc, vc = f32(rng, N_BLOCKS * BS, n_kv, d), f32(rng, N_BLOCKS * BS, n_kv, d)
+    last = {int(s_): int(pos[seq == s_].max()) for s_ in set(seq.tolist())}
+    seq_len = np.array([last[int(s_)] + 1 for s_ in seq], np.int32)
     feed = {"q": f32(rng, n, n_head, d), "seq": seq, "pos": pos, "bt": BT,
             "k": f32(rng, len(BT), width, n_kv, d), "v": f32(rng, len(BT), width, n_kv, d),
             "x": f32(rng, n, n_head, width, scale=3), "p": rng.dirichlet(np.ones(width), (n, n_head)).astype(np.float32)}
+    if not causal:
+        feed["sl"] = seq_len
     g = Graph()
-    q, sq, ps, bt, k, v, x, p = inputs(g, **feed)
+    q, sq, ps, bt, k, v, x, p, *sl = inputs(g, **feed)
+    sl = sl[0] if sl else None
     kci, vci = g.cache("cache_k", kc.shape, 0), g.cache("cache_v", vc.shape, 0)
-    mask = lambda: g.kq_mask(ps, n_kv=width, window=window, name="mask")  # noqa: E731
+    mask = lambda: g.kq_mask(ps, n_kv=width, window=window, seq_len=sl, name="mask")  # noqa: E731
 
     def unfused():
         kk = g.gather_kv(kci, bt, block_size=BS, name="k")
@@ -401,7 +408,7 @@ def attention(part, shape, scen, window, softcap=0.0):
         return g.kqv(probs, g.gather_kv(vci, bt, block_size=BS, name="v"), sq, "kqv")
     g.outputs.append({
         "attn": lambda: g.attn(q, kci, vci, sq, ps, bt, scale=d ** -0.5, block_size=BS, window=window,
-                               softcap=softcap, name="a"),
+                               softcap=softcap, seq_len=sl, name="a"),
         "unfused": unfused,
         "gather_kv": lambda: g.gather_kv(kci, bt, block_size=BS, name="k"),
         "kq": lambda: g.kq(q, k, sq, "kq"),
@@ -559,6 +566,9 @@ CASES = [
       for sh in GQA for s in ("empty", "chunk", "prefill")],
     *[case(attention, part=p, shape=GQA[0], scen=s, window=w) for p in ("kq_mask", "soft_max_masked")
       for s in SCENARIOS for w in (0, 8)],
+    # encoders: each token over its whole input (a window: llama.cpp's symmetric one, |p - pos| <= 4)
+    *[case(attention, part=p, shape=sh, scen=s, window=w, causal=False) for p in ("attn", "unfused", "kq_mask")
+      for sh in GQA[:2] for s in ("empty", "encode", "prefill") for w in (0, 8)],
     # Ministral 3's temperature: positions past the floor (3) scale Q by log(floor(pos / 3) + 1) * 0.1 + 1
     *[case(attention, part="attn_temp", shape=GQA[0], scen=s, window=0) for s in SCENARIOS],
     *[case(elementwise, kind=kind, n=n) for kind in ("sigmoid", "softplus", "l2_norm", "l2_norm_tiny") for n in TOKENS],
@@ -626,6 +636,11 @@ def test_reference_semantics():
     assert np.isclose(s[5, 3, 7], q[5, 3] @ k[1, 7, 1], rtol=1e-5)  # head 3 of 4 reads KV head 1 of 2
     mask = run(g.kq_mask(pi, n_kv=64, window=3, name="m"), pos)
     assert list(np.flatnonzero(mask[4, 0] == 0)) == [22, 23, 24]  # position 24 at window 3
+    sl = np.full(len(pos), 30, np.int32)  # non-causal: a 30-token input; llama.cpp's symmetric window
+    li = g.input("sl", sl.shape, sl.dtype)
+    assert list(np.flatnonzero(run(g.kq_mask(pi, n_kv=64, seq_len=li, name="m"), pos, sl)[4, 0] == 0)) == list(range(30))
+    assert list(np.flatnonzero(run(g.kq_mask(pi, n_kv=64, window=8, seq_len=li, name="m"), pos, sl)[4, 0] == 0)) \
+        == list(range(20, 29))  # |p - 24| <= 4
     a = run(g.attn(qi, kci, vci, si, pi, bt, scale=0.25, block_size=BS, window=3, name="a"), q, kc, vc, seq, pos, BT)
     slots = BT[0, np.arange(22, 25) // BS] * BS + np.arange(22, 25) % BS
     kk, vv = np.repeat(kc[slots], 2, axis=1), np.repeat(vc[slots], 2, axis=1)  # (3 positions, 4 heads, 16)

@@ -17,7 +17,7 @@ from hearthlm.backends.cpu import dot
 from hearthlm.backends.cpu.matmul import expert_matvecs, get_rows, matmul, matmul_add, start_pool
 from hearthlm.backends.cpu.qtypes import LAYOUT_VERSION, SUPPORTED_TYPES, PackedWeight, pack_weight
 from hearthlm.runtime.errors import BackendError, UnsupportedModelError
-from hearthlm.runtime.graph import Op
+from hearthlm.runtime.graph import Op, attn_bounds
 from hearthlm.runtime.log import get_logger
 from hearthlm.runtime.weights import QWeight
 
@@ -119,11 +119,13 @@ def _rope_set_rows(node, cache, x, pos, slots):
     return cache
 
 
-def _attn(node, q, k, v, seq, pos, bt, out=None):
+def _attn(node, q, k, v, seq, pos, bt, seq_len=None, out=None):
     p = node.params
     out = _buf(node, out)
-    ops.attention(np.ascontiguousarray(q, np.float32), _bits(k), _bits(v), seq, pos, bt, p["scale"], p["block_size"],
-                  p["window"], p.get("softcap", 0.0), out.reshape(q.shape[0], q.shape[1], v.shape[2]))
+    lo, hi = attn_bounds(pos, seq_len, p["window"], p["causal"])
+    ops.attention(np.ascontiguousarray(q, np.float32), _bits(k), _bits(v), seq, np.ascontiguousarray(lo, np.int32),
+                  np.ascontiguousarray(hi, np.int32), bt, p["scale"], p["block_size"], p.get("softcap", 0.0),
+                  out.reshape(q.shape[0], q.shape[1], v.shape[2]))
     return out
 
 
@@ -143,10 +145,10 @@ def _attn_temp(node, pos, out=None):
     return out
 
 
-def _kq_mask(node, pos, out=None):
-    n_kv, window = node.shape[2], node.params["window"]
-    p = np.arange(n_kv)[None, :]
-    ok = (p <= pos[:, None]) & ((p > pos[:, None] - window) if window > 0 else True)
+def _kq_mask(node, pos, seq_len=None, out=None):
+    lo, hi = attn_bounds(pos, seq_len, node.params["window"], node.params["causal"])
+    p = np.arange(node.shape[2])[None, :]
+    ok = (p >= lo[:, None]) & (p <= hi[:, None])
     out = _buf(node, out)
     np.copyto(out, np.where(ok, _F32(0.0), _F32(-np.inf))[:, None, :])
     return out

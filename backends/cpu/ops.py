@@ -281,10 +281,11 @@ def _attend(q, k_cache, v_cache, t, kh, group, seq, p_lo, p_hi, block_table, sca
 
 
 @numba.njit(parallel=True, **_JIT)
-def attention(q, k_cache, v_cache, tok_seq, tok_pos, block_table, scale, block_size, window, softcap, out):
+def attention(q, k_cache, v_cache, tok_seq, tok_lo, tok_hi, block_table, scale, block_size, softcap, out):
     """Flash-style attention with an online softmax: never holds a score matrix.
     q (n_tokens, n_head, d); caches (n_slots, n_head_kv, d_v), float32 or float16 bits (halfs);
     out (n_tokens, n_head, d_v).
+    Token t attends to positions tok_lo[t]..tok_hi[t] of its sequence (graph.attn_bounds).
     A task per token, KV head and ATT_SPLIT positions of the token's context (its window); the
     parts' (max, sum, weighted V) are then merged per token in a fixed order."""
     n_tokens, n_head, d = q.shape
@@ -294,8 +295,7 @@ def attention(q, k_cache, v_cache, tok_seq, tok_pos, block_table, scale, block_s
     first = np.empty(n_tokens + 1, np.int64)  # token t's parts: first[t]..first[t+1]-1
     first[0] = 0
     for t in range(n_tokens):
-        lo = max(0, tok_pos[t] - window + 1) if window > 0 else 0
-        first[t + 1] = first[t] + (tok_pos[t] - lo) // ATT_SPLIT + 1
+        first[t + 1] = first[t] + (tok_hi[t] - tok_lo[t]) // ATT_SPLIT + 1
     n_parts = first[n_tokens]
     pm = np.empty((n_parts, n_kv, group), np.float32)
     pl = np.empty((n_parts, n_kv, group), np.float32)
@@ -303,13 +303,11 @@ def attention(q, k_cache, v_cache, tok_seq, tok_pos, block_table, scale, block_s
     for job in prange(n_parts * n_kv):
         part, kh = job // n_kv, job % n_kv
         t = np.searchsorted(first, part, side="right") - 1
-        pos = tok_pos[t]
-        lo = max(0, pos - window + 1) if window > 0 else 0
-        p_lo = lo + (part - first[t]) * ATT_SPLIT
+        p_lo = tok_lo[t] + (part - first[t]) * ATT_SPLIT
         pm[part, kh] = -np.inf
         pl[part, kh] = 0.0
         pacc[part, kh] = 0.0
-        _attend(q, k_cache, v_cache, t, kh, group, tok_seq[t], p_lo, min(p_lo + ATT_SPLIT, pos + 1),
+        _attend(q, k_cache, v_cache, t, kh, group, tok_seq[t], p_lo, min(p_lo + ATT_SPLIT, tok_hi[t] + 1),
                 block_table, scale, softcap, block_size, pm[part, kh], pl[part, kh], pacc[part, kh])
     for job in prange(n_tokens * n_head):
         t, h = job // n_head, job % n_head

@@ -17,7 +17,7 @@ import numpy as np
 from hearthlm.backends.cuda.modules import kernel
 from hearthlm.backends.cuda.weights import CudaWeight
 from hearthlm.runtime.errors import BackendError
-from hearthlm.runtime.graph import Op
+from hearthlm.runtime.graph import Op, attn_bounds
 
 MAX_TOKENS = 8        # matmul.cu's MAX_TOKENS: mmvq up to this many tokens, dequantize + cuBLAS above
 ROWS = 4              # matmul.cu's ROWS_PER_BLOCK
@@ -246,19 +246,19 @@ def rope_set_rows(node, cache, x, pos, slots):
 
 # ---- attention ----
 
-def attn(node, q, k_cache, v_cache, tok_seq, tok_pos, block_table, out=None):
+def attn(node, q, k_cache, v_cache, tok_seq, tok_pos, block_table, seq_len=None, out=None):
     p = node.params
     n_tokens, n_head, d = q.shape
     n_head_kv, dv = k_cache.shape[1], v_cache.shape[2]
     if max(d, dv) > MAX_HEAD_DIM:
         raise BackendError(f"{node.label}: head dim {max(d, dv)} > {MAX_HEAD_DIM} in the cuda attention kernel")
     bt = _i(block_table)
+    lo, hi = attn_bounds(_i(tok_pos), None if seq_len is None else _i(seq_len), p["window"], p["causal"])
     y = cp.empty((n_tokens, n_head * dv), cp.float32)
     heads = min(n_head, 8)
     _launch("attention.cu", "attn_paged", (n_tokens, _cdiv(n_head, heads)), (32, heads),
-            (_f(q), _f(k_cache), _f(v_cache), _i(tok_seq), _i(tok_pos), bt, i32(bt.shape[1]), i32(n_head),
-             i32(n_head_kv), i32(d), i32(dv), f32(p["scale"]), f32(p.get("softcap", 0.0)), i32(p["block_size"]),
-             i32(p["window"]), y))
+            (_f(q), _f(k_cache), _f(v_cache), _i(tok_seq), _i(lo), _i(hi), bt, i32(bt.shape[1]), i32(n_head),
+             i32(n_head_kv), i32(d), i32(dv), f32(p["scale"]), f32(p.get("softcap", 0.0)), i32(p["block_size"]), y))
     return _into(y, out)
 
 
@@ -284,10 +284,10 @@ def attn_temp(node, pos, out=None):
     return _into(t.astype(cp.float32)[:, None, None], out)
 
 
-def kq_mask(node, pos, out=None):
-    n_kv, window = node.shape[2], node.params["window"]
-    p, pos = cp.arange(n_kv, dtype=cp.int32)[None, :], _i(pos)[:, None]
-    ok = (p <= pos) & ((p > pos - window) if window > 0 else True)
+def kq_mask(node, pos, seq_len=None, out=None):
+    lo, hi = attn_bounds(_i(pos), None if seq_len is None else _i(seq_len), node.params["window"], node.params["causal"])
+    p = cp.arange(node.shape[2], dtype=cp.int32)[None, :]
+    ok = (p >= lo[:, None]) & (p <= hi[:, None])
     return _into(cp.where(ok, f32(0.0), f32(-np.inf)).astype(cp.float32)[:, None, :], out)
 
 

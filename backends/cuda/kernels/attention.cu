@@ -13,9 +13,10 @@
 // of a K/V row are coalesced, and a warp sum gives each score.
 extern "C" __global__ void attn_paged(const float* __restrict__ q, const float* __restrict__ k_cache,
                                       const float* __restrict__ v_cache, const int* __restrict__ tok_seq,
-                                      const int* __restrict__ tok_pos, const int* __restrict__ block_table,
-                                      int mb, int n_head, int n_head_kv, int d, int dv, float scale,
-                                      float softcap, int block_size, int window, float* __restrict__ out) {
+                                      const int* __restrict__ tok_lo, const int* __restrict__ tok_hi,
+                                      const int* __restrict__ block_table, int mb, int n_head, int n_head_kv,
+                                      int d, int dv, float scale, float softcap, int block_size,
+                                      float* __restrict__ out) {
     int t = blockIdx.x;
     int h = blockIdx.y * blockDim.y + threadIdx.y;
     if (h >= n_head) return;
@@ -28,11 +29,10 @@ extern "C" __global__ void attn_paged(const float* __restrict__ q, const float* 
         qr[i] = j < d ? q[((long long)t * n_head + h) * d + j] * scale : 0.0f;
         acc[i] = 0.0f;
     }
-    int pos = tok_pos[t];
-    int lo = window > 0 ? max(0, pos - window + 1) : 0;
+    int lo = tok_lo[t], hi = tok_hi[t];  // graph.attn_bounds: causal or an encoder's whole sequence
     const int* bt = block_table + (long long)tok_seq[t] * mb;
     float mx = bits_f32(0xff800000u), sum = 0.0f;  // -inf (no math.h under NVRTC)
-    for (int p = lo; p <= pos; ++p) {
+    for (int p = lo; p <= hi; ++p) {
         long long slot = (long long)bt[p / block_size] * block_size + p % block_size;
         const float* kr = k_cache + (slot * n_head_kv + hk) * d;
         float s = 0.0f;
@@ -55,7 +55,7 @@ extern "C" __global__ void attn_paged(const float* __restrict__ q, const float* 
         }
         mx = m_new;
     }
-    float inv = 1.0f / sum;  // pos >= lo always: at least the token's own key
+    float inv = 1.0f / sum;  // hi >= lo always: at least the token's own key
 #pragma unroll
     for (int i = 0; i < PER_LANE; ++i) {
         int j = i * 32 + lane;
