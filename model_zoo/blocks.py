@@ -20,9 +20,11 @@ class Inputs:
     shape: BatchShape
     seq_off: Tensor | None = None     # (n_seqs + 1,) each sequence row's token range (hybrid models)
     state_slot: Tensor | None = None  # (n_seqs,) each row's recurrent-state slot (hybrid models)
+    seq_len: Tensor | None = None     # (n_tokens,) the length of each token's sequence (encoders: non-causal)
 
 
-def build_inputs(g: Graph, shape: BatchShape) -> Inputs:
+def build_inputs(g: Graph, shape: BatchShape, *, causal: bool = True) -> Inputs:
+    """The step's inputs; causal=False (an encoder): attention sees each token's whole sequence."""
     inp = Inputs(
         tokens=g.input("tokens", (shape.n_tokens,)),
         pos=g.input("pos", (shape.n_tokens,)),
@@ -35,6 +37,8 @@ def build_inputs(g: Graph, shape: BatchShape) -> Inputs:
     if shape.n_state:
         inp.seq_off = g.input("seq_off", (shape.n_seqs + 1,))
         inp.state_slot = g.input("state_slot", (shape.n_seqs,))
+    if not causal:
+        inp.seq_len = g.input("seq_len", (shape.n_tokens,))
     return inp
 
 
@@ -64,6 +68,15 @@ def build_inp_embd(g: Graph, tok_embd: Tensor, inp: Inputs, *, scale: float | No
 def build_norm(g: Graph, x: Tensor, weight: Tensor, *, eps: float, name: str, il: int = -1) -> Tensor:
     """RMSNorm times its weight; fusion turns the pair into one op."""
     return g.mul(g.rms_norm(x, eps, f"{name}_rms", il), weight, name, il)
+
+
+def build_layer_norm(g: Graph, x: Tensor, weight: Tensor, bias: Tensor | None, *, eps: float, name: str,
+                     il: int = -1) -> Tensor:
+    """LayerNorm (ggml_norm, then weight and bias): the RMSNorm of x less its mean."""
+    n = x.shape[-1]
+    centred = g.add(x, g.scale(g.sum_rows(x, f"{name}_sum", il), -1.0 / n, f"{name}_mean", il), f"{name}_centred", il)
+    y = build_norm(g, centred, weight, eps=eps, name=name, il=il)
+    return y if bias is None else g.add(y, bias, f"{name}_b", il)
 
 
 def build_qkv(g: Graph, x: Tensor, *, il: int, n_head: int, n_head_kv: int, head_dim: int,
@@ -138,7 +151,8 @@ def build_kqv(g: Graph, q: Tensor, k_cache: Tensor, v_cache: Tensor, inp: Inputs
     kq = g.scale(g.kq(q, k, inp.tok_seq, "kq", il), scale, "kq_scaled", il)  # (n_tokens, n_head, n_kv)
     if softcap:  # softcap * tanh(kq / softcap) (Gemma 2); the chain stays unfused
         kq = g.scale(g.tanh(g.scale(kq, 1.0 / softcap, "kq_scaled_1", il), "kq_tanh", il), softcap, "kq_scaled_2", il)
-    mask = g.kq_mask(inp.pos, n_kv=k.shape[1], window=window, name="kq_mask", il=il)  # (n_tokens, 1, n_kv)
+    mask = g.kq_mask(inp.pos, n_kv=k.shape[1], window=window, seq_len=inp.seq_len, name="kq_mask",
+                     il=il)  # (n_tokens, 1, n_kv)
     probs = g.soft_max(g.add(kq, mask, "kq_masked", il), "kq_soft_max", il)
     out = g.kqv(probs, v, inp.tok_seq, "kqv", il)  # (n_tokens, n_head, dv)
     return g.reshape(out, (out.shape[0], out.shape[1] * out.shape[2]), "kqv_out", il)

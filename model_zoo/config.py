@@ -94,6 +94,7 @@ class HParams:
     head_count_kv_layers: tuple[int, ...] = ()  # per layer where the file gives an array (0: no attention)
 
     NEOX: ClassVar[bool] = False          # the architecture's RoPE layout (llama.cpp's rope_type)
+    CAUSAL: ClassVar[bool] = True         # False: an encoder (each input runs whole, attending both ways)
     NORM_EPS: ClassVar[float] = 1e-5
     ROPE_BASE: ClassVar[float] = 10000.0
 

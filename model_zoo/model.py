@@ -48,6 +48,11 @@ class Model:
         return self.config.layer_state_dims()
 
     @property
+    def causal(self) -> bool:
+        """False for an encoder: no generation; each input runs whole, attending both ways."""
+        return self.config.CAUSAL
+
+    @property
     def eog_ids(self) -> frozenset[int]:
         return self.tokenizer.eog_ids
 

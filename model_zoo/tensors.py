@@ -51,11 +51,11 @@ class Weights:
             if tuple(qw.shape) != shape:
                 raise ModelLoadError(f"{self.where}: tensor {qw.name!r} has shape {tuple(qw.shape)}; the {self.arch} "
                                      f"architecture expects {shape}")
-        if flat and len(qw.shape) > 1:
-            qw = self._view(f"{qw.name}[flat]", qw, (int(np.prod(qw.shape)),), lambda r: r.reshape(-1), floats=True)
         if rows is not None:
             qw = self._view(f"{qw.name}[{rows[0]}:{rows[1]}]", qw, (rows[1] - rows[0], *qw.shape[1:]),
                             lambda r: r[rows[0]:rows[1]])
+        if flat and len(qw.shape) > 1:
+            qw = self._view(f"{qw.name}[flat]", qw, (int(np.prod(qw.shape)),), lambda r: r.reshape(-1), floats=True)
         return self.g.weight(qw)
 
     def layer(self, il: int):

@@ -1,7 +1,8 @@
 """Tokenizers built from GGUF metadata, matching llama.cpp's `src/llama-vocab.cpp`.
 
-Two vocab kinds: byte-level BPE (`gpt2`, on the `tokenizers` library, tokenizer_bpe.py) and
-SentencePiece-style (`llama`, llama.cpp's merge-by-score, tokenizer_spm.py). This file holds
+Three vocab kinds: byte-level BPE (`gpt2`, on the `tokenizers` library, tokenizer_bpe.py),
+SentencePiece-style (`llama`, llama.cpp's merge-by-score, tokenizer_spm.py) and BERT's
+WordPiece (`bert`, tokenizer_wpm.py). This file holds
 what they share, as llama.cpp does: token attributes, the special-token split that runs
 before either, BOS/EOS, the end-of-generation set, and detokenization.
 """
@@ -20,6 +21,7 @@ from .tokenizer_bpe import bpe_piece_bytes, build_bpe, pre_type
 from .tokenizer_rules import (AUTO_DETECT, EOG_TEXTS, SPECIAL, TYPE_TO_ATTR, BYTE, CONTROL, NORMAL,
                               UNDEFINED, UNKNOWN, UNUSED, USER_DEFINED, clean_spaces)
 from .tokenizer_spm import score_ranks, spm_encode
+from .tokenizer_wpm import build_wpm, wpm_encode
 
 _SPACE = "\u2581"  # SentencePiece's escaped space
 _HEX = frozenset("0123456789abcdefABCDEF")
@@ -51,9 +53,11 @@ class Tokenizer:
             self.kind = "bpe"
         elif model == "llama":
             self.kind = "spm"
+        elif model == "bert":
+            self.kind = "wpm"
         else:
             raise UnsupportedModelError(
-                f"unsupported tokenizer.ggml.model {model!r} (supported: 'gpt2', 'llama')")
+                f"unsupported tokenizer.ggml.model {model!r} (supported: 'gpt2', 'llama', 'bert')")
         raw = md.get("tokenizer.ggml.tokens")
         if raw is None or len(raw) == 0:
             raise ModelLoadError("GGUF metadata has no tokenizer.ggml.tokens")
@@ -79,6 +83,13 @@ class Tokenizer:
             self._bpe = build_bpe(self._tokens, merges, pre)
             defaults = dict(bos=11, eos=11, unk=None)
             add_bos, self.add_space_prefix, self.clean_spaces = pre.add_bos, False, pre.clean_spaces
+        elif self.kind == "wpm":  # [CLS] text [SEP]; lowercased and accents stripped unless the file says not
+            defaults = dict(bos=101, eos=None, unk=100)
+            add_bos, self.add_space_prefix, self.clean_spaces = True, False, True
+            with _key("tokenizer.ggml.normalizer.lowercase"):
+                self._lowercase = bool(md.get("tokenizer.ggml.normalizer.lowercase", True))
+            with _key("tokenizer.ggml.normalizer.strip_accents"):
+                self._strip_accents = bool(md.get("tokenizer.ggml.normalizer.strip_accents", self._lowercase))
         else:
             scores = md.get("tokenizer.ggml.scores")
             self._scores = (scores.tolist() if hasattr(scores, "tolist") else list(scores)) \
@@ -104,8 +115,10 @@ class Tokenizer:
         self.bos_id = special("bos", defaults["bos"])
         self.eos_id = special("eos", defaults["eos"])
         self.unk_id = special("unknown", defaults["unk"])
-        self.pad_id = special("padding")
-        self.add_bos = bool(md.get("tokenizer.ggml.add_bos_token", add_bos))
+        self.pad_id = special("padding", 0 if self.kind == "wpm" else None)
+        self.sep_id = special("seperator", 102 if self.kind == "wpm" else None)  # llama.cpp's spelling
+        # llama.cpp prepends [CLS] to WordPiece text whatever the file says
+        self.add_bos = self.kind == "wpm" or bool(md.get("tokenizer.ggml.add_bos_token", add_bos))
         self.add_eos = bool(md.get("tokenizer.ggml.add_eos_token", False))
         if self.add_bos and self.bos_id is None:
             raise ModelLoadError("tokenizer.ggml.add_bos_token is true, but no BOS token is set")
@@ -129,6 +142,10 @@ class Tokenizer:
                 self._attr[i] |= UNUSED
         self._build_special_index()
         self._piece_cache: dict[tuple[int, bool], bytes] = {}
+        if self.kind == "wpm":
+            if self.bos_id is None or self.sep_id is None:
+                raise ModelLoadError("a bert vocabulary needs its [CLS] (bos) and [SEP] (seperator) tokens")
+            self._wpm = build_wpm(self._tokens, self.unk_id)
 
     @classmethod
     def from_gguf_metadata(cls, md: Mapping[str, Any]) -> "Tokenizer":
@@ -206,6 +223,8 @@ class Tokenizer:
         return frags
 
     def _encode_text(self, text: str, prev_special: bool) -> list[int]:
+        if self.kind == "wpm":
+            return wpm_encode(self._wpm, text, lowercase=self._lowercase, strip_accents=self._strip_accents)
         if self.kind == "bpe":
             if len(text) > 4096:  # encode_batch releases the GIL (encode does not): other threads run
                 return self._bpe.encode_batch([text], add_special_tokens=False)[0].ids
@@ -245,6 +264,8 @@ class Tokenizer:
                     prev_special = False
         if add_special and self.add_eos:
             out.append(self.eos_id)
+        if add_special and self.kind == "wpm":  # llama.cpp adds [SEP] to WordPiece text unconditionally
+            out.append(self.sep_id)
         return out
 
     # --- decode ---------------------------------------------------------------------------

@@ -28,10 +28,11 @@ class StepPlan:
 
 
 class Batcher:
-    def __init__(self, memory: SequenceMemory, *, max_batch_tokens: int, max_seqs: int) -> None:
+    def __init__(self, memory: SequenceMemory, *, max_batch_tokens: int, max_seqs: int, whole: bool = False) -> None:
         self.memory = memory
         self.max_batch_tokens = max_batch_tokens
         self.max_seqs = max_seqs
+        self.whole = whole  # an encoder's: a request runs all its tokens in one step, or waits
 
     def release(self, req: Request) -> None:
         self.memory.release(req)
@@ -42,6 +43,8 @@ class Batcher:
         req.pooled = None  # an embedding pools what is computed: it starts again with it
 
     def _take(self, req: Request, budget: int) -> int:
+        if self.whole:
+            return req.n_wanted if req.n_wanted <= budget else 0
         return min(req.n_wanted, budget, self.memory.chunk_end(req) - req.n_computed)
 
     def plan(self, running: list[Request], waiting: deque[Request]) -> StepPlan:
@@ -54,6 +57,8 @@ class Batcher:
             if req in preempted or budget == 0:
                 continue
             take = self._take(req, budget)
+            if take == 0:  # a whole input waits for a step with room for all of it
+                continue
             while not mem.grow(req, req.n_computed + take):
                 victim = max((r for r in running if r not in preempted), key=lambda r: r.arrival)
                 self.preempt(victim)
@@ -74,6 +79,8 @@ class Batcher:
         # admit waiting requests while budget, sequences, state slots and blocks allow
         while waiting and budget > 0 and len(running) < self.max_seqs and not preempted:
             req = waiting[0]
+            if self.whole and self._take(req, budget) == 0:  # a whole input that does not fit this step
+                break
             if not mem.admit(req):
                 break
             take = self._take(req, budget)

@@ -104,7 +104,10 @@ class Engine:
         state = StateCache(state_dims, n_state, self.placement.layer_backends()) if state_dims else None
         self.memory = SequenceMemory(self.kv, state, n_snapshots=state_snapshots if state_dims else 0)
         self.scratch_block = self.memory.scratch_block
-        self.batcher = Batcher(self.memory, max_batch_tokens=max_batch_tokens, max_seqs=max_seqs)
+        # an encoder (model.causal False) attends over each input whole: one step computes all of it
+        self.causal = getattr(model, "causal", True)
+        self.batcher = Batcher(self.memory, max_batch_tokens=max_batch_tokens, max_seqs=max_seqs,
+                               whole=not self.causal)
         self.max_blocks = blocks_per_seq  # block-table width at most; bucketed per step (the KV-length bucket)
         self.max_batch_tokens, self.max_seqs = max_batch_tokens, max_seqs
         self.running: list[Request] = []
@@ -146,7 +149,13 @@ class Engine:
         n = len(req.prompt)
         if n == 0:
             raise InvalidRequestError("the prompt is empty")
-        if n >= self.n_ctx:  # lengths first: the vocabulary check below is a pass over the ids
+        if not self.causal:  # an encoder: embeddings only, each input in one step
+            if not req.pooling:
+                raise InvalidRequestError("this model is an encoder: it embeds and ranks, it does not generate")
+            if n > min(self.n_ctx, self.max_batch_tokens):
+                raise ContextLengthError(f"the input has {n} tokens; the encoder takes at most "
+                                         f"{min(self.n_ctx, self.max_batch_tokens)}")
+        elif n >= self.n_ctx:  # lengths first: the vocabulary check below is a pass over the ids
             raise ContextLengthError(f"the prompt has {n} tokens; the context holds {self.n_ctx} "
                                      "(prompt plus at least one generated token)")
         if n + req.max_tokens > self.n_ctx:
@@ -316,7 +325,7 @@ class Engine:
         out_wanted = sum(1 for s in plan.seqs if s.wants_logits)
         need = max(-(-(s.req.n_computed + s.n_tokens) // bs) for s in plan.seqs)
         shape = self._shape(n_tokens=plan.n_tokens, n_seqs=len(plan.seqs), n_out=out_wanted, need_blocks=need,
-                            embd=any(s.req.pooling for s in plan.seqs))
+                            embd=any(s.req.pooling and s.req.pooling != "rank" for s in plan.seqs))
         n_pad, n_seqs, width = shape.n_tokens, shape.n_seqs, shape.max_blocks
         tokens, pos = np.zeros(n_pad, np.int32), np.zeros(n_pad, np.int32)
         tok_seq = np.full(n_pad, len(plan.seqs) if n_seqs > len(plan.seqs) else 0, np.int32)
@@ -324,6 +333,7 @@ class Engine:
         block_table = np.full((n_seqs, width), self.scratch_block, np.int32)
         # recurrent layers: each row's token range, and its state slot (padding rows: empty, scratch slot 0)
         seq_off, state_slot = np.full(n_seqs + 1, plan.n_tokens, np.int32), np.zeros(n_seqs, np.int32)
+        seq_len = np.ones(n_pad, np.int32)  # encoders: each token sees its sequence's first seq_len positions
         out_rows, off = [], 0
         for i, s in enumerate(plan.seqs):
             r, k = s.req, s.n_tokens
@@ -335,11 +345,12 @@ class Engine:
             slots[off:off + k] = blocks[p // bs] * bs + p % bs
             block_table[i, :len(blocks)] = blocks
             seq_off[i], state_slot[i] = off, r.state_slot or 0
-            if s.wants_logits:
-                out_rows.append(off + k - 1)
+            seq_len[off:off + k] = r.n_computed + k
+            if s.wants_logits:  # a reranking encoder scores its first ([CLS]) token, a decoder its last
+                out_rows.append(off if r.pooling == "rank" and not self.causal else off + k - 1)
             off += k
         feed = dict(tokens=tokens, pos=pos, tok_seq=tok_seq, slots=slots, block_table=block_table,
-                    seq_off=seq_off, state_slot=state_slot,
+                    seq_off=seq_off, state_slot=state_slot, seq_len=seq_len,
                     out_rows=np.asarray(out_rows + [0] * (shape.n_out - len(out_rows)), np.int32))
         return feed, shape
 
@@ -368,6 +379,12 @@ class Engine:
             r, first = s.req, off
             off += s.n_tokens
             r.n_computed += s.n_tokens
+            if r.pooling == "rank":  # a reranker's score: the head's output at the scored row
+                if s.wants_logits:
+                    r.pooled = np.asarray(logits[row], np.float64).copy()
+                    row += 1
+                    self._finish(r, "stop")
+                continue
             if r.pooling:  # an embedding: pools this chunk's rows; no logits read, no blocks cached
                 row += s.wants_logits
                 self._pool(r, hidden[first:off])

@@ -40,7 +40,7 @@ MAX_STOPS = 64            # stop strings per request
 MAX_STOP_CHARS = 1_000    # characters per stop string (each is searched for at every token)
 PROMPT_CHARS_PER_TOKEN = 32  # a prompt text longer than this many characters per context token cannot fit
 OFF_LOOP_CHARS = 4_096    # prompts longer than this are tokenized in a worker thread, not on the event loop
-POOLINGS = {1: "mean", 2: "cls", 3: "last"}  # GGUF {arch}.pooling_type; 0 (none) or absent: mean
+POOLINGS = {1: "mean", 2: "cls", 3: "last", 4: "rank"}  # GGUF {arch}.pooling_type; 0 (none) or absent: mean
 
 
 class Session:
@@ -106,6 +106,8 @@ class Session:
             placement = offload(backends, m.config.n_layer, n_gpu_layers)
             n_ctx = min(n_ctx, m.config.n_ctx_train)
             m.set_context(n_ctx)
+            if not m.causal:  # an encoder runs each input in one step: a whole context must fit one
+                engine_opts["max_batch_tokens"] = max(engine_opts["max_batch_tokens"], n_ctx)
             kv_tokens = kv_cache_tokens or 4 * n_ctx
             wdir = cache_dir(weight_cache)
             engine = Engine(m, placement, n_ctx=n_ctx, kv_blocks=math.ceil(kv_tokens / 16),
@@ -182,20 +184,64 @@ class Session:
 
     # ---- embeddings ------------------------------------------------------------------
     async def embed(self, texts: str | Sequence[str] | Sequence[Sequence[int]], *, normalize: bool = True,
-                    pooling: str | None = None) -> np.ndarray:
+                    pooling: str | None = None, truncate: bool = False) -> np.ndarray:
         """Embeddings, float32 (len(texts), n_embd): each text (or list of token ids) runs
-        through the engine, batched with whatever else runs, and its final normed hidden
-        states are pooled ("mean", "cls": the first token, "last"; default: the GGUF's
-        pooling_type, else mean), then L2-normalized unless normalize=False. No KV is kept."""
-        if self._closed:
-            raise SessionClosedError("the session is closed")
+        through the engine, batched with whatever else runs, and its final hidden states
+        (a decoder's normed) are pooled ("mean", "cls": the first token, "last"; default: the
+        GGUF's pooling_type, else mean), then L2-normalized unless normalize=False. No KV is
+        kept. An input longer than the model takes is refused (ContextLengthError), or with
+        truncate=True cut to fit (an encoder's closing [SEP] kept)."""
         pooling = pooling or self.default_pooling()
+        if pooling == "rank":
+            pooling = "cls" if not self.model.causal else "last"  # a reranker's embedding: its scored token
         if pooling not in POOLINGS.values():
             raise InvalidRequestError(f"pooling must be one of {sorted(POOLINGS.values())}, got {pooling!r}")
         texts = [texts] if isinstance(texts, str) else list(texts)
         if not texts:
             raise InvalidRequestError("no texts to embed")
-        ids = [await self._prompt_ids_off_loop(t, None) for t in texts]
+        out = await self._pooled([await self._input_ids(t, truncate) for t in texts], pooling)
+        if normalize:
+            out /= np.maximum(np.linalg.norm(out, axis=1, keepdims=True), 1e-12)
+        return out
+
+    async def rerank(self, query: str, documents: Sequence[str], *, truncate: bool = False) -> list[float]:
+        """Relevance of each document to the query, in the documents' order: the reranker's
+        classification head on "[CLS] query [SEP] document" (llama-server's pairing; the GGUF's
+        rerank template where it has one), its raw output as llama.cpp reports it."""
+        if not isinstance(query, str) or isinstance(documents, str) or not all(isinstance(d, str) for d in documents):
+            raise InvalidRequestError("rerank takes a query string and a list of document strings")
+        if not documents:
+            raise InvalidRequestError("no documents to rank")
+        if not self.has_rank_head():
+            raise InvalidRequestError("this model has no classification head (cls.output.weight): it does not rerank")
+        ids = [await self._input_ids(self._rerank_ids(query, d), truncate) for d in documents]
+        return [float(v[0]) for v in await self._pooled(ids, "rank")]
+
+    def has_rank_head(self) -> bool:
+        return "cls.output.weight" in self.model.weights
+
+    def _rerank_ids(self, query: str, doc: str) -> list[int]:
+        tok = self.model.tokenizer
+        template = self.model.metadata.get("tokenizer.chat_template.rerank")
+        if isinstance(template, str):
+            return tok.encode(template.replace("{query}", query).replace("{document}", doc), parse_special=True)
+        q, d = tok.encode(query), tok.encode(doc)
+        eos = tok.eos_id if tok.eos_id is not None else tok.sep_id
+        return ([tok.bos_id] if tok.add_bos else []) + q + ([eos] if tok.add_eos else []) \
+            + ([tok.sep_id] if tok.kind == "wpm" else []) + d + ([eos] if tok.add_eos else [])
+
+    async def _input_ids(self, text, truncate: bool) -> list[int]:
+        ids = await self._prompt_ids_off_loop(text, None)
+        limit = self.n_ctx if not self.model.causal else self.n_ctx - 1
+        if truncate and len(ids) > limit:
+            sep = self.model.tokenizer.kind == "wpm" and ids[-1] == self.model.tokenizer.sep_id
+            ids = ids[:limit - 1] + [ids[-1]] if sep else ids[:limit]
+        return ids
+
+    async def _pooled(self, ids: list[list[int]], pooling: str) -> np.ndarray:
+        """Run each input as a pooling request; (len(ids), width) float32 in their order."""
+        if self._closed:
+            raise SessionClosedError("the session is closed")
         chan = Channel(loop_waker())
         reqs = [Request(prompt=p, params=SamplingParams(), max_tokens=0, on_token=_no_token, pooling=pooling,
                         on_finish=lambda reason, err, i=i: chan.put((i, reason, err))) for i, p in enumerate(ids)]
@@ -212,16 +258,13 @@ class Session:
         finally:
             for i in pending:
                 self.engine.abort(reqs[i].id)
-        out = np.stack([r.pooled for r in reqs]).astype(np.float32)
-        if normalize:
-            out /= np.maximum(np.linalg.norm(out, axis=1, keepdims=True), 1e-12)
-        return out
+        return np.stack([r.pooled for r in reqs]).astype(np.float32)
 
     def default_pooling(self) -> str:
         """The pooling the GGUF names ({arch}.pooling_type), mean where it names none."""
         kind = self.model.metadata.get(f"{self.model.arch_name}.pooling_type") or 0
         if kind and kind not in POOLINGS:
-            raise InvalidRequestError(f"the model's pooling_type {kind} (e.g. rank, for rerankers) is not supported")
+            raise InvalidRequestError(f"the model's pooling_type {kind} is not supported")
         return POOLINGS.get(kind, "mean")
 
     @staticmethod

@@ -12,6 +12,8 @@ from types import ModuleType
 from hearthlm.runtime.errors import UnsupportedModelError
 
 ARCHITECTURES = {  # general.architecture -> module
+    "bert": "bert",
+    "nomic-bert": "nomic_bert",
     "lfm2": "lfm2",
     "lfm2moe": "lfm2moe",
     "llama": "llama",

@@ -1,0 +1,97 @@
+"""Tiny random-weight encoders (bert, nomic-bert) with a small WordPiece vocabulary, written as
+llama.cpp's converter writes them: word-initial pieces with a leading U+2581, continuations bare,
+[CLS]/[SEP]/[UNK]/[PAD]/[MASK] as control tokens. The tensors are what the architecture reads
+(model_zoo.tensors.specs); a reranker variant adds the classification head."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+
+from hearthlm.model_zoo.models import get_architecture
+from hearthlm.model_zoo.tensors import specs as tensor_specs
+
+SPECIALS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+WORDS = ["the", "a", "is", "of", "and", "to", "in", "it", "hearth", "home", "fire", "warm", "cold", "house",
+         "search", "query", "document", "vector", "cafe", "naive", "hello", "world", "un", "aff", "able",
+         "run", "walk", "talk", "model", "text", "The", "Hello", "Cafe", "World", "café", "naïve"]
+PIECES = ["ing", "ed", "s", "er", "ly", "able", "ford", "##x"]  # continuations; "##x": a vocab.txt "####x"
+CHARS = list("abcdefghijklmnopqrstuvwxyz0123456789") + list(".,!?;:'\"()-[]{}$%&*+/<=>@^_`|~#") + \
+    ["中", "文", "字", "日", "本", "語", "é", "ï"]
+HP = {"block_count": 2, "context_length": 512, "embedding_length": 32, "feed_forward_length": 64,
+      "attention.head_count": 4, "attention.layer_norm_epsilon": 1e-12, "attention.causal": False}
+
+
+def vocab() -> list[str]:
+    toks = list(SPECIALS) + ["\u2581" + w for w in WORDS] + PIECES
+    toks += ["\u2581" + c for c in CHARS] + [c for c in CHARS if c not in toks]
+    return list(dict.fromkeys(toks))
+
+
+# name -> (architecture, pooling_type, lowercase, reranker head)
+VARIANTS = {
+    "bert": ("bert", 1, True, False),
+    "bert-cls": ("bert", 2, True, False),
+    "bert-cased": ("bert", 1, False, False),
+    "bert-reranker": ("bert", 4, True, True),
+    "nomic-bert": ("nomic-bert", 1, True, False),
+}
+
+
+def write(path: Path, variant: str, seed: int = 0) -> Path:
+    arch, pooling, lowercase, rerank = VARIANTS[variant]
+    rng = np.random.default_rng(seed)
+    toks = vocab()
+    md = {f"{arch}.{k}": v for k, v in HP.items()}
+    md[f"{arch}.pooling_type"] = pooling
+    md["tokenizer.ggml.token_type_count"] = 2
+    if arch == "nomic-bert":
+        md[f"{arch}.rope.freq_base"] = 1000.0
+    mod = get_architecture(arch)
+    cfg = mod.Config.from_gguf(md, arch)
+    w = gguf.GGUFWriter(str(path), arch)
+    for k, v in md.items():
+        if isinstance(v, bool):
+            w.add_bool(k, v)
+        elif isinstance(v, float):
+            w.add_float32(k, v)
+        else:
+            w.add_uint32(k, v)
+    w.add_tokenizer_model("bert")
+    w.add_token_list(toks)
+    w.add_token_types([3 if t in SPECIALS else 1 for t in toks])
+    w.add_bos_token_id(toks.index("[CLS]"))
+    w.add_uint32("tokenizer.ggml.seperator_token_id", toks.index("[SEP]"))
+    w.add_unk_token_id(toks.index("[UNK]"))
+    w.add_pad_token_id(toks.index("[PAD]"))
+    w.add_mask_token_id(toks.index("[MASK]"))
+    w.add_bool("tokenizer.ggml.normalizer.lowercase", lowercase)
+    if rerank:
+        w.add_array(f"{arch}.classifier.output_labels", ["LABEL_0"])
+    for s in tensor_specs(mod, cfg, len(toks)):
+        if s.name.startswith("cls.") and not rerank:
+            continue
+        if len(s.shape) == 1:  # norms ~1, biases ~0
+            data = (0.0 if s.name.endswith(".bias") else 1.0) + 0.1 * rng.standard_normal(s.shape)
+        else:
+            data = rng.standard_normal(s.shape) / np.sqrt(s.shape[-1])
+        w.add_tensor(s.name, np.ascontiguousarray(data, np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+TEXTS = [
+    "The hearth is warm.",
+    "hello world",
+    "Hello, World! Café naïve unaffable; running (walked) talks...",
+    "search the document vector: query 42 in 中文 and 日本語字",
+    "a",
+    "the house of the fire is cold and the home is warm and it is a model of text to search in",
+    "x##x $5 & 10% <tag> @user #1 ~ok~",
+]
+QUERY = "warm hearth"
+DOCS = ["the hearth is warm", "a cold house", "search the vector", "warm fire in the home"]
