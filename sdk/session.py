@@ -214,13 +214,15 @@ class Session:
             raise InvalidRequestError("no documents to rank")
         if not self.has_rank_head():
             raise InvalidRequestError("this model has no classification head (cls.output.weight): it does not rerank")
-        ids = [await self._input_ids(self._rerank_ids(query, d), truncate) for d in documents]
+        ids = [await self._input_ids(self.rerank_ids(query, d), truncate) for d in documents]
         return [float(v[0]) for v in await self._pooled(ids, "rank")]
 
     def has_rank_head(self) -> bool:
-        return "cls.output.weight" in self.model.weights
+        """An encoder with a classification head (a decoder reranker's yes/no head is not run yet)."""
+        return not self.model.causal and "cls.output.weight" in self.model.weights
 
-    def _rerank_ids(self, query: str, doc: str) -> list[int]:
+    def rerank_ids(self, query: str, doc: str) -> list[int]:
+        """The reranker's input for one pair (llama-server's format_prompt_rerank)."""
         tok = self.model.tokenizer
         template = self.model.metadata.get("tokenizer.chat_template.rerank")
         if isinstance(template, str):

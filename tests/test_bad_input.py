@@ -242,7 +242,7 @@ async def test_missing_key(tmp_path, key):
     ({"llama.block_count": ("u32", 0)}, ModelLoadError, "llama.block_count"),
     ({"llama.attention.head_count": ("u32", 3)}, ModelLoadError, "llama"),
     ({"llama.attention.head_count_kv": ("u32", 3)}, ModelLoadError, "llama"),
-    ({"tokenizer.ggml.model": ("str", "bert")}, UnsupportedModelError, "bert"),
+    ({"tokenizer.ggml.model": ("str", "t5")}, UnsupportedModelError, "t5"),
     ({"tokenizer.ggml.pre": ("str", "weird-pre")}, UnsupportedModelError, "weird-pre"),
     ({"tokenizer.ggml.token_type": ("arr", [1] * 10)}, ModelLoadError, "token_type"),
     ({"tokenizer.ggml.merges": ("arr", ["nospace"])}, ModelLoadError, "merge"),

@@ -21,7 +21,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from hearthlm.runtime.errors import (ContextLengthError, HearthError, InvalidRequestError, QueueFull,
                                      SessionClosedError)
 from hearthlm.serve.metrics import Metrics
-from hearthlm.serve.protocol import (ChatRequest, CompletionRequest, EmbeddingRequest, error_json,
+from hearthlm.serve.protocol import (ChatRequest, CompletionRequest, EmbeddingRequest, RerankRequest, error_json,
                                      legacy_logprobs, logprob_entries, new_id, now, usage)
 from hearthlm.session import Session
 
@@ -57,9 +57,11 @@ class Host:
         self.sessions: dict[str, Session] = {}
         self.closing = False
 
-    def get(self, name: str) -> Session:
+    def get(self, name: str | None) -> Session:
         if self.closing:
             raise APIError(503, "the server is shutting down")
+        if not name and len(self.sessions) == 1:  # TEI-style clients name no model
+            return next(iter(self.sessions.values()))
         s = self.sessions.get(name)
         if s is None:
             raise APIError(404, f"the model {name!r} does not exist; served: {sorted(self.sessions)}", "model_not_found")
@@ -211,6 +213,30 @@ def _make(host: Host, lifespan, api_key: str | None, max_body_bytes: int) -> Fas
                 for i, v in enumerate(vecs)]
         return dict(object="list", data=data, model=body.model,
                     usage=dict(prompt_tokens=n_tokens, total_tokens=n_tokens))
+
+    async def rerank(body: RerankRequest, request: Request):
+        """Scores sorted best first, top_n of them (llama-server's format_response_rerank)."""
+        s = host.get(body.model or None)
+        docs = body.docs()
+        scores = await _until_disconnect(request, s.rerank(body.query, docs))
+        tei = body.documents is None
+        key = "score" if tei else "relevance_score"
+        results = [{"index": i, key: sc} for i, sc in enumerate(scores)]
+        results.sort(key=lambda r: -r[key])
+        results = results[:body.top_n or len(results)]
+        for r in results:
+            if tei and body.return_text:
+                r["text"] = docs[r["index"]]
+            elif not tei and body.return_documents:
+                r["document"] = {"text": docs[r["index"]]}
+        if tei:
+            return results
+        n_tokens = sum(len(s.rerank_ids(body.query, d)) for d in docs)
+        return dict(model=body.model, object="list", results=results,
+                    usage=dict(prompt_tokens=n_tokens, total_tokens=n_tokens))
+
+    for path in ("/v1/rerank", "/rerank", "/v1/reranking", "/reranking"):
+        app.post(path, dependencies=auth)(rerank)
 
     return app
 

@@ -109,6 +109,29 @@ class EmbeddingRequest(_Body):
         return x
 
 
+class RerankRequest(_Body):
+    """llama-server's /rerank: Jina's and Cohere's shape (query, documents, top_n), or TEI's
+    (query, texts, return_text), which is answered in TEI's shape."""
+    model: str = ""
+    query: str
+    documents: list[str | dict] | None = None
+    texts: list[str] | None = None
+    top_n: int | None = None
+    return_documents: bool = False
+    return_text: bool = False
+
+    def docs(self) -> list[str]:
+        docs = self.documents if self.documents is not None else self.texts
+        if not docs:
+            raise InvalidRequestError("documents must be a non-empty list of strings")
+        out = [d.get("text") if isinstance(d, dict) else d for d in docs]  # Cohere's {"text": ...} too
+        if not all(isinstance(d, str) for d in out):
+            raise InvalidRequestError("each document must be a string (or an object with a text string)")
+        if self.top_n is not None and self.top_n < 1:
+            raise InvalidRequestError("top_n must be at least 1")
+        return out
+
+
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:24]}"
 
