@@ -40,12 +40,14 @@ class Decoder:
     final_softcap: float = 0.0
     logit_scale: float = 1.0  # the logits divided by it (Granite)
     out_norm: tuple[str, ...] = ("output_norm.weight",)  # the final norm's name (and a fallback: LFM2)
+    # an embedder (gemma-embedding): no LM head; (g, w, h) -> each token's normed state projected
+    embed_out: Callable | None = None
 
 
 def build_decoder(c: HParams, g: Graph, w, shape: BatchShape, d: Decoder = Decoder()) -> Tensor:
     """The forward pass; returns the logits."""
     e, eps = c.n_embd, c.norm_eps
-    inp = build_inputs(g, shape)
+    inp = build_inputs(g, shape, causal=c.CAUSAL)
     x = build_inp_embd(g, w("token_embd.weight", (w.n_vocab, e)), inp, scale=d.embd_scale)
     for il in range(c.n_layer):
         L = w.layer(il)
@@ -60,6 +62,11 @@ def build_decoder(c: HParams, g: Graph, w, shape: BatchShape, d: Decoder = Decod
             down=L("ffn_down.weight", (e, c.n_ff)), act=d.act)
         x = _residual(g, x, h, d, il, eps=eps, post=L("post_ffw_norm.weight", (e,)) if d.post_norm else None,
                       post_name="ffn_post_norm", name="l_out")
+    if d.embed_out is not None:  # the encoder's outputs (model_zoo.encoder): the rows' states, every token's
+        h = d.embed_out(g, w, build_norm(g, x, w(d.out_norm[0], (e,)), eps=eps, name="result_norm"))
+        if shape.embd:
+            g.outputs.append(h)
+        return g.get_rows(h, inp.out_rows, "inp_out_ids")
     head = (w("token_embd.weight", (w.n_vocab, e)) if d.tied else
             w("output.weight", (w.n_vocab, e), fallback="token_embd.weight"))
     logits = build_output(g, x, inp, norm=w(d.out_norm[0], (e,), fallback=d.out_norm[1] if len(d.out_norm) > 1 else None), output=head, eps=eps,

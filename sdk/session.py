@@ -9,6 +9,7 @@ from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator, Sequence
 
 import anyio
+import gguf
 import numpy as np
 
 from hearthlm._wake import Channel, loop_waker
@@ -53,6 +54,7 @@ class Session:
         self._closed = False
         self._vocab: constraint.Vocabulary | None = None  # llguidance's view, built on first use
         self._vocab_lock = threading.Lock()
+        self._head: np.ndarray | None = None  # a decoder reranker's head, dequantized on first use
 
     # ---- lifecycle -------------------------------------------------------------------
     @classmethod
@@ -215,11 +217,22 @@ class Session:
         if not self.has_rank_head():
             raise InvalidRequestError("this model has no classification head (cls.output.weight): it does not rerank")
         ids = [await self._input_ids(self.rerank_ids(query, d), truncate) for d in documents]
-        return [float(v[0]) for v in await self._pooled(ids, "rank")]
+        if not self.model.causal:
+            return [float(v[0]) for v in await self._pooled(ids, "rank")]
+        # a decoder reranker (Qwen3-Reranker): its head's rows on the last token's normed state,
+        # softmaxed; the score is the first label's probability ("yes"), as llama.cpp has it
+        logits = (await self._pooled(ids, "last")).astype(np.float64) @ self._rank_head().T
+        p = np.exp(logits - logits.max(axis=1, keepdims=True))
+        return [float(x) for x in p[:, 0] / p.sum(axis=1)]
 
     def has_rank_head(self) -> bool:
-        """An encoder with a classification head (a decoder reranker's yes/no head is not run yet)."""
-        return not self.model.causal and "cls.output.weight" in self.model.weights
+        return "cls.output.weight" in self.model.weights
+
+    def _rank_head(self) -> np.ndarray:
+        if self._head is None:
+            w = self.model.weights["cls.output.weight"]
+            self._head = gguf.quants.dequantize(w.raw, w.ggml_type).reshape(w.shape).astype(np.float64)
+        return self._head
 
     def rerank_ids(self, query: str, doc: str) -> list[int]:
         """The reranker's input for one pair (llama-server's format_prompt_rerank)."""

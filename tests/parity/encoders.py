@@ -36,11 +36,28 @@ VARIANTS = {
     "bert-cased": ("bert", 1, False, False),
     "bert-reranker": ("bert", 4, True, True),
     "nomic-bert": ("nomic-bert", 1, True, False),
+    "gemma-embedding": ("gemma-embedding", 1, None, False),  # Gemma's layers: the decoder writer's vocab
+    "qwen3-embedding": ("qwen3", 3, None, False),             # a decoder pooled at its last token
+    "qwen3-reranker": ("qwen3", 4, None, True),               # its yes/no head on the last token, softmaxed
 }
+# the decoder writer's models (tests/parity/models.py): hyperparameters and keys llama.cpp reads
+DECODER_ENCODERS = {
+    "gemma-embedding": ({"block_count": 6, "attention.sliding_window_pattern": 3},
+                        {"pooling_type": 1, "dense_2_feat_in": 64, "dense_2_feat_out": 96, "dense_3_feat_in": 96,
+                         "dense_3_feat_out": 64}),
+    "qwen3-embedding": ({}, {"pooling_type": 3}),
+    "qwen3-reranker": ({}, {"pooling_type": 4, "classifier.output_labels": ["yes", "no"]}),
+}
+HEADS = {"qwen3-reranker": "cls.output.weight"}  # a (2, n_embd) head, as the converter takes lm_head's two rows
 
 
 def write(path: Path, variant: str, seed: int = 0) -> Path:
     arch, pooling, lowercase, rerank = VARIANTS[variant]
+    if variant in DECODER_ENCODERS:
+        import models
+        hp, md = DECODER_ENCODERS[variant]
+        extra = {HEADS[variant]: np.random.default_rng(seed + 1).standard_normal((2, 64)) / 8} if variant in HEADS else {}
+        return models.write(path, (arch, hp, extra), seed, metadata=md)
     rng = np.random.default_rng(seed)
     toks = vocab()
     md = {f"{arch}.{k}": v for k, v in HP.items()}

@@ -111,20 +111,25 @@ class _Seen(dict):
         return super().__contains__(k)
 
 
-def write(path: Path, variant: str, seed: int = 0, *, defects: dict | None = None,
-          qtype: gguf.GGMLQuantizationType | None = None, n_vocab: int = N_VOCAB, qtypes=None) -> Path:
+def write(path: Path, variant, seed: int = 0, *, defects: dict | None = None,
+          qtype: gguf.GGMLQuantizationType | None = None, n_vocab: int = N_VOCAB, qtypes=None,
+          metadata: dict | None = None) -> Path:
     """`defects` (bad-input tests): {"metadata": {key: value} written over what the
     architecture reads, "drop": tensor name, "shape": {tensor name: shape}}. `qtype`: matrices
     quantized to it (gguf.quants) instead of F32 (the recorded parity data is F32). `qtypes`
-    (benchmarks): `qtypes(name, shape)` -> the tensor's type, written as random blocks, or None: F32."""
-    arch, extra_md, extra_t = VARIANTS[variant] if variant in VARIANTS else BENCH[variant]
+    (benchmarks): `qtypes(name, shape)` -> the tensor's type, written as random blocks, or None: F32.
+    `variant`: a name, or an (architecture, metadata, tensors) triple as VARIANTS holds; `metadata`:
+    keys written under the architecture's prefix whether it reads them or not (pooling_type)."""
+    arch, extra_md, extra_t = (variant if isinstance(variant, tuple) else
+                               VARIANTS[variant] if variant in VARIANTS else BENCH[variant])
     d = defects or {}
     rng = np.random.default_rng(seed)
     md = _Seen({f"{arch}.{k}": v for k, v in {**HPARAMS, **extra_md}.items() if v is not None})  # None: absent
     mod = get_architecture(arch)
     cfg = mod.Config.from_gguf(md, arch)
-    md.update({f"{arch}.{k}": v for k, v in d.get("metadata", {}).items()})
-    md.seen |= {f"{arch}.{k}" for k in d.get("metadata", {})}
+    extra = {**d.get("metadata", {}), **(metadata or {})}
+    md.update({f"{arch}.{k}": v for k, v in extra.items()})
+    md.seen |= {f"{arch}.{k}" for k in extra}
     w = gguf.GGUFWriter(str(path), arch)
     for k, v in md.items():
         if k in md.seen:  # only the keys the architecture reads (an expert count would make llama MoE)

@@ -42,6 +42,17 @@ def _pooled(llm, seqs):
     return out
 
 
+def _pair(llm, query: str, doc: str) -> list[int]:
+    """llama-server's format_prompt_rerank, without a rerank template."""
+    v = llama_cpp.llama_model_get_vocab(llm.model)
+    eos = llama_cpp.llama_vocab_eos(v)
+    eos = eos if eos >= 0 else llama_cpp.llama_vocab_sep(v)
+    tok = lambda t: llm.tokenize(t.encode(), add_bos=False, special=False)  # noqa: E731
+    add_eos = [eos] if llama_cpp.llama_vocab_get_add_eos(v) else []
+    return ([llama_cpp.llama_vocab_bos(v)] if llama_cpp.llama_vocab_get_add_bos(v) else []) + tok(query) + add_eos \
+        + ([llama_cpp.llama_vocab_sep(v)] if llama_cpp.llama_vocab_get_add_sep(v) else []) + tok(doc) + add_eos
+
+
 def record(variant: str, tmp: Path) -> dict:
     path = write(tmp / f"{variant}.gguf", variant)
     rec = {"tokens": None, "pooling": {}, "batched": {}}
@@ -49,11 +60,8 @@ def record(variant: str, tmp: Path) -> dict:
         llm = _llm(path, pooling)
         if rec["tokens"] is None:
             rec["tokens"] = [llm.tokenize(t.encode(), add_bos=True, special=False) for t in TEXTS]
-            vocab = llama_cpp.llama_model_get_vocab(llm.model)
-            sep = llama_cpp.llama_vocab_sep(vocab)
-            q = llm.tokenize(QUERY.encode(), add_bos=False, special=False)
-            rec["pairs"] = [[llama_cpp.llama_vocab_bos(vocab), *q, sep,
-                             *llm.tokenize(d.encode(), add_bos=False, special=False)] for d in DOCS]
+        if pooling == "rank":
+            rec["pairs"] = [_pair(llm, QUERY, d) for d in DOCS]
         seqs = rec["pairs"] if pooling == "rank" else rec["tokens"]
         rec["pooling"][pooling] = [_pooled(llm, [s])[0] for s in seqs]
         rec["batched"][pooling] = _pooled(llm, seqs)

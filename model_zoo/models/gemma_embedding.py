@@ -1,0 +1,52 @@
+"""gemma-embedding (EmbeddingGemma-300M): Gemma 3's layers attending both ways (the sliding
+layers over llama.cpp's symmetric window, |p - pos| <= window / 2), no LM head, and the
+sentence-transformers dense projections (dense_2, dense_3) where the file has them. They are
+affine, so they run on every token's state before pooling: the same as after it for mean,
+first or last. Reference: llama.cpp src/models/gemma-embedding.cpp and build_dense_out."""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+from hearthlm.model_zoo.config import Reader
+from hearthlm.model_zoo.decoder import Decoder, build_decoder
+from hearthlm.model_zoo.models import gemma3
+
+
+@dataclass(frozen=True)
+class Config(gemma3.Config):
+    swa_pattern: int = gemma3.SWA_PATTERN
+    rope_base_swa: float = gemma3.LOCAL_ROPE_BASE
+    dense_2_out: int = 0  # dense_2's width (0: no dense layers)
+
+    CAUSAL = False
+
+    @classmethod
+    def read(cls, r: Reader) -> dict:
+        return dict(swa_pattern=r.opt("attention.sliding_window_pattern", gemma3.SWA_PATTERN),
+                    rope_base_swa=r.opt("rope.freq_base_swa", gemma3.LOCAL_ROPE_BASE, float),
+                    dense_2_out=r.get("dense_2_feat_out", 0, positive=False))
+
+    def is_local(self, il: int) -> bool:
+        return self.sliding_window > 0 and il % self.swa_pattern < self.swa_pattern - 1
+
+
+def _dense(c: Config):
+    def project(g, w, h):
+        e, n = c.n_embd, c.dense_2_out
+        d2 = w("dense_2.weight", (n, e), optional=True) if n else None
+        if d2 is None:
+            return h
+        h = g.mul_mat(d2, h, "dense_2")
+        d3 = w("dense_3.weight", (e, n), optional=True)
+        return h if d3 is None else g.mul_mat(d3, h, "dense_3")
+    return project
+
+
+def build(c: Config, g, w, shape):
+    local_rope = dataclasses.replace(c.rope, base=c.rope_base_swa, scaling="none", freq_scale=1.0, factors=())
+    return build_decoder(c, g, w, shape, Decoder(
+        rope=lambda il: local_rope if c.is_local(il) else c.rope,
+        window=lambda il: c.sliding_window if c.is_local(il) else 0,
+        qk_norm="head", post_norm=True, act="gelu", embd_scale=math.sqrt(c.n_embd), embed_out=_dense(c)))
