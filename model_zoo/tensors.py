@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping
 
+import gguf
 import numpy as np
 
 from hearthlm.runtime.batch import one_token
@@ -72,10 +73,14 @@ class Weights:
         if self.tensors is None:
             return QWeight(key, 0, shape, _NO_BYTES)
         if key not in self._views:
-            if floats and qw.ggml_type not in (0, 1):  # F32, F16: elementwise weights are never quantized
-                raise ModelLoadError(f"{self.where}: tensor {qw.name!r} must be F32 or F16, not ggml type "
-                                     f"{qw.ggml_type}")
-            self._views[key] = QWeight(key, qw.ggml_type, tuple(shape), part(qw.raw))
+            raw, kind = part(qw.raw), qw.ggml_type
+            if floats and kind not in (0, 1):  # an elementwise weight kept quantized (BERT's token types): as f32
+                try:
+                    raw, kind = gguf.quants.dequantize(raw, kind).astype(np.float32).reshape(1, -1).view(np.uint8), 0
+                except (NotImplementedError, ValueError, KeyError) as e:
+                    raise ModelLoadError(f"{self.where}: tensor {qw.name!r} of ggml type {kind} cannot be read as "
+                                         f"floats: {e}") from e
+            self._views[key] = QWeight(key, kind, tuple(shape), raw)
         return self._views[key]
 
 

@@ -19,7 +19,7 @@ from hearthlm.runtime.constraint import GrammarError, MaskWorker
 from hearthlm.runtime.dispatch import CompiledGraph, execute
 from hearthlm.runtime.errors import (ContextLengthError, EngineFailedError, HearthError, InvalidRequestError,
                                      QueueFull, SessionClosedError)
-from hearthlm.runtime.graph_cache import GraphCache, bucket
+from hearthlm.runtime.graph_cache import FINE_UP_TO, GraphCache, bucket
 from hearthlm.runtime.kv_cache import KVCache
 from hearthlm.runtime.log import get_logger
 from hearthlm.runtime.placement import Placement
@@ -73,6 +73,7 @@ def _check_kv_fits(kv_dims: list[tuple[int, int]], n_slots: int, placement: Plac
                 f"{avail / 2**30:.2f} GiB is available: lower n_ctx, kv_cache_tokens or max_seqs")
 
 
+ENCODER_STEP = 16  # an encoder step's token bucket (its inputs are whole: coarser padding would be all waste)
 MIN_KV_BLOCKS = 16  # smallest KV-length bucket of unfused graphs (256 tokens at block size 16)
 
 
@@ -361,7 +362,8 @@ class Engine:
         n_seqs_pad = bucket(n_seqs, self.max_seqs)
         width = (self.max_blocks if self.graphs.fused
                  else min(bucket(max(need_blocks, MIN_KV_BLOCKS)), self.max_blocks))
-        return BatchShape(n_tokens=bucket(n_tokens, self.max_batch_tokens), n_seqs=n_seqs_pad, max_blocks=width,
+        n_tokens_pad = bucket(n_tokens, self.max_batch_tokens, step=FINE_UP_TO if self.causal else ENCODER_STEP)
+        return BatchShape(n_tokens=n_tokens_pad, n_seqs=n_seqs_pad, max_blocks=width,
                           n_out=bucket(n_out, n_seqs_pad) if n_out else 0, n_slots=self.kv.n_slots,
                           block_size=self.kv.block_size, embd=embd,
                           n_state=self.memory.state.n_slots if self.memory.hybrid else 0)

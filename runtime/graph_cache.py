@@ -24,10 +24,11 @@ log = get_logger("hearthlm.graph_cache")
 FINE_UP_TO = 64  # token counts: powers of two up to here, then multiples of it (bounded padding)
 
 
-def bucket(n: int, cap: int | None = None) -> int:
-    """The padded size for n: 1, 2, 4, ... FINE_UP_TO, then multiples of FINE_UP_TO; at most
+def bucket(n: int, cap: int | None = None, *, step: int = FINE_UP_TO) -> int:
+    """The padded size for n: 1, 2, 4, ... up to `step`, then multiples of `step` (FINE_UP_TO;
+    an encoder's steps take 16, their inputs run whole and padding is all waste); at most
     `cap` (when n itself fits under it)."""
-    b = 1 << max(n - 1, 0).bit_length() if n <= FINE_UP_TO else -(-n // FINE_UP_TO) * FINE_UP_TO
+    b = 1 << max(n - 1, 0).bit_length() if n <= step else -(-n // step) * step
     return max(n, min(b, cap)) if cap else b
 
 

@@ -46,6 +46,8 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--startup", action="store_true",
                    help="fresh processes that open the model and generate 1 token: start to first token and "
                         "peak RSS (paired with llama-cpp-python when importable); --repeat runs each")
+    p.add_argument("--embed", action="store_true",
+                   help="embedding texts/s at batch 1 and 32 (an encoder, or a decoder's embeddings)")
     p.add_argument("--first-run", action="store_true",
                    help="with --startup: also one start with empty kernel and weight caches (as after install)")
     p.add_argument("--json-schema", default=None, metavar="FILE",
@@ -362,6 +364,16 @@ def _single_rows(a) -> list[dict]:
 
 
 def run_bench(a) -> None:
+    if a.embed:
+        from hearthlm.embed_bench import bench_embed
+        rows = bench_embed(a, str(resolve_model(a.model, filename=a.filename)))
+        if a.json:
+            print(json.dumps(rows, indent=2))
+            return
+        print(f"model: {a.model}  embeddings: texts of 16-128 tokens, texts/s (median of {a.repeat} rounds)")
+        for r in rows:
+            print("  ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()))
+        return
     if a.profile:
         from hearthlm.profile_bench import print_profile, run_profile
         rows = run_profile(a)

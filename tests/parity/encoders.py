@@ -23,10 +23,12 @@ HP = {"block_count": 2, "context_length": 512, "embedding_length": 32, "feed_for
       "attention.head_count": 4, "attention.layer_norm_epsilon": 1e-12, "attention.causal": False}
 
 
-def vocab() -> list[str]:
+def vocab(n: int = 0) -> list[str]:
+    """The tiny vocabulary, padded to n tokens (a real model's size, for benchmarks)."""
     toks = list(SPECIALS) + ["\u2581" + w for w in WORDS] + PIECES
     toks += ["\u2581" + c for c in CHARS] + [c for c in CHARS if c not in toks]
-    return list(dict.fromkeys(toks))
+    toks = list(dict.fromkeys(toks))
+    return toks + [f"[unused{i}]" for i in range(n - len(toks))]
 
 
 # name -> (architecture, pooling_type, lowercase, reranker head)
@@ -51,16 +53,33 @@ DECODER_ENCODERS = {
 HEADS = {"qwen3-reranker": "cls.output.weight"}  # a (2, n_embd) head, as the converter takes lm_head's two rows
 
 
-def write(path: Path, variant: str, seed: int = 0) -> Path:
+# Benchmarks (`make bench-embed`): all-MiniLM-L6-v2's and bge-small-en-v1.5's shapes, random weights
+BENCH = {
+    "minilm-l6": {"block_count": 6, "embedding_length": 384, "feed_forward_length": 1536, "attention.head_count": 12},
+    "bge-small": {"block_count": 12, "embedding_length": 384, "feed_forward_length": 1536, "attention.head_count": 12},
+}
+BENCH_VOCAB = 30522
+
+
+def write(path: Path, variant: str, seed: int = 0, *, bench: str | None = None, qtype=None) -> Path:
+    """`bench`: a BENCH shape (a bert of BENCH_VOCAB tokens, mean pooling), its matrices in `qtype`."""
+    if bench is not None:
+        return _write_bert(path, "bert", 1, True, False, seed, hp={**HP, **BENCH[bench]}, n_vocab=BENCH_VOCAB,
+                           qtype=qtype)
     arch, pooling, lowercase, rerank = VARIANTS[variant]
     if variant in DECODER_ENCODERS:
         import models
         hp, md = DECODER_ENCODERS[variant]
         extra = {HEADS[variant]: np.random.default_rng(seed + 1).standard_normal((2, 64)) / 8} if variant in HEADS else {}
         return models.write(path, (arch, hp, extra), seed, metadata=md)
+    return _write_bert(path, arch, pooling, lowercase, rerank, seed)
+
+
+def _write_bert(path: Path, arch: str, pooling: int, lowercase: bool, rerank: bool, seed: int, *, hp=HP,
+                n_vocab: int = 0, qtype=None) -> Path:
     rng = np.random.default_rng(seed)
-    toks = vocab()
-    md = {f"{arch}.{k}": v for k, v in HP.items()}
+    toks = vocab(n_vocab)
+    md = {f"{arch}.{k}": v for k, v in hp.items()}
     md[f"{arch}.pooling_type"] = pooling
     md["tokenizer.ggml.token_type_count"] = 2
     if arch == "nomic-bert":
@@ -93,7 +112,11 @@ def write(path: Path, variant: str, seed: int = 0) -> Path:
             data = (0.0 if s.name.endswith(".bias") else 1.0) + 0.1 * rng.standard_normal(s.shape)
         else:
             data = rng.standard_normal(s.shape) / np.sqrt(s.shape[-1])
-        w.add_tensor(s.name, np.ascontiguousarray(data, np.float32))
+        data = np.ascontiguousarray(data, np.float32)
+        if qtype is not None and data.ndim == 2 and s.name != "token_types.weight":  # added, so kept float
+            w.add_tensor(s.name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
+        else:
+            w.add_tensor(s.name, data)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
