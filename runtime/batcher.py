@@ -9,6 +9,11 @@ from dataclasses import dataclass
 from hearthlm.runtime.seq_memory import SequenceMemory
 from hearthlm.runtime.request import Request
 
+# embedding tokens a step takes while generations run: an embedding's prompt is prefill work that
+# would otherwise stretch every decode step it joins (a 72-token text cost SmolLM2's 8 streams
+# 4/5 of their rate); so capped, it is pooled over a few steps and decoding keeps its pace
+POOL_TOKENS_BESIDE_GENERATION = 16
+
 
 @dataclass
 class Scheduled:
@@ -45,11 +50,15 @@ class Batcher:
     def _take(self, req: Request, budget: int) -> int:
         if self.whole:
             return req.n_wanted if req.n_wanted <= budget else 0
+        if req.pooling:
+            budget = min(budget, self._pool_left)
         return min(req.n_wanted, budget, self.memory.chunk_end(req) - req.n_computed)
 
     def plan(self, running: list[Request], waiting: deque[Request]) -> StepPlan:
         mem = self.memory
         budget = self.max_batch_tokens
+        generating = any(not r.pooling for r in running)
+        self._pool_left = POOL_TOKENS_BESIDE_GENERATION if generating and not self.whole else budget
         seqs: list[Scheduled] = []
         preempted: list[Request] = []
         # decode first (wanting one token), then prompt chunks already under way
@@ -72,6 +81,7 @@ class Batcher:
                 continue
             seqs.append(Scheduled(req, take, req.n_computed + take == len(req.tokens)))
             budget -= take
+            self._pool_left -= take if req.pooling else 0
         for req in preempted:
             running.remove(req)
         for req in reversed(preempted):  # oldest first back at the head of the queue
@@ -84,11 +94,12 @@ class Batcher:
             if not mem.admit(req):
                 break
             take = self._take(req, budget)
-            if not mem.grow(req, req.n_computed + take):
+            if take == 0 or not mem.grow(req, req.n_computed + take):  # 0: this step's embedding share is spent
                 mem.unadmit(req)
                 break
             waiting.popleft()
             running.append(req)
             seqs.append(Scheduled(req, take, req.n_computed + take == len(req.tokens)))
             budget -= take
+            self._pool_left -= take if req.pooling else 0
         return StepPlan(seqs, preempted)

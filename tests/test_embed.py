@@ -100,3 +100,35 @@ def test_sync_session_embeds(tiny):
     with SyncSession(tiny, n_ctx=256) as s:
         e = s.embed(["hello world", "a"], pooling="last")
         assert e.shape == (2, 64) and s.stats()["kv_blocks_used"] == 0
+
+
+def test_embedding_tokens_capped_beside_generation():
+    """While generations run, a step gives embeddings at most POOL_TOKENS_BESIDE_GENERATION
+    tokens (a long text is pooled over several steps); alone they take the whole budget; an
+    encoder's inputs (whole) are never split."""
+    from collections import deque
+
+    from hearthlm.backends.reference import ReferenceBackend
+    from hearthlm.runtime.batcher import POOL_TOKENS_BESIDE_GENERATION as CAP, Batcher
+    from hearthlm.runtime.kv_cache import KVCache
+    from hearthlm.runtime.request import Request
+    from hearthlm.runtime.sampling import SamplingParams
+    from hearthlm.runtime.seq_memory import SequenceMemory
+
+    def req(n, pooling=None):
+        return Request(prompt=list(range(1, n + 1)), params=SamplingParams(), max_tokens=0 if pooling else 8,
+                       on_token=lambda *a: None, on_finish=lambda *a: None, pooling=pooling)
+
+    def batcher(whole=False):
+        return Batcher(SequenceMemory(KVCache([(1, 4)], 64, 16, [ReferenceBackend()])), max_batch_tokens=512,
+                       max_seqs=8, whole=whole)
+    gen, emb = req(3), req(100, "mean")
+    gen.n_computed = 3  # decoding
+    gen.tokens.append(7)
+    b = batcher()
+    plan = b.plan([gen], deque([emb]))
+    assert [(s.req, s.n_tokens) for s in plan.seqs] == [(gen, 1), (emb, CAP)]
+    plan = batcher().plan([], deque([req(100, "mean")]))
+    assert [s.n_tokens for s in plan.seqs] == [100]
+    whole = batcher(whole=True)
+    assert [s.n_tokens for s in whole.plan([], deque([req(100, "mean")])).seqs] == [100]
