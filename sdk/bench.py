@@ -363,6 +363,12 @@ def _single_rows(a) -> list[dict]:
     return anyio.run(_bench_single, a, None, "")
 
 
+def _print_pairs(header: str, rows: list[dict], fmt: str) -> None:
+    print(header)
+    for r in rows:
+        print("  ".join(f"{k}={v:{fmt}}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()))
+
+
 def run_bench(a) -> None:
     if a.embed:
         from hearthlm.embed_bench import bench_embed
@@ -370,9 +376,8 @@ def run_bench(a) -> None:
         if a.json:
             print(json.dumps(rows, indent=2))
             return
-        print(f"model: {a.model}  embeddings: texts of 16-128 tokens, texts/s (median of {a.repeat} rounds)")
-        for r in rows:
-            print("  ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()))
+        _print_pairs(f"model: {a.model}  embeddings: texts of 16-128 tokens, texts/s (median of {a.repeat} rounds)",
+                     rows, ".2f")
         return
     if a.profile:
         from hearthlm.profile_bench import print_profile, run_profile
@@ -395,9 +400,7 @@ def run_bench(a) -> None:
         if a.json:
             print(json.dumps(rows, indent=2))
             return
-        print(f"model: {a.model}  schema: {a.json_schema}  max_tokens: {a.decode_tokens}")
-        for r in rows:
-            print("  ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()))
+        _print_pairs(f"model: {a.model}  schema: {a.json_schema}  max_tokens: {a.decode_tokens}", rows, ".3f")
         return
     if a.concurrency:
         rows = (_with_load(a, lambda: _concurrency_rows(a)) if a.competing_load else _concurrency_rows(a))

@@ -9,6 +9,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 
+import models
 from hearthlm.model_zoo.models import get_architecture
 from hearthlm.model_zoo.tensors import specs as tensor_specs
 
@@ -68,7 +69,6 @@ def write(path: Path, variant: str, seed: int = 0, *, bench: str | None = None, 
                            qtype=qtype)
     arch, pooling, lowercase, rerank = VARIANTS[variant]
     if variant in DECODER_ENCODERS:
-        import models
         hp, md = DECODER_ENCODERS[variant]
         extra = {HEADS[variant]: np.random.default_rng(seed + 1).standard_normal((2, 64)) / 8} if variant in HEADS else {}
         return models.write(path, (arch, hp, extra), seed, metadata=md)
@@ -88,12 +88,7 @@ def _write_bert(path: Path, arch: str, pooling: int, lowercase: bool, rerank: bo
     cfg = mod.Config.from_gguf(md, arch)
     w = gguf.GGUFWriter(str(path), arch)
     for k, v in md.items():
-        if isinstance(v, bool):
-            w.add_bool(k, v)
-        elif isinstance(v, float):
-            w.add_float32(k, v)
-        else:
-            w.add_uint32(k, v)
+        models._add(w, k, v)
     w.add_tokenizer_model("bert")
     w.add_token_list(toks)
     w.add_token_types([3 if t in SPECIALS else 1 for t in toks])
@@ -112,16 +107,8 @@ def _write_bert(path: Path, arch: str, pooling: int, lowercase: bool, rerank: bo
             data = (0.0 if s.name.endswith(".bias") else 1.0) + 0.1 * rng.standard_normal(s.shape)
         else:
             data = rng.standard_normal(s.shape) / np.sqrt(s.shape[-1])
-        data = np.ascontiguousarray(data, np.float32)
-        if qtype is not None and data.ndim == 2 and s.name != "token_types.weight":  # added, so kept float
-            w.add_tensor(s.name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
-        else:
-            w.add_tensor(s.name, data)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
+        models.add_tensor(w, s.name, data, None if s.name == "token_types.weight" else qtype)  # added: kept float
+    return models.finish(w, path)
 
 
 TEXTS = [

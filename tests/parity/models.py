@@ -158,11 +158,20 @@ def write(path: Path, variant, seed: int = 0, *, defects: dict | None = None,
             data = TIED * rng.standard_normal(s.shape)  # the LM head too (Gemma 2)
         else:  # fan-in scaled; the LM head large enough to peak the logits
             data = (PEAK if s.name == "output.weight" else 1.0) / np.sqrt(s.shape[-1]) * rng.standard_normal(s.shape)
-        data = np.ascontiguousarray(data, np.float32)
-        if qtype is not None and data.ndim >= 2:
-            w.add_tensor(s.name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
-        else:
-            w.add_tensor(s.name, data)
+        add_tensor(w, s.name, data, qtype)
+    return finish(w, path)
+
+
+def add_tensor(w: gguf.GGUFWriter, name: str, data, qtype=None) -> None:
+    """F32, or the matrices quantized to qtype (gguf.quants)."""
+    data = np.ascontiguousarray(data, np.float32)
+    if qtype is not None and data.ndim >= 2:
+        w.add_tensor(name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
+    else:
+        w.add_tensor(name, data)
+
+
+def finish(w: gguf.GGUFWriter, path: Path) -> Path:
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
