@@ -45,6 +45,9 @@ class SyncSession:
     def embed(self, texts, **kwargs: Any):
         return self._portal.call(partial(self.session.embed, texts, **kwargs))
 
+    def rerank(self, query: str, documents, **kwargs: Any) -> list[float]:
+        return self._portal.call(partial(self.session.rerank, query, documents, **kwargs))
+
     def tokenize(self, text: str, add_special: bool = False) -> list[int]:
         return self.session.tokenize(text, add_special)
 

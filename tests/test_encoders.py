@@ -107,3 +107,10 @@ async def test_encoder_requests(files):
     async with Session.open(files["bert"], weight_cache=False) as s:
         with pytest.raises(InvalidRequestError, match="classification head"):
             await s.rerank(QUERY, DOCS)
+
+
+def test_sync_session_reranks(files):
+    from hearthlm import SyncSession
+    with SyncSession(files["bert-reranker"], weight_cache=False) as s:
+        scores = s.rerank(QUERY, DOCS)
+    assert np.abs(np.array(scores) - np.array(REC["bert-reranker"]["pooling"]["rank"])[:, 0]).max() < 1e-3
