@@ -122,10 +122,41 @@ def _rope_set_rows(node, cache, x, pos, slots):
 def _attn(node, q, k, v, seq, pos, bt, seq_len=None, out=None):
     p = node.params
     out = _buf(node, out)
+    if not p["causal"] and not p["window"] and not p.get("softcap"):
+        return _attn_whole(q, k, v, seq, bt, seq_len, p["scale"], p["block_size"], out)
     lo, hi = attn_bounds(pos, seq_len, p["window"], p["causal"])
     ops.attention(np.ascontiguousarray(q, np.float32), _bits(k), _bits(v), seq, np.ascontiguousarray(lo, np.int32),
                   np.ascontiguousarray(hi, np.int32), bt, p["scale"], p["block_size"], p.get("softcap", 0.0),
                   out.reshape(q.shape[0], q.shape[1], v.shape[2]))
+    return out
+
+
+def _attn_whole(q, k, v, seq, bt, seq_len, scale, bs, out):
+    """An encoder's attention: each run of tokens of one sequence (and length) against all of that
+    sequence's keys, as batched matrix products per KV head (BLAS), where the flash kernel's job per
+    token and head would re-read the keys for every token (~15x slower per FLOP at 80 tokens)."""
+    n, n_head, d = q.shape
+    h_kv, dv = k.shape[1], v.shape[2]
+    g = n_head // h_kv
+    o = out.reshape(n, n_head, dv)
+    cuts = np.flatnonzero((np.diff(seq) != 0) | (np.diff(seq_len) != 0)) + 1
+    for lo, hi in zip(np.r_[0, cuts], np.r_[cuts, n]):
+        if lo == hi:
+            continue
+        m = int(seq_len[lo])
+        p = np.arange(m)
+        slots = bt[seq[lo], p // bs] * bs + p % bs
+        # contiguous: numpy's stacked matmul goes to BLAS only for dense operands
+        kk = np.ascontiguousarray(k[slots].transpose(1, 2, 0), np.float32)  # (h_kv, d, m)
+        vv = np.ascontiguousarray(v[slots].transpose(1, 0, 2), np.float32)  # (h_kv, m, dv)
+        qq = np.ascontiguousarray(q[lo:hi].reshape(hi - lo, h_kv, g, d).transpose(1, 0, 2, 3)).reshape(
+            h_kv, (hi - lo) * g, d)
+        s = np.matmul(qq, kk) * np.float32(scale)  # (h_kv, tokens * g, m)
+        s -= s.max(axis=-1, keepdims=True)
+        np.exp(s, out=s)
+        s /= s.sum(axis=-1, keepdims=True)
+        r = np.matmul(s, vv)  # (h_kv, tokens * g, dv)
+        o[lo:hi] = r.reshape(h_kv, hi - lo, g, dv).transpose(1, 0, 2, 3).reshape(hi - lo, n_head, dv)
     return out
 
 

@@ -8,6 +8,8 @@ dequantized a tile at a time and multiplied by BLAS. F32 weights go to BLAS at a
 F16/BF16 ones are widened to float32 a row at a time (halfs.py), or a tile at a time for BLAS.
 """
 
+from concurrent.futures import ThreadPoolExecutor
+
 import numba
 import numpy as np
 from gguf.constants import GGMLQuantizationType
@@ -21,7 +23,7 @@ from .qtypes import LUTS, PackedWeight
 # the tiles stay only for counts beyond what was measured.
 BLAS_MIN_TOKENS = 4096
 HALF_BLAS_MIN_TOKENS = 8  # F16/BF16: their per-token kernel against widened tiles + BLAS
-TILE_ROWS = 256  # rows dequantized per BLAS call: big enough for BLAS, small enough for L2
+TILE_ROWS = 512  # rows dequantized per BLAS call (at most): big enough for BLAS, within L2-L3
 
 
 _CODES = np.arange(32, dtype=np.float32)  # a nibble layout's code is its value (5-bit ones too)
@@ -177,19 +179,43 @@ def _matmul_int(w: PackedWeight, n_tok: int, prepared, out: np.ndarray | None = 
 
 
 def _matmul_tiles(w: PackedWeight, x: np.ndarray) -> np.ndarray:
+    """Tiles of rows dequantized and multiplied by BLAS (on one thread, as the engine runs it),
+    the tiles shared out over numba's thread count of threads of our own: BLAS's own threads
+    would spin between calls against numba's (see runtime.engine)."""
     n_rows, n_cols = w.shape
     n_tok = x.shape[0]
     if w.n_pad != n_cols:
         x = np.pad(x, ((0, 0), (0, w.n_pad - n_cols)))
     xt = np.ascontiguousarray(x.T)  # (n_pad, n_tokens)
     yt = np.empty((n_rows, n_tok), dtype=np.float32)  # (n_rows, n_tokens)
-    tile = np.empty((min(TILE_ROWS, n_rows), w.n_pad), dtype=np.float32)
-    for r0 in range(0, n_rows, TILE_ROWS):
-        r1 = min(r0 + TILE_ROWS, n_rows)
-        t = tile[: r1 - r0]
-        _dequant(w, np.arange(r0, r1, dtype=np.int32), t)
-        np.matmul(t, xt, out=yt[r0:r1])
+    k = max(1, min(numba.get_num_threads(), n_rows // 64))
+    share = -(-n_rows // k)  # each thread's rows, in tiles of at most TILE_ROWS
+
+    def part(i: int) -> None:
+        lo, hi = i * share, min((i + 1) * share, n_rows)
+        tile = np.empty((min(TILE_ROWS, hi - lo), w.n_pad), dtype=np.float32)
+        for r0 in range(lo, hi, TILE_ROWS):
+            r1 = min(r0 + TILE_ROWS, hi)
+            t = tile[: r1 - r0]
+            _dequant(w, np.arange(r0, r1, dtype=np.int32), t)  # nogil, as BLAS
+            np.matmul(t, xt, out=yt[r0:r1])
+    if k <= 1:
+        part(0)
+    else:
+        done = [_tile_pool(k - 1).submit(part, i) for i in range(1, k)]
+        part(0)
+        for f in done:
+            f.result()
     return np.ascontiguousarray(yt.T)
+
+
+_pools: dict[int, ThreadPoolExecutor] = {}
+
+
+def _tile_pool(n: int) -> ThreadPoolExecutor:
+    if n not in _pools:
+        _pools[n] = ThreadPoolExecutor(n, thread_name_prefix="hearthlm-tiles")
+    return _pools[n]
 
 
 def _dequant(w: PackedWeight, rows: np.ndarray, out: np.ndarray) -> None:
