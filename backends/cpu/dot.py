@@ -49,10 +49,10 @@ I8_SHIFT = 128.0  # int8 codes s enter the products as s + 128 (vpdpbusd multipl
 # the lookup layouts' 16 values as s + 128, and the identity for plain nibbles (the scalar tails')
 _TABLES = {name: np.array(v, np.int32) + 128 for name, v in LUTS.items()}
 # AVX2 without AVX-512: the signed values themselves, multiplied as vpmaddubsw(|s|, sign(x, s)), whose
-# pair sums cannot saturate (|s| <= 127), where s + 128 would need the slow widening path
+# pair sums cannot saturate (|s| <= 128, |x| <= 127), where s + 128 would need the slow widening path
 _SIGNED_LUT = _HAS_AVX2 and not _HAS_BW
-# int8 codes likewise (Q8_0, Q6_K, the IQ2/IQ3/IQ1 grids): signed, no shift, on that path
-_I8_OFF = 0 if _SIGNED_LUT else 128
+_I8_SIGNED = _SIGNED_LUT  # int8 codes likewise (Q8_0, Q6_K, the IQ2/IQ3/IQ1 grids): signed, no shift
+_I8_OFF = 0 if _I8_SIGNED else 128
 _ID32 = np.arange(32, dtype=np.int32)  # 5-bit codes too
 _LUT_IQ4, _LUT_FP4 = _TABLES["iq4nl"], _TABLES["mxfp4"]
 
@@ -144,7 +144,7 @@ def _dot4(builder, a, b, kind: str = "i8"):
         return builder.call(fn, [ir.Constant(v32, [0] * 16), builder.bitcast(a, v32), builder.bitcast(b, v32)])
     if _HAS_AVX2 and not _HAS_BW and kind in ("nib", "nib5"):  # int8 codes (as s + 128) would saturate it
         return _join(builder, *(_dot4_avx2(builder, x, y) for x, y in zip(_halves(builder, a), _halves(builder, b))))
-    if _SIGNED_LUT and (kind in LUTS or kind == "i8"):  # signed values (see _SIGNED_LUT)
+    if _SIGNED_LUT and (kind in LUTS or kind == "i8" and _I8_SIGNED):  # signed values (see _SIGNED_LUT)
         return _join(builder, *(_dot4_avx2(builder, _call(builder, "llvm.abs.v32i8", x.type, [x, ir.Constant(ir.IntType(1), 0)]),
                                            _call(builder, "llvm.x86.avx2.psign.b", y.type, [y, x]))
                                 for x, y in zip(_halves(builder, a), _halves(builder, b))))
@@ -231,7 +231,7 @@ def _make_group(kind, sub, has_m, n_tok):
             if kind == "i8":  # signed codes s as unsigned s + 128 (c moves down by 128: I8_SHIFT), or as they are
                 for j in range(16):
                     q = at(base, 64 * j, v64)
-                    add(q if _SIGNED_LUT else builder.xor(q, ir.Constant(v64, [0x80] * 64)), 4 * j)
+                    add(q if _I8_SIGNED else builder.xor(q, ir.Constant(v64, [0x80] * 64)), 4 * j)
             else:  # byte b of row i in load j: weight 4j+b (low nibble) and 32+4j+b (high)
                 for j in range(8):
                     q = at(base, 64 * j, v64)
@@ -259,7 +259,7 @@ def _make_group(kind, sub, has_m, n_tok):
                 return builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, ROWS), [0] * ROWS))
 
             cv = context.cast(builder, c_v, ta[7], types.float32)
-            if (kind == "i8" or lut is not None) and not _SIGNED_LUT:
+            if kind == "i8" and not _I8_SIGNED or lut is not None and not _SIGNED_LUT:
                 cv = builder.fsub(cv, ir.Constant(_F32, I8_SHIFT))
             cv = splat(cv)
             scl = []  # per sub-block, shared by the tokens: d and m + c*d of the 16 rows
