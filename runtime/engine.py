@@ -77,6 +77,12 @@ ENCODER_STEP = 16  # an encoder step's token bucket (its inputs are whole: coars
 MIN_KV_BLOCKS = 16  # smallest KV-length bucket of unfused graphs (256 tokens at block size 16)
 
 
+def _out_row(s) -> bool:
+    """Whether this step computes the request's output row: generations at their last token, and
+    a reranker's scored token; embeddings pool hidden states and need none (no LM head for them)."""
+    return s.wants_logits and (not s.req.pooling or s.req.pooling == "rank")
+
+
 class Engine:
     def __init__(self, model: Any, placement: Placement | Any, *, n_ctx: int, kv_blocks: int | None = None,
                  block_size: int = 16, max_batch_tokens: int = 512, max_seqs: int = 64,
@@ -323,7 +329,7 @@ class Engine:
         sequence row (the scratch block), or row 0 when the rows are full: harmless reads;
         padding output rows repeat row 0 and are ignored."""
         bs = self.kv.block_size
-        out_wanted = sum(1 for s in plan.seqs if s.wants_logits)
+        out_wanted = sum(1 for s in plan.seqs if _out_row(s))
         need = max(-(-(s.req.n_computed + s.n_tokens) // bs) for s in plan.seqs)
         shape = self._shape(n_tokens=plan.n_tokens, n_seqs=len(plan.seqs), n_out=out_wanted, need_blocks=need,
                             embd=any(s.req.pooling and s.req.pooling != "rank" for s in plan.seqs))
@@ -347,7 +353,7 @@ class Engine:
             block_table[i, :len(blocks)] = blocks
             seq_off[i], state_slot[i] = off, r.state_slot or 0
             seq_len[off:off + k] = r.n_computed + k
-            if s.wants_logits:  # a reranking encoder scores its first ([CLS]) token, a decoder its last
+            if _out_row(s):  # a reranking encoder scores its first ([CLS]) token, a decoder its last
                 out_rows.append(off if r.pooling == "rank" and not self.causal else off + k - 1)
             off += k
         feed = dict(tokens=tokens, pos=pos, tok_seq=tok_seq, slots=slots, block_table=block_table,
@@ -387,8 +393,7 @@ class Engine:
                     row += 1
                     self._finish(r, "stop")
                 continue
-            if r.pooling:  # an embedding: pools this chunk's rows; no logits read, no blocks cached
-                row += s.wants_logits
+            if r.pooling:  # an embedding: pools this chunk's rows (no output row), no blocks cached
                 self._pool(r, hidden[first:off])
                 continue
             self.memory.after_step(r)  # blocks findable by later prompts; a state snapshot
