@@ -89,12 +89,11 @@ class Batcher:
         # admit waiting requests while budget, sequences, state slots and blocks allow
         while waiting and budget > 0 and len(running) < self.max_seqs and not preempted:
             req = waiting[0]
-            if self.whole and self._take(req, budget) == 0:  # a whole input that does not fit this step
-                break
             if not mem.admit(req):
                 break
             take = self._take(req, budget)
-            if take == 0 or not mem.grow(req, req.n_computed + take):  # 0: this step's embedding share is spent
+            # 0: a whole input that does not fit this step, or this step's embedding share is spent
+            if take == 0 or not mem.grow(req, req.n_computed + take):
                 mem.unadmit(req)
                 break
             waiting.popleft()

@@ -389,7 +389,7 @@ class Engine:
             r.n_computed += s.n_tokens
             if r.pooling == "rank":  # a reranker's score: the head's output at the scored row
                 if s.wants_logits:
-                    r.pooled = np.asarray(logits[row], np.float64).copy()
+                    r.pooled = np.array(logits[row], np.float64)
                     row += 1
                     self._finish(r, "stop")
                 continue
