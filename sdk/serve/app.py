@@ -21,6 +21,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from hearthlm.runtime.errors import (ContextLengthError, HearthError, InvalidRequestError, QueueFull,
                                      SessionClosedError)
 from hearthlm.serve.metrics import Metrics
+from hearthlm.serve.page import add_chat_page
 from hearthlm.serve.protocol import (ChatRequest, CompletionRequest, EmbeddingRequest, RerankRequest, error_json,
                                      legacy_logprobs, logprob_entries, new_id, now, usage)
 from hearthlm.session import Session
@@ -237,6 +238,7 @@ def _make(host: Host, lifespan, api_key: str | None, max_body_bytes: int) -> Fas
 
     for path in ("/v1/rerank", "/rerank", "/v1/reranking", "/reranking"):
         app.post(path, dependencies=auth)(rerank)
+    add_chat_page(app)
 
     return app
 
