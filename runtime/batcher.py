@@ -13,6 +13,9 @@ from hearthlm.runtime.request import Request
 # would otherwise stretch every decode step it joins (a 72-token text cost SmolLM2's 8 streams
 # 4/5 of their rate); so capped, it is pooled over a few steps and decoding keeps its pace
 POOL_TOKENS_BESIDE_GENERATION = 16
+# prompt tokens a scored request (prompt log-probs) takes per step: each brings a row of logits
+# (n_vocab floats: 256 rows of a 152k vocabulary are 155 MB)
+SCORED_TOKENS_PER_STEP = 256
 
 
 @dataclass
@@ -52,6 +55,8 @@ class Batcher:
             return req.n_wanted if req.n_wanted <= budget else 0
         if req.pooling:
             budget = min(budget, self._pool_left)
+        if req.prompt_logprobs is not None and req.n_computed < len(req.prompt) - 1:
+            budget = min(budget, SCORED_TOKENS_PER_STEP)
         return min(req.n_wanted, budget, self.memory.chunk_end(req) - req.n_computed)
 
     def plan(self, running: list[Request], waiting: deque[Request]) -> StepPlan:

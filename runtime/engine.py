@@ -25,7 +25,7 @@ from hearthlm.runtime.log import get_logger
 from hearthlm.runtime.placement import Placement
 from hearthlm.runtime.request import Request
 from hearthlm.runtime.seq_memory import SequenceMemory, StateCache
-from hearthlm.runtime.sampling import sample, top_logprobs
+from hearthlm.runtime.sampling import log_softmax_rows, sample, steer, top_logprobs
 from hearthlm.runtime.threads import ThreadTuner
 
 log = get_logger("hearthlm.engine")
@@ -79,8 +79,18 @@ MIN_KV_BLOCKS = 16  # smallest KV-length bucket of unfused graphs (256 tokens at
 
 def _out_row(s) -> bool:
     """Whether this step computes the request's output row: generations at their last token, and
-    a reranker's scored token; embeddings pool hidden states and need none (no LM head for them)."""
-    return s.wants_logits and (not s.req.pooling or s.req.pooling == "rank")
+    a reranker's scored token; embeddings pool hidden states and need none (no LM head for them),
+    nor does a prompt scored without generating."""
+    return s.wants_logits and (s.req.pooling == "rank" or (not s.req.pooling and s.req.max_tokens > 0))
+
+
+def _scored(s) -> range:
+    """Positions of this chunk whose logits score the next prompt token (prompt_logprobs)."""
+    r = s.req
+    if r.prompt_logprobs is None:
+        return range(0)
+    lo = max(r.n_computed, len(r.prompt_lps))  # a recomputation (after preemption) scores nothing twice
+    return range(lo, max(lo, min(r.n_computed + s.n_tokens, len(r.prompt) - 1)))
 
 
 class Engine:
@@ -162,9 +172,9 @@ class Engine:
             if n > min(self.n_ctx, self.max_batch_tokens):
                 raise ContextLengthError(f"the input has {n} tokens; the encoder takes at most "
                                          f"{min(self.n_ctx, self.max_batch_tokens)}")
-        elif n >= self.n_ctx:  # lengths first: the vocabulary check below is a pass over the ids
+        elif n > self.n_ctx - (req.max_tokens > 0):  # lengths first: the vocabulary check is a pass over the ids
             raise ContextLengthError(f"the prompt has {n} tokens; the context holds {self.n_ctx} "
-                                     "(prompt plus at least one generated token)")
+                                     + ("(prompt plus at least one generated token)" if req.max_tokens else ""))
         if n + req.max_tokens > self.n_ctx:
             raise ContextLengthError(f"prompt ({n} tokens) + max_tokens ({req.max_tokens}) exceeds the "
                                      f"context of {self.n_ctx} tokens")
@@ -329,7 +339,7 @@ class Engine:
         sequence row (the scratch block), or row 0 when the rows are full: harmless reads;
         padding output rows repeat row 0 and are ignored."""
         bs = self.kv.block_size
-        out_wanted = sum(1 for s in plan.seqs if _out_row(s))
+        out_wanted = sum(len(_scored(s)) + _out_row(s) for s in plan.seqs)
         need = max(-(-(s.req.n_computed + s.n_tokens) // bs) for s in plan.seqs)
         shape = self._shape(n_tokens=plan.n_tokens, n_seqs=len(plan.seqs), n_out=out_wanted, need_blocks=need,
                             embd=any(s.req.pooling and s.req.pooling != "rank" for s in plan.seqs))
@@ -353,6 +363,7 @@ class Engine:
             block_table[i, :len(blocks)] = blocks
             seq_off[i], state_slot[i] = off, r.state_slot or 0
             seq_len[off:off + k] = r.n_computed + k
+            out_rows.extend(off + q - r.n_computed for q in _scored(s))
             if _out_row(s):  # a reranking encoder scores its first ([CLS]) token, a decoder its last
                 out_rows.append(off if r.pooling == "rank" and not self.causal else off + k - 1)
             off += k
@@ -370,7 +381,7 @@ class Engine:
                  else min(bucket(max(need_blocks, MIN_KV_BLOCKS)), self.max_blocks))
         n_tokens_pad = bucket(n_tokens, self.max_batch_tokens, step=FINE_UP_TO if self.causal else ENCODER_STEP)
         return BatchShape(n_tokens=n_tokens_pad, n_seqs=n_seqs_pad, max_blocks=width,
-                          n_out=bucket(n_out, n_seqs_pad) if n_out else 0, n_slots=self.kv.n_slots,
+                          n_out=bucket(n_out, n_seqs_pad if n_out <= n_seqs_pad else n_tokens_pad) if n_out else 0, n_slots=self.kv.n_slots,
                           block_size=self.kv.block_size, embd=embd,
                           n_state=self.memory.state.n_slots if self.memory.hybrid else 0)
 
@@ -386,6 +397,10 @@ class Engine:
         for s in plan.seqs:
             r, first = s.req, off
             off += s.n_tokens
+            scored = _scored(s)
+            if scored:
+                self._score_prompt(r, scored, logits[row:row + len(scored)])
+                row += len(scored)
             r.n_computed += s.n_tokens
             if r.pooling == "rank":  # a reranker's score: the head's output at the scored row
                 if s.wants_logits:
@@ -399,19 +414,26 @@ class Engine:
             self.memory.after_step(r)  # blocks findable by later prompts; a state snapshot
             if not s.wants_logits:
                 continue
+            if r.max_tokens == 0:  # a prompt scored, nothing generated
+                self._finish(r, "stop")
+                continue
             lg = logits[row]
             row += 1
             p = r.params
             try:
+                lg = steer(lg, p, r.n_generated, eog)
                 if r.matcher is not None:
                     lg = r.matcher.apply(lg, masks[id(r)])
                 tok = sample(lg, p, r.rng, r.counts if r.counts is not None else ())
                 tlp = top_logprobs(lg, p.top_logprobs, tok) if p.top_logprobs else None
-                ff = []  # tokens the grammar forces after tok: fed in the next step, unsampled
+                ff = []  # tokens the grammar (or a reasoning budget) forces after tok: fed next step, unsampled
+                room = min(r.max_tokens - r.n_generated, self.n_ctx - len(r.tokens)) - 1
                 if r.matcher is not None and tok not in eog:
                     r.matcher.consume(tok)
                     if not p.top_logprobs:
-                        ff = r.matcher.forced(min(r.max_tokens - r.n_generated, self.n_ctx - len(r.tokens)) - 1)
+                        ff = r.matcher.forced(room)
+                elif r.think is not None and tok not in eog:
+                    ff = r.think.after(tok)[:room]
             except GrammarError as e:  # this request's grammar, not its neighbours'
                 self._finish(r, "error", e)
                 continue
@@ -437,6 +459,17 @@ class Engine:
                 self._finish(r, "stop")
             elif r.n_generated >= r.max_tokens or len(r.tokens) >= self.n_ctx:
                 self._finish(r, "length")
+
+    @staticmethod
+    def _score_prompt(r: Request, positions: range, logits: np.ndarray) -> None:
+        """Row j predicts the prompt token after position positions[j]: its log-prob (and the k
+        most likely alternatives) goes to r.prompt_lps."""
+        lp = log_softmax_rows(logits)
+        nxt = np.asarray(r.prompt[positions.start + 1:positions.stop + 1])
+        own = lp[np.arange(len(nxt)), nxt]
+        k = r.prompt_logprobs
+        for j, t in enumerate(nxt):
+            r.prompt_lps.append((float(own[j]), top_logprobs(logits[j], k, int(t)) if k else None))
 
     def _pool(self, r: Request, h: np.ndarray) -> None:
         """Fold a chunk's hidden states (n, n_embd) into the request's pooled vector; at its

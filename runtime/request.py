@@ -16,6 +16,38 @@ OnToken = Callable[[int, Optional[list[tuple[int, float]]]], None]
 OnFinish = Callable[[str, Optional[BaseException]], None]
 
 
+@dataclass
+class ThinkBudget:
+    """reasoning_budget: after `budget` tokens of thinking the closing marker (`close`, token ids)
+    is fed as the next tokens, unsampled, and the answer begins. The thinking is told by token ids:
+    it starts after `start` (or at once when the prompt opened it) and ends at `end`."""
+    budget: int
+    start: tuple[int, ...]
+    end: tuple[int, ...]
+    close: list[int]
+    thinking: bool = False
+    done: bool = False
+    n: int = 0
+    tail: list[int] = field(default_factory=list)
+
+    def after(self, tok: int) -> list[int]:
+        """The tokens to force after `tok`, if any."""
+        if self.done:
+            return []
+        self.tail = (self.tail + [tok])[-max(len(self.start), len(self.end)):]
+        if not self.thinking:  # the marker that opens it counts no thinking token
+            self.thinking = tuple(self.tail[-len(self.start):]) == self.start
+            over = self.thinking and self.budget == 0
+        elif tuple(self.tail[-len(self.end):]) == self.end:  # the model closed it itself
+            self.done = True
+            return []
+        else:
+            self.n += 1
+            over = self.n >= self.budget
+        self.done = over
+        return list(self.close) if over else []
+
+
 @dataclass(eq=False)
 class Request:
     prompt: list[int]
@@ -40,6 +72,11 @@ class Request:
     pooled: np.ndarray | None = None  # while running: the sum of rows (mean), the first (cls) or the last
     matcher: Any = None  # runtime.constraint.Matcher: the grammar the output must follow
     counts: TokenCounts | None = None  # of `tokens`, for the penalties (kept only where they apply)
+    # prompt log-probs (echo, scoring): every prompt row's logits are computed, and prompt_lps[i]
+    # holds (logprob of prompt token i+1, its k most likely alternatives or None); k = prompt_logprobs
+    prompt_logprobs: int | None = None
+    prompt_lps: list = field(default_factory=list)
+    think: ThinkBudget | None = None  # reasoning_budget, where one is set
 
     def __post_init__(self) -> None:
         self.tokens = list(self.prompt)

@@ -23,6 +23,9 @@ class SamplingParams:
     top_logprobs: int = 0           # report the k most likely tokens per step
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False        # keep going past end-of-generation tokens (benchmarks)
+    min_tokens: int = 0             # no end-of-generation, stop token or stop string before this many
+    # added to the logits before anything else (OpenAI's logit_bias); -inf bans a token
+    logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
         def number(name, v):
@@ -38,6 +41,20 @@ class SamplingParams:
         if not isinstance(ids, (list, tuple)) or any(isinstance(t, bool) or not isinstance(t, (int, np.integer)) for t in ids):
             raise InvalidRequestError(f"stop_token_ids must be a list of ints, got {self.stop_token_ids!r}")
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in ids))
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
+        try:
+            bias = tuple(sorted((int(t), float(b)) for t, b in bias
+                                if not isinstance(t, bool) and isinstance(t, (int, np.integer))
+                                and not isinstance(b, bool) and isinstance(b, (int, float))))
+        except (TypeError, ValueError):
+            bias = None
+        if bias is None or len(bias) != len(self.logit_bias) or any(t < 0 or math.isnan(b) or b == math.inf
+                                                                     for t, b in bias):
+            raise InvalidRequestError(f"logit_bias must map token ids (ints >= 0) to numbers (or -inf), "
+                                      f"got {self.logit_bias!r}"[:300])
+        object.__setattr__(self, "logit_bias", bias)
+        if isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, (int, np.integer)) or self.min_tokens < 0:
+            raise InvalidRequestError(f"min_tokens must be an int >= 0, got {self.min_tokens!r}")
         checks = [
             (math.isfinite(self.temperature), "temperature must be finite"),
             (self.seed is None or self.seed >= 0, "seed must be >= 0"),
@@ -57,10 +74,34 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
+def steer(logits: np.ndarray, p: SamplingParams, n_generated: int, eog) -> np.ndarray:
+    """The logits as the request's own rules shape them before sampling: its logit_bias, and
+    before min_tokens no end-of-generation or stop token (a copy only where one applies)."""
+    early = n_generated < p.min_tokens
+    if not p.logit_bias and not early:
+        return logits
+    logits = logits.astype(np.float32).copy()
+    n = logits.shape[0]
+    for t, b in p.logit_bias:
+        if t < n:
+            logits[t] += b
+    if early:
+        ban = [t for t in (*eog, *p.stop_token_ids) if 0 <= t < n]
+        logits[ban] = -np.inf
+    return logits
+
+
 def log_softmax(x: np.ndarray) -> np.ndarray:
     x = x.astype(np.float64)
     m = x.max()
     return x - (m + np.log(np.exp(x - m).sum()))
+
+
+def log_softmax_rows(x: np.ndarray) -> np.ndarray:
+    """log_softmax over each row of (n, n_vocab), in float64."""
+    x = x.astype(np.float64)
+    m = x.max(axis=1, keepdims=True)
+    return x - (m + np.log(np.exp(x - m).sum(axis=1, keepdims=True)))
 
 
 def top_logprobs(logits: np.ndarray, k: int, sampled: int | None = None) -> list[tuple[int, float]]:

@@ -96,7 +96,8 @@ class SequenceMemory:
             if slot is None:
                 return False
             req.state_slot = slot
-        if not req.blocks and not req.pooling:  # embeddings pool every token: none reused
+        # embeddings pool every token and scored prompts want every token's logits: none reused
+        if not req.blocks and not req.pooling and req.prompt_logprobs is None:
             self.reused_tokens += self._reuse_prefix(req)
         if self.state is not None and req.n_computed == 0:
             self.state.zero(req.state_slot)

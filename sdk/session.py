@@ -6,6 +6,7 @@ import math
 import os
 import threading
 from contextlib import asynccontextmanager
+from dataclasses import replace
 from typing import Any, AsyncIterator, Sequence
 
 import anyio
@@ -18,7 +19,7 @@ from hearthlm.model_zoo.hub import log_progress
 from hearthlm.model_zoo.template_limits import DEFAULT_LIMITS, TemplateLimits
 from hearthlm.model_zoo.model import Model, load_model
 from hearthlm.model_zoo.resolve import DEFAULT_MODEL, resolve_model
-from hearthlm.model_zoo.tokenizer import StreamDecoder
+from hearthlm.model_zoo import reasoning
 from hearthlm.runtime import constraint
 from hearthlm.runtime.engine import Engine
 from hearthlm.runtime.log import get_logger
@@ -26,9 +27,10 @@ from hearthlm.runtime.errors import (ContextLengthError, HearthError, InvalidReq
                                      SessionClosedError)
 from hearthlm.runtime.devices import open_device
 from hearthlm.runtime.placement import offload
-from hearthlm.runtime.request import Request
+from hearthlm.runtime.request import Request, ThinkBudget
 from hearthlm.runtime.sampling import SamplingParams
 from hearthlm.runtime.weight_cache import WeightCache, cache_dir
+from hearthlm.output import ChoiceOutput, with_prompt
 from hearthlm.tools import ToolOutput, ToolPlan
 from hearthlm.types import Chunk, Completion
 
@@ -41,6 +43,10 @@ MAX_STOPS = 64            # stop strings per request
 MAX_STOP_CHARS = 1_000    # characters per stop string (each is searched for at every token)
 PROMPT_CHARS_PER_TOKEN = 32  # a prompt text longer than this many characters per context token cannot fit
 OFF_LOOP_CHARS = 4_096    # prompts longer than this are tokenized in a worker thread, not on the event loop
+MAX_CHOICES = 16          # n per request
+# template variables hearthlm sets itself: chat_template_kwargs may not override them
+RESERVED_TEMPLATE_VARS = frozenset({"messages", "add_generation_prompt", "bos_token", "eos_token", "tools", "limits",
+                                    "max_chars", "raise_exception", "strftime_now"})
 POOLINGS = {1: "mean", 2: "cls", 3: "last", 4: "rank"}  # GGUF {arch}.pooling_type; 0 (none) or absent: mean
 
 
@@ -146,16 +152,18 @@ class Session:
         """{"ok": bool, "error": str | None, "closing": bool}: ok while the engine serves."""
         return self.engine.health()
 
-    async def _prompt_ids_off_loop(self, prompt, messages, tools: ToolPlan | None = None) -> list[int]:
+    async def _prompt_ids_off_loop(self, prompt, messages, tools: ToolPlan | None = None,
+                                   template_kwargs: dict | None = None) -> list[int]:
         """Chat templates (their rendering time is the file's, not ours) and long prompts are
         prepared in a worker thread, so the application's event loop keeps running."""
         big = messages is not None or (isinstance(prompt, str) and len(prompt) > OFF_LOOP_CHARS) or \
             (isinstance(prompt, (list, tuple, np.ndarray)) and len(prompt) > OFF_LOOP_CHARS)
         if big:
-            return await anyio.to_thread.run_sync(self._prompt_ids, prompt, messages, tools)
-        return self._prompt_ids(prompt, messages, tools)
+            return await anyio.to_thread.run_sync(self._prompt_ids, prompt, messages, tools, template_kwargs)
+        return self._prompt_ids(prompt, messages, tools, template_kwargs)
 
-    def _prompt_ids(self, prompt, messages, tools: ToolPlan | None = None) -> list[int]:
+    def _prompt_ids(self, prompt, messages, tools: ToolPlan | None = None,
+                    template_kwargs: dict | None = None) -> list[int]:
         tok = self.model.tokenizer
         if (prompt is None) == (messages is None):
             raise InvalidRequestError("pass exactly one of prompt or messages=")
@@ -172,6 +180,7 @@ class Session:
                                          f"{self.n_ctx} tokens can take")
             from hearthlm.model_zoo.chat_template import encode_chat  # Jinja, loaded by the first chat
             messages, extra = tools.chat(messages, self.model.chat_template) if tools else (messages, {})
+            extra = {**(template_kwargs or {}), **extra}
             return encode_chat(tok, self.model.chat_template, messages, limits=self.template_limits,
                                max_chars=max_chars, **extra)
         if isinstance(prompt, str):
@@ -308,42 +317,93 @@ class Session:
 
     # ---- generation ------------------------------------------------------------------
     async def generate(self, prompt: str | Sequence[int] | None = None, **kwargs) -> Completion:
-        """Generate a completion. Arguments as `stream`."""
-        text, ids, lps, reason, n_prompt, calls = [], [], [], "length", 0, None
-        async for c in self._stream(prompt, **kwargs):
+        """Generate a completion. Arguments as `stream` (n: use generate_n)."""
+        if kwargs.pop("n", 1) != 1:
+            raise InvalidRequestError("generate returns one completion: use generate_n for n > 1")
+        return (await self.generate_n(prompt, n=1, **kwargs))[0]
+
+    async def generate_n(self, prompt: str | Sequence[int] | None = None, *, n: int, **kwargs) -> list[Completion]:
+        """n completions of one prompt (OpenAI's n): the prompt is computed once and its KV shared;
+        each choice samples its own stream (choice i's seed is seed + i). Arguments as `stream`."""
+        parts: list[dict[str, Any]] = [dict(text=[], reasoning=[], ids=[], lps=[], reason="length", calls=None)
+                                       for _ in range(n if isinstance(n, int) and n > 0 else 1)]
+        n_prompt, prompt_lps = 0, None
+        async for c in self._stream(prompt, n=n, **kwargs):
             if isinstance(c, int):
                 n_prompt = c
                 continue
-            text.append(c.text)
-            ids.extend(c.token_ids)
-            if c.top_logprobs:
-                lps.extend(c.top_logprobs)
-            reason = c.finish_reason or reason
-            calls = c.tool_calls or calls
-        return Completion("".join(text), ids, reason, n_prompt, lps or None, tool_calls=calls)
+            d = parts[c.index]
+            d["text"].append(c.text)
+            d["reasoning"].append(c.reasoning)
+            d["ids"].extend(c.token_ids)
+            d["lps"].extend(c.top_logprobs or ())
+            d["reason"] = c.finish_reason or d["reason"]
+            d["calls"] = c.tool_calls or d["calls"]
+            prompt_lps = c.prompt_logprobs or prompt_lps
+        return [Completion("".join(d["text"]), d["ids"], d["reason"], n_prompt, d["lps"] or None,
+                           tool_calls=d["calls"], reasoning="".join(d["reasoning"]), prompt_logprobs=prompt_lps)
+                for d in parts]
 
     async def stream(self, prompt: str | Sequence[int] | None = None, **kwargs) -> AsyncIterator[Chunk]:
         """Yield Chunks as tokens come. Keyword arguments: messages, max_tokens, temperature,
         top_k, top_p, min_p, repetition_penalty, frequency_penalty, presence_penalty, seed,
-        stop (strings), stop_token_ids, top_logprobs, timeout; response_format (OpenAI's
-        json_object / json_schema, or {"type": "regex", "pattern"} / {"type": "grammar",
-        "grammar": Lark}); tools and tool_choice (OpenAI's shapes; with messages=): the calls
-        come in the last chunk, whose finish_reason is then "tool_calls"."""
+        stop (strings), stop_token_ids, min_tokens (no end-of-generation, stop token or stop
+        string before that many), ignore_eos, logit_bias ({token id: bias}; -inf bans),
+        top_logprobs, prompt_logprobs (k: the first chunk carries every prompt token's logprob
+        and its k most likely alternatives), timeout; response_format (OpenAI's json_object /
+        json_schema, or {"type": "regex", "pattern"} / {"type": "grammar", "grammar": Lark});
+        tools and tool_choice (OpenAI's shapes; with messages=): the calls come in the last
+        chunk, whose finish_reason is then "tool_calls"; n (chunks carry .index); with messages=,
+        chat_template_kwargs (template variables, e.g. {"enable_thinking": False}), and for
+        templates that think: the thinking comes apart in .reasoning (reasoning_format="none"
+        leaves it in the text), reasoning_budget (tokens of thinking before it is closed for
+        the model and the answer begins)."""
         async for c in self._stream(prompt, **kwargs):
             if not isinstance(c, int):
                 yield c
 
+    async def score(self, prompt: str | Sequence[int]) -> np.ndarray:
+        """The log-probability of each prompt token after the first, given those before it
+        (float64, len(tokens) - 1): a text's likelihood, as lm-evaluation-harness's loglikelihood
+        and perplexity read it. A string is tokenized as generate() does (BOS added where the
+        model adds one); token ids are taken as they are. Nothing is generated."""
+        if self._closed:
+            raise SessionClosedError("the session is closed")
+        ids = await self._prompt_ids_off_loop(prompt, None)
+        if len(ids) < 2:
+            raise InvalidRequestError("scoring needs a prompt of at least two tokens")
+        chan = Channel(loop_waker())
+        req = Request(prompt=ids, params=SamplingParams(temperature=0.0), max_tokens=0, on_token=_no_token,
+                      on_finish=lambda reason, err: chan.put((reason, err)), prompt_logprobs=0)
+        self.engine.submit(req)
+        try:
+            (reason, err), = await chan.get_all()
+        finally:
+            self.engine.abort(req.id)
+        if err is not None:
+            raise err
+        if reason != "stop":
+            raise SessionClosedError("the session was closed while the request ran") if reason == "closed" \
+                else HearthError(f"the scoring request ended with {reason!r}")
+        return np.array([lp for lp, _ in req.prompt_lps], np.float64)
+
     async def _stream(self, prompt, *, messages=None, max_tokens: int | None = None,
                       stop: str | Sequence[str] | None = None, timeout: float | None = None,
                       response_format: dict | None = None, tools: list[dict] | None = None,
-                      tool_choice: str | dict | None = None, **sampling) -> AsyncIterator[Chunk | int]:
+                      tool_choice: str | dict | None = None, n: int = 1, prompt_logprobs: int | None = None,
+                      chat_template_kwargs: dict | None = None, reasoning_budget: int | None = None,
+                      reasoning_format: str = "auto", **sampling) -> AsyncIterator[Chunk | int]:
         if self._closed:
             raise SessionClosedError("the session is closed")
         try:
             params = SamplingParams(**sampling)
         except TypeError as e:
             raise InvalidRequestError(str(e)) from e
-        max_tokens, stops, timeout = _check_limits(max_tokens, stop, timeout)
+        score_only = max_tokens == 0 and prompt_logprobs is not None  # the prompt's log-probs, nothing generated
+        max_tokens, stops, timeout = _check_limits(None if score_only else max_tokens, stop, timeout)
+        max_tokens = 0 if score_only else max_tokens
+        _check_choice_args(n, prompt_logprobs, reasoning_budget, reasoning_format, params, self.model.n_vocab)
+        template_kwargs = _check_template_kwargs(chat_template_kwargs, messages)
         grammar = constraint.grammar_from_response_format(response_format) if response_format is not None else None
         plan = ToolPlan.make(self.model, tools, tool_choice)
         if plan is not None:
@@ -353,62 +413,72 @@ class Session:
             if forced is not None and grammar is not None:
                 raise InvalidRequestError("pass response_format or a forced tool_choice, not both")
             grammar = (constraint.lark_grammar(forced), "tool-call grammar") if forced is not None else grammar
-        ids = await self._prompt_ids_off_loop(prompt, messages, plan)
+        ids = await self._prompt_ids_off_loop(prompt, messages, plan, template_kwargs)
+        think = reasoning.detect(self.model.chat_template) if messages is not None and reasoning_format == "auto" \
+            else None
+        tok = self.model.tokenizer
+        opened = think is not None and reasoning.opened_by_prompt(think, self._tail_text(ids))
+        if think is not None and opened and reasoning_budget == 0:  # no thinking: closed in the prompt
+            ids, opened = ids + tok.encode(think.feed_close, parse_special=True), False
         # compiled against the vocabulary off the event loop (the first one builds the vocabulary)
-        matcher = await anyio.to_thread.run_sync(self._matcher, grammar) if grammar is not None else None
+        matchers = [await anyio.to_thread.run_sync(self._matcher, grammar) if grammar is not None else None
+                    for _ in range(n)]
         chan = Channel(loop_waker())
-        req = Request(prompt=ids, params=params, matcher=matcher,
-                      max_tokens=max_tokens if max_tokens is not None else max(self.n_ctx - len(ids), 0),
-                      on_token=lambda t, lp: chan.put((t, lp)),
-                      on_finish=lambda reason, err: chan.put((reason, err)))
+        limit = max_tokens if max_tokens is not None else max(self.n_ctx - len(ids), 0)
+        reqs = [Request(prompt=ids, matcher=matchers[i], max_tokens=limit,
+                        params=replace(params, seed=params.seed + i) if i and params.seed is not None else params,
+                        on_token=lambda t, lp, i=i: chan.put((i, t, lp)),
+                        on_finish=lambda reason, err, i=i: chan.put((i, reason, err)),
+                        prompt_logprobs=prompt_logprobs if i == 0 else None,
+                        think=ThinkBudget(reasoning_budget, tuple(tok.encode(think.open, parse_special=True)),
+                                          tuple(tok.encode(think.close, parse_special=True)),
+                                          tok.encode(think.feed_close, parse_special=True), thinking=opened)
+                        if think is not None and reasoning_budget is not None else None)
+                for i in range(n)]
+        outs = [ChoiceOutput(tok, ids, index=i, stops=stops, min_tokens=params.min_tokens,
+                             splitter=reasoning.ReasoningSplitter(think, opened=opened) if think else None,
+                             tools=ToolOutput(plan) if plan is not None else None) for i in range(n)]
         deadline = anyio.current_time() + timeout if timeout is not None else math.inf
-        self.engine.submit(req)
+        self.engine.submit(reqs[0])  # the others once its prompt is computed: they find its KV blocks
+        submitted, first = 1, True
         yield len(ids)
-        decoder = StreamDecoder(self.model.tokenizer, prompt_ids=ids)
-        calls = ToolOutput(plan) if plan is not None else None
-        # held: text that may be the start of a stop string; recent: the text emitted last, as
-        # much as a stop string could reach back into (the whole text made the matching quadratic)
-        recent, held, keep = "", "", max(map(len, stops), default=0)
-        done = False
         try:
-            while not done:
+            while not all(o.done for o in outs):
                 items = None
                 with anyio.move_on_after(deadline - anyio.current_time()):  # no yield inside
                     items = await chan.get_all()
                 if items is None:
                     raise RequestTimeoutError(f"the request did not finish within {timeout} s")
-                toks, lps, new, reason = [], [], "", None
-                for a, b in items:
-                    if isinstance(a, str):  # finished
-                        if b is not None:
-                            raise b
-                        if a == "closed":
-                            raise SessionClosedError("the session was closed while the request ran")
-                        reason, done = a, True
-                        # a character cut short by max_tokens is dropped, not shown as U+FFFD
-                        tail = decoder.flush()
-                        piece, held, hit = _cut_at_stop(recent + new, held + tail.rstrip("\ufffd"),
-                                                        stops, final=True)
-                        new += piece
-                        reason = "stop" if hit else reason
-                        break
-                    # one token at a time: a stop string ends the tokens as well as the text
-                    toks.append(a)
-                    if b is not None:
-                        lps.append(b)
-                    piece, held, hit = _cut_at_stop(recent + new, held + decoder.push(a), stops, final=False)
-                    new += piece
-                    if hit:
-                        reason, done = "stop", True
-                        self.engine.abort(req.id)  # the engine may still be running it
-                        break
-                recent = (recent + new)[-keep:] if keep else ""
-                if toks or new or done:
-                    c = Chunk(new, toks, reason, lps or None, prompt_tokens=len(ids) if done else None)
-                    yield calls.feed(c) if calls is not None else c
+                by_choice: dict[int, list[tuple]] = {}
+                for i, a, b in items:
+                    if isinstance(a, str) and b is not None:
+                        raise b
+                    if a == "closed":
+                        raise SessionClosedError("the session was closed while the request ran")
+                    by_choice.setdefault(i, []).append((a, b))
+                if submitted < n and 0 in by_choice:
+                    for r in reqs[1:]:
+                        self.engine.submit(r)
+                    submitted = n
+                for i, got in by_choice.items():
+                    c = outs[i].take(got)
+                    if outs[i].stopped:
+                        self.engine.abort(reqs[i].id)
+                    if c is None:
+                        continue
+                    if i == 0 and first and prompt_logprobs is not None:
+                        c = replace(c, prompt_logprobs=[(ids[0], None, None)] + [
+                            (t, lp, tops) for t, (lp, tops) in zip(ids[1:], reqs[0].prompt_lps)])
+                    first = first and i != 0
+                    yield with_prompt(c, len(ids))
         finally:
-            if not done:
-                self.engine.abort(req.id)
+            for o, r in zip(outs[:submitted], reqs):
+                if not o.done or o.stopped:
+                    self.engine.abort(r.id)
+
+    def _tail_text(self, ids: list[int]) -> str:
+        """The end of a rendered prompt as text, special tokens spelled out."""
+        return b"".join(self.model.tokenizer.token_bytes(t, special=True) for t in ids[-8:]).decode("utf-8", "replace")
 
 
 def _chars(content: Any) -> int:
@@ -440,26 +510,34 @@ def _check_limits(max_tokens, stop, timeout) -> tuple[int | None, list[str], flo
     return max_tokens, list(stops), timeout
 
 
-def _cut_at_stop(before: str, new: str, stops: list[str], *, final: bool) -> tuple[str, str, bool]:
-    """Split `new` into (emit, hold, hit): cut at the first stop string (searching across
-    the boundary with `before`), and hold back a tail that could begin a stop string."""
-    if not stops:
-        return new, "", False
-    window = max(len(s) for s in stops) - 1
-    joined = before[-window:] + new if window else new
-    offset = len(joined) - len(new)
-    cut = min((i for i in (joined.find(s) for s in stops) if i >= 0), default=-1)
-    if cut >= 0:
-        return new[:max(cut - offset, 0)], "", True
-    if final:
-        return new, "", False
-    hold = 0
-    for s in stops:
-        for k in range(min(len(s) - 1, len(new)), 0, -1):
-            if new.endswith(s[:k]):
-                hold = max(hold, k)
-                break
-    return new[:len(new) - hold], new[len(new) - hold:], False
+def _check_choice_args(n, prompt_logprobs, reasoning_budget, reasoning_format, params: SamplingParams,
+                       n_vocab: int) -> None:
+    def count(name, v, lo, hi=None):
+        if isinstance(v, bool) or not isinstance(v, int) or v < lo or (hi is not None and v > hi):
+            raise InvalidRequestError(f"{name} must be an int in [{lo}, {hi if hi is not None else '...'}], got {v!r}")
+    count("n", n, 1, MAX_CHOICES)
+    if prompt_logprobs is not None:
+        count("prompt_logprobs", prompt_logprobs, 0, 20)
+    if reasoning_budget is not None:
+        count("reasoning_budget", reasoning_budget, 0)
+    if reasoning_format not in ("auto", "none"):
+        raise InvalidRequestError(f"reasoning_format must be 'auto' or 'none', got {reasoning_format!r}")
+    bad = [t for t, _ in params.logit_bias if t >= n_vocab]
+    if bad:
+        raise InvalidRequestError(f"logit_bias names token id {bad[0]}, outside the vocabulary (0..{n_vocab - 1})")
+
+
+def _check_template_kwargs(kw, messages) -> dict | None:
+    if kw is None:
+        return None
+    if messages is None:
+        raise InvalidRequestError("chat_template_kwargs need messages=, not a prompt")
+    if not isinstance(kw, dict) or not all(isinstance(k, str) and k.isidentifier() for k in kw):
+        raise InvalidRequestError("chat_template_kwargs must be a dict of template variable names to values")
+    taken = sorted(RESERVED_TEMPLATE_VARS & kw.keys())
+    if taken:
+        raise InvalidRequestError(f"chat_template_kwargs may not set {taken}: hearthlm sets them")
+    return kw
 
 
 def _no_token(tok: int, lp) -> None:  # embedding requests sample nothing

@@ -30,6 +30,12 @@ class SyncSession:
     def generate(self, prompt=None, **kwargs: Any) -> Completion:
         return self._portal.call(partial(self.session.generate, prompt, **kwargs))
 
+    def generate_n(self, prompt=None, *, n: int, **kwargs: Any) -> list[Completion]:
+        return self._portal.call(partial(self.session.generate_n, prompt, n=n, **kwargs))
+
+    def score(self, prompt):
+        return self._portal.call(self.session.score, prompt)
+
     def stream(self, prompt=None, **kwargs: Any) -> Iterator[Chunk]:
         """Chunks as they come; leaving the loop early aborts the request."""
         agen = self.session.stream(prompt, **kwargs)

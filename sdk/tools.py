@@ -4,7 +4,7 @@ tool_choice "required" or a named function, and the parsing of the output into O
 tool_calls (formats per model family: model_zoo/tool_calls.py)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from hearthlm.model_zoo import tool_calls as tc
@@ -60,10 +60,10 @@ class ToolOutput:
         if c.finish_reason is None:
             safe = max(self.fmt.safe_prefix(self.text), self.sent)
             new, self.sent = self.text[self.sent:safe], safe
-            return Chunk(new, c.token_ids, None, c.top_logprobs)
+            return replace(c, text=new)
         content, calls = self.fmt.parse(self.text, self.names)
         if not calls:
-            return Chunk(self.text[self.sent:], c.token_ids, c.finish_reason, c.top_logprobs)
+            return replace(c, text=self.text[self.sent:])
         end = min((i for i in (self.text.find(m) for m in self.fmt.markers) if i >= 0), default=self.sent)
         rest = self.text[self.sent:max(end, self.sent)] if content else ""
-        return Chunk(rest, c.token_ids, "tool_calls", c.top_logprobs, tool_calls=calls)
+        return replace(c, text=rest, finish_reason="tool_calls", tool_calls=calls)

@@ -5,6 +5,9 @@ from dataclasses import dataclass, field
 
 # (token_id, logprob), most likely first; the sampled token last when it is not among the k
 TopLogprobs = list[tuple[int, float]]
+# a prompt token: (token_id, its logprob given the tokens before it (None for the first),
+# the k most likely tokens there (None for the first, or when k = 0))
+PromptLogprob = tuple[int, "float | None", "TopLogprobs | None"]
 
 
 @dataclass
@@ -15,6 +18,9 @@ class Chunk:
     top_logprobs: list[TopLogprobs] | None = None  # per token in token_ids, if asked for
     prompt_tokens: int | None = None  # on the last chunk: the prompt's length in tokens (for usage)
     tool_calls: list[dict] | None = None  # on the last chunk, when the model called tools
+    reasoning: str = ""             # new thinking text (templates that think: it is not in `text`)
+    index: int = 0                  # which of the n choices (stream(..., n=k))
+    prompt_logprobs: list[PromptLogprob] | None = None  # on the first chunk, if asked for
 
 
 @dataclass
@@ -27,3 +33,5 @@ class Completion:
     # OpenAI-shaped: [{"id", "type": "function", "function": {"name", "arguments": JSON str}}];
     # `text` is then the message content less the calls
     tool_calls: list[dict] | None = None
+    reasoning: str = ""             # the thinking, apart from `text` (templates that think)
+    prompt_logprobs: list[PromptLogprob] | None = None  # generate(..., prompt_logprobs=k)

@@ -123,7 +123,7 @@ def test_errors(server, tiny):
     with pytest.raises(openai.NotFoundError) as e:
         c.chat.completions.create(model="no-such-model", messages=MSGS)
     assert e.value.body["code"] == "model_not_found"
-    for bad in (dict(temperature=-1), dict(n=2), dict(max_tokens=0), dict(top_logprobs=3),
+    for bad in (dict(temperature=-1), dict(n=17), dict(max_tokens=0), dict(top_logprobs=3),
                 dict(messages=[{"role": "user", "content": "x" * 50_000}])):
         with pytest.raises(openai.BadRequestError) as e:
             c.chat.completions.create(**{"model": tiny, "messages": MSGS, **bad})

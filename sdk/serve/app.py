@@ -22,8 +22,8 @@ from hearthlm.runtime.errors import (ContextLengthError, HearthError, InvalidReq
                                      SessionClosedError)
 from hearthlm.serve.metrics import Metrics
 from hearthlm.serve.page import add_chat_page
-from hearthlm.serve.protocol import (ChatRequest, CompletionRequest, EmbeddingRequest, RerankRequest, error_json,
-                                     legacy_logprobs, logprob_entries, new_id, now, usage)
+from hearthlm.serve.protocol import (ChatRequest, CompletionRequest, EmbeddingRequest, RerankRequest, echo_logprobs,
+                                     error_json, join_logprobs, legacy_logprobs, logprob_entries, new_id, now, usage)
 from hearthlm.session import Session
 
 MAX_BODY_BYTES = 16 * 2**20  # a request body over this is refused with 413 before it is parsed
@@ -165,42 +165,63 @@ def _make(host: Host, lifespan, api_key: str | None, max_body_bytes: int) -> Fas
     @app.post("/v1/chat/completions", dependencies=auth)
     async def chat(body: ChatRequest, request: Request):
         s = host.get(body.model)
-        kw = body.session_kwargs()
-        k = body.top_logprobs or 0
         tok = s.model.tokenizer
+        kw = body.session_kwargs(tok)
+        k = body.top_logprobs or 0
         if body.stream:
             def piece(c, first):
-                delta = {"role": "assistant", "content": c.text} if first else {"content": c.text}
+                delta: dict[str, Any] = {"role": "assistant"} if first else {}
+                if c.reasoning:  # the thinking, apart (llama-server's and vLLM's reasoning_content)
+                    delta["reasoning_content"] = c.reasoning
+                if c.text or not c.reasoning:
+                    delta["content"] = c.text
                 if getattr(c, "tool_calls", None):  # from the structured-output layer, on the last chunk
                     delta["tool_calls"] = [dict(index=i, **tc) for i, tc in enumerate(c.tool_calls)]
                 lp = {"content": logprob_entries(tok, c.token_ids, c.top_logprobs, k)} if body.logprobs else None
-                return dict(index=0, delta=delta, logprobs=lp, finish_reason=c.finish_reason)
+                return dict(index=c.index, delta=delta, logprobs=lp, finish_reason=c.finish_reason)
             return await _sse(request, s.stream(messages=body.messages, **kw), "chat.completion.chunk",
                               body, piece, metrics)
-        c = await _until_disconnect(request, s.generate(messages=body.messages, **kw))
-        msg: dict[str, Any] = {"role": "assistant", "content": c.text}
-        if getattr(c, "tool_calls", None):  # from the structured-output layer, when it returns them
-            msg["tool_calls"] = c.tool_calls
-        lp = {"content": logprob_entries(tok, c.token_ids, c.top_logprobs, k)} if body.logprobs else None
+        cs = await _until_disconnect(request, s.generate_n(messages=body.messages, **{"n": 1, **kw}))
+
+        def choice(i, c):
+            msg: dict[str, Any] = {"role": "assistant", "content": c.text}
+            if c.reasoning:
+                msg["reasoning_content"] = c.reasoning
+            if c.tool_calls:
+                msg["tool_calls"] = c.tool_calls
+            lp = {"content": logprob_entries(tok, c.token_ids, c.top_logprobs, k)} if body.logprobs else None
+            return dict(index=i, message=msg, logprobs=lp, finish_reason=c.finish_reason)
         return dict(id=new_id("chatcmpl"), object="chat.completion", created=now(), model=body.model,
-                    choices=[dict(index=0, message=msg, logprobs=lp, finish_reason=c.finish_reason)],
-                    usage=usage(c.prompt_tokens, len(c.token_ids)), system_fingerprint=None)
+                    choices=[choice(i, c) for i, c in enumerate(cs)],
+                    usage=usage(cs[0].prompt_tokens, sum(len(c.token_ids) for c in cs)), system_fingerprint=None)
 
     @app.post("/v1/completions", dependencies=auth)
     async def complete(body: CompletionRequest, request: Request):
         s = host.get(body.model)
-        prompt, kw = body.prompt_arg(), body.session_kwargs()
         tok = s.model.tokenizer
+        prompt, kw = body.prompt_arg(), body.session_kwargs(tok)
+        echo_text = (prompt if isinstance(prompt, str) else s.detokenize(prompt)) if body.echo else ""
+
+        def logprobs(c, first):
+            if body.logprobs is None:
+                return None
+            lp = legacy_logprobs(tok, c.token_ids, c.top_logprobs, body.logprobs)
+            if body.echo and first and c.prompt_logprobs:
+                lp = join_logprobs(echo_logprobs(tok, c.prompt_logprobs, body.logprobs), lp)
+            return lp
+
+        def reason(c):
+            return "length" if body.max_tokens == 0 and c.finish_reason else c.finish_reason
         if body.stream:
             def piece(c, first):
-                lp = legacy_logprobs(tok, c.token_ids, c.top_logprobs, body.logprobs) if body.logprobs is not None else None
-                return dict(index=0, text=c.text, logprobs=lp, finish_reason=c.finish_reason)
+                return dict(index=c.index, text=(echo_text if first else "") + c.text, logprobs=logprobs(c, first),
+                            finish_reason=reason(c))
             return await _sse(request, s.stream(prompt, **kw), "text_completion", body, piece, metrics)
-        c = await _until_disconnect(request, s.generate(prompt, **kw))
-        lp = legacy_logprobs(tok, c.token_ids, c.top_logprobs, body.logprobs) if body.logprobs is not None else None
+        cs = await _until_disconnect(request, s.generate_n(prompt, **{"n": 1, **kw}))
         return dict(id=new_id("cmpl"), object="text_completion", created=now(), model=body.model,
-                    choices=[dict(index=0, text=c.text, logprobs=lp, finish_reason=c.finish_reason)],
-                    usage=usage(c.prompt_tokens, len(c.token_ids)))
+                    choices=[dict(index=i, text=echo_text + c.text, logprobs=logprobs(c, i == 0),
+                                  finish_reason=reason(c)) for i, c in enumerate(cs)],
+                    usage=usage(cs[0].prompt_tokens, sum(len(c.token_ids) for c in cs)))
 
     @app.post("/v1/embeddings", dependencies=auth)
     async def embeddings(body: EmbeddingRequest, request: Request):
@@ -283,13 +304,14 @@ async def _sse(request: Request, stream, kind: str, body, piece, metrics) -> Eve
         return {"data": json.dumps(obj)}
 
     async def events():
-        c, n_out, is_first = first, 0, True
+        c, n_out, seen, finished = first, 0, set(), 0
         try:
-            while True:
+            while True:  # chunks of the n choices interleave; each one's first carries the role
                 n_out += len(c.token_ids)
-                yield event([piece(c, is_first)])
-                is_first = False
-                if c.finish_reason:
+                yield event([piece(c, c.index not in seen)])
+                seen.add(c.index)
+                finished += bool(c.finish_reason)
+                if finished == body.n:
                     break
                 c = await anext(stream)
             if want_usage:

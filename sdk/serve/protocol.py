@@ -31,17 +31,54 @@ class _Sampling(_Body):
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
     n: int = 1
-    logit_bias: dict[str, float] | None = None
+    # OpenAI's {token id: bias}; llama-server's string keys (each token of the string) and
+    # [[token or string, bias], ...]; a bias of false bans the token
+    logit_bias: dict[str, float | bool] | list[list[Any]] | None = None
+    # beyond OpenAI, as vLLM and llama-server take them
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    repeat_penalty: float | None = None  # llama-server's name
+    min_tokens: int | None = None
+    ignore_eos: bool | None = None
 
-    def session_kwargs(self) -> dict[str, Any]:
+    def session_kwargs(self, tokenizer=None) -> dict[str, Any]:
         """Keyword arguments for Session.stream/generate; None means the Session's default."""
-        if self.n != 1:
-            raise InvalidRequestError("n must be 1: one choice per request")
-        if self.logit_bias:
-            raise InvalidRequestError("logit_bias is not supported")
         kw = dict(max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p, seed=self.seed,
-                  stop=self.stop, frequency_penalty=self.frequency_penalty, presence_penalty=self.presence_penalty)
+                  stop=self.stop, frequency_penalty=self.frequency_penalty, presence_penalty=self.presence_penalty,
+                  top_k=self.top_k, min_p=self.min_p, min_tokens=self.min_tokens, ignore_eos=self.ignore_eos,
+                  repetition_penalty=self.repetition_penalty if self.repetition_penalty is not None
+                  else self.repeat_penalty)
+        if self.logit_bias:
+            kw["logit_bias"] = logit_bias(self.logit_bias, tokenizer)
+        if self.n != 1:
+            kw["n"] = self.n
         return {k: v for k, v in kw.items() if v is not None}
+
+
+def logit_bias(spec, tokenizer) -> dict[int, float]:
+    """{token id: bias} from OpenAI's map (ids as strings) or llama-server's forms."""
+    pairs = spec.items() if isinstance(spec, dict) else spec
+    out: dict[int, float] = {}
+    for pair in pairs:
+        if not isinstance(pair, (list, tuple)) or len(pair) != 2:
+            raise InvalidRequestError("logit_bias entries must be [token, bias] pairs")
+        key, bias = pair
+        if bias is False:
+            bias = float("-inf")
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)):
+            raise InvalidRequestError(f"logit_bias: the bias of {key!r} must be a number or false")
+        if isinstance(key, int) or (isinstance(key, str) and key.lstrip("-").isdigit()):
+            ids = [int(key)]
+        elif isinstance(key, str) and key and tokenizer is not None:
+            ids = tokenizer.encode(key)
+        else:
+            raise InvalidRequestError(f"logit_bias: {key!r} is neither a token id nor a string")
+        for t in ids:
+            if t < 0:
+                raise InvalidRequestError(f"logit_bias: token id {t} is negative")
+            out[t] = float(bias)
+    return out
 
 
 class ChatRequest(_Sampling):
@@ -53,18 +90,23 @@ class ChatRequest(_Sampling):
     response_format: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's and llama-server's name
+    reasoning_budget: int | None = None  # tokens of thinking, then it is closed and the answer begins
+    reasoning_format: str | None = None  # llama-server's: "none" leaves the thinking in the content
 
-    def session_kwargs(self) -> dict[str, Any]:
-        kw = super().session_kwargs()
+    def session_kwargs(self, tokenizer=None) -> dict[str, Any]:
+        kw = super().session_kwargs(tokenizer)
         if self.max_completion_tokens is not None:
             kw["max_tokens"] = self.max_completion_tokens
         if self.top_logprobs and not self.logprobs:
             raise InvalidRequestError("top_logprobs needs logprobs=true")
         if self.logprobs:  # at least 1: the sampled token's logprob comes with the list
             kw["top_logprobs"] = max(self.top_logprobs or 0, 1)
-        for k in ("response_format", "tools", "tool_choice"):
+        for k in ("response_format", "tools", "tool_choice", "chat_template_kwargs", "reasoning_budget"):
             if getattr(self, k) is not None:
                 kw[k] = getattr(self, k)
+        if self.reasoning_format is not None:
+            kw["reasoning_format"] = "none" if self.reasoning_format == "none" else "auto"
         return kw
 
 
@@ -79,14 +121,16 @@ class CompletionRequest(_Sampling):
             if len(p) != 1:
                 raise InvalidRequestError("one prompt per request (a list of one string, or a string)")
             p = p[0]
-        if self.echo:
-            raise InvalidRequestError("echo is not supported")
         return p
 
-    def session_kwargs(self) -> dict[str, Any]:
-        kw = super().session_kwargs()
+    def session_kwargs(self, tokenizer=None) -> dict[str, Any]:
+        kw = super().session_kwargs(tokenizer)
         if self.logprobs is not None:
             kw["top_logprobs"] = max(self.logprobs, 1)
+            if self.echo:  # the prompt's tokens with theirs, first (lm-evaluation-harness's loglikelihood)
+                kw["prompt_logprobs"] = self.logprobs
+        if self.max_tokens == 0 and not (self.echo and self.logprobs is not None):
+            raise InvalidRequestError("max_tokens must be >= 1 (0 only with echo and logprobs: scoring the prompt)")
         return kw
 
 
@@ -165,6 +209,27 @@ def legacy_logprobs(tokenizer, token_ids, tops, k: int, offset: int = 0) -> dict
         offsets.append(offset)
         offset += len(t)
     return dict(tokens=tokens, token_logprobs=lps, top_logprobs=alts, text_offset=offsets)
+
+
+def echo_logprobs(tokenizer, prompt_lps, k: int) -> dict[str, Any]:
+    """Legacy logprobs of the prompt's tokens (echo): the first one's are null, as OpenAI has it."""
+    tokens, lps, alts, offsets, offset = [], [], [], [], 0
+    for tid, lp, top in prompt_lps:
+        t = _token(tokenizer, tid)["token"]
+        tokens.append(t)
+        lps.append(lp)
+        alts.append(None if lp is None else {_token(tokenizer, i)["token"]: v for i, v in (top or [])[:k]})
+        offsets.append(offset)
+        offset += len(t)
+    return dict(tokens=tokens, token_logprobs=lps, top_logprobs=alts, text_offset=offsets)
+
+
+def join_logprobs(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+    """b's lists after a's, b's text offsets moved past a's text."""
+    end = a["text_offset"][-1] + len(a["tokens"][-1]) if a["tokens"] else 0
+    return dict(tokens=a["tokens"] + b["tokens"], token_logprobs=a["token_logprobs"] + b["token_logprobs"],
+                top_logprobs=a["top_logprobs"] + b["top_logprobs"],
+                text_offset=a["text_offset"] + [o + end for o in b["text_offset"]])
 
 
 def _token(tokenizer, tid: int) -> dict[str, Any]:
