@@ -19,26 +19,28 @@ OnFinish = Callable[[str, Optional[BaseException]], None]
 @dataclass
 class ThinkBudget:
     """reasoning_budget: after `budget` tokens of thinking the closing marker (`close`, token ids)
-    is fed as the next tokens, unsampled, and the answer begins. The thinking is told by token ids:
-    it starts after `start` (or at once when the prompt opened it) and ends at `end`."""
+    is fed as the next tokens, unsampled, and the answer begins. The thinking is told by text (a
+    marker's tokens depend on what comes before it): it starts after `start` (or at once, where
+    the prompt opened it) and ends at `end`; `piece` spells a token."""
     budget: int
-    start: tuple[int, ...]
-    end: tuple[int, ...]
+    start: bytes
+    end: bytes
     close: list[int]
+    piece: Callable[[int], bytes]
     thinking: bool = False
     done: bool = False
     n: int = 0
-    tail: list[int] = field(default_factory=list)
+    tail: bytes = b""
 
     def after(self, tok: int) -> list[int]:
         """The tokens to force after `tok`, if any."""
         if self.done:
             return []
-        self.tail = (self.tail + [tok])[-max(len(self.start), len(self.end)):]
+        self.tail = (self.tail + self.piece(tok))[-max(len(self.start), len(self.end)):]
         if not self.thinking:  # the marker that opens it counts no thinking token
-            self.thinking = tuple(self.tail[-len(self.start):]) == self.start
+            self.thinking = self.tail.endswith(self.start)
             over = self.thinking and self.budget == 0
-        elif tuple(self.tail[-len(self.end):]) == self.end:  # the model closed it itself
+        elif self.end in self.tail:  # the model closed it itself
             self.done = True
             return []
         else:

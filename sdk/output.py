@@ -59,7 +59,8 @@ class ChoiceOutput:
         return self.tools.feed(c) if self.tools is not None else c
 
     def _stops(self) -> list[str]:
-        return self.stops if self.n_tokens >= self.min_tokens else []
+        # looked for from the token after the min_tokens-th: those tokens' text is all kept
+        return self.stops if self.n_tokens > self.min_tokens else []
 
 
 def with_prompt(c: Chunk, prompt_tokens: int) -> Chunk:

@@ -7,6 +7,7 @@ import os
 import threading
 from contextlib import asynccontextmanager
 from dataclasses import replace
+from functools import partial
 from typing import Any, AsyncIterator, Sequence
 
 import anyio
@@ -414,8 +415,7 @@ class Session:
                 raise InvalidRequestError("pass response_format or a forced tool_choice, not both")
             grammar = (constraint.lark_grammar(forced), "tool-call grammar") if forced is not None else grammar
         ids = await self._prompt_ids_off_loop(prompt, messages, plan, template_kwargs)
-        think = reasoning.detect(self.model.chat_template) if messages is not None and reasoning_format == "auto" \
-            else None
+        think = reasoning.detect(self.model.chat_template) if messages is not None else None
         tok = self.model.tokenizer
         opened = think is not None and reasoning.opened_by_prompt(think, self._tail_text(ids))
         if think is not None and opened and reasoning_budget == 0:  # no thinking: closed in the prompt
@@ -430,13 +430,14 @@ class Session:
                         on_token=lambda t, lp, i=i: chan.put((i, t, lp)),
                         on_finish=lambda reason, err, i=i: chan.put((i, reason, err)),
                         prompt_logprobs=prompt_logprobs if i == 0 else None,
-                        think=ThinkBudget(reasoning_budget, tuple(tok.encode(think.open, parse_special=True)),
-                                          tuple(tok.encode(think.close, parse_special=True)),
-                                          tok.encode(think.feed_close, parse_special=True), thinking=opened)
+                        think=ThinkBudget(reasoning_budget, think.open.encode(), think.close.encode(),
+                                          tok.encode(think.feed_close, parse_special=True),
+                                          partial(tok.token_bytes, special=True), thinking=opened)
                         if think is not None and reasoning_budget is not None else None)
                 for i in range(n)]
         outs = [ChoiceOutput(tok, ids, index=i, stops=stops, min_tokens=params.min_tokens,
-                             splitter=reasoning.ReasoningSplitter(think, opened=opened) if think else None,
+                             splitter=reasoning.ReasoningSplitter(think, opened=opened)
+                             if think is not None and reasoning_format == "auto" else None,
                              tools=ToolOutput(plan) if plan is not None else None) for i in range(n)]
         deadline = anyio.current_time() + timeout if timeout is not None else math.inf
         self.engine.submit(reqs[0])  # the others once its prompt is computed: they find its KV blocks

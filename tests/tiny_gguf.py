@@ -23,7 +23,8 @@ def _vocab() -> tuple[list[str], list[int]]:
 
 
 def write_tiny(path: Path, arch: str = "llama", *, n_layer: int = 2, n_embd: int = 64, n_head: int = 4,
-               n_head_kv: int = 2, n_ff: int = 128, qtype: T = T.Q8_0, seed: int = 0) -> Path:
+               n_head_kv: int = 2, n_ff: int = 128, qtype: T = T.Q8_0, seed: int = 0,
+               chat_template: str = CHATML) -> Path:
     rng = np.random.default_rng(seed)
     tokens, types = _vocab()
     w = gguf.GGUFWriter(str(path), arch)
@@ -48,7 +49,7 @@ def write_tiny(path: Path, arch: str = "llama", *, n_layer: int = 2, n_embd: int
     w.add_bos_token_id(0)
     w.add_eos_token_id(2)
     w.add_add_bos_token(False)
-    w.add_chat_template(CHATML)
+    w.add_chat_template(chat_template)
 
     def mat(name, rows, cols, scale=None):
         x = rng.standard_normal((rows, cols)).astype(np.float32) * (scale or 1 / np.sqrt(cols))
