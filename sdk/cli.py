@@ -62,6 +62,10 @@ def main(argv: list[str] | None = None) -> int:
     sv = sub.add_parser("serve", help="serve models over an OpenAI-compatible HTTP API (needs hearthlm[server])")
     from hearthlm.serve.server import add_serve_args, run_serve
     add_serve_args(sv)
+    pp = sub.add_parser("perplexity", help="a text's perplexity, as llama-perplexity computes it")
+    _add_model_args(pp)
+    from hearthlm.perplexity import add_perplexity_args, run_perplexity
+    add_perplexity_args(pp)
     a = parser.parse_args(argv)
     try:
         if a.command == "generate":
@@ -72,6 +76,8 @@ def main(argv: list[str] | None = None) -> int:
             run_models(a)
         elif a.command == "serve":
             run_serve(a)
+        elif a.command == "perplexity":
+            run_perplexity(a)
         elif a.command == "graph":
             run_graph(a)
         elif a.command == "prepare":

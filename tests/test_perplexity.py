@@ -1,0 +1,55 @@
+"""Perplexity as llama-perplexity computes it, against llama.cpp's on the three real models
+(tests/data/perplexity.json, recorded once by tests/parity/record_perplexity.py), and the CLI."""
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+
+from hearthlm import Session
+from hearthlm.perplexity import chunk_nlls, summary
+from hearthlm.runtime.errors import InvalidRequestError
+
+from conftest import DATA, _model, load_json
+
+REF = load_json("perplexity.json")["models"]
+TEXT = (DATA / "ppl_text.txt").read_text(encoding="utf-8")
+CHUNKS = 3  # of the text's 4 at ctx 512: the suite's share of the time
+
+
+@pytest.mark.parametrize("name", list(REF))
+async def test_matches_llama_cpp(name):
+    ref = REF[name]
+    async with Session.open(str(_model(name)), n_ctx=ref["ctx"]) as s:
+        assert len(s.tokenize(TEXT, add_special=True)) == ref["n_tokens"]  # the same tokens scored
+        nlls = await chunk_nlls(s, TEXT, ref["ctx"], CHUNKS)
+        assert s.stats()["kv_blocks_used"] == 0
+    ppl, want = summary(nlls, ref["ctx"])["ppl"], math.exp(sum(ref["chunk_nll"][:CHUNKS]) / CHUNKS)
+    # Gemma 3's fused graph drifts by ~0.8% (unfused and the numpy reference: within 0.2%): a fused
+    # kernel loses precision on its activations; known, not yet found
+    assert abs(ppl / want - 1) < (0.01 if name == "gemma-3-270m" else 0.005), (name, ppl, want)
+    for got, exp in zip(nlls, ref["chunk_nll"]):
+        assert abs(got - exp) < 0.02, (name, nlls, ref["chunk_nll"])
+
+
+async def test_refuses_short_texts_and_bad_ctx(tmp_path):
+    async with Session.open(str(_model("smollm2-135m-instruct")), n_ctx=256) as s:
+        with pytest.raises(InvalidRequestError, match="at least 512"):
+            await chunk_nlls(s, "only a few words", 256)
+        with pytest.raises(InvalidRequestError, match="--ctx"):
+            await chunk_nlls(s, TEXT, 1024)
+
+
+def test_cli_json_line():
+    ref = REF["smollm2-135m-instruct"]
+    r = subprocess.run([sys.executable, "-m", "hearthlm", "perplexity", str(DATA / "ppl_text.txt"), "--model",
+                        str(_model("smollm2-135m-instruct")), "--chunks", "2", "--json"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    last = json.loads(r.stdout.strip().splitlines()[-1])
+    assert last["chunks"] == 2 and last["tokens"] == 2 * 255
+    assert abs(last["ppl"] / math.exp(sum(ref["chunk_nll"][:2]) / 2) - 1) < 0.005
+    assert "Final estimate: PPL = " in r.stdout and "2/2 chunks" in r.stderr
