@@ -24,13 +24,13 @@ def _vocab() -> tuple[list[str], list[int]]:
 
 def write_tiny(path: Path, arch: str = "llama", *, n_layer: int = 2, n_embd: int = 64, n_head: int = 4,
                n_head_kv: int = 2, n_ff: int = 128, qtype: T = T.Q8_0, seed: int = 0,
-               chat_template: str = CHATML) -> Path:
+               chat_template: str = CHATML, context_length: int = 512) -> Path:
     rng = np.random.default_rng(seed)
     tokens, types = _vocab()
     w = gguf.GGUFWriter(str(path), arch)
     head_dim = n_embd // n_head
     w.add_block_count(n_layer)
-    w.add_context_length(512)
+    w.add_context_length(context_length)
     w.add_embedding_length(n_embd)
     w.add_feed_forward_length(n_ff)
     w.add_head_count(n_head)
