@@ -1,4 +1,5 @@
-"""Command line: `hearthlm generate "prompt"` streams text to stdout; `hearthlm bench`
+"""Command line: `hearthlm generate "prompt"` streams text to stdout; `hearthlm chat` is an
+interactive chat in the terminal; `hearthlm bench`
 measures a model; `hearthlm prepare` fills the kernel and weight caches with progress;
 `hearthlm graph` prints a step's compute graph; `hearthlm serve` runs the OpenAI-compatible
 server; `hearthlm pull` and `hearthlm models` fetch and list model files. `python -m hearthlm`
@@ -44,6 +45,10 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--temperature", type=float, default=0.8)
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
+    ch = sub.add_parser("chat", help="chat in the terminal: one line a turn, answers streamed (/help inside)")
+    _add_model_args(ch)
+    from hearthlm.chat_cmd import add_chat_args, run_chat
+    add_chat_args(ch)
     b = sub.add_parser("bench", help="measure prefill and decode speed, load time and memory")
     _add_model_args(b)
     from hearthlm.bench import add_bench_args, run_bench
@@ -70,6 +75,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if a.command == "generate":
             anyio.run(_generate, a)
+        elif a.command == "chat":
+            return run_chat(a)
         elif a.command == "pull":
             run_pull(a)
         elif a.command == "models":
