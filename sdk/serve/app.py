@@ -260,6 +260,8 @@ def _make(host: Host, lifespan, api_key: str | None, max_body_bytes: int) -> Fas
     for path in ("/v1/rerank", "/rerank", "/v1/reranking", "/reranking"):
         app.post(path, dependencies=auth)(rerank)
     add_chat_page(app)
+    from hearthlm.serve.ollama import add_ollama_routes  # here: it imports this module's helpers
+    add_ollama_routes(app, host, auth)
 
     return app
 
