@@ -23,6 +23,7 @@ from hearthlm.runtime.graph_cache import FINE_UP_TO, GraphCache, bucket
 from hearthlm.runtime.kv_cache import KVCache
 from hearthlm.runtime.log import get_logger
 from hearthlm.runtime.placement import Placement
+from hearthlm.runtime.prompt_cache import PromptCache
 from hearthlm.runtime.request import Request
 from hearthlm.runtime.seq_memory import SequenceMemory, StateCache
 from hearthlm.runtime.sampling import log_softmax_rows, sample, steer, top_logprobs
@@ -97,14 +98,18 @@ class Engine:
     def __init__(self, model: Any, placement: Placement | Any, *, n_ctx: int, kv_blocks: int | None = None,
                  block_size: int = 16, max_batch_tokens: int = 512, max_seqs: int = 64,
                  max_queued_requests: int = 1024, fusion: bool | None = None, graph_cache: bool = True,
-                 weight_cache=None, state_snapshots: int = 8) -> None:
+                 weight_cache=None, state_snapshots: int = 8, prompt_cache_dir=None,
+                 prompt_cache_bytes: int = 1 << 30) -> None:
         """`model` provides build_graph(shape) -> Graph, weights, kv_dims, n_vocab, eog_ids.
         `placement`: a runtime.placement.Placement of layers over backends, or one backend
         (the trivial placement). `fusion`: None follows HEARTHLM_NO_FUSION; `graph_cache=False`
         rebuilds every step. `weight_cache`: a runtime.weight_cache.WeightCache of the model's file
         (packed weights mapped from disk, written there when packed afresh), or None.
         A hybrid model (`model.state_dims`: per layer, its recurrent state's shapes) gets a state
-        slot per running sequence and `state_snapshots` slots of prefix states."""
+        slot per running sequence and `state_snapshots` slots of prefix states.
+        `prompt_cache_dir`: where persisted prompt prefixes are kept (runtime.prompt_cache), at
+        most prompt_cache_bytes of them, keyed by the model file (`model.file.identity()`) and
+        this cache's layout; None for none."""
         self.model = model
         self.n_ctx = n_ctx
         self.max_queued_requests = max_queued_requests
@@ -119,7 +124,15 @@ class Engine:
         _check_kv_fits(model.kv_dims, n_blocks * block_size, self.placement, state_dims, n_state)
         self.kv = KVCache(model.kv_dims, n_blocks, block_size, self.placement.layer_backends())
         state = StateCache(state_dims, n_state, self.placement.layer_backends()) if state_dims else None
-        self.memory = SequenceMemory(self.kv, state, n_snapshots=state_snapshots if state_dims else 0)
+        prompts = None
+        if prompt_cache_dir is not None:
+            key = dict(model=model.file.identity(), block_size=block_size, state=state_dims,
+                       kv=[[be.name, np.dtype(be.kv_dtype).str, h, d]
+                           for be, (h, d) in zip(self.placement.layer_backends(), model.kv_dims)])
+            prompts = PromptCache(prompt_cache_dir, key, block_size=block_size, hybrid=state is not None,
+                                  max_bytes=prompt_cache_bytes)
+        self.memory = SequenceMemory(self.kv, state, n_snapshots=state_snapshots if state_dims else 0,
+                                     prompts=prompts)
         self.scratch_block = self.memory.scratch_block
         # an encoder (model.causal False) attends over each input whole: one step computes all of it
         self.causal = getattr(model, "causal", True)
@@ -414,7 +427,9 @@ class Engine:
             self.memory.after_step(r)  # blocks findable by later prompts; a state snapshot
             if not s.wants_logits:
                 continue
-            if r.max_tokens == 0:  # a prompt scored, nothing generated
+            if r.max_tokens == 0:  # a prompt scored or cached, nothing generated
+                if r.persist:
+                    r.persisted = self.memory.persist(r)
                 self._finish(r, "stop")
                 continue
             lg = logits[row]

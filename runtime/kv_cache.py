@@ -83,6 +83,7 @@ class KVCache:
         self.n_blocks = n_blocks
         self.n_slots = n_blocks * block_size
         self.allocator = BlockAllocator(n_blocks)
+        self.backends = backends
         # each backend's own element type (the CPU's float16, as llama.cpp's)
         self.k = [be.zeros((self.n_slots, h, d), be.kv_dtype) for be, (h, d) in zip(backends, kv_dims)]
         self.v = [be.zeros((self.n_slots, h, d), be.kv_dtype) for be, (h, d) in zip(backends, kv_dims)]
@@ -92,3 +93,7 @@ class KVCache:
 
     def cache_of(self, node: Tensor):
         return (self.k if node.name == "cache_k" else self.v)[node.layer]
+
+    def slots_of(self, blocks: list[int]) -> np.ndarray:
+        """The token slots of these blocks, in order."""
+        return (np.asarray(blocks, np.int64)[:, None] * self.block_size + np.arange(self.block_size)).ravel()

@@ -79,6 +79,8 @@ class Request:
     prompt_logprobs: int | None = None
     prompt_lps: list = field(default_factory=list)
     think: ThinkBudget | None = None  # reasoning_budget, where one is set
+    persist: bool = False  # a prefix to write to the prompt cache once computed (Session.cache_prefix)
+    persisted: int = 0     # the tokens it wrote
 
     def __post_init__(self) -> None:
         self.tokens = list(self.prompt)

@@ -19,6 +19,7 @@ import numpy as np
 from hearthlm.backends.base import Backend
 from hearthlm.runtime.graph import Tensor
 from hearthlm.runtime.kv_cache import KVCache, block_hash
+from hearthlm.runtime.prompt_cache import PromptCache, digests
 from hearthlm.runtime.request import Request
 
 KV_NAMES = ("cache_k", "cache_v")
@@ -32,6 +33,7 @@ class StateCache:
     def __init__(self, dims: list[dict[str, tuple[int, ...]]], n_slots: int, backends: list[Backend]) -> None:
         assert len(dims) == len(backends) and n_slots >= 2
         self.n_slots = n_slots
+        self.backends = backends
         self.arrays: dict[tuple[str, int], Any] = {
             (name, il): be.zeros((n_slots, *shape), np.dtype(np.float32))
             for il, (be, d) in enumerate(zip(backends, dims)) for name, shape in d.items()}
@@ -68,9 +70,11 @@ class SequenceMemory:
     """The KV blocks and state slot of each sequence: taken at admission (or the request
     waits), grown as it computes, released on finish, cancel, timeout, preemption or fault."""
 
-    def __init__(self, kv: KVCache, state: StateCache | None = None, *, n_snapshots: int = 0) -> None:
+    def __init__(self, kv: KVCache, state: StateCache | None = None, *, n_snapshots: int = 0,
+                 prompts: PromptCache | None = None) -> None:
         self.kv = kv
         self.state = state
+        self.prompts = prompts  # persisted prefixes on disk, or None
         self.block_size = kv.block_size
         self.scratch_block = kv.allocator.alloc(1)[0]  # padding tokens write here; no sequence reads it
         # block hash -> snapshot slot: the state after the tokens up to the end of that block
@@ -154,6 +158,8 @@ class SequenceMemory:
         st = dict(kv_blocks_used=self.kv.allocator.n_used - 1, kv_blocks_total=self.kv.n_blocks - 1,  # less scratch
                   kv_cache_bytes=sum(int(a.nbytes) for a in [*self.kv.k, *self.kv.v]),  # pages taken as first written
                   prefix_cache_hit_tokens=self.reused_tokens)
+        if self.prompts is not None:
+            st.update(self.prompts.stats())
         if self.state is not None:
             total = self.state.n_slots - 1 - self.n_snapshots  # less scratch and snapshots
             st.update(state_slots_used=total - self.state.n_free, state_slots_total=total,
@@ -189,8 +195,80 @@ class SequenceMemory:
                 snap = self._snaps[req.block_hashes[-1]]
                 self._snaps.move_to_end(req.block_hashes[-1])
                 self.state.copy(snap, req.state_slot)
+        if self.prompts is not None:
+            self._load_persisted(req)
         req.n_computed = len(req.blocks) * bs
         return req.n_computed
+
+    # ---- persisted prefixes -------------------------------------------------------------
+    def _load_persisted(self, req: Request) -> None:
+        """Extend the request's cached blocks from a persisted prefix longer than what memory
+        held: its K/V written into fresh blocks (registered for later prompts) and, for a
+        hybrid model, its state at the file's end."""
+        bs, alloc, have = self.block_size, self.kv.allocator, len(req.blocks)
+        n_max = (len(req.tokens) - 1) // bs
+        if n_max <= have:
+            return
+        hit = self.prompts.longest(digests(req.tokens, bs, n_max))
+        if hit is None or hit[1] <= have:
+            return
+        path, n = hit
+        got = alloc.alloc(n - have)
+        if got is None:  # no room now: computed instead
+            return
+        arrays = self.prompts.load(path, n)
+        try:
+            if arrays is None:
+                raise LookupError
+            slots, rows = self.kv.slots_of(got), slice(have * bs, n * bs)
+            for il, be in enumerate(self.kv.backends):
+                for name, cache in (("k", self.kv.k), ("v", self.kv.v)):
+                    a = arrays[f"{name}{il}"][rows]
+                    if a.shape[1:] != cache[il].shape[1:] or a.dtype != cache[il].dtype:
+                        raise ValueError(f"{name}{il}: {a.dtype}{a.shape} for {cache[il].dtype}{cache[il].shape}")
+                    cache[il][slots] = be.from_host(np.ascontiguousarray(a))
+            if self.state is not None:
+                for (name, il), a in self.state.arrays.items():
+                    a[req.state_slot] = self.state.backends[il].from_host(np.ascontiguousarray(arrays[f"{name}/{il}"]))
+        except LookupError:
+            alloc.free(got)
+            return
+        except (KeyError, ValueError) as e:  # a file whose arrays do not fit this cache
+            alloc.free(got)
+            self.prompts.discard(path, f"does not fit: {e}")
+            return
+        h = req.block_hashes[-1] if have else None
+        for i, b in enumerate(got, have):
+            h = block_hash(h, req.tokens[i * bs:(i + 1) * bs])
+            alloc.register(b, h)
+            req.blocks.append(b)
+            req.block_hashes.append(h)
+        if self.state is not None and self.n_snapshots:
+            self._snapshot(req)  # the next prompt with this prefix finds it in memory
+
+    def persist(self, req: Request) -> int:
+        """Write the computed prompt's full blocks (a hybrid model's: up to its state snapshot)
+        to the prompt cache; the tokens written (0: none)."""
+        bs = self.block_size
+        if self.prompts is None or req.n_computed < len(req.prompt):
+            return 0
+        if self.state is not None:
+            b = self._snapshot_boundary(req)
+            snap = self._snaps.get(req.block_hashes[b // bs - 1]) if b else None
+            if snap is None:
+                return 0
+            n = b // bs
+        else:
+            n = len(req.prompt) // bs
+        if n == 0:
+            return 0
+        slots = self.kv.slots_of(req.blocks[:n])
+        arrays = {f"{name}{il}": be.to_host(cache[il][slots]) for il, be in enumerate(self.kv.backends)
+                  for name, cache in (("k", self.kv.k), ("v", self.kv.v))}
+        if self.state is not None:
+            arrays.update({f"{name}/{il}": self.state.backends[il].to_host(a[snap])
+                           for (name, il), a in self.state.arrays.items()})
+        return n * bs if self.prompts.save(req.tokens[:n * bs], arrays) else 0
 
     def _snapshot(self, req: Request) -> None:
         h = req.block_hashes[-1]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import os
 import threading
+from pathlib import Path
 from contextlib import asynccontextmanager
 from dataclasses import replace
 from functools import partial
@@ -51,6 +52,18 @@ RESERVED_TEMPLATE_VARS = frozenset({"messages", "add_generation_prompt", "bos_to
 POOLINGS = {1: "mean", 2: "cls", 3: "last", 4: "rank"}  # GGUF {arch}.pooling_type; 0 (none) or absent: mean
 
 
+def _prompt_dir(on: bool, directory, weight_cache) -> Path | None:
+    """Where persisted prompt prefixes go: `directory`, else `prompts/` beside the packed
+    weights (under the default cache directory when those are off); None when turned off."""
+    if not isinstance(on, bool):
+        raise InvalidRequestError(f"prompt_cache must be True or False, got {on!r}")
+    if not on:
+        return None
+    if directory is not None:
+        return Path(directory)
+    return cache_dir(None if weight_cache is False else weight_cache, "prompts")
+
+
 class Session:
     """One loaded model and its engine. Open with `async with Session.open(...) as s`."""
 
@@ -71,7 +84,8 @@ class Session:
              max_batch_tokens: int = 512, max_seqs: int = 64, max_queued_requests: int = 1024,
              abort_on_close: bool = True, fusion: bool | None = None,
              template_limits: TemplateLimits = DEFAULT_LIMITS, progress=None,
-             weight_cache: str | os.PathLike | bool | None = None):
+             weight_cache: str | os.PathLike | bool | None = None, prompt_cache: bool = True,
+             prompt_cache_dir: str | os.PathLike | None = None, prompt_cache_bytes: int = 1 << 30):
         """Async context manager yielding a ready Session. `model`: a .gguf path, a Hub repo
         id (`filename` picks the file, a glob), or a model-zoo name. Leaving it aborts the
         requests still running (their callers get SessionClosedError), or with
@@ -84,14 +98,19 @@ class Session:
         A Hub model not in the cache is downloaded first: `progress(filename, done_bytes,
         total_bytes)` hears how far it got (default: logged, its start as a warning).
         `weight_cache`: where packed weights are kept between starts (a directory; False for
-        nowhere; None: $HEARTHLM_CACHE_DIR, or the platform's cache directory)."""
+        nowhere; None: $HEARTHLM_CACHE_DIR, or the platform's cache directory).
+        `prompt_cache`: prefixes written by `cache_prefix()` are kept in `prompt_cache_dir`
+        (default: `prompts/` beside the packed weights), at most `prompt_cache_bytes` of them,
+        and any prompt that begins with one takes its KV from there; False for none."""
         @asynccontextmanager
         async def _cm():
             s = await anyio.to_thread.run_sync(lambda: cls._load(
                 model, backend=backend, device=device, n_gpu_layers=n_gpu_layers, n_ctx=n_ctx,
                 filename=filename, kv_cache_tokens=kv_cache_tokens,
                 max_batch_tokens=max_batch_tokens, max_seqs=max_seqs, max_queued_requests=max_queued_requests,
-                fusion=fusion, progress=progress, weight_cache=weight_cache))
+                fusion=fusion, progress=progress, weight_cache=weight_cache,
+                prompt_cache_dir=_prompt_dir(prompt_cache, prompt_cache_dir, weight_cache),
+                prompt_cache_bytes=prompt_cache_bytes))
             s.template_limits = template_limits
             try:
                 yield s
@@ -154,17 +173,18 @@ class Session:
         return self.engine.health()
 
     async def _prompt_ids_off_loop(self, prompt, messages, tools: ToolPlan | None = None,
-                                   template_kwargs: dict | None = None) -> list[int]:
+                                   template_kwargs: dict | None = None, generation_prompt: bool = True) -> list[int]:
         """Chat templates (their rendering time is the file's, not ours) and long prompts are
         prepared in a worker thread, so the application's event loop keeps running."""
         big = messages is not None or (isinstance(prompt, str) and len(prompt) > OFF_LOOP_CHARS) or \
             (isinstance(prompt, (list, tuple, np.ndarray)) and len(prompt) > OFF_LOOP_CHARS)
         if big:
-            return await anyio.to_thread.run_sync(self._prompt_ids, prompt, messages, tools, template_kwargs)
-        return self._prompt_ids(prompt, messages, tools, template_kwargs)
+            return await anyio.to_thread.run_sync(self._prompt_ids, prompt, messages, tools, template_kwargs,
+                                                  generation_prompt)
+        return self._prompt_ids(prompt, messages, tools, template_kwargs, generation_prompt)
 
     def _prompt_ids(self, prompt, messages, tools: ToolPlan | None = None,
-                    template_kwargs: dict | None = None) -> list[int]:
+                    template_kwargs: dict | None = None, generation_prompt: bool = True) -> list[int]:
         tok = self.model.tokenizer
         if (prompt is None) == (messages is None):
             raise InvalidRequestError("pass exactly one of prompt or messages=")
@@ -183,7 +203,7 @@ class Session:
             messages, extra = tools.chat(messages, self.model.chat_template) if tools else (messages, {})
             extra = {**(template_kwargs or {}), **extra}
             return encode_chat(tok, self.model.chat_template, messages, limits=self.template_limits,
-                               max_chars=max_chars, **extra)
+                               max_chars=max_chars, add_generation_prompt=generation_prompt, **extra)
         if isinstance(prompt, str):
             if len(prompt) > max_chars:
                 raise ContextLengthError(f"the prompt has {len(prompt)} characters: more than a context of "
@@ -373,9 +393,30 @@ class Session:
         ids = await self._prompt_ids_off_loop(prompt, None)
         if len(ids) < 2:
             raise InvalidRequestError("scoring needs a prompt of at least two tokens")
+        req = await self._run_prompt_only(ids, prompt_logprobs=0)
+        return np.array([lp for lp, _ in req.prompt_lps], np.float64)
+
+    async def cache_prefix(self, prompt: str | Sequence[int] | None = None, *,
+                           messages: list[dict] | None = None) -> int:
+        """Compute a prefix's KV now and persist it in the prompt cache (see Session.open's
+        prompt_cache): a later prompt, in this process or another, that begins with it takes
+        those blocks instead of computing them. For `messages=`, the prefix is the rendered
+        chat up to the end of the last message (no generation prompt). Returns the tokens
+        written to disk: whole KV blocks of the prefix (0 with no prompt cache, where the
+        prefix is only held in memory as any prompt's is)."""
+        if self._closed:
+            raise SessionClosedError("the session is closed")
+        if not self.model.causal:
+            raise InvalidRequestError("this model is an encoder: it keeps no KV to cache")
+        ids = await self._prompt_ids_off_loop(prompt, messages, generation_prompt=False)
+        req = await self._run_prompt_only(ids, persist=True)
+        return req.persisted
+
+    async def _run_prompt_only(self, ids: list[int], **fields) -> Request:
+        """Run a request that computes the prompt and generates nothing; returns it finished."""
         chan = Channel(loop_waker())
         req = Request(prompt=ids, params=SamplingParams(temperature=0.0), max_tokens=0, on_token=_no_token,
-                      on_finish=lambda reason, err: chan.put((reason, err)), prompt_logprobs=0)
+                      on_finish=lambda reason, err: chan.put((reason, err)), **fields)
         self.engine.submit(req)
         try:
             (reason, err), = await chan.get_all()
@@ -385,8 +426,8 @@ class Session:
             raise err
         if reason != "stop":
             raise SessionClosedError("the session was closed while the request ran") if reason == "closed" \
-                else HearthError(f"the scoring request ended with {reason!r}")
-        return np.array([lp for lp, _ in req.prompt_lps], np.float64)
+                else HearthError(f"the request ended with {reason!r}")
+        return req
 
     async def _stream(self, prompt, *, messages=None, max_tokens: int | None = None,
                       stop: str | Sequence[str] | None = None, timeout: float | None = None,
