@@ -47,6 +47,7 @@ class Batcher:
 
     def preempt(self, req: Request) -> None:
         self.memory.release(req)
+        req.draft = []
         req.n_preempted += 1
         req.pooled = None  # an embedding pools what is computed: it starts again with it
 
@@ -57,6 +58,8 @@ class Batcher:
             budget = min(budget, self._pool_left)
         if req.prompt_logprobs is not None and req.n_computed < len(req.prompt) - 1:
             budget = min(budget, SCORED_TOKENS_PER_STEP)
+        if req.draft and req.n_wanted > budget:  # a draft is cut to the budget (verified whole or not at all)
+            del req.draft[max(budget - 1, 0):]
         return min(req.n_wanted, budget, self.memory.chunk_end(req) - req.n_computed)
 
     def plan(self, running: list[Request], waiting: deque[Request]) -> StepPlan:
@@ -67,7 +70,7 @@ class Batcher:
         seqs: list[Scheduled] = []
         preempted: list[Request] = []
         # decode first (wanting one token), then prompt chunks already under way
-        for req in sorted(running, key=lambda r: (r.n_wanted > 1, r.arrival)):
+        for req in sorted(running, key=lambda r: (r.n_wanted > 1 + len(r.draft), r.arrival)):
             if req in preempted or budget == 0:
                 continue
             take = self._take(req, budget)
@@ -84,7 +87,7 @@ class Batcher:
                     break
             if req in preempted:
                 continue
-            seqs.append(Scheduled(req, take, req.n_computed + take == len(req.tokens)))
+            seqs.append(Scheduled(req, take, req.n_computed + take == req.n_total))
             budget -= take
             self._pool_left -= take if req.pooling else 0
         for req in preempted:
@@ -103,7 +106,7 @@ class Batcher:
                 break
             waiting.popleft()
             running.append(req)
-            seqs.append(Scheduled(req, take, req.n_computed + take == len(req.tokens)))
+            seqs.append(Scheduled(req, take, req.n_computed + take == req.n_total))
             budget -= take
             self._pool_left -= take if req.pooling else 0
         return StepPlan(seqs, preempted)

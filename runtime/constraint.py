@@ -128,6 +128,10 @@ class Matcher:
             raise GrammarError(f"the grammar rejected its own forced tokens: {self.m.get_error()}")
         return ff
 
+    def valid_prefix(self, tokens: list[int]) -> int:
+        """How many of these tokens (a draft) the grammar would take in a row from here."""
+        return self.m.validate_tokens(tokens) if tokens else 0
+
     @property
     def done(self) -> bool:
         """Complete: only end-of-generation may follow."""
@@ -155,20 +159,29 @@ class MaskWorker:
         self.n_masks = 0
         self._lock = threading.Lock()
 
-    def start(self, matchers: list[Matcher]) -> Future | None:
+    def start(self, matchers: list[Matcher], drafts: list[list[int]] | None = None) -> Future | None:
         if not matchers:
             return None
-        return self._pool.submit(self._fill, matchers)
+        return self._pool.submit(self._fill, matchers, drafts or [[] for _ in matchers])
 
-    def _fill(self, matchers: list[Matcher]) -> np.ndarray:
-        """(len(matchers), n_vocab) bool: the allowed tokens, unpacked here, off the engine's path."""
+    def _fill(self, matchers: list[Matcher], drafts: list[list[int]]) -> np.ndarray:
+        """(rows, n_vocab) bool: the allowed tokens, unpacked here, off the engine's path; per
+        matcher one row, and one more after each token of its draft (validated when drafted:
+        taken on here and rolled back)."""
         t0 = time.perf_counter()
-        masks = np.zeros((len(matchers), self.words), np.int32)
-        llg_np.fill_next_token_bitmask_par(self._llexec, [(m.m, i) for i, m in enumerate(matchers)], masks)
+        at = np.cumsum([0] + [1 + len(d) for d in drafts])
+        masks = np.zeros((at[-1], self.words), np.int32)
+        llg_np.fill_next_token_bitmask_par(self._llexec, [(m.m, int(at[i])) for i, m in enumerate(matchers)], masks)
+        for i, (m, d) in enumerate(zip(matchers, drafts)):
+            for j, t in enumerate(d):
+                m.m.consume_token(t)
+                llg_np.fill_next_token_bitmask(m.m, masks, int(at[i]) + 1 + j)
+            if d:
+                m.m.rollback(len(d))
         masks = np.unpackbits(masks.view(np.uint8), axis=1, bitorder="little", count=self.n_vocab).view(bool)
         with self._lock:
             self.compute_s += time.perf_counter() - t0
-            self.n_masks += len(matchers)
+            self.n_masks += len(masks)
         return masks
 
     def join(self, job: Future | None) -> np.ndarray | None:

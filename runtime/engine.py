@@ -26,7 +26,7 @@ from hearthlm.runtime.placement import Placement
 from hearthlm.runtime.prompt_cache import PromptCache
 from hearthlm.runtime.request import Request
 from hearthlm.runtime.seq_memory import SequenceMemory, StateCache
-from hearthlm.runtime.sampling import log_softmax_rows, sample, steer, top_logprobs
+from hearthlm.runtime.sampling import log_softmax_rows, sample, steer, top_logprobs, verify
 from hearthlm.runtime.threads import ThreadTuner
 
 log = get_logger("hearthlm.engine")
@@ -86,6 +86,11 @@ def _out_row(s) -> bool:
 
 
 def _scored(s) -> range:
+def _n_out(s) -> int:
+    """Output rows this step computes for the request: its last token's, and one per draft token."""
+    return (1 + len(s.req.draft)) if _out_row(s) else 0
+
+
     """Positions of this chunk whose logits score the next prompt token (prompt_logprobs)."""
     r = s.req
     if r.prompt_logprobs is None:
@@ -157,7 +162,7 @@ class Engine:
         self._failed: HearthError | None = None  # set when the loop itself broke: nothing runs any more
         self._thread: threading.Thread | None = None
         self.counters = dict(steps=0, tokens_computed=0, tokens_generated=0, step_time_s=0.0,
-                             preemptions=0)
+                             preemptions=0, spec_drafted_tokens=0, spec_accepted_tokens=0)
         self._ttft: deque[float] = deque(maxlen=1000)
         self._masks: MaskWorker | None = None  # started with the first constrained request
         # the host backend's worker threads, chosen per step shape by measuring (runtime.threads)
@@ -192,6 +197,9 @@ class Engine:
             raise ContextLengthError(f"prompt ({n} tokens) + max_tokens ({req.max_tokens}) exceeds the "
                                      f"context of {self.n_ctx} tokens")
         bad = [t for t in req.prompt if not 0 <= t < self.model.n_vocab]
+        if req.spec is not None and (self.memory.hybrid or not self.causal):
+            raise InvalidRequestError("speculative decoding needs a model whose layers all keep a KV cache: "
+                                      "a recurrent state cannot be rolled back past rejected drafts")
         if bad:
             raise InvalidRequestError(f"token id {bad[0]} is outside the vocabulary (0..{self.model.n_vocab - 1})")
         with self._cv:
@@ -299,9 +307,22 @@ class Engine:
                 log.exception("on_finish callback failed", request=req.id)
 
     def step(self) -> None:
+    def _draft(self) -> None:
+        """Draft tokens for the speculating requests that are decoding (their last token is the
+        only one left to compute); a grammar keeps only the prefix it accepts."""
+        for r in self.running:
+            if r.spec is None or r.n_wanted != 1 or r.draft:
+                continue
+            room = min(r.max_tokens - r.n_generated, self.n_ctx - len(r.tokens)) - 1
+            d = r.spec.propose(r.tokens, room)
+            if d and r.matcher is not None:
+                d = d[:r.matcher.valid_prefix(d)]
+            r.draft = d
+
         """plan -> graph -> dispatch -> sample -> update."""
         t0 = time.perf_counter()
         try:
+        self._draft()
             plan = self.batcher.plan(self.running, self.waiting)
         except Exception as e:  # which request caused it is unknown: fail all it considered
             log.exception("engine planning failed")
@@ -318,7 +339,8 @@ class Engine:
             constrained = [s.req for s in plan.seqs if s.wants_logits and s.req.matcher is not None]
             if constrained and self._masks is None:
                 self._masks = MaskWorker(self.model.n_vocab)
-            job = self._masks.start([r.matcher for r in constrained]) if constrained else None
+            job = self._masks.start([r.matcher for r in constrained], [r.draft for r in constrained]) \
+                if constrained else None
             try:
                 cg = self._graph(shape)
                 n_threads = self.threads.pick(shape)
@@ -333,8 +355,9 @@ class Engine:
             # counted before _update wakes the callers, so their stats() see this step
             self.counters["steps"] += 1
             self.counters["tokens_computed"] += plan.n_tokens
-            self._update(plan, outs[0], dict(zip(map(id, constrained), masks)) if job else {},
-                         outs[1] if shape.embd else None)
+            at = np.cumsum([0] + [1 + len(r.draft) for r in constrained])  # each one's mask rows
+            self._update(plan, outs[0], {id(r): masks[at[i]:at[i + 1]] for i, r in enumerate(constrained)}
+                         if job else {}, outs[1] if shape.embd else None)
         except Exception as e:  # a bug or a kernel failure: fail this batch, keep serving
             log.exception("engine step failed")
             err = e if isinstance(e, HearthError) else HearthError(f"engine step failed: {type(e).__name__}: {e}")
@@ -352,7 +375,7 @@ class Engine:
         sequence row (the scratch block), or row 0 when the rows are full: harmless reads;
         padding output rows repeat row 0 and are ignored."""
         bs = self.kv.block_size
-        out_wanted = sum(len(_scored(s)) + _out_row(s) for s in plan.seqs)
+        out_wanted = sum(len(_scored(s)) + _n_out(s) for s in plan.seqs)
         need = max(-(-(s.req.n_computed + s.n_tokens) // bs) for s in plan.seqs)
         shape = self._shape(n_tokens=plan.n_tokens, n_seqs=len(plan.seqs), n_out=out_wanted, need_blocks=need,
                             embd=any(s.req.pooling and s.req.pooling != "rank" for s in plan.seqs))
@@ -369,7 +392,7 @@ class Engine:
             r, k = s.req, s.n_tokens
             p = np.arange(r.n_computed, r.n_computed + k, dtype=np.int32)
             blocks = np.asarray(r.blocks[:width], np.int32)
-            tokens[off:off + k] = r.tokens[r.n_computed:r.n_computed + k]
+            tokens[off:off + k] = (r.tokens + r.draft if r.draft else r.tokens)[r.n_computed:r.n_computed + k]
             pos[off:off + k] = p
             tok_seq[off:off + k] = i
             slots[off:off + k] = blocks[p // bs] * bs + p % bs
@@ -377,8 +400,9 @@ class Engine:
             seq_off[i], state_slot[i] = off, r.state_slot or 0
             seq_len[off:off + k] = r.n_computed + k
             out_rows.extend(off + q - r.n_computed for q in _scored(s))
-            if _out_row(s):  # a reranking encoder scores its first ([CLS]) token, a decoder its last
-                out_rows.append(off if r.pooling == "rank" and not self.causal else off + k - 1)
+            if _out_row(s):  # a reranking encoder scores its first ([CLS]) token, a decoder its last (and drafts')
+                out_rows.extend([off] if r.pooling == "rank" and not self.causal
+                                else range(off + k - 1 - len(r.draft), off + k))
             off += k
         feed = dict(tokens=tokens, pos=pos, tok_seq=tok_seq, slots=slots, block_table=block_table,
                     seq_off=seq_off, state_slot=state_slot, seq_len=seq_len,
@@ -405,7 +429,6 @@ class Engine:
     def _update(self, plan: StepPlan, logits: np.ndarray, masks: dict[int, np.ndarray],
                 hidden: np.ndarray | None = None) -> None:
         row = off = 0
-        eog = self.model.eog_ids
         now = time.perf_counter()
         for s in plan.seqs:
             r, first = s.req, off
@@ -414,7 +437,8 @@ class Engine:
             if scored:
                 self._score_prompt(r, scored, logits[row:row + len(scored)])
                 row += len(scored)
-            r.n_computed += s.n_tokens
+            drafted = len(r.draft)
+            r.n_computed += s.n_tokens - drafted  # a draft's rows count once they are kept
             if r.pooling == "rank":  # a reranker's score: the head's output at the scored row
                 if s.wants_logits:
                     r.pooled = np.array(logits[row], np.float64)
@@ -432,14 +456,31 @@ class Engine:
                     r.persisted = self.memory.persist(r)
                 self._finish(r, "stop")
                 continue
-            lg = logits[row]
-            row += 1
-            p = r.params
+            self.counters["spec_drafted_tokens"] += drafted  # counted before callers are woken
+            kept = self._emit(r, logits[row:row + 1 + drafted], masks.get(id(r)), now)
+            row += 1 + drafted
+            if drafted:
+                r.spec.feedback(drafted, max(kept, 0))
+                r.draft = []
+                if kept > 0:
+                    self.memory.after_step(r)
+
+    def _emit(self, r: Request, rows: np.ndarray, masks: np.ndarray | None, now: float) -> int:
+        """Sample the request's next token from rows[0], or, where it drafted, verify its draft
+        along the rows (row j follows draft token j-1) and emit the tokens kept plus the one the
+        target chose after them. Returns the draft tokens kept (-1: the request finished)."""
+        p, eog, draft = r.params, self.model.eog_ids, r.draft
+        for j in range(len(rows)):
             try:
-                lg = steer(lg, p, r.n_generated, eog)
+                lg = steer(rows[j], p, r.n_generated, eog)
                 if r.matcher is not None:
-                    lg = r.matcher.apply(lg, masks[id(r)])
-                tok = sample(lg, p, r.rng, r.counts if r.counts is not None else ())
+                    lg = r.matcher.apply(lg, masks[j])
+                history = r.counts if r.counts is not None else ()
+                if j < len(draft):
+                    tok, ok = verify(lg, p, r.rng, history, draft[j])
+                    self.counters["spec_accepted_tokens"] += ok  # counted before callers are woken
+                else:
+                    tok, ok = sample(lg, p, r.rng, history), False
                 tlp = top_logprobs(lg, p.top_logprobs, tok) if p.top_logprobs else None
                 ff = []  # tokens the grammar (or a reasoning budget) forces after tok: fed next step, unsampled
                 room = min(r.max_tokens - r.n_generated, self.n_ctx - len(r.tokens)) - 1
@@ -451,16 +492,16 @@ class Engine:
                     ff = r.think.after(tok)[:room]
             except GrammarError as e:  # this request's grammar, not its neighbours'
                 self._finish(r, "error", e)
-                continue
+                return -1
             except Exception as e:  # this request's sampling, not its neighbours'
                 self._finish(r, "error", HearthError(f"sampling failed: {type(e).__name__}: {e}"))
-                continue
+                return -1
             if r.first_token_at is None:
                 r.first_token_at = now
                 self._ttft.append(now - r.arrival)
             if (tok in eog and not p.ignore_eos) or tok in p.stop_token_ids:
                 self._finish(r, "stop")
-                continue
+                return -1
             try:
                 for t, lp in [(tok, tlp), *((t, None) for t in ff)]:
                     r.append(t)
@@ -469,12 +510,18 @@ class Engine:
                     r.on_token(t, lp)
             except Exception as e:  # the caller's callback fails its own request only
                 self._finish(r, "error", HearthError(f"token callback failed: {type(e).__name__}: {e}"))
-                continue
+                return -1
             if r.matcher is not None and r.matcher.done:  # only end-of-generation could follow
                 self._finish(r, "stop")
-            elif r.n_generated >= r.max_tokens or len(r.tokens) >= self.n_ctx:
+                return -1
+            if r.n_generated >= r.max_tokens or len(r.tokens) >= self.n_ctx:
                 self._finish(r, "length")
 
+                return -1
+            if not ok or ff:  # the target chose otherwise (or forced tokens come next): the rest is dropped
+                return j
+            r.n_computed += 1  # the kept draft token's K/V were computed in this step
+        return len(draft)
     @staticmethod
     def _score_prompt(r: Request, positions: range, logits: np.ndarray) -> None:
         """Row j predicts the prompt token after position positions[j]: its log-prob (and the k

@@ -8,6 +8,7 @@ from typing import Any, Callable, Optional
 import numpy as np
 
 from hearthlm.runtime.sampling import SamplingParams, TokenCounts, penalized
+from hearthlm.runtime.speculative import NgramDrafter
 
 _ids = itertools.count(1)
 
@@ -79,6 +80,8 @@ class Request:
     prompt_logprobs: int | None = None
     prompt_lps: list = field(default_factory=list)
     think: ThinkBudget | None = None  # reasoning_budget, where one is set
+    spec: Any = None  # runtime.speculative.NgramDrafter, where the request speculates
+    draft: list[int] = field(default_factory=list)  # this step's draft tokens, computed after `tokens`
     persist: bool = False  # a prefix to write to the prompt cache once computed (Session.cache_prefix)
     persisted: int = 0     # the tokens it wrote
 
@@ -87,6 +90,8 @@ class Request:
         self.rng = np.random.default_rng(self.params.seed)
         if penalized(self.params):
             self.counts = TokenCounts(self.tokens)
+        if self.params.speculative == "ngram":
+            self.spec = NgramDrafter()
 
     def append(self, t: int) -> None:
         """A generated token."""
@@ -95,5 +100,10 @@ class Request:
             self.counts.add(t)
 
     @property
+    def n_total(self) -> int:
+        """Tokens to have computed at the end of this step's work: the tokens and any draft."""
+        return len(self.tokens) + len(self.draft)
+
+    @property
     def n_wanted(self) -> int:
-        return len(self.tokens) - self.n_computed
+        return self.n_total - self.n_computed

@@ -10,6 +10,9 @@ import numpy as np
 from hearthlm.runtime.errors import InvalidRequestError
 
 
+SPECULATIVE = (None, "ngram")
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     temperature: float = 0.8
@@ -26,6 +29,8 @@ class SamplingParams:
     min_tokens: int = 0             # no end-of-generation, stop token or stop string before this many
     # added to the logits before anything else (OpenAI's logit_bias); -inf bans a token
     logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)
+    # "ngram": prompt-lookup drafts verified in one forward pass (runtime.speculative); None: off
+    speculative: str | None = None
 
     def __post_init__(self) -> None:
         def number(name, v):
@@ -55,6 +60,9 @@ class SamplingParams:
         object.__setattr__(self, "logit_bias", bias)
         if isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, (int, np.integer)) or self.min_tokens < 0:
             raise InvalidRequestError(f"min_tokens must be an int >= 0, got {self.min_tokens!r}")
+        if self.speculative not in SPECULATIVE:
+            raise InvalidRequestError(f"speculative must be one of {', '.join(map(str, SPECULATIVE))}, "
+                                      f"got {self.speculative!r}"[:300])
         checks = [
             (math.isfinite(self.temperature), "temperature must be finite"),
             (self.seed is None or self.seed >= 0, "seed must be >= 0"),
@@ -162,11 +170,10 @@ def apply_penalties(logits: np.ndarray, p: SamplingParams, history) -> np.ndarra
     return logits
 
 
-def sample(logits: np.ndarray, p: SamplingParams, rng: np.random.Generator, history) -> int:
-    """logits (n_vocab,) float32 -> token id; history: what apply_penalties takes."""
+def distribution(logits: np.ndarray, p: SamplingParams, history) -> tuple[np.ndarray, np.ndarray]:
+    """(candidate ids, their probabilities) that sampling draws from: temperature, top_k, min_p
+    and top_p applied to the penalized logits. Not for greedy parameters."""
     logits = apply_penalties(logits, p, history)
-    if p.greedy:
-        return int(np.argmax(logits))
     # the max comes off before dividing: logits / 1e-310 would overflow to inf (inf - inf: NaN)
     z = logits.astype(np.float64)
     with np.errstate(over="ignore"):  # far below the max: -inf, a probability of 0
@@ -184,5 +191,35 @@ def sample(logits: np.ndarray, p: SamplingParams, rng: np.random.Generator, hist
     if p.top_p < 1.0:
         keep &= (np.cumsum(probs) - probs) < p.top_p  # smallest prefix reaching top_p
     keep[0] = True
-    probs = probs[keep] / probs[keep].sum()
-    return int(cand[keep][rng.choice(len(probs), p=probs)])
+    return cand[keep], probs[keep] / probs[keep].sum()
+
+
+def sample(logits: np.ndarray, p: SamplingParams, rng: np.random.Generator, history) -> int:
+    """logits (n_vocab,) float32 -> token id; history: what apply_penalties takes."""
+    if p.greedy:
+        return int(np.argmax(apply_penalties(logits, p, history)))
+    cand, probs = distribution(logits, p, history)
+    return int(cand[rng.choice(len(probs), p=probs)])
+
+
+def verify(logits: np.ndarray, p: SamplingParams, rng: np.random.Generator, history, draft: int) -> tuple[int, bool]:
+    """Speculative sampling of one position whose draft token came from a point-mass draft
+    (prompt lookup): (the token, whether it is the draft). The draft is kept with the target's
+    probability of it, else a token is drawn from the target with the draft taken out, so the
+    output follows the target distribution exactly (Leviathan et al.; llama.cpp and vLLM's
+    rejection sampler with q = one-hot). Greedy: kept where it is the argmax."""
+    if p.greedy:
+        tok = int(np.argmax(apply_penalties(logits, p, history)))
+        return tok, tok == draft
+    cand, probs = distribution(logits, p, history)
+    at = np.flatnonzero(cand == draft)
+    pd = float(probs[at[0]]) if len(at) else 0.0
+    if pd > 0.0 and rng.random() < pd:
+        return draft, True
+    if len(at):
+        if pd >= 1.0:  # only rounding can land here: nothing else has mass
+            return draft, True
+        probs = probs.copy()
+        probs[at[0]] = 0.0
+        probs /= probs.sum()
+    return int(cand[rng.choice(len(probs), p=probs)]), False

@@ -122,7 +122,7 @@ class SequenceMemory:
         """Where this request's next chunk must stop at the latest: for a hybrid model, the last
         block boundary of its prompt (a snapshot is taken there), else its end."""
         b = self._snapshot_boundary(req)
-        return b if b is not None and req.n_computed < b else len(req.tokens)
+        return b if b is not None and req.n_computed < b else req.n_total
 
     def release(self, req: Request) -> None:
         """Free the request's blocks and slot; it would recompute from scratch (prefix cache permitting)."""

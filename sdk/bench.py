@@ -51,6 +51,8 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--first-run", action="store_true",
                    help="with --startup: also one start with empty kernel and weight caches (as after install)")
     p.add_argument("--json-schema", default=None, metavar="FILE",
+    p.add_argument("--speculative", default=None, choices=["ngram"],
+                   help="decode tok/s with and without speculation, on a code rewrite and on free text")
                    help="aggregate tokens/s constrained by this JSON schema vs unconstrained, same prompts, at the "
                         "--concurrency levels (default 1,16); pick a schema whose outputs outrun --decode-tokens")
 
@@ -420,6 +422,14 @@ def run_bench(a) -> None:
     rows = _with_load(a, lambda: _single_rows(a)) if a.competing_load else _single_rows(a)
     if a.json:
         print(json.dumps(rows, indent=2))
+        return
+    if a.speculative:
+        from hearthlm.spec_bench import run as run_spec
+        rows = run_spec(a)
+        if a.json:
+            print(json.dumps(rows, indent=2))
+            return
+        _print_pairs(f"model: {a.model}  speculative: {a.speculative}  {a.decode_tokens} tokens", rows, ".3f")
         return
     cols = ["engine", "backend", "load_s", "ttft_s", "prefill_tok_s", "decode_tok_s", "peak_rss_mb", "mb_per_token",
             "roofline"]
