@@ -85,12 +85,12 @@ def _out_row(s) -> bool:
     return s.wants_logits and (s.req.pooling == "rank" or (not s.req.pooling and s.req.max_tokens > 0))
 
 
-def _scored(s) -> range:
 def _n_out(s) -> int:
     """Output rows this step computes for the request: its last token's, and one per draft token."""
     return (1 + len(s.req.draft)) if _out_row(s) else 0
 
 
+def _scored(s) -> range:
     """Positions of this chunk whose logits score the next prompt token (prompt_logprobs)."""
     r = s.req
     if r.prompt_logprobs is None:
@@ -196,10 +196,10 @@ class Engine:
         if n + req.max_tokens > self.n_ctx:
             raise ContextLengthError(f"prompt ({n} tokens) + max_tokens ({req.max_tokens}) exceeds the "
                                      f"context of {self.n_ctx} tokens")
-        bad = [t for t in req.prompt if not 0 <= t < self.model.n_vocab]
         if req.spec is not None and (self.memory.hybrid or not self.causal):
             raise InvalidRequestError("speculative decoding needs a model whose layers all keep a KV cache: "
                                       "a recurrent state cannot be rolled back past rejected drafts")
+        bad = [t for t in req.prompt if not 0 <= t < self.model.n_vocab]
         if bad:
             raise InvalidRequestError(f"token id {bad[0]} is outside the vocabulary (0..{self.model.n_vocab - 1})")
         with self._cv:
@@ -306,7 +306,6 @@ class Engine:
             except Exception:  # the caller's callback: the request is finished all the same
                 log.exception("on_finish callback failed", request=req.id)
 
-    def step(self) -> None:
     def _draft(self) -> None:
         """Draft tokens for the speculating requests that are decoding (their last token is the
         only one left to compute); a grammar keeps only the prefix it accepts."""
@@ -319,10 +318,11 @@ class Engine:
                 d = d[:r.matcher.valid_prefix(d)]
             r.draft = d
 
+    def step(self) -> None:
         """plan -> graph -> dispatch -> sample -> update."""
         t0 = time.perf_counter()
-        try:
         self._draft()
+        try:
             plan = self.batcher.plan(self.running, self.waiting)
         except Exception as e:  # which request caused it is unknown: fail all it considered
             log.exception("engine planning failed")
@@ -516,12 +516,12 @@ class Engine:
                 return -1
             if r.n_generated >= r.max_tokens or len(r.tokens) >= self.n_ctx:
                 self._finish(r, "length")
-
                 return -1
             if not ok or ff:  # the target chose otherwise (or forced tokens come next): the rest is dropped
                 return j
             r.n_computed += 1  # the kept draft token's K/V were computed in this step
         return len(draft)
+
     @staticmethod
     def _score_prompt(r: Request, positions: range, logits: np.ndarray) -> None:
         """Row j predicts the prompt token after position positions[j]: its log-prob (and the k

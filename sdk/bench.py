@@ -50,9 +50,9 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
                    help="embedding texts/s at batch 1 and 32 (an encoder, or a decoder's embeddings)")
     p.add_argument("--first-run", action="store_true",
                    help="with --startup: also one start with empty kernel and weight caches (as after install)")
-    p.add_argument("--json-schema", default=None, metavar="FILE",
     p.add_argument("--speculative", default=None, choices=["ngram"],
                    help="decode tok/s with and without speculation, on a code rewrite and on free text")
+    p.add_argument("--json-schema", default=None, metavar="FILE",
                    help="aggregate tokens/s constrained by this JSON schema vs unconstrained, same prompts, at the "
                         "--concurrency levels (default 1,16); pick a schema whose outputs outrun --decode-tokens")
 
@@ -397,6 +397,14 @@ def run_bench(a) -> None:
         else:
             print_rows(rows, f"model: {a.model}  startup: medians of {a.repeat} fresh processes, 1 token each")
         return
+    if a.speculative:
+        from hearthlm.spec_bench import run as run_spec
+        rows = run_spec(a)
+        if a.json:
+            print(json.dumps(rows, indent=2))
+            return
+        _print_pairs(f"model: {a.model}  speculative: {a.speculative}  {a.decode_tokens} tokens", rows, ".3f")
+        return
     if a.json_schema:
         rows = anyio.run(_bench_json_schema, a)
         if a.json:
@@ -422,14 +430,6 @@ def run_bench(a) -> None:
     rows = _with_load(a, lambda: _single_rows(a)) if a.competing_load else _single_rows(a)
     if a.json:
         print(json.dumps(rows, indent=2))
-        return
-    if a.speculative:
-        from hearthlm.spec_bench import run as run_spec
-        rows = run_spec(a)
-        if a.json:
-            print(json.dumps(rows, indent=2))
-            return
-        _print_pairs(f"model: {a.model}  speculative: {a.speculative}  {a.decode_tokens} tokens", rows, ".3f")
         return
     cols = ["engine", "backend", "load_s", "ttft_s", "prefill_tok_s", "decode_tok_s", "peak_rss_mb", "mb_per_token",
             "roofline"]

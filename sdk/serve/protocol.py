@@ -41,13 +41,14 @@ class _Sampling(_Body):
     repeat_penalty: float | None = None  # llama-server's name
     min_tokens: int | None = None
     ignore_eos: bool | None = None
+    speculative: str | None = None  # "ngram": prompt-lookup speculative decoding
 
     def session_kwargs(self, tokenizer=None) -> dict[str, Any]:
         """Keyword arguments for Session.stream/generate; None means the Session's default."""
         kw = dict(max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p, seed=self.seed,
                   stop=self.stop, frequency_penalty=self.frequency_penalty, presence_penalty=self.presence_penalty,
                   top_k=self.top_k, min_p=self.min_p, min_tokens=self.min_tokens, ignore_eos=self.ignore_eos,
-                  repetition_penalty=self.repetition_penalty if self.repetition_penalty is not None
+                  speculative=self.speculative, repetition_penalty=self.repetition_penalty if self.repetition_penalty is not None
                   else self.repeat_penalty)
         if self.logit_bias:
             kw["logit_bias"] = logit_bias(self.logit_bias, tokenizer)
