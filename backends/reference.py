@@ -9,6 +9,7 @@ from gguf import GGMLQuantizationType as T
 from gguf import quants
 
 from hearthlm.backends.base import Backend
+from hearthlm.runtime import kv_types
 from hearthlm.runtime.errors import UnsupportedModelError
 from hearthlm.runtime.graph import Op, attn_bounds
 from hearthlm.runtime.weights import QWeight
@@ -24,6 +25,29 @@ def dequantize(w: QWeight) -> np.ndarray:
         return np.asarray(quants.dequantize(w.raw, T(w.ggml_type)), np.float32).reshape(w.shape)
     except NotImplementedError as e:
         raise UnsupportedModelError(f"{w.name}: weight type {T(w.ggml_type).name} is not supported") from e
+
+
+_KV_QUANT = {"q8_0": T.Q8_0, "q4_0": T.Q4_0}
+
+
+def kv_values(rows: np.ndarray) -> np.ndarray:
+    """Rows of a KV cache as their values: a quantized cache's blocks dequantized by gguf.quants
+    (ggml's dequantize_row_q8_0 / q4_0), float ones as they are."""
+    q = kv_types.quant_of(rows)
+    if q is None:
+        return rows
+    if rows.size == 0:  # gguf.quants cannot reshape no blocks
+        return np.zeros((*rows.shape[:-1], kv_types.head_dim(rows)), np.float32)
+    return np.asarray(quants.dequantize(rows.view(np.uint8), _KV_QUANT[q]), np.float32)
+
+
+def kv_encode(cache: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """x (n, h, d) as rows of `cache`: ggml's quantize_row_q8_0_ref / q4_0_ref (gguf.quants) for
+    a quantized cache, else cast to its element type."""
+    q = kv_types.quant_of(cache)
+    if q is None:
+        return x.astype(cache.dtype)
+    return quants.quantize(np.ascontiguousarray(x, np.float32), _KV_QUANT[q]).view(cache.dtype)
 
 
 def rms_norm(x: np.ndarray, eps: float) -> np.ndarray:
@@ -68,30 +92,32 @@ def _rope(n, x, pos):
 
 def attention(q, k_cache, v_cache, tok_seq, tok_pos, block_table, seq_len=None, *, scale, block_size, window,
               softcap=0.0, causal=True):
-    """q (n_tokens, n_head, d); caches (n_slots, n_head_kv, d). Each token attends to its
-    sequence's positions [lo, hi] (attn_bounds) through the block table. Returns (n_tokens, n_head*d)."""
+    """q (n_tokens, n_head, d); caches (n_slots, n_head_kv, d), or quantized (kv_types). Each
+    token attends to its sequence's positions [lo, hi] (attn_bounds) through the block table.
+    Returns (n_tokens, n_head*d)."""
     n_tokens, n_head, _ = q.shape
     group = n_head // k_cache.shape[1]
-    out = np.zeros((n_tokens, n_head, v_cache.shape[2]), np.float32)
+    dv = kv_types.head_dim(v_cache)
+    out = np.zeros((n_tokens, n_head, dv), np.float32)
     los, his = attn_bounds(tok_pos.astype(np.int64), None if causal else seq_len.astype(np.int64), window, causal)
     for t in range(n_tokens):
         p = np.arange(los[t], his[t] + 1)
         slots = block_table[tok_seq[t], p // block_size] * block_size + p % block_size
-        k = np.repeat(k_cache[slots], group, axis=1)  # (n_kv, n_head, d)
-        v = np.repeat(v_cache[slots], group, axis=1)
+        k = np.repeat(kv_values(k_cache[slots]), group, axis=1)  # (n_kv, n_head, d)
+        v = np.repeat(kv_values(v_cache[slots]), group, axis=1)
         s = np.einsum("hd,khd->hk", q[t].astype(np.float64), k) * scale
         if softcap:
             s = softcap * np.tanh(s / softcap)
         s = np.exp(s - s.max(axis=1, keepdims=True))
         s /= s.sum(axis=1, keepdims=True)
         out[t] = np.einsum("hk,khd->hd", s, v)
-    return out.reshape(n_tokens, n_head * v_cache.shape[2])  # -1 cannot size 0 tokens
+    return out.reshape(n_tokens, n_head * dv)  # -1 cannot size 0 tokens
 
 
 def gather_kv(cache, block_table, block_size):
     """(n_slots, h, d) through (n_seqs, mb) -> (n_seqs, mb*block_size, h, d)."""
     slots = (block_table[:, :, None] * block_size + np.arange(block_size)).reshape(len(block_table), -1)
-    return cache[slots]
+    return kv_values(cache[slots])
 
 
 def kq(q, k, tok_seq):
@@ -250,7 +276,7 @@ def _delta_chunked(s, q, k, v, g, beta):
 
 
 def _set_rows(node, cache, src, slots):
-    cache[slots] = src.reshape(len(slots), *cache.shape[1:])
+    cache[slots] = kv_encode(cache, src.reshape(len(slots), cache.shape[1], kv_types.head_dim(cache)))
     return cache
 
 

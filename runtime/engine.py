@@ -20,7 +20,8 @@ from hearthlm.runtime.dispatch import CompiledGraph, execute
 from hearthlm.runtime.errors import (ContextLengthError, EngineFailedError, HearthError, InvalidRequestError,
                                      QueueFull, SessionClosedError)
 from hearthlm.runtime.graph_cache import FINE_UP_TO, GraphCache, bucket
-from hearthlm.runtime.kv_cache import KVCache
+from hearthlm.runtime import kv_types
+from hearthlm.runtime.kv_cache import KVCache, kv_layout
 from hearthlm.runtime.log import get_logger
 from hearthlm.runtime.placement import Placement
 from hearthlm.runtime.prompt_cache import PromptCache
@@ -56,13 +57,13 @@ def _release_blas_control() -> None:
     if ctl is not None and hasattr(ctl, "clear_controlling_thread"):
         ctl.clear_controlling_thread()
 def _check_kv_fits(kv_dims: list[tuple[int, int]], n_slots: int, placement: Placement,
-                   state_dims: list[dict] | None = None, n_state: int = 0) -> None:
+                   state_dims: list[dict] | None = None, n_state: int = 0, kv_type: str = "f16") -> None:
     """Refuse at open a KV cache (and recurrent state) that its backends cannot hold (a host's
     zeroed pages are only taken when written: it would fail much later, mid-generation, out of memory)."""
     need: dict[str, int] = {}
-    for il, ((h, d), name) in enumerate(zip(kv_dims, placement.layers)):
-        be = placement.backends[name]
-        need[name] = need.get(name, 0) + 2 * n_slots * h * d * np.dtype(be.kv_dtype).itemsize
+    layout = kv_layout(kv_type, kv_dims, [placement.backends[name] for name in placement.layers])
+    for il, ((row, dt), name) in enumerate(zip(layout, placement.layers)):
+        need[name] = need.get(name, 0) + 2 * n_slots * int(np.prod(row)) * dt.itemsize
         if state_dims:
             need[name] += n_state * StateCache.bytes_per_slot([state_dims[il]])
     for name, n in need.items():
@@ -104,7 +105,7 @@ class Engine:
                  block_size: int = 16, max_batch_tokens: int = 512, max_seqs: int = 64,
                  max_queued_requests: int = 1024, fusion: bool | None = None, graph_cache: bool = True,
                  weight_cache=None, state_snapshots: int = 8, prompt_cache_dir=None,
-                 prompt_cache_bytes: int = 1 << 30) -> None:
+                 prompt_cache_bytes: int = 1 << 30, kv_cache_type: str = "f16") -> None:
         """`model` provides build_graph(shape) -> Graph, weights, kv_dims, n_vocab, eog_ids.
         `placement`: a runtime.placement.Placement of layers over backends, or one backend
         (the trivial placement). `fusion`: None follows HEARTHLM_NO_FUSION; `graph_cache=False`
@@ -114,7 +115,7 @@ class Engine:
         slot per running sequence and `state_snapshots` slots of prefix states.
         `prompt_cache_dir`: where persisted prompt prefixes are kept (runtime.prompt_cache), at
         most prompt_cache_bytes of them, keyed by the model file (`model.file.identity()`) and
-        this cache's layout; None for none."""
+        this cache's layout; None for none. `kv_cache_type`: the K/V element type (runtime.kv_types)."""
         self.model = model
         self.n_ctx = n_ctx
         self.max_queued_requests = max_queued_requests
@@ -126,14 +127,14 @@ class Engine:
         state_dims = getattr(model, "state_dims", None)
         state_dims = state_dims if state_dims and any(state_dims) else None
         n_state = max_seqs + 1 + state_snapshots if state_dims else 0  # + the scratch slot
-        _check_kv_fits(model.kv_dims, n_blocks * block_size, self.placement, state_dims, n_state)
-        self.kv = KVCache(model.kv_dims, n_blocks, block_size, self.placement.layer_backends())
+        _check_kv_fits(model.kv_dims, n_blocks * block_size, self.placement, state_dims, n_state, kv_cache_type)
+        self.kv = KVCache(model.kv_dims, n_blocks, block_size, self.placement.layer_backends(), kv_cache_type)
         state = StateCache(state_dims, n_state, self.placement.layer_backends()) if state_dims else None
         prompts = None
         if prompt_cache_dir is not None:
             key = dict(model=model.file.identity(), block_size=block_size, state=state_dims,
-                       kv=[[be.name, np.dtype(be.kv_dtype).str, h, d]
-                           for be, (h, d) in zip(self.placement.layer_backends(), model.kv_dims)])
+                       kv=[[be.name, kv_types.name_of(k), h, d]  # q8_0 and f16 files never mix
+                           for be, k, (h, d) in zip(self.placement.layer_backends(), self.kv.k, model.kv_dims)])
             prompts = PromptCache(prompt_cache_dir, key, block_size=block_size, hybrid=state is not None,
                                   max_bytes=prompt_cache_bytes)
         self.memory = SequenceMemory(self.kv, state, n_snapshots=state_snapshots if state_dims else 0,

@@ -8,6 +8,8 @@ from collections import OrderedDict
 import numpy as np
 
 from hearthlm.backends.base import Backend
+from hearthlm.runtime import kv_types
+from hearthlm.runtime.errors import InvalidRequestError
 from hearthlm.runtime.graph import Tensor
 
 
@@ -73,20 +75,33 @@ def block_hash(parent: int | None, tokens) -> int:
     return hash((parent, tuple(tokens)))
 
 
+def kv_layout(kv_type: str, kv_dims: list[tuple[int, int]], backends: list[Backend]):
+    """Per layer, the (per-slot shape, dtype) of its K and V caches; InvalidRequestError for a
+    type that cannot hold them (runtime.kv_types)."""
+    why = kv_types.check(kv_type, kv_dims)
+    if why:
+        raise InvalidRequestError(why)
+    return [kv_types.storage(kv_type, be.kv_dtype, h, d) for be, (h, d) in zip(backends, kv_dims)]
+
+
 class KVCache:
     def __init__(self, kv_dims: list[tuple[int, int]], n_blocks: int, block_size: int,
-                 backends: list[Backend]) -> None:
+                 backends: list[Backend], kv_type: str = "f16") -> None:
         """kv_dims and backends: per layer, (n_head_kv, head_dim) and the backend that runs its
-        attention, where its K/V live."""
+        attention, where its K/V live. kv_type: "f16" (each backend's own element type, the
+        CPU's float16 as llama.cpp's), "q8_0" or "q4_0" (runtime.kv_types)."""
         assert len(backends) == len(kv_dims), (len(backends), len(kv_dims))
         self.block_size = block_size
         self.n_blocks = n_blocks
         self.n_slots = n_blocks * block_size
         self.allocator = BlockAllocator(n_blocks)
         self.backends = backends
-        # each backend's own element type (the CPU's float16, as llama.cpp's)
-        self.k = [be.zeros((self.n_slots, h, d), be.kv_dtype) for be, (h, d) in zip(backends, kv_dims)]
-        self.v = [be.zeros((self.n_slots, h, d), be.kv_dtype) for be, (h, d) in zip(backends, kv_dims)]
+        self.kv_type = kv_type
+        layout = kv_layout(kv_type, kv_dims, backends)
+        self.k = [be.zeros((self.n_slots, *row), dt) for be, (row, dt) in zip(backends, layout)]
+        self.v = [be.zeros((self.n_slots, *row), dt) for be, (row, dt) in zip(backends, layout)]
+        # K and V bytes of one token, all layers
+        self.bytes_per_token = sum(2 * int(np.prod(row)) * dt.itemsize for row, dt in layout)
 
     def blocks_for(self, n_tokens: int) -> int:
         return -(-n_tokens // self.block_size)

@@ -157,6 +157,7 @@ class SequenceMemory:
     def stats(self) -> dict[str, Any]:
         st = dict(kv_blocks_used=self.kv.allocator.n_used - 1, kv_blocks_total=self.kv.n_blocks - 1,  # less scratch
                   kv_cache_bytes=sum(int(a.nbytes) for a in [*self.kv.k, *self.kv.v]),  # pages taken as first written
+                  kv_cache_type=self.kv.kv_type, kv_bytes_per_token=self.kv.bytes_per_token,
                   prefix_cache_hit_tokens=self.reused_tokens)
         if self.prompts is not None:
             st.update(self.prompts.stats())

@@ -15,6 +15,7 @@ import resource
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
+from contextlib import AsyncExitStack
 
 import anyio
 import numpy as np
@@ -131,21 +132,35 @@ def _median_row(engine: str, backend: str, load_s: float, rounds: list[dict]) ->
                 peak_rss_mb=rounds[-1].get("peak_rss_mb", 0.0))
 
 
+def _kv_types(a) -> list[str]:
+    return [t.strip() for t in getattr(a, "kv_cache_type", "f16").split(",") if t.strip()] or ["f16"]
+
+
 async def _bench_single(a, ex, path: str) -> list[dict]:
     """Rounds of (hearthlm, llama.cpp) in turn, so that a noisy spell of a shared machine hits
-    both; each figure is the median over the rounds."""
-    t0 = time.perf_counter()
-    async with Session.open(a.model, backend=a.backend, n_ctx=a.n_ctx, filename=a.filename,
-                            max_batch_tokens=max(512, a.prompt_tokens)) as s:
-        load_s = time.perf_counter() - t0
-        await s.generate(_prompt(s.model.n_vocab, a.prompt_tokens, seed=1), max_tokens=2, temperature=0)  # warm-up
-        ours, ref = [], []
+    both; each figure is the median over the rounds. Several --kv-cache-type: a session each,
+    open side by side, their rounds taken in turn too (the first of them also paired with llama.cpp)."""
+    kvs = _kv_types(a)
+    async with AsyncExitStack() as stack:
+        sessions, loads = [], []
+        for kv in kvs:
+            t0 = time.perf_counter()
+            sessions.append(await stack.enter_async_context(Session.open(
+                a.model, backend=a.backend, n_ctx=a.n_ctx, filename=a.filename,
+                max_batch_tokens=max(512, a.prompt_tokens), kv_cache_type=kv)))
+            loads.append(time.perf_counter() - t0)
+        s = sessions[0]
+        for x in sessions:
+            await x.generate(_prompt(x.model.n_vocab, a.prompt_tokens, seed=1), max_tokens=2, temperature=0)  # warm-up
+        ours, ref = [[] for _ in kvs], []
         bws = []  # read bandwidth, measured each round: a shared machine's load varies
         for rep in range(a.repeat):
             if a.backend == "cpu":
                 from hearthlm.backends.cpu.bandwidth import read_bandwidth_apart
                 bws.append(read_bandwidth_apart(a.threads))
-            ours.append(await _hearthlm_round(s, a, rep))
+            for i in range(len(kvs)):  # which type goes first turns with the rounds
+                j = (i + rep) % len(kvs)
+                ours[j].append(await _hearthlm_round(sessions[j], a, rep))
             if ex is not None:
                 r = await anyio.to_thread.run_sync(lambda: ex.submit(_llama_cpp_round, a, path, rep).result())
                 if r is None:
@@ -154,12 +169,15 @@ async def _bench_single(a, ex, path: str) -> list[dict]:
                 else:
                     ref.append(r)
         ctx = a.context + a.decode_tokens / 2  # the decode rounds' mean context
-        bpt = [hearthlm_bytes_per_token(s, ctx), gguf_bytes_per_token(s, ctx)]
+        bpt = [hearthlm_bytes_per_token(x, ctx) for x in sessions]
+        bpt.insert(1, gguf_bytes_per_token(s, ctx))
+        kv_bytes = [x.stats()["kv_bytes_per_token"] for x in sessions]
     bw = float(np.median(bws)) if bws else None
-    rows = [_median_row("hearthlm", a.backend, load_s, ours)]
-    rows[0]["peak_rss_mb"] = _peak_rss_mb()
+    rows = [_median_row("hearthlm", a.backend, load_s, r) for load_s, r in zip(loads, ours)]
+    for r in rows:
+        r["peak_rss_mb"] = _peak_rss_mb()
     if ref:
-        rows.append(_median_row("llama.cpp", "cpu", ref[0]["load_s"], ref))
+        rows.insert(1, _median_row("llama.cpp", "cpu", ref[0]["load_s"], ref))
     for r, b in zip(rows, bpt):  # decode as a fraction of what the read bandwidth allows
         r["mb_per_token"] = b / 1e6
         if bw:
@@ -167,8 +185,15 @@ async def _bench_single(a, ex, path: str) -> list[dict]:
     if bw:
         print(f"read bandwidth: {bw / 1e9:.1f} GB/s ({a.threads or 'all'} threads)")
     if ref:
-        rows.append(dict(engine="ratio", backend="", **{
+        rows.insert(2, dict(engine="ratio", backend="", **{
             k: rows[0][k] / rows[1][k] for k in ("prefill_tok_s", "decode_tok_s")}))
+    if len(kvs) > 1:  # each type's row named by it, then each against the first
+        ours_rows = [r for r in rows if r["engine"] == "hearthlm"]
+        for r, kv, kb in zip(ours_rows, kvs, kv_bytes):
+            r.update(engine=f"hearthlm {kv}", kv_bytes_per_token=kb)
+        rows += [dict(engine=f"{kv}/{kvs[0]}", backend="", **{
+            k: r[k] / ours_rows[0][k] for k in ("prefill_tok_s", "decode_tok_s", "kv_bytes_per_token")})
+            for kv, r in zip(kvs[1:], ours_rows[1:])]
     return rows
 
 
@@ -223,7 +248,8 @@ async def _bench_concurrency(a) -> list[dict]:
     # KV for every stream's prompt and output at once (the default, 4 x n_ctx, would preempt at 64)
     kv = max(levels) * (64 + max(levels) + a.decode_tokens + 16)
     async with Session.open(a.model, backend=a.backend, n_ctx=a.n_ctx, filename=a.filename,
-                            max_batch_tokens=512, max_seqs=max(levels), kv_cache_tokens=max(kv, 4 * a.n_ctx)) as s:
+                            max_batch_tokens=512, max_seqs=max(levels), kv_cache_tokens=max(kv, 4 * a.n_ctx),
+                            kv_cache_type=_kv_types(a)[0]) as s:
         await s.generate([1000, 1001, 1002], max_tokens=2, temperature=0)  # warm the JIT caches
         for n in levels:
             ttft, itl, counts = [], [], []
@@ -432,7 +458,7 @@ def run_bench(a) -> None:
         print(json.dumps(rows, indent=2))
         return
     cols = ["engine", "backend", "load_s", "ttft_s", "prefill_tok_s", "decode_tok_s", "peak_rss_mb", "mb_per_token",
-            "roofline"]
+            "roofline"] + (["kv_bytes_per_token"] if len(_kv_types(a)) > 1 else [])
     print(f"model: {a.model}  prompt: {a.prompt_tokens} tokens  decode: {a.decode_tokens} tokens")
     print("  ".join(f"{c:>13}" for c in cols))
     for r in rows:

@@ -23,10 +23,14 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--filename", default=None, help="file pattern inside a Hub repo, e.g. '*Q4_K_M.gguf'")
     p.add_argument("--backend", default="cpu", choices=list(BACKENDS))
     p.add_argument("--n-ctx", type=int, default=2048)
+    p.add_argument("--kv-cache-type", default="f16", metavar="TYPE",
+                   help="K/V cache element type: f16 (default), q8_0 (about half the memory) or q4_0; "
+                        "bench takes a comma list (e.g. f16,q8_0) and measures each in turn")
 
 
 async def _generate(a: argparse.Namespace) -> None:
-    async with Session.open(a.model, backend=a.backend, n_ctx=a.n_ctx, filename=a.filename) as s:
+    async with Session.open(a.model, backend=a.backend, n_ctx=a.n_ctx, filename=a.filename,
+                            kv_cache_type=a.kv_cache_type) as s:
         kw = dict(max_tokens=a.max_tokens, temperature=a.temperature, seed=a.seed)
         stream = s.stream(messages=[{"role": "user", "content": a.prompt}], **kw) if a.chat else s.stream(a.prompt, **kw)
         async for chunk in stream:

@@ -69,7 +69,8 @@ def run_perplexity(a: argparse.Namespace) -> None:
     text = Path(a.file).read_text(encoding="utf-8")
 
     async def main() -> dict:
-        async with Session.open(a.model, backend=a.backend, n_ctx=a.ctx, filename=a.filename) as s:
+        async with Session.open(a.model, backend=a.backend, n_ctx=a.ctx, filename=a.filename,
+                                kv_cache_type=a.kv_cache_type) as s:
             t0 = time.perf_counter()
 
             def progress(i, nlls):

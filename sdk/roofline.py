@@ -33,8 +33,7 @@ def hearthlm_bytes_per_token(session, context: float) -> float:
             for j in st.srcs:
                 if j in static:
                     seen[id(static[j])] = _nbytes(static[j])
-    kv = max(np.dtype(b.kv_dtype).itemsize for b in session.engine.placement.backends.values())
-    return sum(seen.values()) + kv_bytes_per_token(session, context, kv)
+    return sum(seen.values()) + context * session.engine.kv.bytes_per_token  # its K/V type's bytes
 
 
 def gguf_bytes_per_token(session, context: float) -> float:

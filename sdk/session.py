@@ -22,7 +22,7 @@ from hearthlm.model_zoo.template_limits import DEFAULT_LIMITS, TemplateLimits
 from hearthlm.model_zoo.model import Model, load_model
 from hearthlm.model_zoo.resolve import DEFAULT_MODEL, resolve_model
 from hearthlm.model_zoo import reasoning
-from hearthlm.runtime import constraint
+from hearthlm.runtime import constraint, kv_types
 from hearthlm.runtime.engine import Engine
 from hearthlm.runtime.log import get_logger
 from hearthlm.runtime.errors import (ContextLengthError, HearthError, InvalidRequestError, RequestTimeoutError,
@@ -85,7 +85,8 @@ class Session:
              abort_on_close: bool = True, fusion: bool | None = None,
              template_limits: TemplateLimits = DEFAULT_LIMITS, progress=None,
              weight_cache: str | os.PathLike | bool | None = None, prompt_cache: bool = True,
-             prompt_cache_dir: str | os.PathLike | None = None, prompt_cache_bytes: int = 1 << 30):
+             prompt_cache_dir: str | os.PathLike | None = None, prompt_cache_bytes: int = 1 << 30,
+             kv_cache_type: str = "f16"):
         """Async context manager yielding a ready Session. `model`: a .gguf path, a Hub repo
         id (`filename` picks the file, a glob), or a model-zoo name. Leaving it aborts the
         requests still running (their callers get SessionClosedError), or with
@@ -101,7 +102,11 @@ class Session:
         nowhere; None: $HEARTHLM_CACHE_DIR, or the platform's cache directory).
         `prompt_cache`: prefixes written by `cache_prefix()` are kept in `prompt_cache_dir`
         (default: `prompts/` beside the packed weights), at most `prompt_cache_bytes` of them,
-        and any prompt that begins with one takes its KV from there; False for none."""
+        and any prompt that begins with one takes its KV from there; False for none.
+        `kv_cache_type`: the K/V cache's element type, as llama.cpp's -ctk/-ctv: "f16" (the
+        backend's own: float16 on the CPU, float32 on the reference and cuda backends), "q8_0"
+        (about half the bytes of f16) or "q4_0"; the quantized ones need a head_dim that is a
+        multiple of 32."""
         @asynccontextmanager
         async def _cm():
             s = await anyio.to_thread.run_sync(lambda: cls._load(
@@ -110,7 +115,7 @@ class Session:
                 max_batch_tokens=max_batch_tokens, max_seqs=max_seqs, max_queued_requests=max_queued_requests,
                 fusion=fusion, progress=progress, weight_cache=weight_cache,
                 prompt_cache_dir=_prompt_dir(prompt_cache, prompt_cache_dir, weight_cache),
-                prompt_cache_bytes=prompt_cache_bytes))
+                prompt_cache_bytes=prompt_cache_bytes, kv_cache_type=kv_cache_type))
             s.template_limits = template_limits
             try:
                 yield s
@@ -120,9 +125,12 @@ class Session:
 
     @classmethod
     def _load(cls, model: str, *, backend: str, device: str | None, n_gpu_layers: int | None, n_ctx: int,
-              filename, kv_cache_tokens, progress=None, weight_cache=None, **engine_opts) -> "Session":
+              filename, kv_cache_tokens, progress=None, weight_cache=None, kv_cache_type: str = "f16",
+              **engine_opts) -> "Session":
         if isinstance(n_ctx, bool) or not isinstance(n_ctx, int) or n_ctx < 2:
             raise InvalidRequestError(f"n_ctx must be an int >= 2, got {n_ctx!r}")
+        if why := kv_types.check(kv_cache_type, []):  # the name, before the model loads; head_dim at the engine
+            raise InvalidRequestError(why)
         if device is not None and backend != "cpu":
             raise InvalidRequestError(f"pass backend= or device=, not both (got {backend!r} and {device!r})")
         if device is None and n_gpu_layers is not None:
@@ -139,7 +147,8 @@ class Session:
             kv_tokens = kv_cache_tokens or 4 * n_ctx
             wdir = cache_dir(weight_cache)
             engine = Engine(m, placement, n_ctx=n_ctx, kv_blocks=math.ceil(kv_tokens / 16),
-                            weight_cache=WeightCache(wdir, m.file.identity()) if wdir else None, **engine_opts)
+                            weight_cache=WeightCache(wdir, m.file.identity()) if wdir else None,
+                            kv_cache_type=kv_cache_type, **engine_opts)
         except BaseException:
             m.close()
             raise

@@ -13,7 +13,8 @@ from hearthlm import Session
 TOP1_LOGPROB_TOL = 0.2
 
 
-def compare(case: dict, token_ids: list[int], top: list[list[tuple[int, float]]], finish: str) -> str | None:
+def compare(case: dict, token_ids: list[int], top: list[list[tuple[int, float]]], finish: str,
+            top1_tol: float = TOP1_LOGPROB_TOL) -> str | None:
     """None when the case passes, else what went wrong. llama.cpp's list ends with the EOS
     token when one came; ours stops before it (finish_reason "stop")."""
     want = case["greedy_ids"]
@@ -31,21 +32,22 @@ def compare(case: dict, token_ids: list[int], top: list[list[tuple[int, float]]]
     # llama.cpp's top token at the first step, looked up in our top 5
     ref_id, ref_lp = case["steps"][0]["top_ids"][0], case["steps"][0]["top_logprobs"][0]
     ours = dict(top[0])
-    if ref_id not in ours or abs(ours[ref_id] - ref_lp) > TOP1_LOGPROB_TOL:
+    if ref_id not in ours or abs(ours[ref_id] - ref_lp) > top1_tol:
         return f"first step: llama.cpp's top token {ref_id} ({ref_lp:.3f}) vs ours {ours}"
     return None
 
 
-async def check_golden(path, backend: str, cases: list[dict]) -> None:
+async def check_golden(path, backend: str, cases: list[dict], top1_tol: float = TOP1_LOGPROB_TOL,
+                       **open_kw) -> None:
     """The cases run concurrently: one batch a step (a greedy sequence does not depend on its
     neighbours: tests/test_engine.py), which the numpy reference backend computes in about the
-    time of one sequence."""
+    time of one sequence. `open_kw`: more Session.open options (kv_cache_type, say)."""
     failures = []
-    async with Session.open(str(path), backend=backend, n_ctx=1024) as s:
+    async with Session.open(str(path), backend=backend, n_ctx=1024, **open_kw) as s:
         async def one(i: int, case: dict) -> None:
             c = await s.generate(case["prompt_ids"], max_tokens=len(case["greedy_ids"]), temperature=0,
                                  top_logprobs=5)
-            why = compare(case, c.token_ids, c.top_logprobs, c.finish_reason)
+            why = compare(case, c.token_ids, c.top_logprobs, c.finish_reason, top1_tol)
             if why:
                 failures.append(f"case {i} ({case['prompt'][:30]!r}): {why}")
         async with anyio.create_task_group() as tg:

@@ -10,12 +10,13 @@ import numpy as np
 from gguf.constants import GGMLQuantizationType as T
 
 from hearthlm.backends.base import Backend
-from hearthlm.backends.cpu import delta_net, ops, ssm
+from hearthlm.backends.cpu import delta_net, kvquant, ops, ssm
 from hearthlm.backends.cpu.ffn import ffn_glu
 from hearthlm.backends.cpu.halfs import NATIVE_HALF
 from hearthlm.backends.cpu import dot
 from hearthlm.backends.cpu.matmul import expert_matvecs, get_rows, matmul, matmul_add, start_pool
 from hearthlm.backends.cpu.qtypes import LAYOUT_VERSION, SUPPORTED_TYPES, PackedWeight, pack_weight
+from hearthlm.runtime import kv_types
 from hearthlm.runtime.errors import BackendError, UnsupportedModelError
 from hearthlm.runtime.graph import Op, attn_bounds
 from hearthlm.runtime.log import get_logger
@@ -109,14 +110,30 @@ def _bits(cache: np.ndarray) -> np.ndarray:
 
 def _set_rows(node, cache, src, slots):
     kern = ops.set_rows if len(slots) >= ops.PAR_MIN_ROWS else ops.set_rows_1
-    kern(_bits(cache), np.ascontiguousarray(src, np.float32).reshape(len(slots), *cache.shape[1:]), slots)
+    rows = np.ascontiguousarray(src, np.float32).reshape(len(slots), cache.shape[1], kv_types.head_dim(cache))
+    kern(_bits(cache), rows, slots)
     return cache
 
 
 def _rope_set_rows(node, cache, x, pos, slots):
-    kern = ops.rope_set_rows if x.shape[0] >= ops.PAR_MIN_ROWS else ops.rope_set_rows_1
+    par = x.shape[0] >= ops.PAR_MIN_ROWS
+    if kv_types.quant_of(cache):  # rotated into a float row, then quantized
+        kern = ops.rope_set_rows_q if par else ops.rope_set_rows_q_1
+    else:
+        kern = ops.rope_set_rows if par else ops.rope_set_rows_1
     kern(np.ascontiguousarray(x, np.float32), pos, slots, *_rope_args(node.params), _bits(cache))
     return cache
+
+
+def _kv_rows(cache, slots, out=None) -> np.ndarray:
+    """Rows `slots` of a KV cache, (n, h, d): a quantized cache's dequantized into float32 (into
+    `out` where given, contiguous), a float cache's as they are."""
+    if kv_types.quant_of(cache) is None:
+        return cache[slots]
+    if out is None:
+        out = np.empty((len(slots), cache.shape[1], kv_types.head_dim(cache)), np.float32)
+    kvquant.dequant_rows(cache, np.ascontiguousarray(slots, np.int64), out)
+    return out
 
 
 def _attn(node, q, k, v, seq, pos, bt, seq_len=None, out=None):
@@ -127,7 +144,7 @@ def _attn(node, q, k, v, seq, pos, bt, seq_len=None, out=None):
     lo, hi = attn_bounds(pos, seq_len, p["window"], p["causal"])
     ops.attention(np.ascontiguousarray(q, np.float32), _bits(k), _bits(v), seq, np.ascontiguousarray(lo, np.int32),
                   np.ascontiguousarray(hi, np.int32), bt, p["scale"], p["block_size"], p.get("softcap", 0.0),
-                  out.reshape(q.shape[0], q.shape[1], v.shape[2]))
+                  out.reshape(q.shape[0], q.shape[1], kv_types.head_dim(v)))
     return out
 
 
@@ -136,7 +153,7 @@ def _attn_whole(q, k, v, seq, bt, seq_len, scale, bs, out):
     sequence's keys, as batched matrix products per KV head (BLAS), where the flash kernel's job per
     token and head would re-read the keys for every token (~15x slower per FLOP at 80 tokens)."""
     n, n_head, d = q.shape
-    h_kv, dv = k.shape[1], v.shape[2]
+    h_kv, dv = k.shape[1], kv_types.head_dim(v)
     g = n_head // h_kv
     o = out.reshape(n, n_head, dv)
     cuts = np.flatnonzero((np.diff(seq) != 0) | (np.diff(seq_len) != 0)) + 1
@@ -147,8 +164,8 @@ def _attn_whole(q, k, v, seq, bt, seq_len, scale, bs, out):
         p = np.arange(m)
         slots = bt[seq[lo], p // bs] * bs + p % bs
         # contiguous: numpy's stacked matmul goes to BLAS only for dense operands
-        kk = np.ascontiguousarray(k[slots].transpose(1, 2, 0), np.float32)  # (h_kv, d, m)
-        vv = np.ascontiguousarray(v[slots].transpose(1, 0, 2), np.float32)  # (h_kv, m, dv)
+        kk = np.ascontiguousarray(_kv_rows(k, slots).transpose(1, 2, 0), np.float32)  # (h_kv, d, m)
+        vv = np.ascontiguousarray(_kv_rows(v, slots).transpose(1, 0, 2), np.float32)  # (h_kv, m, dv)
         qq = np.ascontiguousarray(q[lo:hi].reshape(hi - lo, h_kv, g, d).transpose(1, 0, 2, 3)).reshape(
             h_kv, (hi - lo) * g, d)
         s = np.matmul(qq, kk) * np.float32(scale)  # (h_kv, tokens * g, m)
@@ -164,7 +181,11 @@ def _gather_kv(node, cache, bt, out=None):
     bs = node.params["block_size"]
     slots = (bt[:, :, None] * bs + np.arange(bs, dtype=np.int32)).reshape(-1)
     out = _buf(node, out)
-    out.reshape(len(slots), *cache.shape[1:])[...] = cache[slots]  # float16 caches widen here
+    rows = out.reshape(len(slots), *node.shape[2:])
+    if kv_types.quant_of(cache) is not None and rows.flags.c_contiguous:
+        _kv_rows(cache, slots, rows)  # dequantized in place
+    else:
+        rows[...] = _kv_rows(cache, slots)  # float16 caches widen here
     return out
 
 

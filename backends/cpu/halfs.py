@@ -82,6 +82,40 @@ def like(typingctx, arr, v):
     return arr.dtype(arr, v), codegen
 
 
+@intrinsic
+def f32_bits(typingctx, x):
+    """The bit pattern of the float32 x, as a uint32."""
+    def codegen(context, builder, sig, args):
+        return builder.bitcast(args[0], ir.IntType(32))
+    return types.uint32(types.float32), codegen
+
+
+@numba.njit(inline="always", cache=True, nogil=True)
+def half_bits_soft(x):
+    """float32 -> float16 bits, round to nearest even (numpy's cast), by bit arithmetic: half
+    subnormals through one float add that rounds at their 2**-24 step (F. Giesen's float_to_half_rtne)."""
+    u = f32_bits(np.float32(x))
+    sign = np.uint16((u >> np.uint32(16)) & np.uint32(0x8000))
+    u = u & np.uint32(0x7FFFFFFF)
+    if u >= np.uint32(0x47800000):  # 2**16 and up: inf; NaN stays NaN
+        return sign | (np.uint16(0x7E00) if u > np.uint32(0x7F800000) else np.uint16(0x7C00))
+    if u < np.uint32(0x38800000):  # below 2**-14: a half subnormal or zero
+        return sign | np.uint16(f32_bits(bits_as_f32(np.int32(u)) + np.float32(0.5)) - np.uint32(0x3F000000))
+    odd = (u >> np.uint32(13)) & np.uint32(1)
+    return sign | np.uint16((u + np.uint32(0xC8000FFF) + odd) >> np.uint32(13))  # rebias by (15 - 127) << 23
+
+
+@intrinsic
+def _half_bits_native(typingctx, x):
+    def codegen(context, builder, sig, args):
+        return builder.bitcast(builder.fptrunc(args[0], ir.HalfType()), ir.IntType(16))
+    return types.uint16(types.float32), codegen
+
+
+# float32 -> float16 bits (the quantized KV cache's scales): the CPU's conversion where it has one
+half_bits = _half_bits_native if NATIVE_HALF else half_bits_soft
+
+
 ROWS_PER_TASK = 32  # rows sharing one widening buffer in the parallel loop
 _F16_REBIAS = np.float32(2.0**112)
 

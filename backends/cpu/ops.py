@@ -10,6 +10,7 @@ import numpy as np
 from numba import prange
 
 from .halfs import bits_as_f32, f32, like
+from .kvquant import as_values, store_row
 
 # error_model="numpy": a float division by zero gives inf/NaN, as in numpy and ggml, not a
 # ZeroDivisionError out of a norm of garbage weights
@@ -162,6 +163,26 @@ def rope_set_rows_1(x, pos, slots, n_rot, base, freq_scale, neox, freqs, mscale,
 
 
 @numba.njit(parallel=True, **_JIT)
+def rope_set_rows_q(x, pos, slots, n_rot, base, freq_scale, neox, freqs, mscale, cache):
+    """rope_set_rows into a quantized cache (kvquant): each token rotated into a float row, then
+    quantized into its slot."""
+    for t in prange(x.shape[0]):
+        rot = np.empty(x.shape[1:], np.float32)
+        _rope_token(x[t], pos[t], n_rot, base, freq_scale, neox, freqs, mscale, rot)
+        for h in range(x.shape[1]):
+            store_row(rot[h], cache[slots[t], h])
+
+
+@numba.njit(**_JIT)
+def rope_set_rows_q_1(x, pos, slots, n_rot, base, freq_scale, neox, freqs, mscale, cache):
+    rot = np.empty(x.shape[1:], np.float32)
+    for t in range(x.shape[0]):
+        _rope_token(x[t], pos[t], n_rot, base, freq_scale, neox, freqs, mscale, rot)
+        for h in range(x.shape[1]):
+            store_row(rot[h], cache[slots[t], h])
+
+
+@numba.njit(parallel=True, **_JIT)
 def rms_norm_add(x, w, r, eps, out):
     """out = rms_norm(x) * w + r; (n_rows, n) each, w (n,). out may be x or r."""
     n = x.shape[1]
@@ -209,13 +230,13 @@ def kqv(probs, v, tok_seq, out):
 @numba.njit(inline="always", **_JIT)
 def _set_row(cache, src, slots, t):
     for h in range(cache.shape[1]):
-        for j in range(cache.shape[2]):
-            cache[slots[t], h, j] = like(cache, src[t, h, j])
+        store_row(src[t, h], cache[slots[t], h])
 
 
 @numba.njit(parallel=True, **_JIT)
 def set_rows(cache, src, slots):
-    """cache (n_slots, h, d)[slots[t]] = src[t] (float32, or float16 bits: see halfs)."""
+    """cache (n_slots, h, d)[slots[t]] = src[t] (float32, or float16 bits: see halfs; or a
+    quantized cache's blocks: kvquant)."""
     for t in prange(slots.shape[0]):
         _set_row(cache, src, slots, t)
 
@@ -232,19 +253,21 @@ def _attend(q, k_cache, v_cache, t, kh, group, seq, p_lo, p_hi, block_table, sca
     """Online softmax of the GQA group's query heads of token t over positions p_lo..p_hi-1:
     m (group,) running maxima, l (group,) sums of exp, acc (group, dv) exp-weighted V; updated.
     Positions go ATT_BLOCK at a time (scores, then one max and rescale per block, then V), and
-    each K and V row read serves the whole group."""
+    each K and V row read serves the whole group (a quantized row dequantized once, into kb / vb)."""
     d = q.shape[2]
-    dv = v_cache.shape[2]
+    dv = acc.shape[1]
     h0 = kh * group
     sc = np.empty((group, ATT_BLOCK), np.float32)
     slots = np.empty(ATT_BLOCK, np.int64)
+    kb = np.empty(d, np.float32)
+    vb = np.empty(dv, np.float32)
     for p0 in range(p_lo, p_hi, ATT_BLOCK):
         nb = min(ATT_BLOCK, p_hi - p0)
         for i in range(nb):
             p = p0 + i
             slot = block_table[seq, p // block_size] * block_size + p % block_size
             slots[i] = slot
-            kv = k_cache[slot, kh]
+            kv = as_values(k_cache[slot, kh], kb)
             for g in range(group):
                 qv = q[t, h0 + g]
                 s = np.float32(0.0)
@@ -273,7 +296,7 @@ def _attend(q, k_cache, v_cache, t, kh, group, seq, p_lo, p_hi, block_table, sca
                 ls += e
             l[g] += ls
         for i in range(nb):
-            vv = v_cache[slots[i], kh]
+            vv = as_values(v_cache[slots[i], kh], vb)
             for g in range(group):
                 e = sc[g, i]
                 for j in range(dv):
@@ -283,14 +306,14 @@ def _attend(q, k_cache, v_cache, t, kh, group, seq, p_lo, p_hi, block_table, sca
 @numba.njit(parallel=True, **_JIT)
 def attention(q, k_cache, v_cache, tok_seq, tok_lo, tok_hi, block_table, scale, block_size, softcap, out):
     """Flash-style attention with an online softmax: never holds a score matrix.
-    q (n_tokens, n_head, d); caches (n_slots, n_head_kv, d_v), float32 or float16 bits (halfs);
-    out (n_tokens, n_head, d_v).
+    q (n_tokens, n_head, d); caches (n_slots, n_head_kv, d_v), float32 or float16 bits (halfs),
+    or quantized blocks (kvquant); out (n_tokens, n_head, d_v).
     Token t attends to positions tok_lo[t]..tok_hi[t] of its sequence (graph.attn_bounds).
     A task per token, KV head and ATT_SPLIT positions of the token's context (its window); the
     parts' (max, sum, weighted V) are then merged per token in a fixed order."""
     n_tokens, n_head, d = q.shape
     n_kv = k_cache.shape[1]
-    dv = v_cache.shape[2]
+    dv = out.shape[2]
     group = n_head // n_kv
     first = np.empty(n_tokens + 1, np.int64)  # token t's parts: first[t]..first[t+1]-1
     first[0] = 0

@@ -16,6 +16,7 @@ import numpy as np
 
 from hearthlm.backends.cuda.modules import kernel
 from hearthlm.backends.cuda.weights import CudaWeight
+from hearthlm.runtime import kv_types
 from hearthlm.runtime.errors import BackendError
 from hearthlm.runtime.graph import Op, attn_bounds
 
@@ -229,18 +230,37 @@ def rope(node, x, pos, out=None):
     return _into(y, out)
 
 
+def _kv_store(node, cache, rows, slots):
+    """rows (n, h, d) float32 quantized into a quantized cache's rows slots (attention.cu's kv_store)."""
+    if not cache.flags.c_contiguous:
+        raise BackendError(f"{node.label}: the KV cache must be a contiguous device array")
+    n, h, d = rows.shape
+    _launch("attention.cu", "kv_store_" + kv_types.quant_of(cache), (_cdiv(n * h * (d // 32), 128),), (128,),
+            (rows, _i(slots), cache.view(cp.uint8), i32(n), i32(h), i32(d)))
+
+
 def set_rows(node, cache, src, slots):
     if slots.shape[0] == 0:
         return cache
-    cache[_i(slots)] = _f(src).reshape(int(slots.shape[0]), *cache.shape[1:])
+    rows = _f(src).reshape(int(slots.shape[0]), cache.shape[1], kv_types.head_dim(cache))
+    if kv_types.quant_of(cache):
+        _kv_store(node, cache, rows, slots)
+    else:
+        cache[_i(slots)] = rows
     return cache
 
 
 def rope_set_rows(node, cache, x, pos, slots):
-    if cache.dtype != cp.float32 or not cache.flags.c_contiguous:
-        raise BackendError(f"{node.label}: the KV cache must be a contiguous float32 device array")
-    x = _f(x).reshape(int(slots.shape[0]), *cache.shape[1:])
-    _rope_launch(node, x, pos, cache, slots)
+    quant = kv_types.quant_of(cache)
+    if (cache.dtype != cp.float32 and not quant) or not cache.flags.c_contiguous:
+        raise BackendError(f"{node.label}: the KV cache must be a contiguous float32 or quantized device array")
+    x = _f(x).reshape(int(slots.shape[0]), cache.shape[1], kv_types.head_dim(cache))
+    if quant:  # rotated into a float buffer, then quantized into the slots
+        y = cp.empty(x.shape, cp.float32)
+        _rope_launch(node, x, pos, y)
+        _kv_store(node, cache, y, slots)
+    else:
+        _rope_launch(node, x, pos, cache, slots)
     return cache
 
 
@@ -249,16 +269,22 @@ def rope_set_rows(node, cache, x, pos, slots):
 def attn(node, q, k_cache, v_cache, tok_seq, tok_pos, block_table, seq_len=None, out=None):
     p = node.params
     n_tokens, n_head, d = q.shape
-    n_head_kv, dv = k_cache.shape[1], v_cache.shape[2]
+    n_head_kv, dv = k_cache.shape[1], kv_types.head_dim(v_cache)
+    quant = kv_types.quant_of(k_cache)
+    if quant != kv_types.quant_of(v_cache):
+        raise BackendError(f"{node.label}: K and V caches of different types")
     if max(d, dv) > MAX_HEAD_DIM:
         raise BackendError(f"{node.label}: head dim {max(d, dv)} > {MAX_HEAD_DIM} in the cuda attention kernel")
     bt = _i(block_table)
     lo, hi = attn_bounds(_i(tok_pos), None if seq_len is None else _i(seq_len), p["window"], p["causal"])
     y = cp.empty((n_tokens, n_head * dv), cp.float32)
     heads = min(n_head, 8)
-    _launch("attention.cu", "attn_paged", (n_tokens, _cdiv(n_head, heads)), (32, heads),
-            (_f(q), _f(k_cache), _f(v_cache), _i(tok_seq), _i(lo), _i(hi), bt, i32(bt.shape[1]), i32(n_head),
-             i32(n_head_kv), i32(d), i32(dv), f32(p["scale"]), f32(p.get("softcap", 0.0)), i32(p["block_size"]), y))
+    # a quantized cache is read in place (attn_paged_q8_0 / _q4_0), its blocks as bytes
+    kc, vc = (_f(k_cache), _f(v_cache)) if quant is None else (k_cache.view(cp.uint8), v_cache.view(cp.uint8))
+    _launch("attention.cu", "attn_paged" + (f"_{quant}" if quant else ""), (n_tokens, _cdiv(n_head, heads)),
+            (32, heads), (_f(q), kc, vc, _i(tok_seq), _i(lo), _i(hi), bt, i32(bt.shape[1]), i32(n_head),
+                          i32(n_head_kv), i32(d), i32(dv), f32(p["scale"]), f32(p.get("softcap", 0.0)),
+                          i32(p["block_size"]), y))
     return _into(y, out)
 
 
@@ -266,7 +292,15 @@ def gather_kv(node, cache, block_table, out=None):
     bs = node.params["block_size"]
     bt = _i(block_table)
     slots = (bt[:, :, None] * bs + cp.arange(bs, dtype=cp.int32)).reshape(bt.shape[0], bt.shape[1] * bs)
-    return _into(cache[slots], out)
+    quant = kv_types.quant_of(cache)
+    if quant is None:
+        return _into(cache[slots], out)
+    h, d = cache.shape[1], kv_types.head_dim(cache)  # dequantized: the unfused path's float copy
+    y = cp.empty((*slots.shape, h, d), cp.float32)
+    n = int(slots.size)
+    _launch("attention.cu", "kv_dequant_" + quant, (_cdiv(n * h * (d // 32), 128),), (128,),
+            (cache.view(cp.uint8), slots.reshape(-1), y, i64(n), i32(h), i32(d)))
+    return _into(y, out)
 
 
 def kq(node, q, k, tok_seq, out=None):

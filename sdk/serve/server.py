@@ -21,6 +21,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-body-bytes", type=int, default=None, help="larger request bodies get 413 (default 16 MiB)")
     p.add_argument("--backend", default="cpu")
     p.add_argument("--filename", default=None, help="file pattern inside a Hub repo, e.g. '*Q4_K_M.gguf'")
+    p.add_argument("--kv-cache-type", default="f16", metavar="TYPE",
+                   help="K/V cache element type: f16 (default), q8_0 (about half the memory) or q4_0")
     p.add_argument("--log-level", default="warning")
 
 
@@ -35,5 +37,6 @@ def run_serve(a: argparse.Namespace) -> None:
     models = a.models or [DEFAULT_MODEL]
     app = build_app(dict(m.split("=", 1) if "=" in m else (m, m) for m in models), api_key=a.api_key or os.environ.get("HEARTHLM_API_KEY") or None,
                     max_body_bytes=a.max_body_bytes or MAX_BODY_BYTES, backend=a.backend, n_ctx=a.n_ctx,
-                    max_queued_requests=a.max_queued, max_seqs=a.max_seqs, filename=a.filename)
+                    max_queued_requests=a.max_queued, max_seqs=a.max_seqs, filename=a.filename,
+                    kv_cache_type=a.kv_cache_type)
     uvicorn.run(app, host=a.host, port=a.port, log_level=a.log_level, timeout_graceful_shutdown=10)

@@ -1,0 +1,50 @@
+"""The three real models with a quantized KV cache against llama.cpp run with the same cache
+type (-ctk/-ctv q8_0 and q4_0, its Hadamard rotation of K/V off as ours has none; recorded once
+by tests/parity/record_kv_quant.py into tests/data/kv_quant.json): greedy steps by the golden
+criterion (tests/golden.py), and perplexity on tests/data/ppl_text.txt by llama-perplexity's method."""
+
+import pytest
+
+from conftest import DATA, _model, load_json
+from golden import check_golden
+from hearthlm import Session
+from hearthlm.perplexity import chunk_nlls, summary
+
+REF = load_json("kv_quant.json")["models"]
+F16 = load_json("perplexity.json")["models"]
+TEXT = (DATA / "ppl_text.txt").read_text(encoding="utf-8")
+FIXTURE = {"smollm2-135m-instruct": "smollm2_path", "gemma-3-270m": "gemma3_path",
+           "qwen2.5-coder-0.5b-instruct": "qwen2_path"}
+CASES = [(m, t) for m in REF for t in ("q8_0", "q4_0")]
+
+
+# first-step top-1 log-prob tolerance: a quantized cache moves these log-probs, llama.cpp's own by
+# up to 1.26 nats (q8_0, Qwen2.5's second case) and 2.34 (q4_0) from its f16 cache's, and its
+# kernel also rounds Q to 8 bits for the products with quantized K (ours keeps Q in float32)
+TOP1_TOL = {"q8_0": 0.5, "q4_0": 0.75}
+
+
+@pytest.mark.parametrize("model,kv", CASES)
+async def test_golden_generation(model, kv, request):
+    path = request.getfixturevalue(FIXTURE[model])
+    await check_golden(path, "cpu", REF[model][kv]["cases"], top1_tol=TOP1_TOL[kv], kv_cache_type=kv)
+
+
+@pytest.mark.parametrize("model,kv", [c for c in CASES if c != ("qwen2.5-coder-0.5b-instruct", "q4_0")])
+async def test_perplexity(model, kv):
+    """q8_0: within 1% of llama.cpp's with the same cache (Gemma 3: 2%, its fused graph's known
+    ~0.8% drift on top), and costing no more than 1% over what q8_0 costs llama.cpp against its
+    f16 cache (0.2% SmolLM2, 0.4% Gemma 3, 5% Qwen2.5). q4_0 is a coarse rounding, each model's
+    perplexity moving by several % with the rounding of single blocks, so its bound says "the same
+    damage", not "the same value"; Qwen2.5's keys have outlier channels that q4_0 cannot hold (7.8x
+    its f16 perplexity in llama.cpp, 9x in ours): not measured here, a ruin either way."""
+    want = REF[model][kv]["ppl"]
+    async with Session.open(str(_model(model)), n_ctx=512, kv_cache_type=kv) as s:
+        assert s.stats()["kv_cache_type"] == kv
+        ppl = summary(await chunk_nlls(s, TEXT, 512), 512)["ppl"]
+    if kv == "q8_0":
+        assert abs(ppl / want - 1) < (0.02 if model == "gemma-3-270m" else 0.01), (model, kv, ppl, want)
+        f16 = F16[model]["ppl"]
+        assert ppl / f16 - 1 < want / f16 - 1 + 0.01, (model, ppl, want, f16)
+    else:
+        assert abs(ppl / want - 1) < 0.06, (model, kv, ppl, want)
