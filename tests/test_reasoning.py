@@ -108,7 +108,7 @@ async def test_session_splits_and_budgets_thinking(thinker):
         chunks = [x async for x in s.stream(messages=MSGS, max_tokens=24, temperature=0, reasoning_budget=6)]
         assert "".join(x.reasoning for x in chunks) == b.reasoning and "".join(x.text for x in chunks) == b.text
         first_answer = next(i for i, x in enumerate(chunks) if x.text)
-        assert not any(x.reasoning for x in chunks[first_answer:])
+        assert not any(x.reasoning for x in chunks[first_answer + 1:])  # a coalesced chunk may hold both
         # budget 0: closed in the prompt, so the output is all answer
         z = await s.generate(messages=MSGS, max_tokens=8, temperature=0, reasoning_budget=0)
         assert z.reasoning == "" and z.text
@@ -142,7 +142,9 @@ def test_server_reasoning_content(thinker):
         got = [(d.model_extra.get("reasoning_content") or "", d.content or "") for d in deltas]
         assert "".join(t for t, _ in got) == think and "".join(a for _, a in got) == msg.content
         first_content = next(i for i, (_, a) in enumerate(got) if a)
-        assert not any(t for t, _ in got[first_content:])  # reasoning before any content
+        # reasoning before any content (a chunk of several tokens, as a busy stream coalesces them,
+        # may end the one and begin the other: its reasoning_content comes first)
+        assert not any(t for t, _ in got[first_content + 1:])
         off = c.chat.completions.create(model=thinker, messages=MSGS, max_tokens=8, temperature=0,
                                         extra_body={"chat_template_kwargs": {"enable_thinking": False}})
         assert not off.choices[0].message.model_extra.get("reasoning_content")

@@ -186,6 +186,20 @@ def test_metrics_text(server, tiny):
     assert m["hearthlm_generated_tokens_total"] > 0 and m["hearthlm_http_errors_total"] >= 1
 
 
+def test_speculative_field(server, tiny):
+    """The body's speculative field: greedy text as without it, drafts counted in /metrics, an
+    unknown kind a 400 that names the field."""
+    c = client(server)
+    kw = dict(model=tiny, prompt="a b c d e f a b c d e f a b c d", max_tokens=24, temperature=0,
+              frequency_penalty=1.5)
+    before = metrics(server).get("hearthlm_speculative_drafted_tokens_total", 0)
+    plain = c.completions.create(**kw).choices[0].text
+    assert c.completions.create(**kw, extra_body={"speculative": "ngram"}).choices[0].text == plain
+    assert metrics(server)["hearthlm_speculative_drafted_tokens_total"] > before
+    with pytest.raises(openai.BadRequestError, match="speculative"):
+        c.completions.create(**kw, extra_body={"speculative": "medusa"})
+
+
 def test_queue_full_is_429(tiny):
     with live_server(tiny, "--max-seqs", "1", "--max-queued", "1", "--n-ctx", "512") as url:
         async def go():

@@ -13,6 +13,8 @@ ENGINE = {
     "graph_cache_hits": ("hearthlm_graph_cache_hits", "steps that reused a compiled graph", True),
     "graph_cache_misses": ("hearthlm_graph_cache_misses", "steps that built a graph", True),
     "preemptions": ("hearthlm_preemptions", "requests preempted for KV blocks", True),
+    "spec_drafted_tokens": ("hearthlm_speculative_drafted_tokens", "draft tokens proposed by speculative decoding", True),
+    "spec_accepted_tokens": ("hearthlm_speculative_accepted_tokens", "draft tokens the model kept", True),
     "queue_depth": ("hearthlm_queue_depth", "requests waiting for the engine", False),
     "running_requests": ("hearthlm_running_requests", "requests in the running batch", False),
     "kv_blocks_used": ("hearthlm_kv_blocks_used", "KV cache blocks in use", False),

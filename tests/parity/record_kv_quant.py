@@ -18,6 +18,8 @@ import numpy as np
 from llama_cpp import Llama
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(Path(__file__).parent))
+from record_perplexity import chunk_nlls  # noqa: E402
 
 GOLDEN = {"smollm2-135m-instruct": "SmolLM2-135M-Instruct.Q4_1.visible.json",
           "gemma-3-270m": "gemma-3-270m-q4_k_m.visible.json",
@@ -51,21 +53,7 @@ def greedy(llm: Llama, prompt: list[int], n_steps: int) -> dict:
 
 
 def perplexity(llm: Llama, text: str) -> float:
-    """llama-perplexity's method, as tests/parity/record_perplexity.py."""
-    ids = llm.tokenize(text.encode(), add_bos=True, special=False)
-    add_bos = llm._model.add_bos_token() if hasattr(llm._model, "add_bos_token") else ids[0] == llm.token_bos()
-    first, nlls = PPL_CTX // 2, []
-    for i in range(len(ids) // PPL_CTX):
-        chunk = ids[i * PPL_CTX:(i + 1) * PPL_CTX]
-        if add_bos:
-            chunk = [llm.token_bos()] + chunk[1:]
-        llm.reset()
-        llm.eval(chunk)
-        lg = np.asarray(llm.scores[:PPL_CTX], np.float64)
-        lp = lg - lg.max(1, keepdims=True)
-        lp -= np.log(np.exp(lp).sum(1, keepdims=True))
-        nlls.append(float(-np.mean(lp[np.arange(first, PPL_CTX - 1), chunk[first + 1:]])))
-    return float(np.exp(np.mean(nlls)))
+    return float(np.exp(np.mean(chunk_nlls(llm, text, PPL_CTX)[2])))
 
 
 if __name__ == "__main__":

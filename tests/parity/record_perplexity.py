@@ -13,29 +13,35 @@ from llama_cpp import Llama
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests"))
-from conftest import _model  # noqa: E402
 
 CTX = 512
 MODELS = ["smollm2-135m-instruct", "gemma-3-270m", "qwen2.5-coder-0.5b-instruct"]
 
 
-def record(name: str, text: str) -> dict:
-    llm = Llama(str(_model(name)), n_ctx=CTX, n_batch=CTX, logits_all=True, verbose=False, n_threads=2)
+def chunk_nlls(llm: Llama, text: str, ctx: int, name: str = "") -> tuple[list[int], bool, list[float]]:
+    """The text's tokens, whether a BOS starts each chunk, and each chunk's mean NLL over its second half."""
     ids = llm.tokenize(text.encode(), add_bos=True, special=False)  # common_tokenize(ctx, prompt, true)
     add_bos = llm._model.add_bos_token() if hasattr(llm._model, "add_bos_token") else ids[0] == llm.token_bos()
-    first, nlls = CTX // 2, []
-    for i in range(len(ids) // CTX):
-        chunk = ids[i * CTX:(i + 1) * CTX]
+    first, nlls = ctx // 2, []
+    for i in range(len(ids) // ctx):
+        chunk = ids[i * ctx:(i + 1) * ctx]
         if add_bos:
             chunk = [llm.token_bos()] + chunk[1:]
         llm.reset()
         llm.eval(chunk)
-        logits = np.asarray(llm.scores[:CTX], np.float64)
+        logits = np.asarray(llm.scores[:ctx], np.float64)
         lp = logits - logits.max(1, keepdims=True)
         lp -= np.log(np.exp(lp).sum(1, keepdims=True))
-        nlls.append(float(-np.mean(lp[np.arange(first, CTX - 1), chunk[first + 1:]])))
+        nlls.append(float(-np.mean(lp[np.arange(first, ctx - 1), chunk[first + 1:]])))
         print(name, i, nlls[-1], flush=True)
-    return dict(ctx=CTX, n_tokens=len(ids), add_bos=bool(add_bos), chunk_nll=nlls, ppl=float(np.exp(np.mean(nlls))))
+    return ids, bool(add_bos), nlls
+
+
+def record(name: str, text: str) -> dict:
+    from conftest import _model  # hearthlm's resolver: only where this script records
+    llm = Llama(str(_model(name)), n_ctx=CTX, n_batch=CTX, logits_all=True, verbose=False, n_threads=2)
+    ids, add_bos, nlls = chunk_nlls(llm, text, CTX, name)
+    return dict(ctx=CTX, n_tokens=len(ids), add_bos=add_bos, chunk_nll=nlls, ppl=float(np.exp(np.mean(nlls))))
 
 
 if __name__ == "__main__":
