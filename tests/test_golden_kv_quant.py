@@ -30,7 +30,12 @@ async def test_golden_generation(model, kv, request):
     await check_golden(path, "cpu", REF[model][kv]["cases"], top1_tol=TOP1_TOL[kv], kv_cache_type=kv)
 
 
-@pytest.mark.parametrize("model,kv", [c for c in CASES if c != ("qwen2.5-coder-0.5b-instruct", "q4_0")])
+# the suite's share of the time: Gemma 3's perplexity (10.13 q8_0, 11.73 q4_0 against llama.cpp's
+# 10.14, 11.83) is left to a manual run; its goldens run above
+PPL_CASES = [("smollm2-135m-instruct", "q8_0"), ("smollm2-135m-instruct", "q4_0"), ("qwen2.5-coder-0.5b-instruct", "q8_0")]
+
+
+@pytest.mark.parametrize("model,kv", PPL_CASES)
 async def test_perplexity(model, kv):
     """q8_0: within 1% of llama.cpp's with the same cache (Gemma 3: 2%, its fused graph's known
     ~0.8% drift on top), and costing no more than 1% over what q8_0 costs llama.cpp against its
