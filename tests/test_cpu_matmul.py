@@ -228,7 +228,8 @@ def test_one_token_matmul_first_in_a_fresh_process():
     assert np.isfinite(float(r.stdout.strip()))
 
 
-@pytest.mark.parametrize("target", ["generic", "haswell", "skylake-avx512"])
+# haswell (AVX2 and F16C, no AVX-512) is `make test-long`'s: generic lacks both and stays in the suite
+@pytest.mark.parametrize("target", ["generic", pytest.param("haswell", marks=pytest.mark.long), "skylake-avx512"])
 def test_portable_target_without_avx512_or_f16c(tmp_path, target):
     """NUMBA_CPU_NAME=generic compiles for baseline x86-64 (as for caches that travel): the
     kernels must then skip the AVX-512 intrinsics and widen float16 scales with integer

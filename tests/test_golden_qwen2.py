@@ -10,7 +10,9 @@ from conftest import load_json
 from golden import check_golden
 
 # gpu_check.sh runs these with HEARTHLM_TEST_BACKENDS=cuda
-BACKENDS = os.environ.get("HEARTHLM_TEST_BACKENDS", "cpu,reference").split(",")
+# the numpy reference takes a minute or two here: `make test-long` (SmolLM2's runs in the suite)
+BACKENDS = [pytest.param(b, marks=pytest.mark.long) if b == "reference" else b
+            for b in os.environ.get("HEARTHLM_TEST_BACKENDS", "cpu,reference").split(",")]
 GOLDEN = load_json("qwen2.5-coder-0.5b-instruct.visible.json")
 
 
