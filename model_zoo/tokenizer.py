@@ -353,6 +353,24 @@ class Tokenizer:
         return self._token_to_id.get(text)
 
 
+def vocab_mismatch(model: Tokenizer, draft: Tokenizer) -> str | None:
+    """Why `draft`'s vocabulary cannot draft for `model`'s, or None where it can: llama.cpp's
+    rule (common_speculative_are_compatible): the same kind and BOS/EOS, sizes within 128
+    tokens, and the same token text for every id from 5 on that both have."""
+    if model.kind != draft.kind:
+        return f"its tokenizer is {draft.kind}, the model's {model.kind}"
+    if (model.add_bos, model.bos_id if model.add_bos else None) != (draft.add_bos, draft.bos_id if draft.add_bos else None):
+        return f"BOS differs (add_bos {draft.add_bos}, id {draft.bos_id}; the model's {model.add_bos}, {model.bos_id})"
+    if model.eos_id != draft.eos_id:
+        return f"EOS id {draft.eos_id} differs from the model's {model.eos_id}"
+    if abs(model.vocab_size - draft.vocab_size) > 128:
+        return f"its vocabulary has {draft.vocab_size} tokens, the model's {model.vocab_size}"
+    for i in range(5, min(model.vocab_size, draft.vocab_size)):
+        if model._tokens[i] != draft._tokens[i]:
+            return f"token {i} is {draft._tokens[i]!r}, the model's {model._tokens[i]!r}"[:300]
+    return None
+
+
 class StreamDecoder:
     """Incremental detokenization for streaming: push() returns only whole characters;
     bytes of a character split across tokens wait for the token that completes it."""

@@ -27,6 +27,7 @@ from hearthlm.runtime.placement import Placement
 from hearthlm.runtime.prompt_cache import PromptCache
 from hearthlm.runtime.request import Request
 from hearthlm.runtime.seq_memory import SequenceMemory, StateCache
+from hearthlm.runtime.speculative import NgramDrafter
 from hearthlm.runtime.sampling import log_softmax_rows, sample, steer, top_logprobs, verify
 from hearthlm.runtime.threads import ThreadTuner
 
@@ -105,7 +106,7 @@ class Engine:
                  block_size: int = 16, max_batch_tokens: int = 512, max_seqs: int = 64,
                  max_queued_requests: int = 1024, fusion: bool | None = None, graph_cache: bool = True,
                  weight_cache=None, state_snapshots: int = 8, prompt_cache_dir=None,
-                 prompt_cache_bytes: int = 1 << 30, kv_cache_type: str = "f16") -> None:
+                 prompt_cache_bytes: int = 1 << 30, kv_cache_type: str = "f16", draft=None) -> None:
         """`model` provides build_graph(shape) -> Graph, weights, kv_dims, n_vocab, eog_ids.
         `placement`: a runtime.placement.Placement of layers over backends, or one backend
         (the trivial placement). `fusion`: None follows HEARTHLM_NO_FUSION; `graph_cache=False`
@@ -115,7 +116,9 @@ class Engine:
         slot per running sequence and `state_snapshots` slots of prefix states.
         `prompt_cache_dir`: where persisted prompt prefixes are kept (runtime.prompt_cache), at
         most prompt_cache_bytes of them, keyed by the model file (`model.file.identity()`) and
-        this cache's layout; None for none. `kv_cache_type`: the K/V element type (runtime.kv_types)."""
+        this cache's layout; None for none. `kv_cache_type`: the K/V element type (runtime.kv_types).
+        `draft`: a runtime.draft.DraftModel, which then drafts for every request that does not
+        ask otherwise (SamplingParams.speculative None; "off" opts out)."""
         self.model = model
         self.n_ctx = n_ctx
         self.max_queued_requests = max_queued_requests
@@ -142,6 +145,10 @@ class Engine:
         self.scratch_block = self.memory.scratch_block
         # an encoder (model.causal False) attends over each input whole: one step computes all of it
         self.causal = getattr(model, "causal", True)
+        if draft is not None and (state is not None or not self.causal):
+            raise InvalidRequestError("a draft model needs a target whose layers all keep a KV cache: "
+                                      "a recurrent state cannot be rolled back past rejected drafts")
+        self.draft = draft
         self.batcher = Batcher(self.memory, max_batch_tokens=max_batch_tokens, max_seqs=max_seqs,
                                whole=not self.causal)
         self.max_blocks = blocks_per_seq  # block-table width at most; bucketed per step (the KV-length bucket)
@@ -197,6 +204,11 @@ class Engine:
         if n + req.max_tokens > self.n_ctx:
             raise ContextLengthError(f"prompt ({n} tokens) + max_tokens ({req.max_tokens}) exceeds the "
                                      f"context of {self.n_ctx} tokens")
+        kind = req.params.speculative or ("draft" if self.draft is not None and not req.pooling else None)
+        if kind == "draft":
+            if self.draft is None:
+                raise InvalidRequestError("speculative='draft' needs a session opened with draft_model=")
+            req.spec = self.draft.new_seq()
         if req.spec is not None and (self.memory.hybrid or not self.causal):
             raise InvalidRequestError("speculative decoding needs a model whose layers all keep a KV cache: "
                                       "a recurrent state cannot be rolled back past rejected drafts")
@@ -248,6 +260,8 @@ class Engine:
         c.update(mask_ms_per_token=1e3 * m.compute_s / m.n_masks if m and m.n_masks else 0.0,
                  mask_wait_ms_per_token=1e3 * m.wait_s / m.n_masks if m and m.n_masks else 0.0)
         c.update(threads=self._threads_now, thread_switches=self.threads.switches)
+        if self.draft is not None:
+            c.update(self.draft.stats())
         c.update(healthy=self._failed is None, engine_error=str(self._failed) if self._failed else None)
         return c
 
@@ -300,6 +314,8 @@ class Engine:
         elif req in self.waiting:
             self.waiting.remove(req)
         try:
+            if self.draft is not None and req.spec is not None and not isinstance(req.spec, NgramDrafter):
+                self.draft.release(req.spec)
             self.batcher.release(req)
         finally:  # the caller hears of it even if releasing broke (then the loop fails the rest)
             try:
@@ -310,14 +326,26 @@ class Engine:
     def _draft(self) -> None:
         """Draft tokens for the speculating requests that are decoding (their last token is the
         only one left to compute); a grammar keeps only the prefix it accepts."""
+        drafting, by_model = [], []
         for r in self.running:
             if r.spec is None or r.n_wanted != 1 or r.draft:
                 continue
             room = min(r.max_tokens - r.n_generated, self.n_ctx - len(r.tokens)) - 1
-            d = r.spec.propose(r.tokens, room)
-            if d and r.matcher is not None:
-                d = d[:r.matcher.valid_prefix(d)]
-            r.draft = d
+            if isinstance(r.spec, NgramDrafter):
+                r.draft = r.spec.propose(r.tokens, room)
+            else:
+                by_model.append((r, room))
+            drafting.append(r)
+        if by_model:
+            try:  # all of them in batched steps of the draft model
+                self.draft.propose(by_model)
+            except Exception:  # drafts only save time: without them the step goes on as usual
+                log.exception("the draft model failed; this step runs without drafts")
+                for r, _ in by_model:
+                    r.draft = []
+        for r in drafting:
+            if r.draft and r.matcher is not None:
+                r.draft = r.draft[:r.matcher.valid_prefix(r.draft)]
 
     def step(self) -> None:
         """plan -> graph -> dispatch -> sample -> update."""
@@ -369,6 +397,11 @@ class Engine:
         self.counters["step_time_s"] += dt
         log.debug("step", seqs=len(plan.seqs), tokens=plan.n_tokens, queue=len(self.waiting),
                   kv_used=self.kv.allocator.n_used, ms=round(dt * 1e3, 2))
+
+    def forward(self, plan: StepPlan) -> np.ndarray:
+        """The plan's output rows' logits, nothing sampled or updated (a draft model's steps)."""
+        feed, shape = self._assemble(plan)
+        return execute(self._graph(shape), feed, self.memory.cache_of)[0]
 
     def _assemble(self, plan: StepPlan) -> tuple[dict[str, np.ndarray], BatchShape]:
         """The step's inputs, padded to the bucketed shape the graph is cached by. Padding

@@ -10,7 +10,7 @@ import numpy as np
 from hearthlm.runtime.errors import InvalidRequestError
 
 
-SPECULATIVE = (None, "ngram")
+SPECULATIVE = (None, "ngram", "draft", "off")
 
 
 @dataclass(frozen=True)
@@ -29,7 +29,8 @@ class SamplingParams:
     min_tokens: int = 0             # no end-of-generation, stop token or stop string before this many
     # added to the logits before anything else (OpenAI's logit_bias); -inf bans a token
     logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)
-    # "ngram": prompt-lookup drafts verified in one forward pass (runtime.speculative); None: off
+    # "ngram": prompt-lookup drafts verified in one forward pass (runtime.speculative); "draft": the
+    # session's draft model's (runtime.draft); None: the draft model where the session has one; "off"
     speculative: str | None = None
 
     def __post_init__(self) -> None:

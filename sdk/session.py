@@ -21,6 +21,7 @@ from hearthlm.model_zoo.hub import log_progress
 from hearthlm.model_zoo.template_limits import DEFAULT_LIMITS, TemplateLimits
 from hearthlm.model_zoo.model import Model, load_model
 from hearthlm.model_zoo.resolve import DEFAULT_MODEL, resolve_model
+from hearthlm.model_zoo.tokenizer import vocab_mismatch
 from hearthlm.model_zoo import reasoning
 from hearthlm.runtime import constraint, kv_types
 from hearthlm.runtime.engine import Engine
@@ -75,6 +76,7 @@ class Session:
         self._vocab: constraint.Vocabulary | None = None  # llguidance's view, built on first use
         self._vocab_lock = threading.Lock()
         self._head: np.ndarray | None = None  # a decoder reranker's head, dequantized on first use
+        self._draft_file: Model | None = None  # the draft model's file, closed with the session
 
     # ---- lifecycle -------------------------------------------------------------------
     @classmethod
@@ -86,7 +88,8 @@ class Session:
              template_limits: TemplateLimits = DEFAULT_LIMITS, progress=None,
              weight_cache: str | os.PathLike | bool | None = None, prompt_cache: bool = True,
              prompt_cache_dir: str | os.PathLike | None = None, prompt_cache_bytes: int = 1 << 30,
-             kv_cache_type: str = "f16"):
+             kv_cache_type: str = "f16", draft_model: str | None = None, draft_filename: str | None = None,
+             draft_p_min: float = 0.75):
         """Async context manager yielding a ready Session. `model`: a .gguf path, a Hub repo
         id (`filename` picks the file, a glob), or a model-zoo name. Leaving it aborts the
         requests still running (their callers get SessionClosedError), or with
@@ -106,7 +109,12 @@ class Session:
         `kv_cache_type`: the K/V cache's element type, as llama.cpp's -ctk/-ctv: "f16" (the
         backend's own: float16 on the CPU, float32 on the reference and cuda backends), "q8_0"
         (about half the bytes of f16) or "q4_0"; the quantized ones need a head_dim that is a
-        multiple of 32."""
+        multiple of 32.
+        `draft_model` (a path, Hub repo id with `draft_filename`, or zoo name, as `model`): a
+        smaller model of the same vocabulary (checked here) that drafts tokens for speculative
+        decoding; every request then uses it unless it passes speculative="off" or "ngram".
+        Greedy output is unchanged, sampled output keeps the model's distribution. Drafting
+        stops at the draft model's first token it gives less than `draft_p_min` probability."""
         @asynccontextmanager
         async def _cm():
             s = await anyio.to_thread.run_sync(lambda: cls._load(
@@ -115,7 +123,8 @@ class Session:
                 max_batch_tokens=max_batch_tokens, max_seqs=max_seqs, max_queued_requests=max_queued_requests,
                 fusion=fusion, progress=progress, weight_cache=weight_cache,
                 prompt_cache_dir=_prompt_dir(prompt_cache, prompt_cache_dir, weight_cache),
-                prompt_cache_bytes=prompt_cache_bytes, kv_cache_type=kv_cache_type))
+                prompt_cache_bytes=prompt_cache_bytes, kv_cache_type=kv_cache_type,
+                draft_model=draft_model, draft_filename=draft_filename, draft_p_min=draft_p_min))
             s.template_limits = template_limits
             try:
                 yield s
@@ -126,6 +135,7 @@ class Session:
     @classmethod
     def _load(cls, model: str, *, backend: str, device: str | None, n_gpu_layers: int | None, n_ctx: int,
               filename, kv_cache_tokens, progress=None, weight_cache=None, kv_cache_type: str = "f16",
+              draft_model: str | None = None, draft_filename: str | None = None, draft_p_min: float = 0.75,
               **engine_opts) -> "Session":
         if isinstance(n_ctx, bool) or not isinstance(n_ctx, int) or n_ctx < 2:
             raise InvalidRequestError(f"n_ctx must be an int >= 2, got {n_ctx!r}")
@@ -137,7 +147,10 @@ class Session:
             raise InvalidRequestError("n_gpu_layers needs device='cuda' or 'auto'")
         backends = ({backend: get_backend(backend)} if device is None
                     else open_device(device, n_gpu_layers, get_backend))
+        if isinstance(draft_p_min, bool) or not isinstance(draft_p_min, (int, float)) or not 0 <= draft_p_min <= 1:
+            raise InvalidRequestError(f"draft_p_min must be a number in [0, 1], got {draft_p_min!r}")
         m = load_model(resolve_model(model, filename=filename, progress=progress or log_progress(log)))
+        dm = None
         try:  # the layers over the backends, once their count is known
             placement = offload(backends, m.config.n_layer, n_gpu_layers)
             n_ctx = min(n_ctx, m.config.n_ctx_train)
@@ -146,14 +159,42 @@ class Session:
                 engine_opts["max_batch_tokens"] = max(engine_opts["max_batch_tokens"], n_ctx)
             kv_tokens = kv_cache_tokens or 4 * n_ctx
             wdir = cache_dir(weight_cache)
+            draft = None
+            if draft_model is not None:
+                dm = load_model(resolve_model(draft_model, filename=draft_filename,
+                                              progress=progress or log_progress(log)))
+                draft = cls._draft(m, dm, offload(backends, dm.config.n_layer, n_gpu_layers), n_ctx=n_ctx,
+                                   kv_blocks=math.ceil(kv_tokens / 16), wdir=wdir, kv_cache_type=kv_cache_type,
+                                   p_min=float(draft_p_min), **engine_opts)
             engine = Engine(m, placement, n_ctx=n_ctx, kv_blocks=math.ceil(kv_tokens / 16),
                             weight_cache=WeightCache(wdir, m.file.identity()) if wdir else None,
-                            kv_cache_type=kv_cache_type, **engine_opts)
+                            kv_cache_type=kv_cache_type, draft=draft, **engine_opts)
         except BaseException:
             m.close()
+            if dm is not None:
+                dm.close()
             raise
         engine.start()
-        return cls(m, engine)
+        s = cls(m, engine)
+        s._draft_file = dm
+        return s
+
+    @staticmethod
+    def _draft(m: Model, dm: Model, placement, *, n_ctx: int, kv_blocks: int, wdir, kv_cache_type: str,
+               p_min: float, **engine_opts):
+        """The draft model's engine (never started: the target's thread runs its steps)."""
+        from hearthlm.runtime.draft import DraftModel
+        if why := vocab_mismatch(m.tokenizer, dm.tokenizer):
+            raise InvalidRequestError(f"the draft model cannot draft for this model: {why}")
+        if not dm.causal or getattr(dm, "state_dims", None) and any(dm.state_dims):
+            raise InvalidRequestError("the draft model must be a decoder whose layers all keep a KV cache "
+                                      "(its drafts are rolled back where the model rejects them)")
+        dm.set_context(min(n_ctx, dm.config.n_ctx_train))
+        opts = {k: v for k, v in engine_opts.items() if k in ("max_batch_tokens", "max_seqs", "fusion")}
+        engine = Engine(dm, placement, n_ctx=min(n_ctx, dm.config.n_ctx_train), kv_blocks=kv_blocks,
+                        weight_cache=WeightCache(wdir, dm.file.identity()) if wdir else None,
+                        kv_cache_type=kv_cache_type, **opts)
+        return DraftModel(engine, p_min=p_min, n_vocab=m.n_vocab)
 
     async def aclose(self, *, abort: bool = True) -> None:
         """Stop the engine: in-flight requests are aborted (abort=True) or run to the end."""
@@ -162,6 +203,8 @@ class Session:
         self._closed = True
         await anyio.to_thread.run_sync(lambda: self.engine.close(abort=abort))
         self.model.close()
+        if self._draft_file is not None:
+            self._draft_file.close()
 
     # ---- text ------------------------------------------------------------------------
     @property

@@ -24,9 +24,12 @@ def _vocab() -> tuple[list[str], list[int]]:
 
 def write_tiny(path: Path, arch: str = "llama", *, n_layer: int = 2, n_embd: int = 64, n_head: int = 4,
                n_head_kv: int = 2, n_ff: int = 128, qtype: T = T.Q8_0, seed: int = 0,
-               chat_template: str = CHATML, context_length: int = 512) -> Path:
+               chat_template: str = CHATML, context_length: int = 512, renamed: dict[int, str] | None = None) -> Path:
+    """`renamed`: token id -> another text (a vocabulary that differs from the others')."""
     rng = np.random.default_rng(seed)
     tokens, types = _vocab()
+    for i, text in (renamed or {}).items():
+        tokens[i] = text
     w = gguf.GGUFWriter(str(path), arch)
     head_dim = n_embd // n_head
     w.add_block_count(n_layer)

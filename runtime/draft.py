@@ -1,0 +1,132 @@
+"""Draft-model speculation (Session.open(draft_model=...)): a smaller model of the target's
+vocabulary proposes each speculating request's next tokens, greedily; the target verifies them
+as extra rows of its own step (as for prompt lookup, runtime.speculative) and rolls back what it
+rejects. The draft model has an engine of its own that is never started: its sequence memory
+(a KV block table per request, released with the request) and graph cache are run from the
+target engine's thread, all speculating requests batched: one catch-up step (the tokens the
+target kept since the last draft, or the whole prompt the first time), then one-token steps.
+Drafting stops at the draft's first token below p_min confidence (llama.cpp's --draft-p-min)."""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from hearthlm.runtime.batcher import Scheduled, StepPlan
+from hearthlm.runtime.request import Request
+from hearthlm.runtime.sampling import SamplingParams
+from hearthlm.runtime.speculative import K_MAX
+
+P_MIN = 0.75  # a draft token the draft model itself gives less than this is not proposed (llama.cpp's default)
+
+
+class DraftSeq:
+    """One request's side of the draft model: the draft engine's view of its tokens (a Request
+    of that engine, whose K/V is valid for its first n_computed tokens) and the draft length,
+    adapted as for n-gram drafts."""
+
+    def __init__(self, drafter: "DraftModel", k_max: int) -> None:
+        self.drafter = drafter
+        self.seq = Request(prompt=[], params=SamplingParams(temperature=0.0), max_tokens=1,
+                           on_token=lambda t, lp: None, on_finish=lambda reason, err: None)
+        self.admitted = False
+        self.k_max = self.k = k_max
+        self.drafted = self.accepted = 0
+
+    def feedback(self, n_drafted: int, n_accepted: int) -> None:
+        self.drafted += n_drafted
+        self.accepted += n_accepted
+        self.k = min(self.k_max, self.k * 2) if n_accepted == n_drafted else max(2, n_accepted + 1)
+
+
+class DraftModel:
+    """Drafts for the speculating requests of one target engine; `engine` is the draft
+    model's own (runtime.engine.Engine, not started)."""
+
+    def __init__(self, engine: Any, *, k_max: int = K_MAX, p_min: float = P_MIN, n_vocab: int | None = None) -> None:
+        self.engine = engine
+        self.k_max, self.p_min = k_max, p_min
+        self.n_vocab = min(n_vocab or engine.model.n_vocab, engine.model.n_vocab)  # drafts the target can take
+        self.eog = frozenset(engine.model.eog_ids)
+        self.steps = 0
+
+    def new_seq(self) -> DraftSeq:
+        return DraftSeq(self, self.k_max)
+
+    def release(self, spec: DraftSeq) -> None:
+        """The request is done: its draft blocks go back (the prefix cache may keep them)."""
+        self.engine.memory.release(spec.seq)
+        spec.admitted = False
+
+    def stats(self) -> dict[str, Any]:
+        mem = self.engine.memory.stats()
+        return dict(draft_steps=self.steps, draft_kv_blocks_used=mem["kv_blocks_used"],
+                    draft_kv_blocks_total=mem["kv_blocks_total"])
+
+    # ---- the target engine's thread -------------------------------------------------------
+    def propose(self, items: list[tuple[Request, int]]) -> None:
+        """Set r.draft for each (request, room): at most min(its k, room) tokens."""
+        pending = []
+        for r, room in items:
+            limit = min(r.spec.k, room, self.engine.n_ctx - len(r.tokens))  # the draft's context may be shorter
+            if limit > 0 and self._sync(r, r.spec, limit):
+                pending.append((r, r.spec.seq, limit))
+        budget = self.engine.max_batch_tokens
+        while pending:  # catch-up chunks (a long prompt over several steps), then one token a step
+            batch, later, used = [], [], 0
+            for item in pending:
+                s = item[1]
+                take = min(len(s.tokens) - s.n_computed, budget - used)
+                if take <= 0:
+                    later.append(item)
+                    continue
+                batch.append((item, Scheduled(s, take, s.n_computed + take == len(s.tokens))))
+                used += take
+            logits, row = self._forward([sch for _, sch in batch]), 0
+            for item, sch in batch:
+                if not sch.wants_logits:  # a prompt chunk: more of it next time round
+                    later.append(item)
+                    continue
+                (r, s, limit), (tok, p) = item, self._greedy(logits[row])
+                row += 1
+                if p < self.p_min or tok >= self.n_vocab:
+                    continue  # not confident enough: this request's draft ends here
+                r.draft.append(tok)
+                if len(r.draft) < limit and tok not in self.eog:
+                    s.tokens.append(tok)
+                    later.append(item)
+            pending = later
+
+    def _sync(self, r: Request, spec: DraftSeq, limit: int) -> bool:
+        """Roll the draft's view back to the longest prefix it shares with the request's tokens
+        (what it computed beyond is overwritten later), take its blocks: False if they are not
+        to be had (no draft this step)."""
+        s, mem = spec.seq, self.engine.memory
+        n = 0
+        upto = min(s.n_computed, len(r.tokens) - 1)  # the last token is fed again: its logits draft
+        while n < upto and s.tokens[n] == r.tokens[n]:
+            n += 1
+        del s.tokens[n:]
+        s.tokens.extend(r.tokens[n:])
+        s.n_computed = n
+        if not spec.admitted:  # a prefix the draft model computed for another request is taken back
+            s.prompt = list(r.tokens)
+            mem.admit(s)
+            spec.admitted = True
+        else:
+            mem.after_step(s)  # full blocks of verified tokens findable by later prompts
+        return mem.grow(s, len(s.tokens) + limit - 1)
+
+    def _forward(self, batch: list[Scheduled]) -> np.ndarray:
+        out = self.engine.forward(StepPlan(batch, []))
+        for sch in batch:
+            sch.req.n_computed += sch.n_tokens
+        self.steps += 1
+        return out
+
+    @staticmethod
+    def _greedy(row: np.ndarray) -> tuple[int, float]:
+        """The draft model's argmax and its probability."""
+        tok = int(np.argmax(row))
+        m = float(row[tok])
+        return tok, 1.0 / float(np.exp(row.astype(np.float64) - m).sum())
