@@ -51,8 +51,9 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
                    help="embedding texts/s at batch 1 and 32 (an encoder, or a decoder's embeddings)")
     p.add_argument("--first-run", action="store_true",
                    help="with --startup: also one start with empty kernel and weight caches (as after install)")
-    p.add_argument("--speculative", default=None, choices=["ngram"],
-                   help="decode tok/s with and without speculation, on a code rewrite and on free text")
+    p.add_argument("--speculative", default=None, choices=["ngram", "draft"],
+                   help="decode tok/s with and without speculation, on a code rewrite and on free text "
+                        "(draft: with --draft-model)")
     p.add_argument("--json-schema", default=None, metavar="FILE",
                    help="aggregate tokens/s constrained by this JSON schema vs unconstrained, same prompts, at the "
                         "--concurrency levels (default 1,16); pick a schema whose outputs outrun --decode-tokens")

@@ -26,11 +26,20 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-type", default="f16", metavar="TYPE",
                    help="K/V cache element type: f16 (default), q8_0 (about half the memory) or q4_0; "
                         "bench takes a comma list (e.g. f16,q8_0) and measures each in turn")
+    p.add_argument("--draft-model", default=None, metavar="MODEL",
+                   help="a smaller model of the same vocabulary that drafts tokens for speculative decoding")
+    p.add_argument("--draft-p-min", type=float, default=0.75, metavar="P",
+                   help="drafting stops at the draft model's first token below this probability (default 0.75)")
+
+
+def draft_args(a: argparse.Namespace) -> dict:
+    """Session.open's draft-model options from the command line."""
+    return dict(draft_model=a.draft_model, draft_p_min=a.draft_p_min) if getattr(a, "draft_model", None) else {}
 
 
 async def _generate(a: argparse.Namespace) -> None:
     async with Session.open(a.model, backend=a.backend, n_ctx=a.n_ctx, filename=a.filename,
-                            kv_cache_type=a.kv_cache_type) as s:
+                            kv_cache_type=a.kv_cache_type, **draft_args(a)) as s:
         kw = dict(max_tokens=a.max_tokens, temperature=a.temperature, seed=a.seed)
         stream = s.stream(messages=[{"role": "user", "content": a.prompt}], **kw) if a.chat else s.stream(a.prompt, **kw)
         async for chunk in stream:

@@ -1,5 +1,5 @@
-"""`hearthlm bench --speculative ngram`: decode tokens/s with and without prompt-lookup
-speculation, in rounds taken in turn (each figure the median of --repeat), on chat tasks:
+"""`hearthlm bench --speculative ngram` (or `draft --draft-model M`): decode tokens/s with and
+without prompt-lookup (or draft-model) speculation, in rounds taken in turn (each figure the median of --repeat), on chat tasks:
 rewriting a 60-line Python function with one variable renamed, greedy (the output copies its
 input), and a story, greedy and sampled at temperature 0.8 (it does not, but for its own repeats). Decode rate: tokens after the first over the time
 from the first to the last; the acceptance rate: draft tokens kept over drafted."""
@@ -11,6 +11,7 @@ import time
 import anyio
 import numpy as np
 
+from hearthlm.runtime.errors import HearthError
 from hearthlm.session import Session
 
 FUNCTION = '''def merge_intervals(intervals, min_gap=0, label_key="name"):
@@ -94,15 +95,19 @@ async def _round(s: Session, task: tuple[str, float], spec: str | None, n: int) 
 
 async def bench_speculative(a) -> list[dict]:
     rows = []
-    async with Session.open(a.model, backend=a.backend, n_ctx=max(a.n_ctx, 2048), filename=a.filename) as s:
+    from hearthlm.cli import draft_args
+    if a.speculative == "draft" and not a.draft_model:
+        raise HearthError("--speculative draft needs --draft-model")
+    async with Session.open(a.model, backend=a.backend, n_ctx=max(a.n_ctx, 2048), filename=a.filename,
+                            **draft_args(a)) as s:
         for name, prompt in TASKS.items():  # prompt: (text, temperature)
             await _round(s, prompt, a.speculative, 8)  # warm-up: graph shapes of both
-            await _round(s, prompt, None, 8)
+            await _round(s, prompt, "off", 8)
             plain, spec, drafted, kept = [], [], 0, 0
             for r in range(a.repeat):
-                for mode in ((None, a.speculative) if r % 2 == 0 else (a.speculative, None)):  # no order bias
+                for mode in (("off", a.speculative) if r % 2 == 0 else (a.speculative, "off")):  # no order bias
                     rate, d, k = await _round(s, prompt, mode, a.decode_tokens)
-                    (spec if mode else plain).append(rate)
+                    (plain if mode == "off" else spec).append(rate)
                     drafted, kept = drafted + d, kept + k
             rows.append(dict(task=name, plain_tok_s=float(np.median(plain)), spec_tok_s=float(np.median(spec)),
                              ratio=float(np.median(spec) / np.median(plain)), drafted=drafted, accepted=kept,

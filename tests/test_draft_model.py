@@ -186,3 +186,26 @@ async def test_a_real_model_as_its_own_draft(smollm2_path):
         drafted, kept = _counts(s)
     assert got.token_ids == ref.token_ids
     assert drafted > 0 and kept >= 0.8 * drafted, (drafted, kept)
+
+
+def test_server_and_cli_take_a_draft_model(models):
+    """hearthlm serve --draft-model: requests draft by default (counted in /metrics), "off" gives
+    the same greedy text with nothing drafted; hearthlm generate --draft-model prints the same text."""
+    import subprocess
+
+    import openai
+    from serve_util import live_server, metrics
+    target, draft = models
+    with live_server(target, "--n-ctx", "512", "--draft-model", draft, "--draft-p-min", "0") as url:
+        c = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=60)
+        kw = dict(model=target, prompt="a b c d e f a b c d", max_tokens=16, temperature=0, frequency_penalty=1.5)
+        off = c.completions.create(**kw, extra_body={"speculative": "off"}).choices[0].text
+        assert metrics(url).get("hearthlm_speculative_drafted_tokens_total", 0) == 0
+        assert c.completions.create(**kw).choices[0].text == off
+        assert metrics(url)["hearthlm_speculative_drafted_tokens_total"] > 0
+    cmd = [sys.executable, "-m", "hearthlm", "generate", "a b c d", "--model", target, "--max-tokens", "12",
+           "--temperature", "0"]
+    plain = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=True).stdout
+    drafted = subprocess.run(cmd + ["--draft-model", draft, "--draft-p-min", "0"], capture_output=True, text=True,
+                             timeout=120, check=True).stdout
+    assert drafted == plain and plain.strip()

@@ -41,7 +41,7 @@ class _Sampling(_Body):
     repeat_penalty: float | None = None  # llama-server's name
     min_tokens: int | None = None
     ignore_eos: bool | None = None
-    speculative: str | None = None  # "ngram": prompt-lookup speculative decoding
+    speculative: str | None = None  # "ngram": prompt lookup; "draft": the server's draft model (its default); "off"
 
     def session_kwargs(self, tokenizer=None) -> dict[str, Any]:
         """Keyword arguments for Session.stream/generate; None means the Session's default."""

@@ -23,6 +23,11 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--filename", default=None, help="file pattern inside a Hub repo, e.g. '*Q4_K_M.gguf'")
     p.add_argument("--kv-cache-type", default="f16", metavar="TYPE",
                    help="K/V cache element type: f16 (default), q8_0 (about half the memory) or q4_0")
+    p.add_argument("--draft-model", default=None, metavar="MODEL",
+                   help="a smaller model of the same vocabulary that drafts tokens for speculative decoding "
+                        "(for every request that does not send speculative: 'off' or 'ngram')")
+    p.add_argument("--draft-p-min", type=float, default=0.75, metavar="P",
+                   help="drafting stops at the draft model's first token below this probability (default 0.75)")
     p.add_argument("--log-level", default="warning")
 
 
@@ -38,5 +43,6 @@ def run_serve(a: argparse.Namespace) -> None:
     app = build_app(dict(m.split("=", 1) if "=" in m else (m, m) for m in models), api_key=a.api_key or os.environ.get("HEARTHLM_API_KEY") or None,
                     max_body_bytes=a.max_body_bytes or MAX_BODY_BYTES, backend=a.backend, n_ctx=a.n_ctx,
                     max_queued_requests=a.max_queued, max_seqs=a.max_seqs, filename=a.filename,
-                    kv_cache_type=a.kv_cache_type)
+                    kv_cache_type=a.kv_cache_type,
+                    **(dict(draft_model=a.draft_model, draft_p_min=a.draft_p_min) if a.draft_model else {}))
     uvicorn.run(app, host=a.host, port=a.port, log_level=a.log_level, timeout_graceful_shutdown=10)
