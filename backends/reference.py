@@ -11,7 +11,7 @@ from gguf import quants
 from hearthlm.backends.base import Backend
 from hearthlm.runtime import kv_types
 from hearthlm.runtime.errors import UnsupportedModelError
-from hearthlm.runtime.graph import Op, attn_bounds
+from hearthlm.runtime.graph import Op, alibi_slopes, attn_bounds
 from hearthlm.runtime.weights import QWeight
 
 
@@ -91,10 +91,10 @@ def _rope(n, x, pos):
 
 
 def attention(q, k_cache, v_cache, tok_seq, tok_pos, block_table, seq_len=None, *, scale, block_size, window,
-              softcap=0.0, causal=True):
+              softcap=0.0, alibi=0.0, causal=True):
     """q (n_tokens, n_head, d); caches (n_slots, n_head_kv, d), or quantized (kv_types). Each
-    token attends to its sequence's positions [lo, hi] (attn_bounds) through the block table.
-    Returns (n_tokens, n_head*d)."""
+    token attends to its sequence's positions [lo, hi] (attn_bounds) through the block table;
+    alibi > 0: scores less slope[h] * |p - pos| (ALiBi). Returns (n_tokens, n_head*d)."""
     n_tokens, n_head, _ = q.shape
     group = n_head // k_cache.shape[1]
     dv = kv_types.head_dim(v_cache)
@@ -108,6 +108,8 @@ def attention(q, k_cache, v_cache, tok_seq, tok_pos, block_table, seq_len=None, 
         s = np.einsum("hd,khd->hk", q[t].astype(np.float64), k) * scale
         if softcap:
             s = softcap * np.tanh(s / softcap)
+        if alibi > 0:
+            s = s - alibi_slopes(n_head, alibi)[:, None].astype(np.float64) * np.abs(p - tok_pos[t])
         s = np.exp(s - s.max(axis=1, keepdims=True))
         s /= s.sum(axis=1, keepdims=True)
         out[t] = np.einsum("hk,khd->hd", s, v)
@@ -132,11 +134,15 @@ def attn_temp(pos, floor, beta):
     return t.astype(np.float32)[:, None, None]
 
 
-def kq_mask(pos, n_kv, window, seq_len=None):
+def kq_mask(pos, n_kv, window, seq_len=None, alibi=0.0, n_head=1):
     p = np.arange(n_kv)[None, :]
     lo, hi = attn_bounds(pos.astype(np.int64), None if seq_len is None else seq_len.astype(np.int64), window,
                          seq_len is None)
     ok = (p <= hi[:, None]) & (p >= lo[:, None])
+    if alibi > 0:  # (n_tokens, n_head, n_kv): -slope[h] * |p - pos| where attended
+        dist = np.abs(p - pos.astype(np.int64)[:, None]).astype(np.float64)
+        bias = -alibi_slopes(n_head, alibi).astype(np.float64)[None, :, None] * dist[:, None, :]
+        return np.where(ok[:, None, :], bias, -np.inf).astype(np.float32)
     return np.where(ok, 0.0, -np.inf).astype(np.float32)[:, None, :]  # (n_tokens, 1, n_kv)
 
 
@@ -310,13 +316,15 @@ class ReferenceBackend(Backend):
             Op.SET_ROWS: _set_rows,
             Op.ATTN: lambda n, q, k, v, seq, pos, bt, *sl: attention(
                 q, k, v, seq, pos, bt, *sl, scale=n.params["scale"], block_size=n.params["block_size"],
-                window=n.params["window"], softcap=n.params.get("softcap", 0.0), causal=n.params["causal"]),
+                window=n.params["window"], softcap=n.params.get("softcap", 0.0), alibi=n.params.get("alibi", 0.0),
+                causal=n.params["causal"]),
             Op.RMS_NORM_MUL: lambda n, x, w: (rms_norm(x, n.params["eps"]) * w).astype(np.float32),
             Op.GLU: lambda n, g, u: _act(n, g) * u,
             # unfused attention
             Op.GATHER_KV: lambda n, cache, bt: gather_kv(cache, bt, n.params["block_size"]),
             Op.KQ: lambda n, q, k, seq: kq(q, k, seq),
-            Op.KQ_MASK: lambda n, pos, *sl: kq_mask(pos, n.shape[2], n.params["window"], *sl),
+            Op.KQ_MASK: lambda n, pos, *sl: kq_mask(pos, n.shape[2], n.params["window"], *(sl or (None,)),
+                                                    alibi=n.params.get("alibi", 0.0), n_head=n.shape[1]),
             Op.ATTN_TEMP: lambda n, pos: attn_temp(pos, n.params["floor"], n.params["beta"]),
             Op.SOFT_MAX: lambda n, x: soft_max(x),
             Op.KQV: lambda n, p, v, seq: kqv(p, v, seq),

@@ -125,15 +125,16 @@ def build_residual(g: Graph, x: Tensor, h: Tensor, *, name: str, il: int, post_n
 
 
 def build_attn(g: Graph, inp: Inputs, q: Tensor, k: Tensor, v: Tensor, *, il: int, wo: Tensor | None,
-               bo: Tensor | None = None, scale: float, window: int = 0, softcap: float = 0.0) -> Tensor:
+               bo: Tensor | None = None, scale: float, window: int = 0, softcap: float = 0.0,
+               alibi: float = 0.0) -> Tensor:
     """The attention core (llama.cpp's build_attn on Qcur/Kcur/Vcur): K and V, already
     projected (and K rotated), are written into the paged cache; each token attends over its
     own sequence; the output projection follows (wo=None: the caller's, after a gate, say).
-    q (n_tokens, n_head, d), k/v (n_tokens, h_kv, d)."""
+    q (n_tokens, n_head, d), k/v (n_tokens, h_kv, d); alibi: ggml's max_bias (ALiBi, jina-bert-v2)."""
     n_slots = inp.shape.n_slots
     k_cache = g.set_rows(g.cache("cache_k", (n_slots, *k.shape[1:]), il), k, inp.slots, "k_write", il)
     v_cache = g.set_rows(g.cache("cache_v", (n_slots, *v.shape[1:]), il), v, inp.slots, "v_write", il)
-    att = build_kqv(g, q, k_cache, v_cache, inp, il=il, window=window, scale=scale, softcap=softcap)
+    att = build_kqv(g, q, k_cache, v_cache, inp, il=il, window=window, scale=scale, softcap=softcap, alibi=alibi)
     if wo is None:
         return att  # (n_tokens, n_head * dv)
     out = g.mul_mat(wo, att, "attn_out", il)  # (n_tokens, n_embd)
@@ -141,7 +142,7 @@ def build_attn(g: Graph, inp: Inputs, q: Tensor, k: Tensor, v: Tensor, *, il: in
 
 
 def build_kqv(g: Graph, q: Tensor, k_cache: Tensor, v_cache: Tensor, inp: Inputs, *, il: int, scale: float,
-              window: int = 0, softcap: float = 0.0) -> Tensor:
+              window: int = 0, softcap: float = 0.0, alibi: float = 0.0) -> Tensor:
     """softmax(q k^T * scale + mask) v over each token's own sequence, unfused: the K/V of
     each sequence gathered through its block table (n_kv = block-table width * block size).
     runtime.fusion turns the chain into one flash-attention op (Op.ATTN)."""
@@ -151,8 +152,8 @@ def build_kqv(g: Graph, q: Tensor, k_cache: Tensor, v_cache: Tensor, inp: Inputs
     kq = g.scale(g.kq(q, k, inp.tok_seq, "kq", il), scale, "kq_scaled", il)  # (n_tokens, n_head, n_kv)
     if softcap:  # softcap * tanh(kq / softcap) (Gemma 2); the chain stays unfused
         kq = g.scale(g.tanh(g.scale(kq, 1.0 / softcap, "kq_scaled_1", il), "kq_tanh", il), softcap, "kq_scaled_2", il)
-    mask = g.kq_mask(inp.pos, n_kv=k.shape[1], window=window, seq_len=inp.seq_len, name="kq_mask",
-                     il=il)  # (n_tokens, 1, n_kv)
+    mask = g.kq_mask(inp.pos, n_kv=k.shape[1], window=window, seq_len=inp.seq_len, alibi=alibi, n_head=q.shape[1],
+                     name="kq_mask", il=il)  # (n_tokens, 1, n_kv); with ALiBi (n_tokens, n_head, n_kv)
     probs = g.soft_max(g.add(kq, mask, "kq_masked", il), "kq_soft_max", il)
     out = g.kqv(probs, v, inp.tok_seq, "kqv", il)  # (n_tokens, n_head, dv)
     return g.reshape(out, (out.shape[0], out.shape[1] * out.shape[2]), "kqv_out", il)

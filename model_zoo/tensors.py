@@ -59,6 +59,12 @@ class Weights:
             qw = self._view(f"{qw.name}[flat]", qw, (int(np.prod(qw.shape)),), lambda r: r.reshape(-1), floats=True)
         return self.g.weight(qw)
 
+    def shape_of(self, name: str) -> tuple[int, ...] | None:
+        """The file's shape of a tensor (None: absent, or recording specs), for an architecture
+        whose tensors come in more than one layout (llama.cpp's get_tensor_meta)."""
+        qw = None if self.tensors is None else self.tensors.get(name)
+        return None if qw is None else tuple(qw.shape)
+
     def layer(self, il: int):
         """`L = w.layer(il)`; `L("attn_q.weight", shape)` reads blk.{il}.attn_q.weight."""
         return lambda name, shape, **kw: self(f"blk.{il}.{name}", shape, **kw)

@@ -24,11 +24,12 @@ _QWEN2 = (_CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
 class _Pre:
     """One llama.cpp pre-tokenizer type: its regexes and the flags it sets."""
 
-    def __init__(self, regexes, *, clean_spaces=True, ignore_merges=False, add_bos=False):
+    def __init__(self, regexes, *, clean_spaces=True, ignore_merges=False, add_bos=False, add_sep=False):
         self.regexes = regexes          # applied in order, each splitting the last's pieces
         self.clean_spaces = clean_spaces  # llama_detokenize's " ," / " 's" clean-up
         self.ignore_merges = ignore_merges  # a whole word found in the vocab skips merging
         self.add_bos = add_bos          # default when tokenizer.ggml.add_bos_token is absent
+        self.add_sep = add_sep          # a rerank pair's [SEP] between query and document (RoBERTa-style)
 
 
 _DEFAULT = _Pre([r"[\p{P}\$\+<=>\^~\|]+", _GPT2, r"\p{N}+", r"[0-9][0-9][0-9]"])
@@ -45,6 +46,8 @@ PRE_TYPES: dict[str, _Pre] = {
     **{k: _Pre([_GPT2]) for k in ("gpt-2", "gpt2", "phi-2", "jina-es", "jina-de",
                                   "jina-v2-es", "jina-v2-de", "mpt", "olmo", "jais",
                                   "gigachat", "exaone4", "mellum", "modern-bert")},
+    # jina-reranker-v1-tiny/turbo-en (jina-bert-v2) and the like: GPT-2's split, a [SEP] in rerank pairs
+    **{k: _Pre([_GPT2], add_sep=True) for k in ("jina-v1-en", "jina-v2-code", "roberta-bpe")},
     **{k: _Pre([_QWEN2], clean_spaces=False) for k in ("qwen2", "deepseek-r1-qwen", "kormo")},
     **{k: _Pre([_QWEN2]) for k in ("stablelm2", "megrez")},
     **{k: _Pre(_STARCODER) for k in ("starcoder", "refact", "codeshell", "exaone",

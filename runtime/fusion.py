@@ -56,10 +56,13 @@ def _attn_pattern(softcap: bool) -> P:
 
 
 def _attn(g, root, m, softcap: float):
-    mask = m["mask"]  # (pos) causal, or (pos, seq_len) an encoder's
+    mask = m["mask"]  # (pos) causal, or (pos, seq_len) an encoder's; ALiBi's slopes per query head
+    alibi = mask.params.get("alibi", 0.0)
+    if alibi > 0 and mask.shape[1] != m["q"].shape[1]:
+        return None
     return g.attn(m["q"], m["kc"], m["vc"], m["seq"], mask.srcs[0], m["bt"], scale=m["scale"].params["s"],
                   block_size=m["gk"].params["block_size"], window=mask.params["window"], softcap=softcap,
-                  seq_len=mask.srcs[1] if len(mask.srcs) > 1 else None, name=root.name, il=root.layer)
+                  alibi=alibi, seq_len=mask.srcs[1] if len(mask.srcs) > 1 else None, name=root.name, il=root.layer)
 
 
 RULES = [

@@ -4,6 +4,7 @@ e.g. `# (n_tokens, n_embd)`. Nodes are created in topological order by construct
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,6 +43,17 @@ def attn_bounds(pos, seq_len, window: int, causal: bool):
     return (pos - half).clip(0), hi + (pos + half - hi).clip(None, 0)
 
 
+def alibi_slopes(n_head: int, max_bias: float) -> np.ndarray:
+    """ALiBi's per-head slopes as ggml's soft_max_ext / flash_attn_ext derive them from max_bias
+    (float32 powf): m0^(h+1) for the first 2^floor(log2 n_head) heads, m1^(2(h-n)+1) after."""
+    n = 1 << int(math.floor(math.log2(n_head)))
+    m0 = np.float32(2.0) ** np.float32(-max_bias / n)
+    m1 = np.float32(2.0) ** np.float32(-(max_bias / 2.0) / n)
+    h = np.arange(n_head)
+    return np.where(h < n, m0 ** (h + 1).astype(np.float32),
+                    m1 ** (2 * (h - n) + 1).astype(np.float32)).astype(np.float32)
+
+
 class Op(enum.Enum):
     def __new__(cls, value: str, props: OpProps = OpProps()):
         obj = object.__new__(cls)
@@ -77,7 +89,8 @@ class Op(enum.Enum):
     # temperature on Q (Ministral 3); params: floor, beta
     ATTN_TEMP = "attn_temp"
     # (pos (n_tokens,)[, seq_len (n_tokens,)]) -> (n_tokens, 1, n_kv): 0 on the token's attend range
-    # (attn_bounds), else -inf; params: window, causal (False: an encoder's, seq_len given)
+    # (attn_bounds), else -inf; params: window, causal (False: an encoder's, seq_len given), alibi
+    # (ggml's max_bias; > 0: (n_tokens, n_head, n_kv), -slope[h] * |p - pos| on the range)
     KQ_MASK = "kq_mask"
     SOFT_MAX = "soft_max", OpProps(inplace=(0,))  # (x,) over the last axis
     KQV = "kqv"              # (probs (n_tokens, n_head, n_kv), v (n_seqs, n_kv, h_kv, dv), tok_seq) -> (n_tokens, n_head, dv)
@@ -101,7 +114,8 @@ class Op(enum.Enum):
     # -> (n, H, P): Mamba-2's selective scan (ggml's SSM_SCAN; softplus of dt inside, no D skip)
     SSM_SCAN = "ssm_scan", OpProps(updates_state=True)
     # fused ops (runtime.fusion rewrites into these)
-    # (q, k_cache, v_cache, tok_seq, tok_pos, block_table[, seq_len]) -> (n_tokens, n_head*head_dim)
+    # (q, k_cache, v_cache, tok_seq, tok_pos, block_table[, seq_len]) -> (n_tokens, n_head*head_dim);
+    # params: scale, block_size, window, causal, softcap, alibi (as KQ_MASK's)
     ATTN = "attn"
     RMS_NORM_MUL = "rms_norm_mul", OpProps(inplace=(0,))  # (x, w) = rms_norm(x) * w
     # (x, w, r) = rms_norm(x) * w + r (a post-norm into the residual)
@@ -236,12 +250,13 @@ class Graph:
     def attn_temp(self, pos: Tensor, *, floor: int, beta: float, name: str, il: int = -1) -> Tensor:
         return self._add(Op.ATTN_TEMP, (pos,), (pos.shape[0], 1, 1), name, il, floor=int(floor), beta=float(beta))
 
-    def kq_mask(self, pos: Tensor, *, n_kv: int, window: int = 0, seq_len: Tensor | None = None, name: str,
-                il: int = -1) -> Tensor:
-        """seq_len given: non-causal (an encoder), each token sees its whole sequence (attn_bounds)."""
+    def kq_mask(self, pos: Tensor, *, n_kv: int, window: int = 0, seq_len: Tensor | None = None,
+                alibi: float = 0.0, n_head: int = 1, name: str, il: int = -1) -> Tensor:
+        """seq_len given: non-causal (an encoder), each token sees its whole sequence (attn_bounds).
+        alibi > 0 (ggml's max_bias): ALiBi's per-head distance bias on the range, so one row per head."""
         srcs = (pos,) if seq_len is None else (pos, seq_len)
-        return self._add(Op.KQ_MASK, srcs, (pos.shape[0], 1, n_kv), name, il, window=int(window),
-                         causal=seq_len is None)
+        return self._add(Op.KQ_MASK, srcs, (pos.shape[0], n_head if alibi > 0 else 1, n_kv), name, il,
+                         window=int(window), causal=seq_len is None, alibi=float(alibi))
 
     def soft_max(self, x: Tensor, name: str, il: int = -1) -> Tensor:
         return self._add(Op.SOFT_MAX, (x,), x.shape, name, il)
@@ -300,15 +315,16 @@ class Graph:
     # fused ops: created by runtime.fusion, or directly by tests
     def attn(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, tok_seq: Tensor, tok_pos: Tensor,
              block_table: Tensor, *, scale: float, block_size: int, window: int = 0, softcap: float = 0.0,
-             seq_len: Tensor | None = None, name: str, il: int = -1) -> Tensor:
+             alibi: float = 0.0, seq_len: Tensor | None = None, name: str, il: int = -1) -> Tensor:
         """Attention of each query token over its own sequence's cached positions in its range
         (attn_bounds: causal, or with seq_len the whole sequence), read through the block table
-        (paged KV). Scores are q.k * scale, then softcap * tanh(score / softcap) when softcap > 0."""
+        (paged KV). Scores are q.k * scale, then softcap * tanh(score / softcap) when softcap > 0,
+        then - alibi_slopes(n_head, alibi)[h] * |p - pos| when alibi > 0 (ALiBi, in place of RoPE)."""
         n_tokens, n_head, head_dim = q.shape
         srcs = (q, k_cache, v_cache, tok_seq, tok_pos, block_table) + (() if seq_len is None else (seq_len,))
         return self._add(Op.ATTN, srcs, (n_tokens, n_head * v_cache.shape[2]), name, il, scale=float(scale),
                          block_size=int(block_size), window=int(window), softcap=float(softcap),
-                         causal=seq_len is None)
+                         alibi=float(alibi), causal=seq_len is None)
 
     def rms_norm_mul(self, x: Tensor, w: Tensor, eps: float, name: str, il: int = -1) -> Tensor:
         return self._add(Op.RMS_NORM_MUL, (x, w), x.shape, name, il, eps=float(eps))

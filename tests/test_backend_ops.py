@@ -378,13 +378,14 @@ def kv_write(fused, n_kv, d, scen, neox=True):
     return g, {"x": x, "pos": pos, "slots": slots}, {"cache_k": cache}
 
 
-def attention(part, shape, scen, window, softcap=0.0, causal=True):
+def attention(part, shape, scen, window, softcap=0.0, causal=True, alibi=0.0):
     """The fused ATTN, or one unfused part, over a scenario's tokens and random cached K/V;
-    causal=False: an encoder's mask, each token over its whole sequence (its last position + 1)."""
+    causal=False: an encoder's mask, each token over its whole sequence (its last position + 1);
+    alibi: ALiBi's max_bias (the mask then per head)."""
     n_head, n_kv, d = shape
     seq, pos, _ = scenario(scen)
     n, width = len(seq), BT.shape[1] * BS
-    rng = rng_for("attn", part, shape, scen, window, causal)
+    rng = rng_for("attn", part, shape, scen, window, causal, *((alibi,) if alibi else ()))
     kc, vc = f32(rng, N_BLOCKS * BS, n_kv, d), f32(rng, N_BLOCKS * BS, n_kv, d)
     last = {int(s_): int(pos[seq == s_].max()) for s_ in set(seq.tolist())}
     seq_len = np.array([last[int(s_)] + 1 for s_ in seq], np.int32)
@@ -397,7 +398,8 @@ def attention(part, shape, scen, window, softcap=0.0, causal=True):
     q, sq, ps, bt, k, v, x, p, *sl = inputs(g, **feed)
     sl = sl[0] if sl else None
     kci, vci = g.cache("cache_k", kc.shape, 0), g.cache("cache_v", vc.shape, 0)
-    mask = lambda: g.kq_mask(ps, n_kv=width, window=window, seq_len=sl, name="mask")  # noqa: E731
+    mask = lambda: g.kq_mask(ps, n_kv=width, window=window, seq_len=sl, alibi=alibi, n_head=n_head,  # noqa: E731
+                             name="mask")
 
     def unfused():
         kk = g.gather_kv(kci, bt, block_size=BS, name="k")
@@ -408,7 +410,7 @@ def attention(part, shape, scen, window, softcap=0.0, causal=True):
         return g.kqv(probs, g.gather_kv(vci, bt, block_size=BS, name="v"), sq, "kqv")
     g.outputs.append({
         "attn": lambda: g.attn(q, kci, vci, sq, ps, bt, scale=d ** -0.5, block_size=BS, window=window,
-                               softcap=softcap, seq_len=sl, name="a"),
+                               softcap=softcap, alibi=alibi, seq_len=sl, name="a"),
         "unfused": unfused,
         "gather_kv": lambda: g.gather_kv(kci, bt, block_size=BS, name="k"),
         "kq": lambda: g.kq(q, k, sq, "kq"),
@@ -569,6 +571,12 @@ CASES = [
     # encoders: each token over its whole input (a window: llama.cpp's symmetric one, |p - pos| <= 4)
     *[case(attention, part=p, shape=sh, scen=s, window=w, causal=False) for p in ("attn", "unfused", "kq_mask")
       for sh in GQA[:2] for s in ("empty", "encode", "prefill") for w in (0, 8)],
+    # ALiBi (jina-bert-v2: max_bias 8, non-causal; 9 heads take both of ggml's slope branches): the cpu's
+    # whole-sequence path, and with a window or causal (MPT-style) its flash kernel
+    *[case(attention, part=p, shape=sh, scen=s, window=w, causal=False, alibi=8.0) for p in ("attn", "unfused", "kq_mask")
+      for sh in GQA[:2] for s in ("empty", "encode", "prefill") for w in (0, 8)],
+    *[case(attention, part=p, shape=GQA[0], scen=s, window=0, alibi=8.0) for p in ("attn", "unfused", "kq_mask")
+      for s in ("decode", "chunk", "prefill")],
     # Ministral 3's temperature: positions past the floor (3) scale Q by log(floor(pos / 3) + 1) * 0.1 + 1
     *[case(attention, part="attn_temp", shape=GQA[0], scen=s, window=0) for s in SCENARIOS],
     *[case(elementwise, kind=kind, n=n) for kind in ("sigmoid", "softplus", "l2_norm", "l2_norm_tiny") for n in TOKENS],
@@ -647,6 +655,33 @@ def test_reference_semantics():
     w = np.exp(np.einsum("hd,khd->hk", q[4], kk) * 0.25)
     want = np.einsum("hk,khd->hd", w / w.sum(1, keepdims=True), vv).reshape(-1)
     assert nmse(a[4], want) < 1e-10
+
+
+def test_reference_alibi():
+    """ALiBi as ggml has it, written out: 9 heads, max_bias 8 -> m0 = 2^(-8/8), m1 = 2^(-4/8); heads
+    0-7 take m0^(h+1), head 8 m1^1; each score less slope * |p - pos|, in the mask or the fused op."""
+    from hearthlm.runtime.graph import alibi_slopes
+    want = [0.5 ** (h + 1) for h in range(8)] + [2 ** -0.5]
+    assert np.allclose(alibi_slopes(9, 8.0), want, rtol=1e-6)
+    assert np.allclose(alibi_slopes(4, 8.0), [0.25, 0.0625, 0.25 ** 3, 0.25 ** 4], rtol=1e-6)
+    seq, pos, _ = scenario("encode")
+    rng = rng_for("ref-alibi")
+    kc, vc, q = f32(rng, N_BLOCKS * BS, 3, 16), f32(rng, N_BLOCKS * BS, 3, 16), f32(rng, len(seq), 9, 16)
+    sl = np.where(seq == 0, 13, 7).astype(np.int32)
+    g = Graph()
+    qi, si, pi, bt, li = inputs(g, q=q, seq=seq, pos=pos, bt=BT, sl=sl)
+    run = lambda node, *srcs: REF.kernels[node.op](node, *srcs)  # noqa: E731
+    mask = run(g.kq_mask(pi, n_kv=64, seq_len=li, alibi=8.0, n_head=9, name="m"), pos, sl)
+    assert mask.shape == (len(seq), 9, 64) and mask[4, 8, 10] == np.float32(-(2 ** -0.5) * 6)
+    assert mask[4, 0, 4] == 0 and np.isneginf(mask[4, 0, 13])  # its own position; past the 13-token input
+    a = run(g.attn(qi, g.cache("k", kc.shape, 0), g.cache("v", vc.shape, 0), si, pi, bt, scale=0.25, block_size=BS,
+                   alibi=8.0, seq_len=li, name="a"), q, kc, vc, seq, pos, BT, sl)
+    t, p = 15, np.arange(7)  # position 2 of the second input (sequence 1: block 1)
+    slots = BT[1, p // BS] * BS + p % BS
+    kk, vv = np.repeat(kc[slots], 3, axis=1), np.repeat(vc[slots], 3, axis=1)
+    s = np.einsum("hd,khd->hk", q[t], kk) * 0.25 - np.array(want)[:, None] * np.abs(p - 2)
+    w = np.exp(s - s.max(1, keepdims=True))
+    assert nmse(a[t], np.einsum("hk,khd->hd", w / w.sum(1, keepdims=True), vv).reshape(-1)) < 1e-10
 
 
 # ---- recurrent state ----

@@ -221,3 +221,20 @@ def test_every_quant_type_has_its_kernels(fake_ops, qtype):
     assert ops.mmvq(w, x).shape == (2, 8)
     assert ops.dequant_rows(w, ids=np.array([1, 7], np.int32)).shape == (2, cols)
     assert [fn for fn, _ in launches] == ["quantize_q8", "mmvq_" + w.kernel, "dequant_" + w.kernel]
+
+
+@pytest.mark.parametrize("n", [0, 3, 12], ids=lambda n: f"{n}tok")
+def test_alibi_launches(fake_ops, n):
+    """ALiBi (jina-bert-v2): the fused kernel takes the positions and max_bias, the mask one row per head."""
+    ops, cp, launches = fake_ops
+    g = Graph()
+    pos, seq, bt, sl = g.input("pos", (n,)), g.input("seq", (n,)), g.input("bt", (2, 3)), g.input("sl", (n,))
+    q = g.input("xh", (n, H, D), np.float32)
+    kc, vc = g.cache("kc", (N_SLOTS, HKV, D), 0), g.cache("vc", (N_SLOTS, HKV, D), 0)
+    feed = _case(Op.ATTN, n)[1]
+    feed["sl"] = np.full(n, 11, np.int32)
+    for node in (g.attn(q, kc, vc, seq, pos, bt, scale=0.25, block_size=BS, alibi=8.0, seq_len=sl, name="a"),
+                 g.kq_mask(pos, n_kv=3 * BS, seq_len=sl, alibi=8.0, n_head=H, name="m")):
+        y = ops.KERNELS[node.op](node, *_values(node, feed, cp))
+        assert y.shape == node.shape
+    assert [fn for fn, _ in launches] == ([] if n == 0 else ["attn_paged"])

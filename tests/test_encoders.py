@@ -1,4 +1,4 @@
-"""Encoders (bert, nomic-bert) against llama.cpp: tiny random-weight models with a WordPiece
+"""Encoders (bert, nomic-bert, jina-bert-v2) against llama.cpp: tiny random-weight models with a WordPiece
 vocabulary (tests/parity/encoders.py), their tokens, pooled embeddings and reranker scores
 recorded once with llama-cpp-python 0.3.36 (tests/parity/record_encoders.py). Criteria: token
 ids exact; cosine >= 0.999 per text, alone and in one batch of texts of different lengths;
@@ -38,6 +38,13 @@ async def test_matches_llama_cpp(files, variant):
     async with Session.open(files[variant], weight_cache=False) as s:
         assert [s.tokenize(t, add_special=True) for t in TEXTS] == rec["tokens"]
         for pooling, want in rec["pooling"].items():
+            if pooling == "rank" and not s.has_rank_head():  # a one-score cls head (jina-bert-v2): the
+                # engine's rank output on llama.cpp's pairs (Session.rerank looks for cls.output)
+                got = np.concatenate([await s._pooled([p], "rank") for p in rec["pairs"]])
+                assert np.abs(got[:, 0] - np.array(want)[:, 0]).max() < 1e-3, (got, want)
+                got = await s._pooled(rec["pairs"], "rank")
+                assert np.abs(got[:, 0] - np.array(rec["batched"]["rank"])[:, 0]).max() < 1e-3
+                continue
             if pooling == "rank":
                 got = await s.rerank(QUERY, DOCS)
                 assert np.abs(np.array(got) - np.array(want)[:, 0]).max() < 1e-3, (got, want)
@@ -55,10 +62,10 @@ async def test_matches_llama_cpp(files, variant):
         assert s.stats()["kv_blocks_used"] == 0 and s.stats()["running_requests"] == 0
 
 
-@pytest.mark.parametrize("variant", ["bert", "nomic-bert"])
+@pytest.mark.parametrize("variant", ["bert", "nomic-bert", "jina-bert-v2", "jina-bert-v2-reranker"])
 def test_encoder_graph_fuses(files, variant):
-    """Flash attention on the non-causal mask in every layer; nomic-bert's K RoPE into the cache
-    and its SwiGLU as one op."""
+    """Flash attention on the non-causal mask in every layer (jina-bert-v2's with ALiBi's max_bias
+    8); nomic-bert's K RoPE into the cache and its SwiGLU as one op."""
     from hearthlm.model_zoo.model import load_model
     from hearthlm.runtime import fusion
     from hearthlm.runtime.batch import BatchShape
@@ -71,6 +78,8 @@ def test_encoder_graph_fuses(files, variant):
         ops, n = [x.op for x in g.nodes], m.config.n_layer
         attn = [x for x in g.nodes if x.op is Op.ATTN]
         assert len(attn) == n and Op.KQ not in ops and all(not a.params["causal"] for a in attn)
+        assert all(a.params["alibi"] == (8.0 if variant.startswith("jina") else 0.0) for a in attn)
+        assert ops.count(Op.GLU) == (n if variant.startswith("jina") else 0)  # GEGLU, its biases between
         assert ops.count(Op.ROPE_SET_ROWS) == (n if variant == "nomic-bert" else 0)
         assert ops.count(Op.FFN_GLU) == (n if variant == "nomic-bert" else 0)
     finally:
@@ -114,3 +123,16 @@ def test_sync_session_reranks(files):
     with SyncSession(files["bert-reranker"], weight_cache=False) as s:
         scores = s.rerank(QUERY, DOCS)
     assert np.abs(np.array(scores) - np.array(REC["bert-reranker"]["pooling"]["rank"])[:, 0]).max() < 1e-3
+
+
+@pytest.mark.parametrize("tensor", ["blk.1.attn_output.bias", "token_types.weight", "blk.0.ffn_down.bias",
+                                    "blk.0.ffn_up.weight"])
+async def test_jina_missing_tensor_is_named(tmp_path, tensor):
+    """Tensors jina-bert-v2 needs (llama.cpp's loader requires them; bert's biases and token types
+    are optional) are refused at load, by name."""
+    from hearthlm import ModelLoadError
+    p = write(tmp_path / "jina.gguf", "jina-bert-v2", drop=tensor)
+    with pytest.raises(ModelLoadError) as e:
+        async with Session.open(str(p), backend="reference", weight_cache=False):
+            pass
+    assert tensor in str(e.value) and "missing" in str(e.value), str(e.value)

@@ -148,3 +148,25 @@ def test_softcapped_attention_fuses_only_as_a_cap(inv):
         assert len(attn) == 1 and attn[0].params["softcap"] == 30.0 and attn[0].params["scale"] == 0.25
     else:
         assert not attn
+
+
+@pytest.mark.parametrize("n_head", [4, 1])
+def test_alibi_attention_fuses_with_its_bias(n_head):
+    """An encoder's ALiBi mask (one row per head) becomes one ATTN carrying max_bias; a mask of
+    one row over 4 query heads (not ALiBi's shape) stays unfused."""
+    from hearthlm.runtime.graph import Graph
+    g = Graph()
+    q = g.input("q", (3, 4, 16), np.float32)
+    seq, pos, bt, sl = g.input("seq", (3,)), g.input("pos", (3,)), g.input("bt", (1, 2)), g.input("sl", (3,))
+    kc, vc = g.cache("cache_k", (32, 2, 16), 0), g.cache("cache_v", (32, 2, 16), 0)
+    s = g.scale(g.kq(q, g.gather_kv(kc, bt, block_size=16, name="k"), seq, "kq"), 0.25, "kq_scaled")
+    mask = g.kq_mask(pos, n_kv=32, seq_len=sl, alibi=8.0, n_head=n_head, name="mask")
+    probs = g.soft_max(g.add(s, mask, "masked"), "probs")
+    out = g.kqv(probs, g.gather_kv(vc, bt, block_size=16, name="v"), seq, "kqv")
+    g.outputs.append(g.reshape(out, (3, 64), "out"))
+    attn = [n for n in fusion.fuse(g).nodes if n.op is Op.ATTN]
+    if n_head == 4:
+        assert len(attn) == 1 and attn[0].params["alibi"] == 8.0 and not attn[0].params["causal"]
+        assert attn[0].srcs[-1] is sl
+    else:
+        assert not attn

@@ -209,7 +209,7 @@ def bpe_md(pre="gpt2", merges=(), extra=()) -> dict:
             "tokenizer.ggml.bos_token_id": 1, "tokenizer.ggml.eos_token_id": 2}
 
 
-@pytest.mark.parametrize("pre", ["gpt2", "gpt-2", "smollm", "llama3", "llama-bpe", "qwen2",
+@pytest.mark.parametrize("pre", ["gpt2", "gpt-2", "jina-v1-en", "smollm", "llama3", "llama-bpe", "qwen2",
                                  "default", "starcoder", "falcon"])
 def test_bpe_pre_types_round_trip(pre):
     tok = Tokenizer.from_gguf_metadata(bpe_md(pre, merges=["h e", "l l", "he ll", "Ġ w"]))

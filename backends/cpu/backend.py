@@ -18,7 +18,7 @@ from hearthlm.backends.cpu.matmul import expert_matvecs, get_rows, matmul, matmu
 from hearthlm.backends.cpu.qtypes import LAYOUT_VERSION, SUPPORTED_TYPES, PackedWeight, pack_weight
 from hearthlm.runtime import kv_types
 from hearthlm.runtime.errors import BackendError, UnsupportedModelError
-from hearthlm.runtime.graph import Op, attn_bounds
+from hearthlm.runtime.graph import Op, alibi_slopes, attn_bounds
 from hearthlm.runtime.log import get_logger
 from hearthlm.runtime.weights import QWeight
 
@@ -136,22 +136,27 @@ def _kv_rows(cache, slots, out=None) -> np.ndarray:
     return out
 
 
+_NO_SLOPES = np.zeros(0, np.float32)
+
+
 def _attn(node, q, k, v, seq, pos, bt, seq_len=None, out=None):
     p = node.params
     out = _buf(node, out)
+    slopes = alibi_slopes(q.shape[1], p["alibi"]) if p.get("alibi", 0.0) > 0 else _NO_SLOPES
     if not p["causal"] and not p["window"] and not p.get("softcap"):
-        return _attn_whole(q, k, v, seq, bt, seq_len, p["scale"], p["block_size"], out)
+        return _attn_whole(q, k, v, seq, pos, bt, seq_len, p["scale"], p["block_size"], slopes, out)
     lo, hi = attn_bounds(pos, seq_len, p["window"], p["causal"])
-    ops.attention(np.ascontiguousarray(q, np.float32), _bits(k), _bits(v), seq, np.ascontiguousarray(lo, np.int32),
-                  np.ascontiguousarray(hi, np.int32), bt, p["scale"], p["block_size"], p.get("softcap", 0.0),
-                  out.reshape(q.shape[0], q.shape[1], kv_types.head_dim(v)))
+    ops.attention(np.ascontiguousarray(q, np.float32), _bits(k), _bits(v), seq, np.ascontiguousarray(pos, np.int32),
+                  np.ascontiguousarray(lo, np.int32), np.ascontiguousarray(hi, np.int32), bt, p["scale"],
+                  p["block_size"], p.get("softcap", 0.0), slopes, out.reshape(q.shape[0], q.shape[1], kv_types.head_dim(v)))
     return out
 
 
-def _attn_whole(q, k, v, seq, bt, seq_len, scale, bs, out):
+def _attn_whole(q, k, v, seq, pos, bt, seq_len, scale, bs, slopes, out):
     """An encoder's attention: each run of tokens of one sequence (and length) against all of that
     sequence's keys, as batched matrix products per KV head (BLAS), where the flash kernel's job per
-    token and head would re-read the keys for every token (~15x slower per FLOP at 80 tokens)."""
+    token and head would re-read the keys for every token (~15x slower per FLOP at 80 tokens).
+    slopes not empty: ALiBi, each score less slopes[h] * |p - pos|."""
     n, n_head, d = q.shape
     h_kv, dv = k.shape[1], kv_types.head_dim(v)
     g = n_head // h_kv
@@ -169,6 +174,9 @@ def _attn_whole(q, k, v, seq, bt, seq_len, scale, bs, out):
         qq = np.ascontiguousarray(q[lo:hi].reshape(hi - lo, h_kv, g, d).transpose(1, 0, 2, 3)).reshape(
             h_kv, (hi - lo) * g, d)
         s = np.matmul(qq, kk) * np.float32(scale)  # (h_kv, tokens * g, m)
+        if len(slopes):  # (h_kv, tokens, g, m) as the rows of s: slope * -|p - pos|, ggml's mask times slope
+            dist = -np.abs(p[None, :] - pos[lo:hi, None]).astype(np.float32)
+            s += (slopes.reshape(h_kv, 1, g, 1) * dist[None, :, None, :]).reshape(s.shape)
         s -= s.max(axis=-1, keepdims=True)
         np.exp(s, out=s)
         s /= s.sum(axis=-1, keepdims=True)
@@ -202,6 +210,11 @@ def _kq_mask(node, pos, seq_len=None, out=None):
     p = np.arange(node.shape[2])[None, :]
     ok = (p >= lo[:, None]) & (p <= hi[:, None])
     out = _buf(node, out)
+    if node.params.get("alibi", 0.0) > 0:  # per head: -slope * |p - pos| where attended
+        dist = -np.abs(p - pos[:, None]).astype(np.float32)
+        bias = alibi_slopes(node.shape[1], node.params["alibi"])[None, :, None] * dist[:, None, :]
+        np.copyto(out, np.where(ok[:, None, :], bias, _F32(-np.inf)))
+        return out
     np.copyto(out, np.where(ok, _F32(0.0), _F32(-np.inf))[:, None, :])
     return out
 

@@ -249,8 +249,9 @@ def set_rows_1(cache, src, slots):
 
 @numba.njit(**_JIT)
 def _attend(q, k_cache, v_cache, t, kh, group, seq, p_lo, p_hi, block_table, scale, softcap, block_size,
-            m, l, acc):
-    """Online softmax of the GQA group's query heads of token t over positions p_lo..p_hi-1:
+            pos, slopes, m, l, acc):
+    """Online softmax of the GQA group's query heads of token t (at position pos) over positions
+    p_lo..p_hi-1, less slopes[h] * |p - pos| where slopes is not empty (ALiBi):
     m (group,) running maxima, l (group,) sums of exp, acc (group, dv) exp-weighted V; updated.
     Positions go ATT_BLOCK at a time (scores, then one max and rescale per block, then V), and
     each K and V row read serves the whole group (a quantized row dequantized once, into kb / vb)."""
@@ -279,6 +280,11 @@ def _attend(q, k_cache, v_cache, t, kh, group, seq, p_lo, p_hi, block_table, sca
             for g in range(group):
                 for i in range(nb):
                     sc[g, i] = np.float32(np.tanh(sc[g, i] * inv)) * np.float32(softcap)
+        if slopes.shape[0] > 0:  # ALiBi: as ggml's mask of -|p - pos| times the head's slope
+            for g in range(group):
+                sl = slopes[h0 + g]
+                for i in range(nb):
+                    sc[g, i] += sl * np.float32(-abs(p0 + i - pos))
         for g in range(group):
             mb = m[g]
             for i in range(nb):
@@ -304,11 +310,13 @@ def _attend(q, k_cache, v_cache, t, kh, group, seq, p_lo, p_hi, block_table, sca
 
 
 @numba.njit(parallel=True, **_JIT)
-def attention(q, k_cache, v_cache, tok_seq, tok_lo, tok_hi, block_table, scale, block_size, softcap, out):
+def attention(q, k_cache, v_cache, tok_seq, tok_pos, tok_lo, tok_hi, block_table, scale, block_size, softcap, slopes,
+              out):
     """Flash-style attention with an online softmax: never holds a score matrix.
     q (n_tokens, n_head, d); caches (n_slots, n_head_kv, d_v), float32 or float16 bits (halfs),
     or quantized blocks (kvquant); out (n_tokens, n_head, d_v).
-    Token t attends to positions tok_lo[t]..tok_hi[t] of its sequence (graph.attn_bounds).
+    Token t attends to positions tok_lo[t]..tok_hi[t] of its sequence (graph.attn_bounds); slopes
+    (n_head,) float32: ALiBi's per-head slopes (graph.alibi_slopes), or empty for none.
     A task per token, KV head and ATT_SPLIT positions of the token's context (its window); the
     parts' (max, sum, weighted V) are then merged per token in a fixed order."""
     n_tokens, n_head, d = q.shape
@@ -331,7 +339,7 @@ def attention(q, k_cache, v_cache, tok_seq, tok_lo, tok_hi, block_table, scale, 
         pl[part, kh] = 0.0
         pacc[part, kh] = 0.0
         _attend(q, k_cache, v_cache, t, kh, group, tok_seq[t], p_lo, min(p_lo + ATT_SPLIT, tok_hi[t] + 1),
-                block_table, scale, softcap, block_size, pm[part, kh], pl[part, kh], pacc[part, kh])
+                block_table, scale, softcap, block_size, tok_pos[t], slopes, pm[part, kh], pl[part, kh], pacc[part, kh])
     for job in prange(n_tokens * n_head):
         t, h = job // n_head, job % n_head
         kh, g = h // group, h % group

@@ -18,7 +18,7 @@ from hearthlm.backends.cuda.modules import kernel
 from hearthlm.backends.cuda.weights import CudaWeight
 from hearthlm.runtime import kv_types
 from hearthlm.runtime.errors import BackendError
-from hearthlm.runtime.graph import Op, attn_bounds
+from hearthlm.runtime.graph import Op, alibi_slopes, attn_bounds
 
 MAX_TOKENS = 8        # matmul.cu's MAX_TOKENS: mmvq up to this many tokens, dequantize + cuBLAS above
 ROWS = 4              # matmul.cu's ROWS_PER_BLOCK
@@ -282,9 +282,9 @@ def attn(node, q, k_cache, v_cache, tok_seq, tok_pos, block_table, seq_len=None,
     # a quantized cache is read in place (attn_paged_q8_0 / _q4_0), its blocks as bytes
     kc, vc = (_f(k_cache), _f(v_cache)) if quant is None else (k_cache.view(cp.uint8), v_cache.view(cp.uint8))
     _launch("attention.cu", "attn_paged" + (f"_{quant}" if quant else ""), (n_tokens, _cdiv(n_head, heads)),
-            (32, heads), (_f(q), kc, vc, _i(tok_seq), _i(lo), _i(hi), bt, i32(bt.shape[1]), i32(n_head),
-                          i32(n_head_kv), i32(d), i32(dv), f32(p["scale"]), f32(p.get("softcap", 0.0)),
-                          i32(p["block_size"]), y))
+            (32, heads), (_f(q), kc, vc, _i(tok_seq), _i(tok_pos), _i(lo), _i(hi), bt, i32(bt.shape[1]),
+                          i32(n_head), i32(n_head_kv), i32(d), i32(dv), f32(p["scale"]), f32(p.get("softcap", 0.0)),
+                          f32(p.get("alibi", 0.0)), i32(p["block_size"]), y))
     return _into(y, out)
 
 
@@ -322,6 +322,11 @@ def kq_mask(node, pos, seq_len=None, out=None):
     lo, hi = attn_bounds(_i(pos), None if seq_len is None else _i(seq_len), node.params["window"], node.params["causal"])
     p = cp.arange(node.shape[2], dtype=cp.int32)[None, :]
     ok = (p >= lo[:, None]) & (p <= hi[:, None])
+    if node.params.get("alibi", 0.0) > 0:  # per head: -slope * |p - pos| where attended
+        slopes = cp.asarray(alibi_slopes(node.shape[1], node.params["alibi"]))
+        dist = -cp.abs(p - _i(pos)[:, None]).astype(cp.float32)
+        return _into(cp.where(ok[:, None, :], slopes[None, :, None] * dist[:, None, :], f32(-np.inf)).astype(cp.float32),
+                     out)
     return _into(cp.where(ok, f32(0.0), f32(-np.inf)).astype(cp.float32)[:, None, :], out)
 
 

@@ -14,6 +14,7 @@ from hearthlm.runtime.errors import UnsupportedModelError
 ARCHITECTURES = {  # general.architecture -> module
     "bert": "bert",
     "nomic-bert": "nomic_bert",
+    "jina-bert-v2": "jina_bert_v2",
     "lfm2": "lfm2",
     "lfm2moe": "lfm2moe",
     "llama": "llama",

@@ -14,4 +14,4 @@ class Config(EncoderParams):
 
 
 def build(c: Config, g, w, shape):
-    return build_encoder(c, g, w, shape, Encoder(abs_pos=False, fused_qkv=True, glu=True))
+    return build_encoder(c, g, w, shape, Encoder(positions="rope", fused_qkv=True, glu=True))

@@ -1,9 +1,10 @@
-"""Tiny random-weight encoders (bert, nomic-bert) with a small WordPiece vocabulary, written as
-llama.cpp's converter writes them: word-initial pieces with a leading U+2581, continuations bare,
-[CLS]/[SEP]/[UNK]/[PAD]/[MASK] as control tokens. The tensors are what the architecture reads
-(model_zoo.tensors.specs); a reranker variant adds the classification head."""
+"""Tiny random-weight encoders (bert, nomic-bert, jina-bert-v2) with a small WordPiece vocabulary,
+written as llama.cpp's converter writes them: word-initial pieces with a leading U+2581,
+continuations bare, [CLS]/[SEP]/[UNK]/[PAD]/[MASK] as control tokens. The tensors are what the
+architecture reads (model_zoo.tensors.specs); a reranker variant adds the classification head."""
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import gguf
@@ -39,6 +40,8 @@ VARIANTS = {
     "bert-cased": ("bert", 1, False, False),
     "bert-reranker": ("bert", 4, True, True),
     "nomic-bert": ("nomic-bert", 1, True, False),
+    "jina-bert-v2": ("jina-bert-v2", 1, True, False),            # ALiBi; ffn_up holds GEGLU's two halves
+    "jina-bert-v2-reranker": ("jina-bert-v2", 4, True, True),    # ffn_gate apart, Q/K norms, attn_norm_2
     "gemma-embedding": ("gemma-embedding", 1, None, False),  # Gemma's layers: the decoder writer's vocab
     "qwen3-embedding": ("qwen3", 3, None, False),             # a decoder pooled at its last token
     "qwen3-reranker": ("qwen3", 4, None, True),               # its yes/no head on the last token, softmaxed
@@ -52,6 +55,9 @@ DECODER_ENCODERS = {
     "qwen3-reranker": ({}, {"pooling_type": 4, "classifier.output_labels": ["yes", "no"]}),
 }
 HEADS = {"qwen3-reranker": "cls.output.weight"}  # a (2, n_embd) head, as the converter takes lm_head's two rows
+# jina-bert-v2: 6 heads, so ALiBi's slopes take both of ggml's branches (4 heads of m0, 2 of m1)
+JINA_HP = {"embedding_length": 48, "attention.head_count": 6}
+JINA_NORMS = ("attn_q_norm", "attn_k_norm", "attn_norm_2")  # optional: the reranker variant has them
 
 
 # Benchmarks (`make bench-embed`): all-MiniLM-L6-v2's and bge-small-en-v1.5's shapes, random weights
@@ -62,8 +68,10 @@ BENCH = {
 BENCH_VOCAB = 30522
 
 
-def write(path: Path, variant: str, seed: int = 0, *, bench: str | None = None, qtype=None) -> Path:
-    """`bench`: a BENCH shape (a bert of BENCH_VOCAB tokens, mean pooling), its matrices in `qtype`."""
+def write(path: Path, variant: str, seed: int = 0, *, bench: str | None = None, qtype=None,
+          drop: str | None = None) -> Path:
+    """`bench`: a BENCH shape (a bert of BENCH_VOCAB tokens, mean pooling), its matrices in `qtype`;
+    `drop`: a tensor left out (bad input)."""
     if bench is not None:
         return _write_bert(path, "bert", 1, True, False, seed, hp={**HP, **BENCH[bench]}, n_vocab=BENCH_VOCAB,
                            qtype=qtype)
@@ -72,11 +80,32 @@ def write(path: Path, variant: str, seed: int = 0, *, bench: str | None = None, 
         hp, md = DECODER_ENCODERS[variant]
         extra = {HEADS[variant]: np.random.default_rng(seed + 1).standard_normal((2, 64)) / 8} if variant in HEADS else {}
         return models.write(path, (arch, hp, extra), seed, metadata=md)
-    return _write_bert(path, arch, pooling, lowercase, rerank, seed)
+    if arch == "jina-bert-v2":
+        return _write_bert(path, arch, pooling, lowercase, rerank, seed, hp={**HP, **JINA_HP}, drop=drop,
+                           layout=_jina_layout(split_gate=rerank, norms=rerank))
+    return _write_bert(path, arch, pooling, lowercase, rerank, seed, drop=drop)
+
+
+def _jina_layout(*, split_gate: bool, norms: bool):
+    """jina-bert-v2's specs (ffn_up of gate | up halves) as a file has them: without the optional
+    Q/K and second norms, or (an older converter) with ffn_gate and ffn_up apart."""
+    def layout(specs):
+        out = []
+        for s in specs:
+            if not norms and any(f".{n}." in s.name for n in JINA_NORMS):
+                continue
+            if split_gate and ".ffn_up." in s.name:
+                half = (s.shape[0] // 2, *s.shape[1:])
+                if s.name.endswith(".weight"):
+                    out.append(dataclasses.replace(s, name=s.name.replace("ffn_up", "ffn_gate"), shape=half))
+                s = dataclasses.replace(s, shape=half)
+            out.append(s)
+        return out
+    return layout
 
 
 def _write_bert(path: Path, arch: str, pooling: int, lowercase: bool, rerank: bool, seed: int, *, hp=HP,
-                n_vocab: int = 0, qtype=None) -> Path:
+                n_vocab: int = 0, qtype=None, drop: str | None = None, layout=None) -> Path:
     rng = np.random.default_rng(seed)
     toks = vocab(n_vocab)
     md = {f"{arch}.{k}": v for k, v in hp.items()}
@@ -90,6 +119,8 @@ def _write_bert(path: Path, arch: str, pooling: int, lowercase: bool, rerank: bo
     for k, v in md.items():
         models._add(w, k, v)
     w.add_tokenizer_model("bert")
+    if arch == "jina-bert-v2":  # jina-embeddings-v2-*-en's; llama.cpp ignores pre for WordPiece
+        w.add_tokenizer_pre("jina-v2-en")
     w.add_token_list(toks)
     w.add_token_types([3 if t in SPECIALS else 1 for t in toks])
     w.add_bos_token_id(toks.index("[CLS]"))
@@ -100,8 +131,9 @@ def _write_bert(path: Path, arch: str, pooling: int, lowercase: bool, rerank: bo
     w.add_bool("tokenizer.ggml.normalizer.lowercase", lowercase)
     if rerank:
         w.add_array(f"{arch}.classifier.output_labels", ["LABEL_0"])
-    for s in tensor_specs(mod, cfg, len(toks)):
-        if s.name.startswith("cls.") and not rerank:
+    specs = tensor_specs(mod, cfg, len(toks))
+    for s in (layout(specs) if layout else specs):
+        if (s.name.startswith("cls.") and not rerank) or s.name == drop:
             continue
         if len(s.shape) == 1:  # norms ~1, biases ~0
             data = (0.0 if s.name.endswith(".bias") else 1.0) + 0.1 * rng.standard_normal(s.shape)

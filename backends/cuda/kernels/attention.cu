@@ -27,9 +27,10 @@ __device__ __forceinline__ float kv_load(const void* __restrict__ c, long long r
 // of a K/V row are coalesced, and a warp sum gives each score.
 template <int KV>
 __device__ void attn(const float* __restrict__ q, const void* __restrict__ k_cache, const void* __restrict__ v_cache,
-                     const int* __restrict__ tok_seq, const int* __restrict__ tok_lo, const int* __restrict__ tok_hi,
-                     const int* __restrict__ block_table, int mb, int n_head, int n_head_kv, int d, int dv,
-                     float scale, float softcap, int block_size, float* __restrict__ out) {
+                     const int* __restrict__ tok_seq, const int* __restrict__ tok_pos, const int* __restrict__ tok_lo,
+                     const int* __restrict__ tok_hi, const int* __restrict__ block_table, int mb, int n_head,
+                     int n_head_kv, int d, int dv, float scale, float softcap, float max_bias, int block_size,
+                     float* __restrict__ out) {
     int t = blockIdx.x;
     int h = blockIdx.y * blockDim.y + threadIdx.y;
     if (h >= n_head) return;
@@ -43,6 +44,13 @@ __device__ void attn(const float* __restrict__ q, const void* __restrict__ k_cac
         acc[i] = 0.0f;
     }
     int lo = tok_lo[t], hi = tok_hi[t];  // graph.attn_bounds: causal or an encoder's whole sequence
+    float slope = 0.0f;  // ALiBi (max_bias > 0): ggml's per-head slope, as graph.alibi_slopes
+    if (max_bias > 0.0f) {
+        int n2 = 1 << (31 - __clz(n_head));  // 2^floor(log2 n_head)
+        float m0 = powf(2.0f, -max_bias / n2), m1 = powf(2.0f, -(max_bias / 2.0f) / n2);
+        slope = h < n2 ? powf(m0, h + 1) : powf(m1, 2 * (h - n2) + 1);
+    }
+    int pos = tok_pos[t];
     const int* bt = block_table + (long long)tok_seq[t] * mb;
     float mx = bits_f32(0xff800000u), sum = 0.0f;  // -inf (no math.h under NVRTC)
     for (int p = lo; p <= hi; ++p) {
@@ -55,6 +63,7 @@ __device__ void attn(const float* __restrict__ q, const void* __restrict__ k_cac
         }
         s = warp_sum(s);
         if (softcap > 0.0f) s = softcap * tanhf(s / softcap);  // Gemma 2's logit soft-capping
+        if (max_bias > 0.0f) s += slope * (float)(-abs(p - pos));  // ggml's -|p - pos| mask times the slope
         float m_new = fmaxf(mx, s);
         float corr = expf(mx - m_new);  // 0 on the first key (mx = -inf)
         float e = expf(s - m_new);
@@ -76,12 +85,12 @@ __device__ void attn(const float* __restrict__ q, const void* __restrict__ k_cac
 
 extern "C" __global__ void attn_paged(const float* __restrict__ q, const float* __restrict__ k_cache,
                                       const float* __restrict__ v_cache, const int* __restrict__ tok_seq,
-                                      const int* __restrict__ tok_lo, const int* __restrict__ tok_hi,
-                                      const int* __restrict__ block_table, int mb, int n_head, int n_head_kv,
-                                      int d, int dv, float scale, float softcap, int block_size,
-                                      float* __restrict__ out) {
-    attn<0>(q, k_cache, v_cache, tok_seq, tok_lo, tok_hi, block_table, mb, n_head, n_head_kv, d, dv, scale, softcap,
-            block_size, out);
+                                      const int* __restrict__ tok_pos, const int* __restrict__ tok_lo,
+                                      const int* __restrict__ tok_hi, const int* __restrict__ block_table, int mb,
+                                      int n_head, int n_head_kv, int d, int dv, float scale, float softcap,
+                                      float max_bias, int block_size, float* __restrict__ out) {
+    attn<0>(q, k_cache, v_cache, tok_seq, tok_pos, tok_lo, tok_hi, block_table, mb, n_head, n_head_kv, d, dv, scale,
+            softcap, max_bias, block_size, out);
 }
 
 // src (n_rows, n_head_kv, d) float32 -> its blocks at cache rows slots[t]; one thread per block
@@ -113,12 +122,12 @@ __device__ void kv_dequant(const u8* __restrict__ cache, const int* __restrict__
 
 #define INSTANTIATE(T, name)                                                                                  \
     extern "C" __global__ void attn_paged_##name(const float* q, const u8* k_cache, const u8* v_cache,       \
-                                                 const int* tok_seq, const int* tok_lo, const int* tok_hi,   \
-                                                 const int* block_table, int mb, int n_head, int n_head_kv,  \
-                                                 int d, int dv, float scale, float softcap, int block_size,  \
-                                                 float* out) {                                                \
-        attn<T>(q, k_cache, v_cache, tok_seq, tok_lo, tok_hi, block_table, mb, n_head, n_head_kv, d, dv,     \
-                scale, softcap, block_size, out);                                                             \
+                                                 const int* tok_seq, const int* tok_pos, const int* tok_lo,  \
+                                                 const int* tok_hi, const int* block_table, int mb,          \
+                                                 int n_head, int n_head_kv, int d, int dv, float scale,      \
+                                                 float softcap, float max_bias, int block_size, float* out) { \
+        attn<T>(q, k_cache, v_cache, tok_seq, tok_pos, tok_lo, tok_hi, block_table, mb, n_head, n_head_kv, d,  \
+                dv, scale, softcap, max_bias, block_size, out);                                               \
     }                                                                                                         \
     extern "C" __global__ void kv_store_##name(const float* src, const int* slots, u8* cache, int n_rows,    \
                                                int n_head_kv, int d) {                                        \
