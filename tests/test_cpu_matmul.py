@@ -194,7 +194,53 @@ def test_matmul_is_batch_invariant(qtype):
             assert np.array_equal(y[:4], y_alone[:len(idx[:4])]), (qtype.name, n_tok, start)
 
 
-@pytest.mark.parametrize("qtype", [T.Q4_1, T.Q8_0, T.Q6_K], ids=lambda t: t.name)
+# bits a weight of the packed K-quants (codes, sc and mins per sub-block, D and Dmin per 256; qtypes):
+# Q2_K/Q3_K's codes go in 4-bit nibbles, Q6_K's in bytes
+KQUANT_MAX_BITS = {T.Q2_K: 5.2, T.Q3_K: 4.7, T.Q4_K: 4.7, T.Q5_K: 5.7, T.Q6_K: 8.7}
+
+
+def float32_scales(w):
+    """w with the float32 d and m its K-quant scales stand for (D * sc, -Dmin * mn): the layout
+    before the split, which the kernels also read (IQ types keep it)."""
+    import dataclasses
+    per = 256 // w.sub  # sub-blocks per super-block
+    sup = np.repeat(w.sup.view(np.float16).astype(np.float32), per, axis=1)  # (blocks, sub-blocks, planes, 16)
+    d = sup[:, :, 0] * w.d.astype(np.float32)
+    m = sup[:, :, 1] * w.m.astype(np.float32) if w.ms else w.m
+    return dataclasses.replace(w, d=d, m=m, sup=None)
+
+
+@pytest.mark.parametrize("qtype", KQUANTS, ids=lambda t: t.name)
+def test_kquant_scales_are_compact_and_exact(qtype, monkeypatch):
+    """K-quants keep the file's small integer scales beside float16 super-block ones, and every
+    path (vector groups and scalar tail rows, 1..17 tokens, matmul_add, BLAS tiles, get_rows, the
+    weight cache's export/import) gives bitwise what float32 scales D * sc give."""
+    from hearthlm.backends.cpu import matmul as mm
+    from hearthlm.backends.cpu.backend import CPUBackend
+    rng = np.random.default_rng(int(qtype) + 23)
+    big = pack_weight(int(qtype), make_raw(qtype, 64, 1024, rng), (64, 1024))
+    assert big.split and big.nbytes * 8 / big.d.size / big.sub <= KQUANT_MAX_BITS[qtype], big.nbytes
+    n_rows, n_cols = 37, 512  # two whole blocks of 16 rows, then 5 scalar ones
+    w = pack_weight(int(qtype), make_raw(qtype, n_rows, n_cols, rng), (n_rows, n_cols))
+    ref = float32_scales(w)
+    assert not ref.split and ref.nbytes > w.nbytes
+    same = lambda a, b: np.array_equal(a.view(np.uint32), b.view(np.uint32))  # noqa: E731
+    for n_tok in (1, 2, 3, 4, 5, 8, 17):
+        x = rng.standard_normal((n_tok, n_cols)).astype(np.float32)
+        assert same(matmul(w, x), matmul(ref, x)), n_tok
+        r = rng.standard_normal((n_tok, n_rows)).astype(np.float32)
+        assert same(mm.matmul_add(w, x, r), mm.matmul_add(ref, x, r)), n_tok
+    ids = np.arange(n_rows, dtype=np.int32)
+    assert same(get_rows(w, ids), get_rows(ref, ids))
+    backend = CPUBackend()
+    back = backend.import_weight(*backend.export_weight(w))
+    assert all(np.array_equal(getattr(back, f), getattr(w, f)) for f in ("qs", "d", "m", "sup"))
+    x = rng.standard_normal((9, n_cols)).astype(np.float32)
+    monkeypatch.setattr(mm, "BLAS_MIN_TOKENS", 8)
+    assert same(matmul(w, x), matmul(ref, x))
+
+
+@pytest.mark.parametrize("qtype", [T.Q4_1, T.Q8_0, T.Q4_K, T.Q6_K], ids=lambda t: t.name)
 def test_packing_in_slices_equals_packing_whole(qtype, monkeypatch):
     """Big weights are unpacked PACK_ROWS rows at a time into the final arrays: the same bytes
     as one pass, for a row count that leaves a partial last slice and a partial last block."""
@@ -205,7 +251,7 @@ def test_packing_in_slices_equals_packing_whole(qtype, monkeypatch):
     whole = pack_weight(int(qtype), raw, (n_rows, n_cols))
     monkeypatch.setattr(qtypes, "PACK_ROWS", 32)
     sliced = pack_weight(int(qtype), raw, (n_rows, n_cols))
-    for f in ("qs", "d", "m"):
+    for f in ("qs", "d", "m", "sup"):
         assert np.array_equal(getattr(whole, f), getattr(sliced, f)), f
     assert sliced.shape == whole.shape and sliced.ms == whole.ms
 
@@ -237,7 +283,7 @@ def test_portable_target_without_avx512_or_f16c(tmp_path, target):
     Haswell target has AVX2 only (vpmaddubsw and pmaddwd on 256-bit halves); a Skylake-X one has
     AVX-512BW but no VNNI: pmaddwd stands in for vpdpbusd. Checked in a
     fresh process with its own cache: every float16 bit pattern, and matmuls of a 4-bit family
-    with float16 scales and an int8 one with float32 scales against dequantization."""
+    with float16 scales, an int8 one and a K-quant's split scales (Q4_K, Q6_K) against dequantization."""
     if target == "skylake-avx512" and "avx512bw" not in open("/proc/cpuinfo").read():
         pytest.skip("this CPU cannot run AVX-512BW code")
     import os
@@ -266,7 +312,7 @@ h = np.arange(65536, dtype=np.uint16); out = np.empty(65536, np.float32); widen_
 ref = h.view(np.float16).astype(np.float32)
 assert np.array_equal(np.isnan(out), np.isnan(ref)) and np.array_equal(out[~np.isnan(ref)], ref[~np.isnan(ref)])
 rng = np.random.default_rng(0)
-for qt in (T.Q4_1, T.Q5_0, T.Q6_K, T.Q8_0):
+for qt in (T.Q4_1, T.Q5_0, T.Q4_K, T.Q6_K, T.Q8_0):
     raw = random_raw(qt, 37, 512, rng)
     w = pack_weight(int(qt), raw, (37, 512))
     for n in (1, 3, 6):

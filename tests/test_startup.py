@@ -44,4 +44,5 @@ def _tiny_nib32():
     import numpy as np
     qs, d, m = np.zeros((1, 1, 16, 32), np.uint8), np.zeros((1, 2, 16), np.float32), np.zeros((1, 2, 1), np.float32)
     xq, xd, xs = np.zeros((1, 64), np.int8), np.zeros((1, 2), np.float32), np.zeros((1, 2), np.float32)
-    return qs, d, m, 0, np.float32(0), xq, xd, xs, np.zeros((1, 16), np.float32)
+    sup = np.zeros((1, 1, 1, 1), np.uint16)  # no super-block scales (qtypes)
+    return qs, d, m, sup, 0, np.float32(0), xq, xd, xs, np.zeros((1, 16), np.float32)

@@ -331,7 +331,7 @@ class Experts(tuple):
     lists = None
 
     def typed_lists(self):
-        """(tag, qs, d, m, ms, c, sub) for matmul.expert_matvecs, or None where the experts are
+        """(tag, qs, d, m, sup, ms, c, sub) for matmul.expert_matvecs, or None where the experts are
         not all of one quantized kind (F32 ones, or absent ones in tests)."""
         if self.lists is None:
             kinds = {getattr(w, "kind", -1) for w in self}
@@ -339,7 +339,7 @@ class Experts(tuple):
             if len(kinds) == 1 and kinds.pop() >= 0:
                 try:
                     self.lists = (dot.TAGS[self[0].kind], *(_typed([getattr(w, a) for w in self])
-                                                            for a in ("qs", "d", "m")),
+                                                            for a in ("qs", "d", "m", "sup")),
                                   self[0].ms, self[0].c32, self[0].sub)
                 except Exception:  # arrays of unlike numba types (say, some read-only): the grouped path
                     self.lists = False
@@ -492,7 +492,8 @@ class CPUBackend(Backend):
             return None  # a view of the (read-only) model file: nothing to save
         meta = dict(kind="packed", ggml_type=p.ggml_type, shape=list(p.shape), layout=p.layout, sub=p.sub,
                     ms=p.ms, c=p.c)
-        return meta, {k: a for k, a in (("w", p.w), ("qs", p.qs), ("d", p.d), ("m", p.m)) if a is not None}
+        return meta, {k: a for k, a in (("w", p.w), ("qs", p.qs), ("d", p.d), ("m", p.m), ("sup", p.sup))
+                      if a is not None}
 
     def import_weight(self, meta, arrays):
         if meta["kind"] == "vector":
@@ -502,7 +503,8 @@ class CPUBackend(Backend):
                                                   if k.split(".", 1)[0] == str(i)})
                            for i, m in enumerate(meta["parts"]))
         return PackedWeight(meta["ggml_type"], tuple(meta["shape"]), meta["layout"], meta["sub"], w=arrays.get("w"),
-                            qs=arrays.get("qs"), d=arrays.get("d"), m=arrays.get("m"), ms=meta["ms"], c=meta["c"])
+                            qs=arrays.get("qs"), d=arrays.get("d"), m=arrays.get("m"), sup=arrays.get("sup"),
+                            ms=meta["ms"], c=meta["c"])
 
 
 def kernels_cached() -> bool:

@@ -4,9 +4,10 @@ of the quantized types below matmul.BLAS_MIN_TOKENS tokens).
 Sub-block k of a row holds weight = d*(code + c) + m; activations are x = xd*xq per 32 (int8
 codes, amax/127: ggml's q8_0), and xs = xd*sum(xq) per sub-block, so the sub-block's share of
 the dot product is d*xd*sum(code*xq) + (m + c*d)*xs: integers inside, one float multiply-add per
-sub-block. Codes go in as unsigned bytes (int8 ones as s + 128, c lower by I8_SHIFT) because
-vpdpbusd multiplies unsigned by signed bytes (without AVX512-VNNI, pmaddwd or vpmaddubsw give
-the same integers).
+sub-block (K-quants' d and m formed first, as float32(D) * float32(sc): exact, see qtypes).
+Codes go in as unsigned bytes (int8 ones as s + 128, c lower by I8_SHIFT) because vpdpbusd
+multiplies unsigned by signed bytes (without AVX512-VNNI, pmaddwd or vpmaddubsw give the same
+integers).
 
 Rows go 16 at a time, interleaved 4 weights at a time (qtypes): one 64-byte load holds 4
 consecutive weights of each of the 16 rows, a row a 32-bit lane, so one vpdpbusd against the
@@ -39,6 +40,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
 from .halfs import TARGET_FEATURES, f32, widen
+from .quantize import sub_scale
 from .qtypes import LUTS, ROWS  # ROWS: rows per vector (one zmm of int32 or float32 lanes) and per block
 
 _I8, _I16, _I32, _F32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.FloatType()
@@ -124,12 +126,19 @@ _JIT = dict(cache=True, nogil=True, parallel=True)  # no fastmath: see the modul
 
 def _load_scales(context, builder, arrty, arr, inds, n):
     """n (16, or 1 for a scalar) consecutive scales as float32: float32 ones as they are, float16
-    ones (stored as uint16 bits, see qtypes) widened, which is exact (vcvtph2ps)."""
-    half = arrty.dtype == types.uint16
-    ety = ir.IntType(16) if half else _F32
+    ones (stored as uint16 bits, see qtypes) widened, which is exact (vcvtph2ps), a K-quant's
+    small integers (int8/uint8) converted (exact; the caller multiplies by the super-block's)."""
+    dt = arrty.dtype
+    ety = {types.uint16: ir.IntType(16), types.int8: _I8, types.uint8: _I8}.get(dt, _F32)
     p = _ptr(context, builder, arrty, arr, inds)
-    v = builder.load(builder.bitcast(p, (ir.VectorType(ety, n) if n > 1 else ety).as_pointer()), align=2 if half else 4)
-    return widen(builder, v) if half else v
+    v = builder.load(builder.bitcast(p, (ir.VectorType(ety, n) if n > 1 else ety).as_pointer()),
+                     align=max(dt.bitwidth // 8, 1))
+    if dt == types.uint16:
+        return widen(builder, v)
+    fty = ir.VectorType(_F32, n) if n > 1 else _F32
+    if dt == types.int8:
+        return builder.sitofp(v, fty)
+    return builder.uitofp(v, fty) if dt == types.uint8 else v
 
 
 def _dot4(builder, a, b, kind: str = "i8"):
@@ -181,24 +190,25 @@ def _dpbusd(builder, acc, a, b, kind):
 
 
 def _make_group(kind, sub, has_m, n_tok):
-    """An intrinsic group(qs, rb, g, xq, t, d, m, c, xd, xs, y, rq): weights g*64..g*64+63 of
+    """An intrinsic group(qs, rb, g, xq, t, d, m, sup, c, xd, xs, y, rq): weights g*64..g*64+63 of
     the rows of block rb (their codes in qs's block rq) against tokens t..t+n_tok-1, added into
     y[t', 16rb:16rb+16] sub-block by sub-block. Each row's 64 codes are one vector of bytes
     (4-bit ones unpacked: low nibbles, then high; 5-bit ones with their bit plane), multiplied
     with a token's 64 int8 activations by one vpdpbusd; with 2 tokens the codes are loaded and
-    unpacked once for both."""
+    unpacked once for both. d and m of one byte (K-quants) are multiplied by their super-block's
+    float16 scales in sup (qtypes): the codegen specializes on their dtype."""
 
     @intrinsic
-    def group(typingctx, qs, rb, g, xq, t, d, m, c, xd, xs, y, rq):
-        sig = types.none(qs, rb, g, xq, t, d, m, c, xd, xs, y, rq)
+    def group(typingctx, qs, rb, g, xq, t, d, m, sup, c, xd, xs, y, rq):
+        sig = types.none(qs, rb, g, xq, t, d, m, sup, c, xd, xs, y, rq)
 
         def codegen(context, builder, sig, args):
-            qs_v, rb_v, g_v, xq_v, t_v, d_v, m_v, c_v, xd_v, xs_v, y_v, rq_v = args
+            qs_v, rb_v, g_v, xq_v, t_v, d_v, m_v, sup_v, c_v, xd_v, xs_v, y_v, rq_v = args
             ta = sig.args
             ip = types.intp
             cst = lambda v: context.get_constant(ip, v)
             rb = context.cast(builder, rb_v, ta[1], ip)
-            rq = context.cast(builder, rq_v, ta[11], ip)  # the block of qs (rb's, or 0 of a scratch copy)
+            rq = context.cast(builder, rq_v, ta[12], ip)  # the block of qs (rb's, or 0 of a scratch copy)
             g = context.cast(builder, g_v, ta[2], ip)
             t0 = context.cast(builder, t_v, ta[4], ip)
             toks = [builder.add(t0, cst(u)) for u in range(n_tok)]
@@ -258,25 +268,34 @@ def _make_group(kind, sub, has_m, n_tok):
                 v = builder.insert_element(ir.Constant(vf, ir.Undefined), x, ir.Constant(_I32, 0))
                 return builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, ROWS), [0] * ROWS))
 
-            cv = context.cast(builder, c_v, ta[7], types.float32)
+            cv = context.cast(builder, c_v, ta[8], types.float32)
             if kind == "i8" and not _I8_SIGNED or lut is not None and not _SIGNED_LUT:
                 cv = builder.fsub(cv, ir.Constant(_F32, I8_SHIFT))
             cv = splat(cv)
+            def sup_scale(plane):  # the group's super-block (256 weights: 4 groups) of a K-quant: 16 rows' D or -Dmin
+                return _load_scales(context, builder, ta[7], sup_v,
+                                    [(rb, ip), (builder.lshr(g, cst(2)), ip), (cst(plane), ip), (cst(0), ip)], ROWS)
+            d_sup = sup_scale(0) if ta[5].dtype.bitwidth == 8 else None
+            m_sup = sup_scale(1) if has_m and ta[6].dtype.bitwidth == 8 else None
             scl = []  # per sub-block, shared by the tokens: d and m + c*d of the 16 rows
             for k, _ in sums[0]:
                 dv = _load_scales(context, builder, ta[5], d_v, [(rb, ip), (k, ip), (cst(0), ip)], ROWS)
+                if d_sup is not None:  # exact: the float32 a stored copy of d would hold
+                    dv = builder.fmul(d_sup, dv)
                 if has_m:
                     mv = _load_scales(context, builder, ta[6], m_v, [(rb, ip), (k, ip), (cst(0), ip)], ROWS)
+                    if m_sup is not None:
+                        mv = builder.fmul(m_sup, mv)
                 else:
                     mv = splat(_load_scales(context, builder, ta[6], m_v, [(cst(0), ip), (k, ip), (cst(0), ip)], 1))
                 scl.append((dv, builder.fadd(mv, builder.fmul(cv, dv))))
             for tu, tok_sums in zip(toks, sums):
-                py = _vec_ptr(context, builder, ta[10], y_v, [(tu, ip), (builder.mul(rb, cst(ROWS)), ip)], vf)
+                py = _vec_ptr(context, builder, ta[11], y_v, [(tu, ip), (builder.mul(rb, cst(ROWS)), ip)], vf)
                 yv = builder.load(py, align=4)
                 for (k, s), (dv, mcd) in zip(tok_sums, scl):
                     xk = k if sub == 32 else builder.udiv(k, cst(2))  # the activation scale covers 32 weights
-                    xdv = splat(builder.load(_ptr(context, builder, ta[8], xd_v, [(tu, ip), (xk, ip)])))
-                    xsv = splat(builder.load(_ptr(context, builder, ta[9], xs_v, [(tu, ip), (k, ip)])))
+                    xdv = splat(builder.load(_ptr(context, builder, ta[9], xd_v, [(tu, ip), (xk, ip)])))
+                    xsv = splat(builder.load(_ptr(context, builder, ta[10], xs_v, [(tu, ip), (k, ip)])))
                     a = builder.fmul(builder.fmul(dv, xdv), builder.sitofp(s, vf))
                     yv = builder.fadd(yv, builder.fadd(a, builder.fmul(mcd, xsv)))
                 builder.store(yv, py, align=4)
@@ -304,10 +323,10 @@ _fp4, _fp4_2, _fp4_4 = (_G[("mxfp4", 32, False, n)] for n in (1, 2, 4))
 # (numba widens integer arithmetic to int64 otherwise).
 
 @numba.njit(inline="always", cache=True, nogil=True)
-def _term(d, m, ms, c, r, k, xdv, s, xsv):
+def _term(d, m, sup, ms, c, sub, r, k, xdv, s, xsv):
     """Sub-block k's share of row r's dot product, as the vector update computes it."""
-    dk = f32(d[r >> 4, k, r & 15])
-    return dk * xdv * np.float32(s) + (f32(m[(r >> 4) * ms, k, (r & 15) * ms]) + c * dk) * xsv
+    dk = sub_scale(d, sup, 0, sub, r >> 4, k, r & 15)
+    return dk * xdv * np.float32(s) + (sub_scale(m, sup, 1, sub, (r >> 4) * ms, k, (r & 15) * ms) + c * dk) * xsv
 
 
 @numba.njit(inline="always", cache=True, nogil=True)
@@ -326,7 +345,7 @@ def _code(qs, five, r, g, w):
 
 
 @numba.njit(inline="always", cache=True, nogil=True)
-def _row_nibs(qs, d, m, ms, c, xq, xd, xs, r, t, sub, lut):
+def _row_nibs(qs, d, m, sup, ms, c, xq, xd, xs, r, t, sub, lut):
     """Row r (one past the last whole block of 16) against token t, nibble layouts; `lut` maps
     a code to what enters the sums (_ID32, or a lookup table's values as s + 128, c lower by 128)."""
     acc = np.float32(0.0)
@@ -338,12 +357,12 @@ def _row_nibs(qs, d, m, ms, c, xq, xd, xs, r, t, sub, lut):
                 w = e * sub + u
                 s = np.int32(s + lut[_code(qs, five, r, g, w)] * np.int32(xq[t, g * 64 + w]))
             k = g * (64 // sub) + e
-            acc = acc + _term(d, m, ms, c, r, k, xd[t, (k * sub) // 32], s, xs[t, k])
+            acc = acc + _term(d, m, sup, ms, c, sub, r, k, xd[t, (k * sub) // 32], s, xs[t, k])
     return acc
 
 
 @numba.njit(inline="always", cache=True, nogil=True)
-def _row_i8(qs, d, m, ms, c, xq, xd, xs, r, t, sub):
+def _row_i8(qs, d, m, sup, ms, c, xq, xd, xs, r, t, sub):
     """As _row_nibs for int8 codes (qs[block, group, j, 4i+b] = row i's weight 4j+b), entering
     the sums as the vector path takes them: s + 128 with c lower by 128, or s (_I8_OFF 0)."""
     acc = np.float32(0.0)
@@ -357,17 +376,17 @@ def _row_i8(qs, d, m, ms, c, xq, xd, xs, r, t, sub):
                 s = np.int32(s + (np.int32(qs[r >> 4, g, w >> 2, 4 * i + (w & 3)]) + np.int32(_I8_OFF))
                              * np.int32(xq[t, g * 64 + w]))
             k = g * (64 // sub) + e
-            acc = acc + _term(d, m, ms, c, r, k, xd[t, (k * sub) // 32], s, xs[t, k])
+            acc = acc + _term(d, m, sup, ms, c, sub, r, k, xd[t, (k * sub) // 32], s, xs[t, k])
     return acc
 
 
-# The kernels: qs, d, m, ms, c in qtypes' blocked layout; xq, xd, xs from quantize.quantize_x
+# The kernels: qs, d, m, sup, ms, c in qtypes' blocked layout; xq, xd, xs from quantize.quantize_x
 # -> y (n_tok, n_rows). Task rb < n_rows // 16 takes block rb through the vector groups; the
 # last, the rows of a partial block. One kernel per family, alike on purpose: a single kernel
 # choosing the family's intrinsics at run time measured 4-13% slower at 16-128 tokens.
 
 @numba.njit(**_JIT)
-def dot_nib32(qs, d, m, ms, c, xq, xd, xs, y):
+def dot_nib32(qs, d, m, sup, ms, c, xq, xd, xs, y):
     """4-bit codes, a scale per 32."""
     nb = y.shape[1] // ROWS
     n_tok = xq.shape[0]
@@ -375,7 +394,7 @@ def dot_nib32(qs, d, m, ms, c, xq, xd, xs, y):
         if rb == nb:
             for t in range(n_tok):
                 for r in range(nb * ROWS, y.shape[1]):
-                    y[t, r] = _row_nibs(qs, d, m, ms, c, xq, xd, xs, r, t, 32, _ID32)
+                    y[t, r] = _row_nibs(qs, d, m, sup, ms, c, xq, xd, xs, r, t, 32, _ID32)
             continue
         for t in range(0, n_tok, 4):  # tokens 4 at a time (then 2, 1): one load and unpack of the codes for all
             for u in range(t, min(t + 4, n_tok)):
@@ -383,28 +402,28 @@ def dot_nib32(qs, d, m, ms, c, xq, xd, xs, y):
             for g in range(qs.shape[1]):
                 if t + 3 < n_tok:
                     if ms:
-                        _nib32m_4(qs, rb, g, xq, t, d, m, c, xd, xs, y, rb)
+                        _nib32m_4(qs, rb, g, xq, t, d, m, sup, c, xd, xs, y, rb)
                     else:
-                        _nib32_4(qs, rb, g, xq, t, d, m, c, xd, xs, y, rb)
+                        _nib32_4(qs, rb, g, xq, t, d, m, sup, c, xd, xs, y, rb)
                     continue
                 u = t
                 if u + 1 < n_tok:
                     if ms:
-                        _nib32m_2(qs, rb, g, xq, u, d, m, c, xd, xs, y, rb)
+                        _nib32m_2(qs, rb, g, xq, u, d, m, sup, c, xd, xs, y, rb)
                     else:
-                        _nib32_2(qs, rb, g, xq, u, d, m, c, xd, xs, y, rb)
+                        _nib32_2(qs, rb, g, xq, u, d, m, sup, c, xd, xs, y, rb)
                     u += 2
                 if u < n_tok:
                     if ms:
-                        _nib32m(qs, rb, g, xq, u, d, m, c, xd, xs, y, rb)
+                        _nib32m(qs, rb, g, xq, u, d, m, sup, c, xd, xs, y, rb)
                     else:
-                        _nib32(qs, rb, g, xq, u, d, m, c, xd, xs, y, rb)
+                        _nib32(qs, rb, g, xq, u, d, m, sup, c, xd, xs, y, rb)
 
 
 
 
 @numba.njit(**_JIT)
-def dot_nib5_32(qs, d, m, ms, c, xq, xd, xs, y):
+def dot_nib5_32(qs, d, m, sup, ms, c, xq, xd, xs, y):
     """5-bit codes (4-bit nibbles and a bit plane), a scale per 32."""
     nb = y.shape[1] // ROWS
     n_tok = xq.shape[0]
@@ -412,7 +431,7 @@ def dot_nib5_32(qs, d, m, ms, c, xq, xd, xs, y):
         if rb == nb:
             for t in range(n_tok):
                 for r in range(nb * ROWS, y.shape[1]):
-                    y[t, r] = _row_nibs(qs, d, m, ms, c, xq, xd, xs, r, t, 32, _ID32)
+                    y[t, r] = _row_nibs(qs, d, m, sup, ms, c, xq, xd, xs, r, t, 32, _ID32)
             continue
         for t in range(0, n_tok, 4):  # tokens 4 at a time (then 2, 1): one load and unpack of the codes for all
             for u in range(t, min(t + 4, n_tok)):
@@ -420,26 +439,26 @@ def dot_nib5_32(qs, d, m, ms, c, xq, xd, xs, y):
             for g in range(qs.shape[1]):
                 if t + 3 < n_tok:
                     if ms:
-                        _nib5m_4(qs, rb, g, xq, t, d, m, c, xd, xs, y, rb)
+                        _nib5m_4(qs, rb, g, xq, t, d, m, sup, c, xd, xs, y, rb)
                     else:
-                        _nib5_4(qs, rb, g, xq, t, d, m, c, xd, xs, y, rb)
+                        _nib5_4(qs, rb, g, xq, t, d, m, sup, c, xd, xs, y, rb)
                     continue
                 u = t
                 if u + 1 < n_tok:
                     if ms:
-                        _nib5m_2(qs, rb, g, xq, u, d, m, c, xd, xs, y, rb)
+                        _nib5m_2(qs, rb, g, xq, u, d, m, sup, c, xd, xs, y, rb)
                     else:
-                        _nib5_2(qs, rb, g, xq, u, d, m, c, xd, xs, y, rb)
+                        _nib5_2(qs, rb, g, xq, u, d, m, sup, c, xd, xs, y, rb)
                     u += 2
                 if u < n_tok:
                     if ms:
-                        _nib5m(qs, rb, g, xq, u, d, m, c, xd, xs, y, rb)
+                        _nib5m(qs, rb, g, xq, u, d, m, sup, c, xd, xs, y, rb)
                     else:
-                        _nib5(qs, rb, g, xq, u, d, m, c, xd, xs, y, rb)
+                        _nib5(qs, rb, g, xq, u, d, m, sup, c, xd, xs, y, rb)
 
 
 @numba.njit(**_JIT)
-def dot_nib16(qs, d, m, ms, c, xq, xd, xs, y):
+def dot_nib16(qs, d, m, sup, ms, c, xq, xd, xs, y):
     """4-bit codes, a scale per 16 (Q2_K, Q3_K)."""
     nb = y.shape[1] // ROWS
     n_tok = xq.shape[0]
@@ -447,7 +466,7 @@ def dot_nib16(qs, d, m, ms, c, xq, xd, xs, y):
         if rb == nb:
             for t in range(n_tok):
                 for r in range(nb * ROWS, y.shape[1]):
-                    y[t, r] = _row_nibs(qs, d, m, ms, c, xq, xd, xs, r, t, 16, _ID32)
+                    y[t, r] = _row_nibs(qs, d, m, sup, ms, c, xq, xd, xs, r, t, 16, _ID32)
             continue
         for t in range(0, n_tok, 4):  # tokens 4 at a time (then 2, 1): one load and unpack of the codes for all
             for u in range(t, min(t + 4, n_tok)):
@@ -455,26 +474,26 @@ def dot_nib16(qs, d, m, ms, c, xq, xd, xs, y):
             for g in range(qs.shape[1]):
                 if t + 3 < n_tok:
                     if ms:
-                        _nib16m_4(qs, rb, g, xq, t, d, m, c, xd, xs, y, rb)
+                        _nib16m_4(qs, rb, g, xq, t, d, m, sup, c, xd, xs, y, rb)
                     else:
-                        _nib16_4(qs, rb, g, xq, t, d, m, c, xd, xs, y, rb)
+                        _nib16_4(qs, rb, g, xq, t, d, m, sup, c, xd, xs, y, rb)
                     continue
                 u = t
                 if u + 1 < n_tok:
                     if ms:
-                        _nib16m_2(qs, rb, g, xq, u, d, m, c, xd, xs, y, rb)
+                        _nib16m_2(qs, rb, g, xq, u, d, m, sup, c, xd, xs, y, rb)
                     else:
-                        _nib16_2(qs, rb, g, xq, u, d, m, c, xd, xs, y, rb)
+                        _nib16_2(qs, rb, g, xq, u, d, m, sup, c, xd, xs, y, rb)
                     u += 2
                 if u < n_tok:
                     if ms:
-                        _nib16m(qs, rb, g, xq, u, d, m, c, xd, xs, y, rb)
+                        _nib16m(qs, rb, g, xq, u, d, m, sup, c, xd, xs, y, rb)
                     else:
-                        _nib16(qs, rb, g, xq, u, d, m, c, xd, xs, y, rb)
+                        _nib16(qs, rb, g, xq, u, d, m, sup, c, xd, xs, y, rb)
 
 
 @numba.njit(**_JIT)
-def dot_i8_32(qs, d, m, ms, c, xq, xd, xs, y):
+def dot_i8_32(qs, d, m, sup, ms, c, xq, xd, xs, y):
     """int8 codes, a scale per 32."""
     nb = y.shape[1] // ROWS
     n_tok = xq.shape[0]
@@ -482,7 +501,7 @@ def dot_i8_32(qs, d, m, ms, c, xq, xd, xs, y):
         if rb == nb:
             for t in range(n_tok):
                 for r in range(nb * ROWS, y.shape[1]):
-                    y[t, r] = _row_i8(qs, d, m, ms, c, xq, xd, xs, r, t, 32)
+                    y[t, r] = _row_i8(qs, d, m, sup, ms, c, xq, xd, xs, r, t, 32)
             continue
         for t in range(0, n_tok, 4):  # tokens 4 at a time (then 2, 1): one load and unpack of the codes for all
             for u in range(t, min(t + 4, n_tok)):
@@ -490,26 +509,26 @@ def dot_i8_32(qs, d, m, ms, c, xq, xd, xs, y):
             for g in range(qs.shape[1]):
                 if t + 3 < n_tok:
                     if ms:
-                        _i8_32m_4(qs, rb, g, xq, t, d, m, c, xd, xs, y, rb)
+                        _i8_32m_4(qs, rb, g, xq, t, d, m, sup, c, xd, xs, y, rb)
                     else:
-                        _i8_32_4(qs, rb, g, xq, t, d, m, c, xd, xs, y, rb)
+                        _i8_32_4(qs, rb, g, xq, t, d, m, sup, c, xd, xs, y, rb)
                     continue
                 u = t
                 if u + 1 < n_tok:
                     if ms:
-                        _i8_32m_2(qs, rb, g, xq, u, d, m, c, xd, xs, y, rb)
+                        _i8_32m_2(qs, rb, g, xq, u, d, m, sup, c, xd, xs, y, rb)
                     else:
-                        _i8_32_2(qs, rb, g, xq, u, d, m, c, xd, xs, y, rb)
+                        _i8_32_2(qs, rb, g, xq, u, d, m, sup, c, xd, xs, y, rb)
                     u += 2
                 if u < n_tok:
                     if ms:
-                        _i8_32m(qs, rb, g, xq, u, d, m, c, xd, xs, y, rb)
+                        _i8_32m(qs, rb, g, xq, u, d, m, sup, c, xd, xs, y, rb)
                     else:
-                        _i8_32(qs, rb, g, xq, u, d, m, c, xd, xs, y, rb)
+                        _i8_32(qs, rb, g, xq, u, d, m, sup, c, xd, xs, y, rb)
 
 
 @numba.njit(**_JIT)
-def dot_i8_16(qs, d, m, ms, c, xq, xd, xs, y):
+def dot_i8_16(qs, d, m, sup, ms, c, xq, xd, xs, y):
     """int8 codes, a scale per 16 (Q6_K)."""
     nb = y.shape[1] // ROWS
     n_tok = xq.shape[0]
@@ -517,7 +536,7 @@ def dot_i8_16(qs, d, m, ms, c, xq, xd, xs, y):
         if rb == nb:
             for t in range(n_tok):
                 for r in range(nb * ROWS, y.shape[1]):
-                    y[t, r] = _row_i8(qs, d, m, ms, c, xq, xd, xs, r, t, 16)
+                    y[t, r] = _row_i8(qs, d, m, sup, ms, c, xq, xd, xs, r, t, 16)
             continue
         for t in range(0, n_tok, 4):  # tokens 4 at a time (then 2, 1): one load and unpack of the codes for all
             for u in range(t, min(t + 4, n_tok)):
@@ -525,26 +544,26 @@ def dot_i8_16(qs, d, m, ms, c, xq, xd, xs, y):
             for g in range(qs.shape[1]):
                 if t + 3 < n_tok:
                     if ms:
-                        _i8_16m_4(qs, rb, g, xq, t, d, m, c, xd, xs, y, rb)
+                        _i8_16m_4(qs, rb, g, xq, t, d, m, sup, c, xd, xs, y, rb)
                     else:
-                        _i8_16_4(qs, rb, g, xq, t, d, m, c, xd, xs, y, rb)
+                        _i8_16_4(qs, rb, g, xq, t, d, m, sup, c, xd, xs, y, rb)
                     continue
                 u = t
                 if u + 1 < n_tok:
                     if ms:
-                        _i8_16m_2(qs, rb, g, xq, u, d, m, c, xd, xs, y, rb)
+                        _i8_16m_2(qs, rb, g, xq, u, d, m, sup, c, xd, xs, y, rb)
                     else:
-                        _i8_16_2(qs, rb, g, xq, u, d, m, c, xd, xs, y, rb)
+                        _i8_16_2(qs, rb, g, xq, u, d, m, sup, c, xd, xs, y, rb)
                     u += 2
                 if u < n_tok:
                     if ms:
-                        _i8_16m(qs, rb, g, xq, u, d, m, c, xd, xs, y, rb)
+                        _i8_16m(qs, rb, g, xq, u, d, m, sup, c, xd, xs, y, rb)
                     else:
-                        _i8_16(qs, rb, g, xq, u, d, m, c, xd, xs, y, rb)
+                        _i8_16(qs, rb, g, xq, u, d, m, sup, c, xd, xs, y, rb)
 
 
 @numba.njit(**_JIT)
-def dot_iq4nl_32(qs, d, m, ms, c, xq, xd, xs, y):
+def dot_iq4nl_32(qs, d, m, sup, ms, c, xq, xd, xs, y):
     """4-bit indices into IQ4_NL's table (IQ4_NL, IQ4_XS), a scale per 32."""
     nb = y.shape[1] // ROWS
     n_tok = xq.shape[0]
@@ -552,25 +571,25 @@ def dot_iq4nl_32(qs, d, m, ms, c, xq, xd, xs, y):
         if rb == nb:
             for t in range(n_tok):
                 for r in range(nb * ROWS, y.shape[1]):
-                    y[t, r] = _row_nibs(qs, d, m, ms, c - np.float32(I8_SHIFT), xq, xd, xs, r, t, 32, _LUT_IQ4)
+                    y[t, r] = _row_nibs(qs, d, m, sup, ms, c - np.float32(I8_SHIFT), xq, xd, xs, r, t, 32, _LUT_IQ4)
             continue
         for t in range(0, n_tok, 4):  # tokens 4 at a time (then 2, 1): one load and unpack of the codes for all
             for u in range(t, min(t + 4, n_tok)):
                 y[u, rb * ROWS:rb * ROWS + ROWS] = 0
             for g in range(qs.shape[1]):
                 if t + 3 < n_tok:
-                    _iq4_4(qs, rb, g, xq, t, d, m, c, xd, xs, y, rb)
+                    _iq4_4(qs, rb, g, xq, t, d, m, sup, c, xd, xs, y, rb)
                     continue
                 u = t
                 if u + 1 < n_tok:
-                    _iq4_2(qs, rb, g, xq, u, d, m, c, xd, xs, y, rb)
+                    _iq4_2(qs, rb, g, xq, u, d, m, sup, c, xd, xs, y, rb)
                     u += 2
                 if u < n_tok:
-                    _iq4(qs, rb, g, xq, u, d, m, c, xd, xs, y, rb)
+                    _iq4(qs, rb, g, xq, u, d, m, sup, c, xd, xs, y, rb)
 
 
 @numba.njit(**_JIT)
-def dot_mxfp4_32(qs, d, m, ms, c, xq, xd, xs, y):
+def dot_mxfp4_32(qs, d, m, sup, ms, c, xq, xd, xs, y):
     """4-bit indices into MXFP4's table (doubled e2m1), a scale per 32."""
     nb = y.shape[1] // ROWS
     n_tok = xq.shape[0]
@@ -578,21 +597,21 @@ def dot_mxfp4_32(qs, d, m, ms, c, xq, xd, xs, y):
         if rb == nb:
             for t in range(n_tok):
                 for r in range(nb * ROWS, y.shape[1]):
-                    y[t, r] = _row_nibs(qs, d, m, ms, c - np.float32(I8_SHIFT), xq, xd, xs, r, t, 32, _LUT_FP4)
+                    y[t, r] = _row_nibs(qs, d, m, sup, ms, c - np.float32(I8_SHIFT), xq, xd, xs, r, t, 32, _LUT_FP4)
             continue
         for t in range(0, n_tok, 4):  # tokens 4 at a time (then 2, 1): one load and unpack of the codes for all
             for u in range(t, min(t + 4, n_tok)):
                 y[u, rb * ROWS:rb * ROWS + ROWS] = 0
             for g in range(qs.shape[1]):
                 if t + 3 < n_tok:
-                    _fp4_4(qs, rb, g, xq, t, d, m, c, xd, xs, y, rb)
+                    _fp4_4(qs, rb, g, xq, t, d, m, sup, c, xd, xs, y, rb)
                     continue
                 u = t
                 if u + 1 < n_tok:
-                    _fp4_2(qs, rb, g, xq, u, d, m, c, xd, xs, y, rb)
+                    _fp4_2(qs, rb, g, xq, u, d, m, sup, c, xd, xs, y, rb)
                     u += 2
                 if u < n_tok:
-                    _fp4(qs, rb, g, xq, u, d, m, c, xd, xs, y, rb)
+                    _fp4(qs, rb, g, xq, u, d, m, sup, c, xd, xs, y, rb)
 
 
 # The family travels as a type: a tag, an empty array whose dtype names it (TAGS[kind]), so
@@ -602,22 +621,22 @@ def dot_mxfp4_32(qs, d, m, ms, c, xq, xd, xs, y):
 TAGS = tuple(np.empty(0, dt) for dt in (np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32))  # by qtypes.KINDS
 
 
-def _family(tag, qs, d, m, ms, c, xq, xd, xs, y):
+def _family(tag, qs, d, m, sup, ms, c, xq, xd, xs, y):
     """The kernel of the family that `tag` names; compiled code only (see the overload)."""
     raise NotImplementedError
 
 
 @overload(_family)
-def _family_for_tag(tag, qs, d, m, ms, c, xq, xd, xs, y):
+def _family_for_tag(tag, qs, d, m, sup, ms, c, xq, xd, xs, y):
     kernel = {"int8": dot_nib32, "int16": dot_nib16, "int32": dot_i8_32, "int64": dot_i8_16,
               "uint8": dot_nib5_32, "uint16": dot_iq4nl_32, "uint32": dot_mxfp4_32}[str(tag.dtype)]
 
-    def impl(tag, qs, d, m, ms, c, xq, xd, xs, y):
-        kernel(qs, d, m, ms, c, xq, xd, xs, y)
+    def impl(tag, qs, d, m, sup, ms, c, xq, xd, xs, y):
+        kernel(qs, d, m, sup, ms, c, xq, xd, xs, y)
     return impl
 
 
 @numba.njit(cache=True, nogil=True)
-def dot_any(tag, qs, d, m, ms, c, xq, xd, xs, y):
+def dot_any(tag, qs, d, m, sup, ms, c, xq, xd, xs, y):
     """The kernel of the family `tag` names (TAGS), chosen when a caller is compiled."""
-    _family(tag, qs, d, m, ms, c, xq, xd, xs, y)
+    _family(tag, qs, d, m, sup, ms, c, xq, xd, xs, y)

@@ -33,8 +33,8 @@ def ffn_glu(wg: PackedWeight, wu: PackedWeight, x: np.ndarray, gelu: bool, out: 
     o = out.reshape(x.shape[0], wg.shape[0])
     if x.shape[0] == 1 and wg.kind >= 0 and (wg.kind, wg.n_pad, wg.sub) == (wu.kind, wu.n_pad, wu.sub):
         start_pool()
-        ffn_glu1(dot.TAGS[wg.kind], wg.qs, wg.d, wg.m, wg.ms, wg.c32, wu.qs, wu.d, wu.m, wu.ms, wu.c32, wg.sub,
-                 x, gelu, o)
+        ffn_glu1(dot.TAGS[wg.kind], wg.qs, wg.d, wg.m, wg.sup, wg.ms, wg.c32, wu.qs, wu.d, wu.m, wu.sup, wu.ms, wu.c32,
+                 wg.sub, x, gelu, o)
         return out
     if x.shape[0] * wg.shape[0] <= WHOLE_MAX:  # decode: gate/up are a few KB, calls are the cost
         chunk = wg.shape[0]

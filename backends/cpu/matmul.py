@@ -38,7 +38,7 @@ def matmul(w: PackedWeight, x: np.ndarray, out: np.ndarray | None = None, xq=Non
     if x.shape[0] == 1 and w.kind >= 0:  # decode: quantize and multiply in one compiled call
         start_pool()
         y = np.empty((1, n_rows), dtype=np.float32) if out is None else out
-        _matvec(dot.TAGS[w.kind], w.qs, w.d, w.m, w.ms, w.c32, w.sub, x, y)
+        _matvec(dot.TAGS[w.kind], w.qs, w.d, w.m, w.sup, w.ms, w.c32, w.sub, x, y)
         return y
     if w.kind >= 0 and x.shape[0] < BLAS_MIN_TOKENS:
         if xq is None or xq[0] != (w.n_pad, w.sub):
@@ -62,7 +62,8 @@ def matmul_add(w: PackedWeight, x: np.ndarray, r: np.ndarray, out: np.ndarray | 
     if x2.shape[0] == 1 and w.kind >= 0 and r.dtype == np.float32 and r.size == w.shape[0]:
         start_pool()
         y = np.empty((1, w.shape[0]), dtype=np.float32) if out is None else out.reshape(1, -1)
-        _matvec_add(dot.TAGS[w.kind], w.qs, w.d, w.m, w.ms, w.c32, w.sub, x2, np.ascontiguousarray(r).reshape(1, -1), y)
+        _matvec_add(dot.TAGS[w.kind], w.qs, w.d, w.m, w.sup, w.ms, w.c32, w.sub, x2,
+                    np.ascontiguousarray(r).reshape(1, -1), y)
         return y.reshape(r.shape) if out is None else out
     return np.add(matmul(w, x2).reshape(r.shape), r, out=out)
 
@@ -95,35 +96,35 @@ def _quantize1(x, n_pad, sub):
 
 
 @numba.njit(cache=True, nogil=True)
-def _matvec(tag, qs, d, m, ms, c, sub, x, y):
+def _matvec(tag, qs, d, m, sup, ms, c, sub, x, y):
     xq, xd, xs = _quantize1(x, d.shape[1] * sub, sub)
-    dot.dot_any(tag, qs, d, m, ms, c, xq, xd, xs, y)
+    dot.dot_any(tag, qs, d, m, sup, ms, c, xq, xd, xs, y)
 
 
 @numba.njit(cache=True, nogil=True)
-def _matvec_add(tag, qs, d, m, ms, c, sub, x, r, y):
+def _matvec_add(tag, qs, d, m, sup, ms, c, sub, x, r, y):
     t = np.empty(y.shape, dtype=np.float32)  # y may be r's buffer (memory.INPLACE)
-    _matvec(tag, qs, d, m, ms, c, sub, x, t)
+    _matvec(tag, qs, d, m, sup, ms, c, sub, x, t)
     for j in range(y.shape[1]):
         y[0, j] = t[0, j] + r[0, j]
 
 
 @numba.njit(cache=True, nogil=True)
-def ffn_glu1(tag, qg, dg, mg, msg, cg, qu, du, mu, msu, cu, sub, x, gelu, out):
+def ffn_glu1(tag, qg, dg, mg, sg, msg, cg, qu, du, mu, su, msu, cu, sub, x, gelu, out):
     """act(x Wg^T) * (x Wu^T) of one token into out (1, n_ff); gate and up of one kind."""
     xq, xd, xs = _quantize1(x, dg.shape[1] * sub, sub)
     g = np.empty(out.shape, dtype=np.float32)
     u = np.empty(out.shape, dtype=np.float32)
-    dot.dot_any(tag, qg, dg, mg, msg, cg, xq, xd, xs, g)
-    dot.dot_any(tag, qu, du, mu, msu, cu, xq, xd, xs, u)
+    dot.dot_any(tag, qg, dg, mg, sg, msg, cg, xq, xd, xs, g)
+    dot.dot_any(tag, qu, du, mu, su, msu, cu, xq, xd, xs, u)
     ops.glu_1(g, u, gelu, out)
 
 
 @numba.njit(cache=True, nogil=True)
-def expert_matvecs(tag, qs, d, m, ms, c, sub, x, ids, out):
+def expert_matvecs(tag, qs, d, m, sup, ms, c, sub, x, ids, out):
     """One token through its k experts in one compiled call (decode: a Python-level call per
     expert cost ~20 us each, 3 x k per layer). x (1, 1 or k, cols) f32, ids (1, k) -> out
-    (1, k, rows); qs, d, m: typed lists of the experts' arrays. Each row is what matmul gives
+    (1, k, rows); qs, d, m, sup: typed lists of the experts' arrays. Each row is what matmul gives
     (one token: the same quantization and kernel as _matvec)."""
     k = ids.shape[1]
     cols = x.shape[2]
@@ -139,7 +140,7 @@ def expert_matvecs(tag, qs, d, m, ms, c, sub, x, ids, out):
                 x1[0, i] = x[0, j, i]
             xq, xd, xs = _quantize1(x1, n_pad, sub)
         e = ids[0, j]
-        dot.dot_any(tag, qs[e], d[e], m[e], ms, c, xq, xd, xs, y)
+        dot.dot_any(tag, qs[e], d[e], m[e], sup[e], ms, c, xq, xd, xs, y)
         for i in range(out.shape[2]):
             out[0, j, i] = y[0, i]
 
@@ -174,7 +175,7 @@ def quantize_for(w: PackedWeight, x: np.ndarray):
 
 def _matmul_int(w: PackedWeight, n_tok: int, prepared, out: np.ndarray | None = None) -> np.ndarray:
     y = np.empty((n_tok, w.shape[0]), dtype=np.float32) if out is None else out  # (n_tokens, n_rows)
-    dot.dot_any(dot.TAGS[w.kind], w.qs, w.d, w.m, w.ms, w.c32, *prepared, y)
+    dot.dot_any(dot.TAGS[w.kind], w.qs, w.d, w.m, w.sup, w.ms, w.c32, *prepared, y)
     return y
 
 
@@ -223,6 +224,7 @@ def _dequant(w: PackedWeight, rows: np.ndarray, out: np.ndarray) -> None:
         halfs.widen_rows(w.qs, w.ggml_type == GGMLQuantizationType.F16, rows, out)
         return
     if w.layout == "i8":
-        quantize.dequant_i8(w.qs, w.d, w.m, w.ms, np.float32(w.c), w.sub, rows, out)
+        quantize.dequant_i8(w.qs, w.d, w.m, w.sup, w.ms, np.float32(w.c), w.sub, rows, out)
     else:  # nib5: the same, plus bits; the lookup layouts: their tables' values
-        quantize.dequant_nib(w.qs, w.d, w.m, w.ms, np.float32(w.c), w.sub, rows, out, _VALUES.get(w.layout, _CODES))
+        quantize.dequant_nib(w.qs, w.d, w.m, w.sup, w.ms, np.float32(w.c), w.sub, rows, out,
+                             _VALUES.get(w.layout, _CODES))

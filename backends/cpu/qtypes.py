@@ -23,14 +23,20 @@ qs's shape, (blocks, groups, 16, 64 / 32 / 40 bytes), is the bytes' count, not r
 group is one stream of 1024 / 512 / 640 bytes. Reading 16 rows side by side from a row-major
 matrix would be 16 streams, which the hardware prefetcher does not follow (measured: the same
 kernel read SmolLM2's weights at 16 GB/s that way, where one stream reaches ~50).
-Each sub-block (32 weights, or 16 for Q2_K/Q3_K/Q6_K) has a float32 scale `d`, and types with
-a stored minimum an offset `m`: weight = d * (code + c) + m, with c a per-type constant (-8 for
+Each sub-block (32 weights, or 16 for Q2_K/Q3_K/Q6_K) has a scale `d`, and types with a
+stored minimum an offset `m`: weight = d * (code + c) + m, with c a per-type constant (-8 for
 Q4_0's unsigned nibbles). d and m are (row block, sub-block, 16 rows): the kernels read a
 block's 16 scales of a sub-block as one vector. Types without a minimum keep a single zero of
 `m` per sub-block (step ms = 0) instead of one per row: that is a quarter of Q8_0's bytes.
 Scales that are float16 in the file stay float16, as uint16 bits (numba has no float16 type; the
-kernels widen them, exactly); computed ones (K-quants') are float32. Rows are padded to whole blocks
-(zero codes and scales); the kernels never write the padding rows out.
+kernels widen them, exactly); IQ types' computed ones are float32. K-quants keep the file's
+split: d and m hold the small integer sc per sub-block (uint8, or int8 for Q3_K/Q6_K), and `sup`
+(row block, super-block of 256, plane, 16 rows) the super-block's float16 D (plane 0) and -Dmin
+(plane 1), as uint16 bits; the kernels form d = float32(D) * float32(sc) (m likewise), exact in
+float32 (11 significant bits times at most 8), so the same float32 scales as a stored copy, at
+under a third of the bytes (Q4_K: 4.6 bits a weight, not 6). Other types' `sup` is a one-element
+dummy: the kernels specialize on d's dtype. Rows are padded to whole blocks (zero codes and
+scales); the kernels never write the padding rows out.
 """
 
 import dataclasses
@@ -52,7 +58,7 @@ SUPPORTED_TYPES = frozenset(int(t) for t in (
     T.IQ4_NL, T.IQ4_XS, T.MXFP4, T.TQ1_0, T.TQ2_0, T.IQ2_XXS, T.IQ2_XS, T.IQ2_S, T.IQ3_XXS, T.IQ3_S, T.IQ1_S, T.IQ1_M,
 ))
 
-LAYOUT_VERSION = 3  # of everything below: bump it when a layout changes (cached packed weights are rebuilt)
+LAYOUT_VERSION = 4  # of everything below: bump it when a layout changes (cached packed weights are rebuilt)
 ROWS = 16  # rows per block of the quantized layouts
 PACK_ROWS = 4096  # rows unpacked at a time (a multiple of ROWS)
 KINDS = {("nib", 32): 0, ("nib", 16): 1, ("i8", 32): 2, ("i8", 16): 3, ("nib5", 32): 4,  # dot.py's kernel families
@@ -75,8 +81,11 @@ class PackedWeight:
     qs: np.ndarray | None = None   # nib: (n_blocks, n_pad // 64, ROWS, 32) uint8; nib5: (..., 40) uint8;
     #                                i8: (..., 64) int8;
     #                                half: (n_rows, n_cols) uint16 bits of F16 or BF16
-    d: np.ndarray | None = None    # (n_blocks, n_pad // sub, ROWS) scale: float32, or float16 bits as uint16
+    d: np.ndarray | None = None    # (n_blocks, n_pad // sub, ROWS) scale: float32, float16 bits as uint16,
+    #                                or a K-quant's sc (uint8/int8), times sup's D
     m: np.ndarray | None = None    # the same, or (1, n_pad // sub, 1) of zeros
+    sup: np.ndarray | None = None  # K-quants: (n_blocks, n_pad // 256, 1 or 2, ROWS) uint16 float16 bits
+    #                                of D (and -Dmin); else (1, 1, 1, 1) (made here)
     ms: int = 1                    # step of m's block and row index: 1, or 0 for the zeros
     c: float = 0.0                 # code offset: weight = d * (code + c) + m
     # derived once (the decode path reads them per call): columns after padding to whole
@@ -87,6 +96,8 @@ class PackedWeight:
 
     def __post_init__(self) -> None:
         self.n_pad = self.shape[1] if self.d is None else self.d.shape[1] * self.sub
+        if self.d is not None and self.sup is None:
+            self.sup = np.zeros((1, 1, 1, 1), np.uint16)
         self.c32 = np.float32(self.c)
         self.kind = KINDS.get((self.layout, self.sub), -1)
 
@@ -100,11 +111,17 @@ class PackedWeight:
                                        qs=None if self.qs is None else self.qs[r0:r1])
         assert r0 % ROWS == 0, r0
         b = slice(r0 // ROWS, -(-r1 // ROWS))
-        return dataclasses.replace(self, shape=shape, qs=self.qs[b], d=self.d[b], m=self.m[b] if self.ms else self.m)
+        return dataclasses.replace(self, shape=shape, qs=self.qs[b], d=self.d[b], m=self.m[b] if self.ms else self.m,
+                                   sup=self.sup[b] if self.split else self.sup)
+
+    @property
+    def split(self) -> bool:
+        """Whether d (and m) are small integers times `sup`'s super-block scales (K-quants)."""
+        return self.d is not None and self.d.dtype.itemsize == 1
 
     @property
     def nbytes(self) -> int:
-        return sum(a.nbytes for a in (self.w, self.qs, self.d, self.m) if a is not None)
+        return sum(a.nbytes for a in (self.w, self.qs, self.d, self.m, self.sup) if a is not None)
 
 
 def pack_weight(ggml_type: int, raw: np.ndarray, shape: tuple[int, int]) -> PackedWeight:
@@ -138,16 +155,20 @@ def pack_weight(ggml_type: int, raw: np.ndarray, shape: tuple[int, int]) -> Pack
         if out is None:
             blk = lambda a: np.empty((-(-n_rows // ROWS), *a.shape[1:]), a.dtype)  # noqa: E731
             out = dataclasses.replace(part, shape=(n_rows, n_cols), qs=blk(part.qs), d=blk(part.d),
-                                      m=blk(part.m) if part.ms else part.m)
+                                      m=blk(part.m) if part.ms else part.m,
+                                      sup=blk(part.sup) if part.split else part.sup)
         b = slice(r0 // ROWS, r0 // ROWS + part.qs.shape[0])
         out.qs[b], out.d[b] = part.qs, part.d
         if part.ms:
             out.m[b] = part.m
+        if part.split:
+            out.sup[b] = part.sup
     return out
 
 
 def _pack_codes(ggml_type, shape, layout, sub, codes, d, m, c) -> PackedWeight:
-    """codes (n_rows, n_cols) uint8/int8, d and m (n_rows, n_cols // sub) or m None -> kernel layout."""
+    """codes (n_rows, n_cols) uint8/int8, d and m (n_rows, n_cols // sub) or m None -> kernel layout;
+    K-quants' d and m are pairs (D bits (n_rows, n_cols // 256) uint16, sc (n_rows, n_cols // sub))."""
     n_rows, n_cols = shape
     n_pad = -(-n_cols // 64) * 64
     n_blk = -(-n_rows // ROWS)
@@ -173,9 +194,14 @@ def _pack_codes(ggml_type, shape, layout, sub, codes, d, m, c) -> PackedWeight:
     half = ggml_type in HALF_SCALE_TYPES
     stored = lambda a: a.astype(np.float16).view(np.uint16) if half else a
     scales = lambda a: blocked(stored(np.pad(np.asarray(a, dtype=np.float32), pad_s)))
+    sup = None
+    if isinstance(d, tuple):  # K-quants: the integers as they are, D and -Dmin beside them (n_cols % 256 == 0)
+        sup = np.stack([blocked(np.pad(pair[0], (pad_s[0], (0, 0)))) for pair in (d, m) if pair is not None], axis=2)
+        scales = lambda a: blocked(np.pad(a[1], pad_s))  # noqa: E731
     ms = 0 if m is None else 1
     m = stored(np.zeros((1, n_pad // sub, 1), dtype=np.float32)) if m is None else scales(m)
-    return PackedWeight(ggml_type, shape, layout, sub, qs=np.ascontiguousarray(qs), d=scales(d), m=m, ms=ms, c=float(c))
+    return PackedWeight(ggml_type, shape, layout, sub, qs=np.ascontiguousarray(qs), d=scales(d), m=m, sup=sup,
+                        ms=ms, c=float(c))
 
 
 def _blocks(raw, n_rows, n_cols, block_bytes):

@@ -2,12 +2,14 @@
 float32 (dequantization, for BLAS tiles and embedding lookups; dot.py has
 the integer dot products). Layouts are those of qtypes.py: weight = d*(code + c) + m, rows in blocks of 16 interleaved
 by 64-weight group 4 weights at a time (see qtypes), d and m (block, sub-block, row in block), m a single
-zero per sub-block (ms=0) for types without a minimum.
+zero per sub-block (ms=0) for types without a minimum; K-quants' d and m are small integers times
+their super-block's float16 in `sup` (sub_scale).
 """
 
 import numba
 import numpy as np
-from numba import prange
+from numba import prange, types
+from numba.extending import overload
 
 from .halfs import bits_as_f32, f32
 
@@ -73,20 +75,36 @@ def quantize_x(x, n_pad, sub):
     return xq, xd, xs
 
 
+def sub_scale(a, sup, p, sub, b, k, i):
+    """a[b, k, i] (a d or m array, qtypes) as float32; compiled code only (see the overload)."""
+    raise NotImplementedError
+
+
+@overload(sub_scale, inline="always")
+def _sub_scale(a, sup, p, sub, b, k, i):
+    if a.dtype in (types.int8, types.uint8):  # a K-quant's sc times plane p of its super-block's float16: exact
+        def impl(a, sup, p, sub, b, k, i):
+            return f32(sup[b, (k * sub) >> 8, p, i]) * np.float32(a[b, k, i])
+    else:  # float32, or float16 bits
+        def impl(a, sup, p, sub, b, k, i):
+            return f32(a[b, k, i])
+    return impl
+
+
 @numba.njit(inline="always", **_JIT)
-def scale(d, r, k):
+def scale(d, sup, sub, r, k):
     """d of sub-block k of row r."""
-    return f32(d[r >> 4, k, r & 15])
+    return sub_scale(d, sup, 0, sub, r >> 4, k, r & 15)
 
 
 @numba.njit(inline="always", **_JIT)
-def offset(d, m, ms, c, r, k):
+def offset(d, m, sup, ms, c, sub, r, k):
     """The additive part of sub-block k of row r: m + c*d."""
-    return f32(m[(r >> 4) * ms, k, (r & 15) * ms]) + c * f32(d[r >> 4, k, r & 15])
+    return sub_scale(m, sup, 1, sub, (r >> 4) * ms, k, (r & 15) * ms) + c * scale(d, sup, sub, r, k)
 
 
 @numba.njit(**_JIT)
-def dequant_nib(qs, d, m, ms, c, sub, rows, out, values):
+def dequant_nib(qs, d, m, sup, ms, c, sub, rows, out, values):
     """out[i] = row rows[i] as float32 (n, n_pad). Serial: the tiles feed BLAS, whose threads
     would fight numba's spinning ones. The layout (qtypes): byte 64j + 4i + b of a block's group
     holds row i's weights 4j+b and 32+4j+b; "nib5" (40 "bytes" a row) adds each weight's fifth
@@ -108,11 +126,11 @@ def dequant_nib(qs, d, m, ms, c, sub, rows, out, values):
                     f = 512 + 16 * j + 8 * (w >> 5) + ((4 * i + b) >> 3)
                     code |= ((np.int32(q[f // width, f % width]) >> ((4 * i + b) & 7)) & 1) << 4
                 k = (g * 64 + w) // sub
-                out[n, g * 64 + w] = scale(d, r, k) * values[code] + offset(d, m, ms, c, r, k)
+                out[n, g * 64 + w] = scale(d, sup, sub, r, k) * values[code] + offset(d, m, sup, ms, c, sub, r, k)
 
 
 @numba.njit(**_JIT)
-def dequant_i8(qs, d, m, ms, c, sub, rows, out):
+def dequant_i8(qs, d, m, sup, ms, c, sub, rows, out):
     """As dequant_nib for int8 codes: qs[block, group, j, 4i+b] is row i's weight 4j+b."""
     for n in range(rows.shape[0]):
         r = rows[n]
@@ -120,5 +138,5 @@ def dequant_i8(qs, d, m, ms, c, sub, rows, out):
         for g in range(qs.shape[1]):
             for w in range(64):
                 k = (g * 64 + w) // sub
-                out[n, g * 64 + w] = (scale(d, r, k) * np.float32(qs[r >> 4, g, w >> 2, 4 * i + (w & 3)])
-                                      + offset(d, m, ms, c, r, k))
+                out[n, g * 64 + w] = (scale(d, sup, sub, r, k) * np.float32(qs[r >> 4, g, w >> 2, 4 * i + (w & 3)])
+                                      + offset(d, m, sup, ms, c, sub, r, k))
