@@ -91,10 +91,11 @@ def _rope(n, x, pos):
 
 
 def attention(q, k_cache, v_cache, tok_seq, tok_pos, block_table, seq_len=None, *, scale, block_size, window,
-              softcap=0.0, alibi=0.0, causal=True):
+              softcap=0.0, alibi=0.0, causal=True, sinks=None):
     """q (n_tokens, n_head, d); caches (n_slots, n_head_kv, d), or quantized (kv_types). Each
     token attends to its sequence's positions [lo, hi] (attn_bounds) through the block table;
-    alibi > 0: scores less slope[h] * |p - pos| (ALiBi). Returns (n_tokens, n_head*d)."""
+    alibi > 0: scores less slope[h] * |p - pos| (ALiBi); sinks (n_head,): a logit per head in each
+    softmax's denominator. Returns (n_tokens, n_head*d)."""
     n_tokens, n_head, _ = q.shape
     group = n_head // k_cache.shape[1]
     dv = kv_types.head_dim(v_cache)
@@ -110,9 +111,12 @@ def attention(q, k_cache, v_cache, tok_seq, tok_pos, block_table, seq_len=None, 
             s = softcap * np.tanh(s / softcap)
         if alibi > 0:
             s = s - alibi_slopes(n_head, alibi)[:, None].astype(np.float64) * np.abs(p - tok_pos[t])
-        s = np.exp(s - s.max(axis=1, keepdims=True))
-        s /= s.sum(axis=1, keepdims=True)
-        out[t] = np.einsum("hk,khd->hd", s, v)
+        m = s.max(axis=1, keepdims=True)
+        sk = None if sinks is None else sinks.astype(np.float64)[:, None]
+        m = m if sk is None else np.maximum(m, sk)
+        e = np.exp(s - m)
+        den = e.sum(axis=1, keepdims=True) + (0.0 if sk is None else np.exp(sk - m))
+        out[t] = np.einsum("hk,khd->hd", e / den, v)
     return out.reshape(n_tokens, n_head * dv)  # -1 cannot size 0 tokens
 
 
@@ -146,9 +150,16 @@ def kq_mask(pos, n_kv, window, seq_len=None, alibi=0.0, n_head=1):
     return np.where(ok, 0.0, -np.inf).astype(np.float32)[:, None, :]  # (n_tokens, 1, n_kv)
 
 
-def soft_max(x):
-    e = np.exp(x.astype(np.float64) - x.max(axis=-1, keepdims=True))
-    return (e / e.sum(axis=-1, keepdims=True)).astype(np.float32)
+def soft_max(x, sinks=None):
+    """Over the last axis; sinks (n_head,) for (n_tokens, n_head, n_kv): a logit per head with no value."""
+    x = x.astype(np.float64)
+    if sinks is None:
+        e = np.exp(x - x.max(axis=-1, keepdims=True))
+        return (e / e.sum(axis=-1, keepdims=True)).astype(np.float32)
+    s = sinks.astype(np.float64)[None, :, None]
+    m = np.maximum(x.max(axis=-1, keepdims=True), s)
+    e = np.exp(x - m)
+    return (e / (e.sum(axis=-1, keepdims=True) + np.exp(s - m))).astype(np.float32)
 
 
 def kqv(probs, v, tok_seq):
@@ -294,6 +305,13 @@ def _act(node, x):
     return silu(x) if node.params["act"] == "silu" else gelu(x)
 
 
+def _swiglu_oai(node, g, u):
+    """ggml_swiglu_oai: min(g, limit) * sigmoid(alpha * min(g, limit)) * (clip(u, -limit, limit) + 1)."""
+    lim = node.params["limit"]
+    x = np.minimum(g.astype(np.float64), lim)
+    return (x / (1.0 + np.exp(-node.params["alpha"] * x)) * (np.clip(u, -lim, lim) + 1.0)).astype(np.float32)
+
+
 class ReferenceBackend(Backend):
     name = "reference"
     # what gguf.quants dequantizes; prepare_weight names a type it cannot
@@ -314,19 +332,20 @@ class ReferenceBackend(Backend):
             Op.SLICE: lambda n, x: x[..., n.params["start"]:n.params["stop"]],
             Op.ROPE: _rope,
             Op.SET_ROWS: _set_rows,
-            Op.ATTN: lambda n, q, k, v, seq, pos, bt, *sl: attention(
-                q, k, v, seq, pos, bt, *sl, scale=n.params["scale"], block_size=n.params["block_size"],
-                window=n.params["window"], softcap=n.params.get("softcap", 0.0), alibi=n.params.get("alibi", 0.0),
-                causal=n.params["causal"]),
+            Op.ATTN: lambda n, q, k, v, seq, pos, bt, *extra: attention(
+                q, k, v, seq, pos, bt, *extra[:len(extra) - n.params.get("sinks", False)], scale=n.params["scale"],
+                block_size=n.params["block_size"], window=n.params["window"], softcap=n.params.get("softcap", 0.0),
+                alibi=n.params.get("alibi", 0.0), causal=n.params["causal"],
+                sinks=extra[-1] if n.params.get("sinks") else None),
             Op.RMS_NORM_MUL: lambda n, x, w: (rms_norm(x, n.params["eps"]) * w).astype(np.float32),
-            Op.GLU: lambda n, g, u: _act(n, g) * u,
+            Op.GLU: lambda n, g, u: _swiglu_oai(n, g, u) if n.params["act"] == "swiglu_oai" else _act(n, g) * u,
             # unfused attention
             Op.GATHER_KV: lambda n, cache, bt: gather_kv(cache, bt, n.params["block_size"]),
             Op.KQ: lambda n, q, k, seq: kq(q, k, seq),
             Op.KQ_MASK: lambda n, pos, *sl: kq_mask(pos, n.shape[2], n.params["window"], *(sl or (None,)),
                                                     alibi=n.params.get("alibi", 0.0), n_head=n.shape[1]),
             Op.ATTN_TEMP: lambda n, pos: attn_temp(pos, n.params["floor"], n.params["beta"]),
-            Op.SOFT_MAX: lambda n, x: soft_max(x),
+            Op.SOFT_MAX: lambda n, x, *sinks: soft_max(x, *sinks),
             Op.KQV: lambda n, p, v, seq: kqv(p, v, seq),
             Op.ADD_N: lambda n, *xs: sum(xs[1:], xs[0]).astype(np.float32),
             Op.TOP_K: lambda n, x: top_k(x, n.params["k"]),

@@ -126,15 +126,17 @@ def build_residual(g: Graph, x: Tensor, h: Tensor, *, name: str, il: int, post_n
 
 def build_attn(g: Graph, inp: Inputs, q: Tensor, k: Tensor, v: Tensor, *, il: int, wo: Tensor | None,
                bo: Tensor | None = None, scale: float, window: int = 0, softcap: float = 0.0,
-               alibi: float = 0.0) -> Tensor:
+               alibi: float = 0.0, sinks: Tensor | None = None) -> Tensor:
     """The attention core (llama.cpp's build_attn on Qcur/Kcur/Vcur): K and V, already
     projected (and K rotated), are written into the paged cache; each token attends over its
     own sequence; the output projection follows (wo=None: the caller's, after a gate, say).
-    q (n_tokens, n_head, d), k/v (n_tokens, h_kv, d); alibi: ggml's max_bias (ALiBi, jina-bert-v2)."""
+    q (n_tokens, n_head, d), k/v (n_tokens, h_kv, d); alibi: ggml's max_bias (ALiBi, jina-bert-v2);
+    sinks (n_head,): a logit per head that takes its share of each softmax (gpt-oss)."""
     n_slots = inp.shape.n_slots
     k_cache = g.set_rows(g.cache("cache_k", (n_slots, *k.shape[1:]), il), k, inp.slots, "k_write", il)
     v_cache = g.set_rows(g.cache("cache_v", (n_slots, *v.shape[1:]), il), v, inp.slots, "v_write", il)
-    att = build_kqv(g, q, k_cache, v_cache, inp, il=il, window=window, scale=scale, softcap=softcap, alibi=alibi)
+    att = build_kqv(g, q, k_cache, v_cache, inp, il=il, window=window, scale=scale, softcap=softcap, alibi=alibi,
+                    sinks=sinks)
     if wo is None:
         return att  # (n_tokens, n_head * dv)
     out = g.mul_mat(wo, att, "attn_out", il)  # (n_tokens, n_embd)
@@ -142,7 +144,7 @@ def build_attn(g: Graph, inp: Inputs, q: Tensor, k: Tensor, v: Tensor, *, il: in
 
 
 def build_kqv(g: Graph, q: Tensor, k_cache: Tensor, v_cache: Tensor, inp: Inputs, *, il: int, scale: float,
-              window: int = 0, softcap: float = 0.0, alibi: float = 0.0) -> Tensor:
+              window: int = 0, softcap: float = 0.0, alibi: float = 0.0, sinks: Tensor | None = None) -> Tensor:
     """softmax(q k^T * scale + mask) v over each token's own sequence, unfused: the K/V of
     each sequence gathered through its block table (n_kv = block-table width * block size).
     runtime.fusion turns the chain into one flash-attention op (Op.ATTN)."""
@@ -154,7 +156,7 @@ def build_kqv(g: Graph, q: Tensor, k_cache: Tensor, v_cache: Tensor, inp: Inputs
         kq = g.scale(g.tanh(g.scale(kq, 1.0 / softcap, "kq_scaled_1", il), "kq_tanh", il), softcap, "kq_scaled_2", il)
     mask = g.kq_mask(inp.pos, n_kv=k.shape[1], window=window, seq_len=inp.seq_len, alibi=alibi, n_head=q.shape[1],
                      name="kq_mask", il=il)  # (n_tokens, 1, n_kv); with ALiBi (n_tokens, n_head, n_kv)
-    probs = g.soft_max(g.add(kq, mask, "kq_masked", il), "kq_soft_max", il)
+    probs = g.soft_max(g.add(kq, mask, "kq_masked", il), "kq_soft_max", il, sinks=sinks)
     out = g.kqv(probs, v, inp.tok_seq, "kqv", il)  # (n_tokens, n_head, dv)
     return g.reshape(out, (out.shape[0], out.shape[1] * out.shape[2]), "kqv_out", il)
 
@@ -196,27 +198,43 @@ def moe_weights(w, il: int, *, n_expert: int, n_embd: int, n_ff: int) -> dict[st
 
 def build_moe_ffn(g: Graph, x: Tensor, *, il: int, gate_inp: Tensor, up_exps: Tensor, gate_exps: Tensor,
                   down_exps: Tensor, n_expert_used: int, norm_w: bool = True, gating: str = "softmax",
-                  probs_bias: Tensor | None = None, w_scale: float = 0.0) -> Tensor:
-    """Mixture of experts as llama.cpp's build_moe_ffn (SwiGLU experts): the router's softmax
-    (or sigmoid), the top n_expert_used experts per token (chosen by probability plus
-    `probs_bias` where given, as LFM2-MoE's) weighted by their probabilities (renormalized over the
-    chosen ones with norm_w, then times w_scale where set), their outputs summed."""
+                  probs_bias: Tensor | None = None, w_scale: float = 0.0, act: str = "silu",
+                  gate_inp_b: Tensor | None = None, up_b: Tensor | None = None, gate_b: Tensor | None = None,
+                  down_b: Tensor | None = None) -> Tensor:
+    """Mixture of experts as llama.cpp's build_moe_ffn (gated experts, SwiGLU or gpt-oss's clamped
+    "swiglu_oai"): the router's softmax (or sigmoid; "softmax_weight": the raw logits choose and
+    the chosen ones' softmax weighs, as gpt-oss), the top n_expert_used experts per token (chosen
+    by probability plus `probs_bias` where given, as LFM2-MoE's) weighted by their probabilities
+    (renormalized over the chosen ones with norm_w, then times w_scale where set), their outputs
+    summed. Biases (router, and per expert: E rows of each projection's width) where given."""
     n_tokens, n_embd = x.shape
     logits = g.mul_mat(gate_inp, x, "ffn_moe_logits", il)  # (n_tokens, n_expert)
+    if gate_inp_b is not None:
+        logits = g.add(logits, gate_inp_b, "ffn_moe_logits_biased", il)
     probs = (g.soft_max(logits, "ffn_moe_probs", il) if gating == "softmax"
-             else g.sigmoid(logits, "ffn_moe_probs", il))
+             else logits if gating == "softmax_weight" else g.sigmoid(logits, "ffn_moe_probs", il))
     select = probs if probs_bias is None else g.add(probs, probs_bias, "ffn_moe_probs_biased", il)
     ids = g.top_k(select, n_expert_used, "ffn_moe_topk", il)  # (n_tokens, k)
     w = g.take(probs, ids, "ffn_moe_weights", il)  # (n_tokens, k)
+    if gating == "softmax_weight":
+        w = g.soft_max(w, "ffn_moe_weights_softmax", il)
+    flat_ids = (g.reshape(ids, (n_tokens * n_expert_used,), "ffn_moe_topk_flat", il)
+                if any(b is not None for b in (up_b, gate_b, down_b)) else None)
+
+    def expert_bias(t: Tensor, b: Tensor | None, name: str) -> Tensor:  # ggml_add_id: each chosen expert's row
+        if b is None:
+            return t
+        rows = g.reshape(g.get_rows(b, flat_ids, f"{name}_rows", il), t.shape, f"{name}_rows_3d", il)
+        return g.add(t, rows, f"{name}_biased", il)
     if norm_w:  # llama.cpp clamps the sum at 6.1e-5: a softmax's top-k sum is >= k / n_expert, and
         # the sigmoid routers' top-k sums are far above it
         w = g.div(w, g.sum_rows(w, "ffn_moe_weights_sum", il), "ffn_moe_weights_norm", il)
     if w_scale not in (0.0, 1.0):
         w = g.scale(w, w_scale, "ffn_moe_weights_scaled", il)
-    up = g.mul_mat_id(up_exps, x, ids, "ffn_moe_up", il)  # (n_tokens, k, n_ff_exp)
-    gate = g.mul_mat_id(gate_exps, x, ids, "ffn_moe_gate", il)
-    act = g.glu(gate, up, "silu", "ffn_moe_swiglu", il)
-    experts = g.mul_mat_id(down_exps, act, ids, "ffn_moe_down", il)  # (n_tokens, k, n_embd)
+    up = expert_bias(g.mul_mat_id(up_exps, x, ids, "ffn_moe_up", il), up_b, "ffn_moe_up")  # (n_tokens, k, n_ff_exp)
+    gate = expert_bias(g.mul_mat_id(gate_exps, x, ids, "ffn_moe_gate", il), gate_b, "ffn_moe_gate")
+    a = g.glu(gate, up, act, "ffn_moe_swiglu", il)
+    experts = expert_bias(g.mul_mat_id(down_exps, a, ids, "ffn_moe_down", il), down_b, "ffn_moe_down")  # (n_tokens, k, n_embd)
     experts = g.mul(experts, g.reshape(w, (n_tokens, n_expert_used, 1), "ffn_moe_weights_3d", il),
                     "ffn_moe_weighted", il)
     flat = g.reshape(experts, (n_tokens, n_expert_used * n_embd), "ffn_moe_flat", il)

@@ -33,6 +33,19 @@ class Reader:
         """An optional positive number, `default` when absent."""
         return self.get(k, default, kind)
 
+    def swa_layers(self, period: int) -> tuple[bool, ...]:
+        """Per layer, whether it slides (llama.cpp's load_swa_pattern): the file's
+        attention.sliding_window_pattern, one bool a layer or a period (every layer but each
+        period-th: period 0 all), else `period`."""
+        n_layer, key = self.need("block_count"), self.key("attention.sliding_window_pattern")
+        v = self.md.get(key, period)
+        if isinstance(v, int) and not isinstance(v, bool):
+            return tuple(v == 0 or il % v < v - 1 for il in range(n_layer))
+        v = list(v)
+        if len(v) != n_layer or not all(isinstance(x, (bool, int)) or hasattr(x, "dtype") for x in v):
+            raise ModelLoadError(f"GGUF metadata {key!r} must be {n_layer} bools (one per layer), got {v[:8]!r}")
+        return tuple(bool(x) for x in v)
+
     def experts(self) -> tuple[int, int]:
         """(expert_count, expert_used_count), required, the second no more than the first."""
         n_expert, used = self.need("expert_count"), self.need("expert_used_count")

@@ -25,6 +25,7 @@ class Decoder:
     biases: str = ""          # which of the q, k, v, o projections may have a bias ("qkvo": llama's)
     attn_scale: float = 0.0   # 0: 1/sqrt(head_dim)
     attn_softcap: float = 0.0
+    sinks: bool = False       # a learned logit per head in each softmax's denominator (gpt-oss's attn_sinks)
     q_scale: Callable[[Graph, Inputs, Tensor, int], Tensor] | None = None  # per-token factor on Q (Ministral 3)
     # each layer
     pre_norm: bool = True     # attn_norm / ffn_norm on each half's input (OLMo 2 has none)
@@ -94,7 +95,7 @@ def build_self_attn(c: HParams, g: Graph, L, inp: Inputs, h: Tensor, il: int, d:
         q = d.q_scale(g, inp, q, il)
     return build_attn(g, inp, q, k, v, il=il, wo=L("attn_output.weight", (e, nq)), bo=bias("output", e),
                       scale=d.attn_scale or 1.0 / math.sqrt(hd), window=d.window(il) if d.window else 0,
-                      softcap=d.attn_softcap)
+                      softcap=d.attn_softcap, sinks=L("attn_sinks.weight", (c.n_head,)) if d.sinks else None)
 
 
 def _norm_all(g: Graph, t: Tensor, weight: Tensor, eps: float, name: str, il: int) -> Tensor:

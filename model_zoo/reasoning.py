@@ -17,11 +17,12 @@ class ThinkFormat:
     close: str   # the marker that ends it
     answer: str  # what starts the answer after `close` ("": it follows at once)
     feed_close: str  # fed as tokens to end the thinking early (reasoning_budget)
+    call: str = ""   # after the thinking, what starts a tool call (handed on as answer text)
 
 
 THINK = ThinkFormat("think", "<think>", "</think>", "", "\n</think>\n\n")
 HARMONY = ThinkFormat("harmony", "<|channel|>analysis<|message|>", "<|end|>", "<|channel|>final<|message|>",
-                      "<|end|><|start|>assistant<|channel|>final<|message|>")
+                      "<|end|><|start|>assistant<|channel|>final<|message|>", "to=functions.")
 
 
 def detect(template: str | None) -> ThinkFormat | None:
@@ -83,6 +84,10 @@ class ReasoningSplitter:
             if self.state == "between":  # whitespace, or harmony's header up to the final channel
                 if f.answer:
                     i = b.find(f.answer)
+                    call = b.find(f.call) if f.call else -1
+                    if call >= 0 and (i < 0 or call < i):  # a tool call instead of an answer: the tool parser's
+                        self.state = "answer"
+                        continue
                     if i < 0:
                         if final:
                             self.buf = ""

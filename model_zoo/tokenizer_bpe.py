@@ -32,6 +32,11 @@ class _Pre:
         self.add_sep = add_sep          # a rerank pair's [SEP] between query and document (RoBERTa-style)
 
 
+# GPT-4o's (o200k: gpt-oss, Llama 4) as llama.cpp writes it, its cased classes spelled by lookaheads
+_GPT4O = (r"[^\r\n\p{L}\p{N}]?((?=[\p{L}])([^a-z]))*((?=[\p{L}])([^A-Z]))+" + _CONTRACTIONS + r"?"
+          r"|[^\r\n\p{L}\p{N}]?((?=[\p{L}])([^a-z]))+((?=[\p{L}])([^A-Z]))*" + _CONTRACTIONS + r"?"
+          r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+
 _DEFAULT = _Pre([r"[\p{P}\$\+<=>\^~\|]+", _GPT2, r"\p{N}+", r"[0-9][0-9][0-9]"])
 _STARCODER = [r"\p{N}", _GPT2]
 _LLAMA3_PRE = _Pre([_LLAMA3], ignore_merges=True, add_bos=True)
@@ -53,6 +58,7 @@ PRE_TYPES: dict[str, _Pre] = {
     **{k: _Pre(_STARCODER) for k in ("starcoder", "refact", "codeshell", "exaone",
                                      "minerva-7b", "mellum2")},
     **{k: _Pre(_STARCODER, clean_spaces=False) for k in ("smollm", "command-r")},
+    **{k: _Pre([_GPT4O], clean_spaces=False) for k in ("gpt-4o", "llama4", "kanana2", "talkie")},
     "falcon": _Pre([r"[\p{P}\$\+<=>\^~\|`]+", _GPT2, r"[0-9][0-9][0-9]"]),
 }
 

@@ -108,8 +108,9 @@ class ToolFormat:
                 return len(text) - k
         return len(text)
 
-    def grammar(self, tools: list[dict], choice: str, special_id=None) -> str:
-        """Lark (llguidance) text for exactly one call to one of `tools` (or the named one)."""
+    def grammar(self, tools: list[dict], choice: str, special=lambda text: None) -> str:
+        """Lark (llguidance) text for exactly one call to one of `tools` (or the named one);
+        `special(text)`: the id of the control token spelled `text`, or None where it is none."""
         raise NotImplementedError
 
 
@@ -140,7 +141,7 @@ class Hermes(ToolFormat):
         content = text[:first].strip()
         return content or None, calls
 
-    def grammar(self, tools, choice, special_id=None):
+    def grammar(self, tools, choice, special=lambda text: None):
         return ('start: "<tool_call>\\n" call "\\n</tool_call>"\n'
                 f"call: %json {json.dumps(_one_of(tools, choice, self.args_key))}")
 
@@ -171,7 +172,7 @@ class Llama3(ToolFormat):
             return text, []
         return None, calls
 
-    def grammar(self, tools, choice, special_id=None):
+    def grammar(self, tools, choice, special=lambda text: None):
         return f"start: %json {json.dumps(_one_of(tools, choice, self.args_key))}"
 
 
@@ -194,26 +195,67 @@ class Mistral(ToolFormat):
             return text, []
         return text[:at].strip() or None, calls
 
-    def grammar(self, tools, choice, special_id=None):
-        start = f"<[{special_id}]>" if special_id is not None else '"[TOOL_CALLS]"'
+    def grammar(self, tools, choice, special=lambda text: None):
+        start = _literal("[TOOL_CALLS]", special)
         items = _one_of(tools, choice, self.args_key)
         arr = {"type": "array", "items": items, "minItems": 1, "maxItems": 1, "x-guidance": _COMPACT}
         return f"start: {start} call\ncall: %json {json.dumps(arr)}"
+
+
+class Harmony(ToolFormat):
+    """gpt-oss: a call is a commentary-channel message to `functions.NAME`, its arguments JSON:
+    `<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{...}<|call|>` (the
+    recipient may stand in the role part instead: `<|start|>assistant to=functions.NAME<|channel|>...`)."""
+    _RE = re.compile(r"to=functions\.([^\s<]+)[^<]*(?:<\|channel\|>[^<]*)?(?:<\|constrain\|>[^<]*)?<\|message\|>")
+
+    def parse(self, text, names=frozenset()):
+        calls = []
+        for m in self._RE.finditer(text):
+            got = _json_at(text, m.end())
+            if got is None or not isinstance(got[0], dict):
+                return text, []
+            calls.append(_call(m.group(1), got[0]))
+        if not calls:
+            return text, []
+        head = text[:text.find("to=functions.")]
+        final = head.rfind("<|channel|>final<|message|>")  # an answer before the call, where there is one
+        content = head[final + len("<|channel|>final<|message|>"):].split("<|end|>")[0].strip() if final >= 0 else ""
+        return content or None, calls
+
+    def grammar(self, tools, choice, special=lambda text: None):
+        items = [t for t in tools if choice in ("required", t["function"]["name"])]
+        calls = " | ".join(f"call{i}" for i in range(len(items)))
+        rules = [f"start: {_literal('<|channel|>', special)} \"commentary to=functions.\" ({calls})"]
+        for i, t in enumerate(items):
+            fn = t["function"]
+            schema = fn.get("parameters") or {"type": "object"}
+            rules.append(f"call{i}: {json.dumps(fn['name'])} \" \" {_literal('<|constrain|>', special)} \"json\" "
+                         f"{_literal('<|message|>', special)} %json {json.dumps(schema)}")
+        return "\n".join(rules)
+
+
+def _literal(text: str, special) -> str:
+    """A grammar's terminal for `text`: its control token where the vocabulary has one."""
+    tid = special(text)
+    return f"<[{tid}]>" if tid is not None else json.dumps(text)
 
 
 FORMATS: dict[str, ToolFormat] = {
     "hermes": Hermes("hermes", ("<tool_call>",), "arguments"),
     "llama3": Llama3("llama3", ("<|python_tag|>",), "parameters"),
     "mistral": Mistral("mistral", ("[TOOL_CALLS]",), "arguments"),
+    "harmony": Harmony("harmony", ("<|channel|>commentary", "to=functions."), "arguments"),
 }
 # families by GGUF architecture, where the template does not say
-_BY_ARCH = {"qwen2": "hermes", "qwen3": "hermes", "qwen2moe": "hermes", "qwen3moe": "hermes"}
+_BY_ARCH = {"qwen2": "hermes", "qwen3": "hermes", "qwen2moe": "hermes", "qwen3moe": "hermes", "gpt-oss": "harmony"}
 
 
 def tool_format(arch: str, template: str | None) -> ToolFormat:
     """The model family's format: from the markers its chat template writes, else its
     architecture; Hermes-style otherwise (then the tools are described in a system message)."""
     t = template or ""
+    if "<|channel|>" in t and "commentary" in t:  # harmony (gpt-oss): calls go to the commentary channel
+        return FORMATS["harmony"]
     if "<tool_call>" in t:
         return FORMATS["hermes"]
     if "[TOOL_CALLS]" in t:

@@ -47,12 +47,13 @@ def _norm_add(g, root, m):
     return g.rms_norm_mul_add(m["x"], m["w"], m["r"], m["norm"].params["eps"], root.name, root.layer)
 
 
-def _attn_pattern(softcap: bool) -> P:
+def _attn_pattern(softcap: bool, sinks: bool = False) -> P:
     scores = P(Op.SCALE, P(Op.KQ, X.q, P(Op.GATHER_KV, X.kc, X.bt, name="gk"), X.seq), name="scale")
     if softcap:  # softcap * tanh(scores / softcap)
         scores = P(Op.SCALE, P(Op.TANH, P(Op.SCALE, scores, name="inv")), name="cap")
-    return P(Op.RESHAPE, P(Op.KQV, P(Op.SOFT_MAX, P(Op.ADD, scores, P(Op.KQ_MASK, name="mask", any_srcs=True))),
-                           P(Op.GATHER_KV, X.vc, X.bt), X.seq))
+    masked = P(Op.ADD, scores, P(Op.KQ_MASK, name="mask", any_srcs=True))
+    probs = P(Op.SOFT_MAX, masked, X.sinks) if sinks else P(Op.SOFT_MAX, masked)
+    return P(Op.RESHAPE, P(Op.KQV, probs, P(Op.GATHER_KV, X.vc, X.bt), X.seq))
 
 
 def _attn(g, root, m, softcap: float):
@@ -62,7 +63,8 @@ def _attn(g, root, m, softcap: float):
         return None
     return g.attn(m["q"], m["kc"], m["vc"], m["seq"], mask.srcs[0], m["bt"], scale=m["scale"].params["s"],
                   block_size=m["gk"].params["block_size"], window=mask.params["window"], softcap=softcap,
-                  alibi=alibi, seq_len=mask.srcs[1] if len(mask.srcs) > 1 else None, name=root.name, il=root.layer)
+                  alibi=alibi, seq_len=mask.srcs[1] if len(mask.srcs) > 1 else None, sinks=m.get("sinks"),
+                  name=root.name, il=root.layer)
 
 
 RULES = [
@@ -83,6 +85,7 @@ RULES = [
     # gather, QK^T, scale (and Gemma 2's soft-capping), mask, softmax, times V: flash attention
     # over the paged cache
     Rule("flash_attn", _attn_pattern(False), lambda g, root, m: _attn(g, root, m, 0.0)),
+    Rule("flash_attn_sinks", _attn_pattern(False, sinks=True), lambda g, root, m: _attn(g, root, m, 0.0)),
     Rule("flash_attn_softcap", _attn_pattern(True),
          lambda g, root, m: _attn(g, root, m, m["cap"].params["s"])
          if abs(m["cap"].params["s"] * m["inv"].params["s"] - 1.0) < 1e-6 else None),

@@ -217,7 +217,7 @@ class Graph:
 
     def reshape(self, x: Tensor, shape, name: str, il: int = -1) -> Tensor:
         assert int(np.prod(shape)) == int(np.prod(x.shape)), f"{name}: {x.shape} -> {shape}"
-        return self._add(Op.RESHAPE, (x,), shape, name, il, new_shape=tuple(shape))
+        return self._add(Op.RESHAPE, (x,), shape, name, il, dtype=x.dtype, new_shape=tuple(shape))
 
     def slice(self, x: Tensor, start: int, stop: int, name: str, il: int = -1) -> Tensor:
         assert 0 <= start < stop <= x.shape[-1], f"{name}: [{start}:{stop}] of {x.shape}"
@@ -258,8 +258,13 @@ class Graph:
         return self._add(Op.KQ_MASK, srcs, (pos.shape[0], n_head if alibi > 0 else 1, n_kv), name, il,
                          window=int(window), causal=seq_len is None, alibi=float(alibi))
 
-    def soft_max(self, x: Tensor, name: str, il: int = -1) -> Tensor:
-        return self._add(Op.SOFT_MAX, (x,), x.shape, name, il)
+    def soft_max(self, x: Tensor, name: str, il: int = -1, sinks: Tensor | None = None) -> Tensor:
+        """Over the last axis; sinks (n_head,) for scores (n_tokens, n_head, n_kv): one more logit per
+        head in each row's denominator, with no value (ggml_soft_max_ext's sinks, gpt-oss)."""
+        if sinks is None:
+            return self._add(Op.SOFT_MAX, (x,), x.shape, name, il)
+        assert len(x.shape) == 3 and sinks.shape == (x.shape[1],), f"{name}: sinks {sinks.shape} for {x.shape}"
+        return self._add(Op.SOFT_MAX, (x, sinks), x.shape, name, il)
 
     def kqv(self, probs: Tensor, v: Tensor, tok_seq: Tensor, name: str, il: int = -1) -> Tensor:
         assert probs.shape[2] == v.shape[1], f"{name}: {probs.shape} vs {v.shape}"
@@ -315,16 +320,19 @@ class Graph:
     # fused ops: created by runtime.fusion, or directly by tests
     def attn(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, tok_seq: Tensor, tok_pos: Tensor,
              block_table: Tensor, *, scale: float, block_size: int, window: int = 0, softcap: float = 0.0,
-             alibi: float = 0.0, seq_len: Tensor | None = None, name: str, il: int = -1) -> Tensor:
+             alibi: float = 0.0, seq_len: Tensor | None = None, sinks: Tensor | None = None, name: str,
+             il: int = -1) -> Tensor:
         """Attention of each query token over its own sequence's cached positions in its range
         (attn_bounds: causal, or with seq_len the whole sequence), read through the block table
         (paged KV). Scores are q.k * scale, then softcap * tanh(score / softcap) when softcap > 0,
-        then - alibi_slopes(n_head, alibi)[h] * |p - pos| when alibi > 0 (ALiBi, in place of RoPE)."""
+        then - alibi_slopes(n_head, alibi)[h] * |p - pos| when alibi > 0 (ALiBi, in place of RoPE);
+        sinks (n_head,): each head's extra logit in the softmax's denominator (the last source)."""
         n_tokens, n_head, head_dim = q.shape
-        srcs = (q, k_cache, v_cache, tok_seq, tok_pos, block_table) + (() if seq_len is None else (seq_len,))
+        srcs = ((q, k_cache, v_cache, tok_seq, tok_pos, block_table) + (() if seq_len is None else (seq_len,))
+                + (() if sinks is None else (sinks,)))
         return self._add(Op.ATTN, srcs, (n_tokens, n_head * v_cache.shape[2]), name, il, scale=float(scale),
                          block_size=int(block_size), window=int(window), softcap=float(softcap),
-                         alibi=float(alibi), causal=seq_len is None)
+                         alibi=float(alibi), causal=seq_len is None, sinks=sinks is not None)
 
     def rms_norm_mul(self, x: Tensor, w: Tensor, eps: float, name: str, il: int = -1) -> Tensor:
         return self._add(Op.RMS_NORM_MUL, (x, w), x.shape, name, il, eps=float(eps))
@@ -332,7 +340,12 @@ class Graph:
     def rms_norm_mul_add(self, x: Tensor, w: Tensor, r: Tensor, eps: float, name: str, il: int = -1) -> Tensor:
         return self._add(Op.RMS_NORM_MUL_ADD, (x, w, r), r.shape, name, il, eps=float(eps))
 
-    def glu(self, gate: Tensor, up: Tensor, act: str, name: str, il: int = -1) -> Tensor:
+    def glu(self, gate: Tensor, up: Tensor, act: str, name: str, il: int = -1, *, alpha: float = 1.702,
+            limit: float = 7.0) -> Tensor:
+        """act(gate) * up; act "swiglu_oai" (gpt-oss, ggml's swiglu_oai): gate clamped above at limit,
+        up to [-limit, limit], gate * sigmoid(alpha * gate) * (up + 1)."""
+        if act == "swiglu_oai":
+            return self._add(Op.GLU, (gate, up), gate.shape, name, il, act=act, alpha=float(alpha), limit=float(limit))
         return self._add(Op.GLU, (gate, up), gate.shape, name, il, act=act)
 
     def ffn_glu(self, w_gate: Tensor, w_up: Tensor, x: Tensor, act: str, name: str, il: int = -1) -> Tensor:

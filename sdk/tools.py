@@ -40,8 +40,9 @@ class ToolPlan:
         """Lark text forcing one call, for "required" and a named function; None otherwise."""
         if self.choice in ("auto", "none"):
             return None
-        tid = tokenizer.token_id("[TOOL_CALLS]")
-        special = tid if tid is not None and tokenizer.is_control(tid) else None
+        def special(text: str) -> int | None:
+            tid = tokenizer.token_id(text)
+            return tid if tid is not None and tokenizer.is_control(tid) else None
         return self.fmt.grammar(self.tools, self.choice, special)
 
 

@@ -293,6 +293,8 @@ def elementwise(kind, n, k=576):
         "l2_norm_tiny": lambda: g.l2_norm(g.scale(s, 1e-9, "tiny"), 1e-6, "n"),  # norms below eps
         "swiglu": lambda: g.glu(x, y, "silu", "s"),
         "geglu": lambda: g.glu(x, y, "gelu", "s"),
+        # gpt-oss's clamped SwiGLU: gates past the limit (7) above, ups past it both ways
+        "swiglu_oai": lambda: g.glu(g.scale(x, 3.0, "x3"), g.scale(y, 9.0, "y9"), "swiglu_oai", "s", alpha=1.702, limit=7.0),
         "reshape": lambda: g.reshape(x, (n, 9, 64), "r"),
         "slice": lambda: g.slice(qkv, k, 2 * k - 64, "k"),
     }[kind]())
@@ -378,14 +380,14 @@ def kv_write(fused, n_kv, d, scen, neox=True):
     return g, {"x": x, "pos": pos, "slots": slots}, {"cache_k": cache}
 
 
-def attention(part, shape, scen, window, softcap=0.0, causal=True, alibi=0.0):
+def attention(part, shape, scen, window, softcap=0.0, causal=True, alibi=0.0, sinks=False):
     """The fused ATTN, or one unfused part, over a scenario's tokens and random cached K/V;
     causal=False: an encoder's mask, each token over its whole sequence (its last position + 1);
-    alibi: ALiBi's max_bias (the mask then per head)."""
+    alibi: ALiBi's max_bias (the mask then per head); sinks: a logit per head in each softmax (gpt-oss)."""
     n_head, n_kv, d = shape
     seq, pos, _ = scenario(scen)
     n, width = len(seq), BT.shape[1] * BS
-    rng = rng_for("attn", part, shape, scen, window, causal, *((alibi,) if alibi else ()))
+    rng = rng_for("attn", part, shape, scen, window, causal, *((alibi,) if alibi else ()), *(("sinks",) if sinks else ()))
     kc, vc = f32(rng, N_BLOCKS * BS, n_kv, d), f32(rng, N_BLOCKS * BS, n_kv, d)
     last = {int(s_): int(pos[seq == s_].max()) for s_ in set(seq.tolist())}
     seq_len = np.array([last[int(s_)] + 1 for s_ in seq], np.int32)
@@ -394,9 +396,12 @@ def attention(part, shape, scen, window, softcap=0.0, causal=True, alibi=0.0):
             "x": f32(rng, n, n_head, width, scale=3), "p": rng.dirichlet(np.ones(width), (n, n_head)).astype(np.float32)}
     if not causal:
         feed["sl"] = seq_len
+    if sinks:  # about the scores' size, some above them all (then most of a row's weight goes nowhere)
+        feed["sk"] = f32(rng, n_head, scale=2)
     g = Graph()
-    q, sq, ps, bt, k, v, x, p, *sl = inputs(g, **feed)
-    sl = sl[0] if sl else None
+    q, sq, ps, bt, k, v, x, p, *rest = inputs(g, **feed)
+    sl = rest[0] if not causal else None
+    sk = rest[-1] if sinks else None
     kci, vci = g.cache("cache_k", kc.shape, 0), g.cache("cache_v", vc.shape, 0)
     mask = lambda: g.kq_mask(ps, n_kv=width, window=window, seq_len=sl, alibi=alibi, n_head=n_head,  # noqa: E731
                              name="mask")
@@ -406,11 +411,11 @@ def attention(part, shape, scen, window, softcap=0.0, causal=True, alibi=0.0):
         s = g.scale(g.kq(q, kk, sq, "kq"), d ** -0.5, "kq_scaled")
         if softcap:
             s = g.scale(g.tanh(g.scale(s, 1.0 / softcap, "capped_1"), "tanh"), softcap, "capped")
-        probs = g.soft_max(g.add(s, mask(), "kq_masked"), "probs")
+        probs = g.soft_max(g.add(s, mask(), "kq_masked"), "probs", sinks=sk)
         return g.kqv(probs, g.gather_kv(vci, bt, block_size=BS, name="v"), sq, "kqv")
     g.outputs.append({
         "attn": lambda: g.attn(q, kci, vci, sq, ps, bt, scale=d ** -0.5, block_size=BS, window=window,
-                               softcap=softcap, alibi=alibi, seq_len=sl, name="a"),
+                               softcap=softcap, alibi=alibi, seq_len=sl, sinks=sk, name="a"),
         "unfused": unfused,
         "gather_kv": lambda: g.gather_kv(kci, bt, block_size=BS, name="k"),
         "kq": lambda: g.kq(q, k, sq, "kq"),
@@ -418,7 +423,7 @@ def attention(part, shape, scen, window, softcap=0.0, causal=True, alibi=0.0):
         "kq_mask": mask,
         "attn_temp": lambda: g.mul(q, g.attn_temp(ps, floor=3, beta=0.1, name="temp"), "q_scaled"),
         "soft_max": lambda: g.soft_max(x, "probs"),
-        "soft_max_masked": lambda: g.soft_max(g.add(x, mask(), "masked"), "probs"),
+        "soft_max_masked": lambda: g.soft_max(g.add(x, mask(), "masked"), "probs", sinks=sk),
     }[part]())
     return g, feed, {"cache_k": kc, "cache_v": vc}
 
@@ -548,7 +553,7 @@ CASES = [
       for n in TOKENS],
     case(norm, kind="rms_norm", n=3, k=896),
     *[case(elementwise, kind=kind, n=n) for kind in ("mul", "add", "add_bcast", "add_n3", "add_n4", "scale", "silu",
-                                                     "gelu", "tanh", "swiglu", "geglu", "reshape", "slice")
+                                                     "gelu", "tanh", "swiglu", "geglu", "swiglu_oai", "reshape", "slice")
       for n in TOKENS],
     *[case(rope, n=n, head_dim=hd, n_rot=nr, neox=neox, base=base, freq_scale=fs) for n in TOKENS
       for hd, nr, neox, base, fs in [(64, 64, False, 1e4, 1.0), (64, 32, True, 1e4, 0.5), (128, 64, False, 1e4, 1.0),
@@ -577,6 +582,9 @@ CASES = [
       for sh in GQA[:2] for s in ("empty", "encode", "prefill") for w in (0, 8)],
     *[case(attention, part=p, shape=GQA[0], scen=s, window=0, alibi=8.0) for p in ("attn", "unfused", "kq_mask")
       for s in ("decode", "chunk", "prefill")],
+    # gpt-oss's sinks: fused (sliding and full layers), unfused, and the softmax alone
+    *[case(attention, part=p, shape=sh, scen=s, window=w, sinks=True) for p in ("attn", "unfused", "soft_max_masked")
+      for sh in GQA[:2] for s in SCENARIOS for w in (0, 8)],
     # Ministral 3's temperature: positions past the floor (3) scale Q by log(floor(pos / 3) + 1) * 0.1 + 1
     *[case(attention, part="attn_temp", shape=GQA[0], scen=s, window=0) for s in SCENARIOS],
     *[case(elementwise, kind=kind, n=n) for kind in ("sigmoid", "softplus", "l2_norm", "l2_norm_tiny") for n in TOKENS],
@@ -682,6 +690,31 @@ def test_reference_alibi():
     s = np.einsum("hd,khd->hk", q[t], kk) * 0.25 - np.array(want)[:, None] * np.abs(p - 2)
     w = np.exp(s - s.max(1, keepdims=True))
     assert nmse(a[t], np.einsum("hk,khd->hd", w / w.sum(1, keepdims=True), vv).reshape(-1)) < 1e-10
+
+
+def test_reference_sinks():
+    """Sinks as ggml has them, written out: each head's sink logit joins the softmax's denominator
+    and carries no value; -inf sinks change nothing, and the softmax op says the same as the fused one."""
+    seq, pos, _ = scenario("chunk")
+    rng = rng_for("ref-sinks")
+    kc, vc, q = f32(rng, N_BLOCKS * BS, 2, 16), f32(rng, N_BLOCKS * BS, 2, 16), f32(rng, len(seq), 4, 16)
+    sinks = np.array([-np.inf, 0.0, 2.0, 9.0], np.float32)
+    g = Graph()
+    qi, si, pi, bt, ski = inputs(g, q=q, seq=seq, pos=pos, bt=BT, sk=sinks)
+    run = lambda node, *srcs: REF.kernels[node.op](node, *srcs)  # noqa: E731
+    a = run(g.attn(qi, g.cache("k", kc.shape, 0), g.cache("v", vc.shape, 0), si, pi, bt, scale=0.25, block_size=BS,
+                   sinks=ski, name="a"), q, kc, vc, seq, pos, BT, sinks).reshape(len(seq), 4, 16)
+    t = len(seq) - 1
+    p = np.arange(pos[t] + 1)
+    slots = BT[seq[t], p // BS] * BS + p % BS
+    kk, vv = np.repeat(kc[slots], 2, axis=1), np.repeat(vc[slots], 2, axis=1)
+    e = np.exp(np.einsum("hd,khd->hk", q[t], kk).astype(np.float64) * 0.25)
+    want = np.einsum("hk,khd->hd", e / (e.sum(1, keepdims=True) + np.exp(sinks.astype(np.float64))[:, None]), vv)
+    assert nmse(a[t], want) < 1e-10
+    assert np.abs(a[t, 3]).max() < 0.05 * np.abs(a[t, 0]).max()  # a sink of 9 takes nearly all the weight
+    probs = run(g.soft_max(g.input("x", (1, 4, len(p)), np.float32), "s", sinks=ski),
+                (np.einsum("hd,khd->hk", q[t], kk) * 0.25)[None].astype(np.float32), sinks)
+    assert np.allclose(probs[0], e / (e.sum(1, keepdims=True) + np.exp(sinks.astype(np.float64))[:, None]), rtol=1e-5)
 
 
 # ---- recurrent state ----

@@ -34,6 +34,10 @@ OUTPUTS = [
     ("gpt-oss", HARMONY, False, "<|channel|>analysis<|message|>User asks 2+2. Answer 4.<|end|><|start|>assistant"
      "<|channel|>final<|message|>2 + 2 = 4.", "User asks 2+2. Answer 4.", "2 + 2 = 4."),
     ("gpt-oss-final-only", HARMONY, False, "<|channel|>final<|message|>Four.", "", "Four."),
+    # a tool call after the analysis: handed on whole to the tool-call parser (tool_calls.Harmony)
+    ("gpt-oss-call", HARMONY, False, "<|channel|>analysis<|message|>Need the weather.<|end|><|start|>assistant"
+     "<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{}", "Need the weather.",
+     "<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{}"),
 ]
 
 

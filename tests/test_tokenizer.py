@@ -254,3 +254,19 @@ def test_clean_spaces_like_llama_cpp():
     assert clean_spaces("don 't , he 'd , you 'll") == "don 't, he 'd, you 'll"
     assert clean_spaces("a ' b") == "a'b"
     assert clean_spaces("") == "" and clean_spaces(" ") == " "
+
+
+@pytest.mark.parametrize("pre", ["gpt-4o"])
+def test_bpe_pre_types_match_llama_cpp(pre, tmp_path):
+    """Token ids as llama.cpp's (tests/parity/record_bpe_pre.py) on a tiny vocabulary whose merges
+    a wrong split would keep from applying: case changes inside words, contractions, digit groups."""
+    import gguf
+
+    from tiny_gguf import write_tiny
+    data = json.loads((Path(__file__).parent / "data" / "bpe_pre_parity.json").read_text())
+    path = write_tiny(tmp_path / "t.gguf", pre=pre, merges=tuple(data["merges"]))
+    r = gguf.GGUFReader(str(path))
+    md = {k: (f.contents() if hasattr(f, "contents") else None) for k, f in r.fields.items() if k.startswith("tokenizer.")}
+    tok = Tokenizer.from_gguf_metadata(md)
+    for text, want in data[pre]:
+        assert tok.encode(text) == want, text

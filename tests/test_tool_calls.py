@@ -73,6 +73,17 @@ PARIS = ("get_weather", {"city": "Paris", "unit": "celsius"})
     ("mistral", '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris", "unit": "celsius"}[TOOL_CALLS]get_time[ARGS]{"zone": "CET"}',
      None, [PARIS, ("get_time", {"zone": "CET"})]),
     ("mistral", '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Par', None, []),
+    # gpt-oss (harmony): the recipient after the channel or in the role part; an answer before the call
+    ("harmony", '<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>'
+     '{"city": "Paris", "unit": "celsius"}', None, [PARIS]),
+    ("harmony", '<|start|>assistant to=functions.get_weather<|channel|>commentary json<|message|>'
+     '{"city": "Paris", "unit": "celsius"}<|call|>', None, [PARIS]),
+    ("harmony", '<|channel|>final<|message|>Checking both.<|end|><|start|>assistant<|channel|>commentary '
+     'to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris", "unit": "celsius"}<|call|>'
+     '<|start|>assistant<|channel|>commentary to=functions.get_time <|constrain|>json<|message|>{"zone": "CET"}',
+     "Checking both.", [PARIS, ("get_time", {"zone": "CET"})]),
+    ("harmony", '<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city": "Pa', None, []),
+    ("harmony", '<|channel|>final<|message|>It is sunny.', None, []),
 ])
 def test_parsers(fmt, text, content, calls):
     got_content, got_calls = calls_of(text, fmt)
@@ -101,6 +112,20 @@ def test_format_by_family():
     assert tc.tool_format("llama", "{{ '[TOOL_CALLS]' }}{% if tools %}{% endif %}").name == "mistral"
     assert tc.tool_format("llama", "<|start_header_id|>{% if tools %}{% endif %}").name == "llama3"
     assert tc.tool_format("qwen3", None).name == "hermes"
+    assert tc.tool_format("llama", "<|start|>assistant to={{ 'functions.' + name }}<|channel|>commentary ").name == "harmony"
+    assert tc.tool_format("gpt-oss", None).name == "harmony"
+
+
+def test_harmony_grammar_forces_one_call():
+    """The Lark text llguidance takes for tool_choice "required" on gpt-oss: the control tokens by id
+    where the vocabulary has them, a call to one of the offered functions with arguments that fit."""
+    import llguidance
+    ids = {"<|channel|>": 7, "<|constrain|>": 8, "<|message|>": 9}
+    g = tc.FORMATS["harmony"].grammar([WEATHER, TIME], "required", ids.get)
+    assert g.startswith("start: <[7]> ") and "<[8]>" in g and "<[9]>" in g and '"get_time"' in g
+    assert llguidance.LLMatcher.validate_grammar(llguidance.grammar_from("lark", g)) == ""  # no error
+    named = tc.FORMATS["harmony"].grammar([WEATHER, TIME], "get_weather", lambda t: None)
+    assert '"get_time"' not in named and '"<|channel|>"' in named  # no control tokens: the text
 
 
 @pytest.mark.parametrize("tools, choice, problem", [

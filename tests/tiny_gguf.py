@@ -24,12 +24,18 @@ def _vocab() -> tuple[list[str], list[int]]:
 
 def write_tiny(path: Path, arch: str = "llama", *, n_layer: int = 2, n_embd: int = 64, n_head: int = 4,
                n_head_kv: int = 2, n_ff: int = 128, qtype: T = T.Q8_0, seed: int = 0,
-               chat_template: str = CHATML, context_length: int = 512, renamed: dict[int, str] | None = None) -> Path:
-    """`renamed`: token id -> another text (a vocabulary that differs from the others')."""
+               chat_template: str = CHATML, context_length: int = 512, renamed: dict[int, str] | None = None,
+               pre: str = "gpt2", merges: tuple[str, ...] = ()) -> Path:
+    """`renamed`: token id -> another text (a vocabulary that differs from the others'); `pre`:
+    tokenizer.ggml.pre; `merges`: BPE merges beyond the one built in, their tokens appended."""
     rng = np.random.default_rng(seed)
     tokens, types = _vocab()
     for i, text in (renamed or {}).items():
         tokens[i] = text
+    merges = [f"{_byte_to_unicode()[32]} t", *merges]
+    for m in merges[1:]:
+        tokens.append(m.replace(" ", ""))
+        types.append(1)
     w = gguf.GGUFWriter(str(path), arch)
     head_dim = n_embd // n_head
     w.add_block_count(n_layer)
@@ -45,10 +51,10 @@ def write_tiny(path: Path, arch: str = "llama", *, n_layer: int = 2, n_embd: int
         w.add_value_length(head_dim)
         w.add_sliding_window(8)
     w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("gpt2")
+    w.add_tokenizer_pre(pre)
     w.add_token_list(tokens)
     w.add_token_types(types)
-    w.add_token_merges([f"{_byte_to_unicode()[32]} t"])
+    w.add_token_merges(merges)
     w.add_bos_token_id(0)
     w.add_eos_token_id(2)
     w.add_add_bos_token(False)

@@ -70,7 +70,11 @@ def _rms_norm_add(node, x, w, r, out=None):
 
 def _glu(node, gate, up, out=None):
     out = _buf(node, out)
-    ops.glu(_rows(gate), _rows(up), node.params["act"] == "gelu", out.reshape(-1, gate.shape[-1]))
+    p = node.params
+    if p["act"] == "swiglu_oai":
+        ops.glu_oai(_rows(gate), _rows(up), np.float32(p["alpha"]), np.float32(p["limit"]), out.reshape(-1, gate.shape[-1]))
+    else:
+        ops.glu(_rows(gate), _rows(up), p["act"] == "gelu", out.reshape(-1, gate.shape[-1]))
     return out
 
 
@@ -139,16 +143,18 @@ def _kv_rows(cache, slots, out=None) -> np.ndarray:
 _NO_SLOPES = np.zeros(0, np.float32)
 
 
-def _attn(node, q, k, v, seq, pos, bt, seq_len=None, out=None):
+def _attn(node, q, k, v, seq, pos, bt, *extra, out=None):
     p = node.params
+    sinks = np.ascontiguousarray(extra[-1], np.float32).reshape(-1) if p.get("sinks") else _NO_SLOPES
+    seq_len = extra[0] if len(extra) > bool(p.get("sinks")) else None
     out = _buf(node, out)
     slopes = alibi_slopes(q.shape[1], p["alibi"]) if p.get("alibi", 0.0) > 0 else _NO_SLOPES
-    if not p["causal"] and not p["window"] and not p.get("softcap"):
+    if not p["causal"] and not p["window"] and not p.get("softcap") and not len(sinks):
         return _attn_whole(q, k, v, seq, pos, bt, seq_len, p["scale"], p["block_size"], slopes, out)
     lo, hi = attn_bounds(pos, seq_len, p["window"], p["causal"])
     ops.attention(np.ascontiguousarray(q, np.float32), _bits(k), _bits(v), seq, np.ascontiguousarray(pos, np.int32),
                   np.ascontiguousarray(lo, np.int32), np.ascontiguousarray(hi, np.int32), bt, p["scale"],
-                  p["block_size"], p.get("softcap", 0.0), slopes, out.reshape(q.shape[0], q.shape[1], kv_types.head_dim(v)))
+                  p["block_size"], p.get("softcap", 0.0), slopes, sinks, out.reshape(q.shape[0], q.shape[1], kv_types.head_dim(v)))
     return out
 
 
@@ -219,12 +225,19 @@ def _kq_mask(node, pos, seq_len=None, out=None):
     return out
 
 
-def _soft_max(node, x, out=None):
+def _soft_max(node, x, sinks=None, out=None):
     # numpy, not numba: fastmath would assume the masked -inf away
     out = _buf(node, out)
-    np.subtract(x, x.max(axis=-1, keepdims=True), out=out)
+    if sinks is None:
+        np.subtract(x, x.max(axis=-1, keepdims=True), out=out)
+        np.exp(out, out=out)
+        out /= out.sum(axis=-1, keepdims=True)
+        return out
+    s = np.asarray(sinks, np.float32).reshape(1, -1, 1)  # a logit per head in each row's denominator (gpt-oss)
+    m = np.maximum(x.max(axis=-1, keepdims=True), s)
+    np.subtract(x, m, out=out)
     np.exp(out, out=out)
-    out /= out.sum(axis=-1, keepdims=True)
+    out /= out.sum(axis=-1, keepdims=True) + np.exp(s - m)
     return out
 
 

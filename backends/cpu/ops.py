@@ -114,6 +114,17 @@ def glu_1(gate, up, act_gelu, out):
         _glu_row(gate, up, act_gelu, out, r)
 
 
+@numba.njit(parallel=True, **_JIT)
+def glu_oai(gate, up, alpha, limit, out):
+    """gpt-oss's clamped SwiGLU (ggml_swiglu_oai): x = min(gate, limit), y = clip(up, -limit, limit),
+    out = x * sigmoid(alpha * x) * (y + 1); (n_rows, n) each."""
+    for r in prange(gate.shape[0]):
+        for j in range(gate.shape[1]):
+            x = min(gate[r, j], limit)
+            y = min(max(up[r, j], -limit), limit)
+            out[r, j] = x / (np.float32(1.0) + fexp(-alpha * x)) * (y + np.float32(1.0))
+
+
 @numba.njit(**_JIT)
 def _rope_token(x, p, n_rot, base, freq_scale, neox, freqs, mscale, out):
     """x, out (n_heads, head_dim) of one token at position p; out may be x, or a KV cache row
@@ -311,12 +322,13 @@ def _attend(q, k_cache, v_cache, t, kh, group, seq, p_lo, p_hi, block_table, sca
 
 @numba.njit(parallel=True, **_JIT)
 def attention(q, k_cache, v_cache, tok_seq, tok_pos, tok_lo, tok_hi, block_table, scale, block_size, softcap, slopes,
-              out):
+              sinks, out):
     """Flash-style attention with an online softmax: never holds a score matrix.
     q (n_tokens, n_head, d); caches (n_slots, n_head_kv, d_v), float32 or float16 bits (halfs),
     or quantized blocks (kvquant); out (n_tokens, n_head, d_v).
     Token t attends to positions tok_lo[t]..tok_hi[t] of its sequence (graph.attn_bounds); slopes
-    (n_head,) float32: ALiBi's per-head slopes (graph.alibi_slopes), or empty for none.
+    (n_head,) float32: ALiBi's per-head slopes (graph.alibi_slopes), or empty for none; sinks
+    (n_head,) float32: a logit per head in the softmax's denominator with no value (gpt-oss), or empty.
     A task per token, KV head and ATT_SPLIT positions of the token's context (its window); the
     parts' (max, sum, weighted V) are then merged per token in a fixed order."""
     n_tokens, n_head, d = q.shape
@@ -346,7 +358,9 @@ def attention(q, k_cache, v_cache, tok_seq, tok_pos, tok_lo, tok_hi, block_table
         mx = np.float32(-np.inf)
         for part in range(first[t], first[t + 1]):
             mx = max(mx, pm[part, kh, g])
-        ls = np.float32(0.0)
+        if len(sinks):
+            mx = max(mx, sinks[h])
+        ls = np.float32(math.exp(sinks[h] - mx)) if len(sinks) else np.float32(0.0)
         for j in range(dv):
             out[t, h, j] = 0.0
         for part in range(first[t], first[t + 1]):

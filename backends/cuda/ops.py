@@ -179,18 +179,25 @@ def rms_norm(node, x, w=None, r=None, out=None):
     return _into(y, out)
 
 
-def _glu(g, u, act: str):
+_ACTS = {"silu": 0, "gelu": 1, "swiglu_oai": 2}
+
+
+def _glu(g, u, act: str, alpha: float = 0.0, limit: float = 0.0):
     g = _f(g)
     if u is not None and u.shape != g.shape:
-        return _glu(g, None, act) * u  # a broadcast gate: activation here, product in cupy
+        u = cp.broadcast_to(_f(u), g.shape) if act == "swiglu_oai" else u
+        if act != "swiglu_oai":
+            return _glu(g, None, act) * u  # a broadcast gate: activation here, product in cupy
     y = cp.empty(g.shape, cp.float32)
     _launch("norm_rope.cu", "glu", (_cdiv(g.size, 256),), (256,),
-            (g, _dummy() if u is None else _f(u), y, i64(g.size), i32(act == "gelu"), i32(u is not None)))
+            (g, _dummy() if u is None else cp.ascontiguousarray(_f(u)), y, i64(g.size), i32(_ACTS[act]),
+             i32(u is not None), f32(alpha), f32(limit)))
     return y
 
 
 def glu(node, g, u, out=None):
-    return _into(_glu(g, u, node.params["act"]), out)
+    p = node.params
+    return _into(_glu(g, u, p["act"], p.get("alpha", 0.0), p.get("limit", 0.0)), out)
 
 
 def activation(act: str):
@@ -266,8 +273,10 @@ def rope_set_rows(node, cache, x, pos, slots):
 
 # ---- attention ----
 
-def attn(node, q, k_cache, v_cache, tok_seq, tok_pos, block_table, seq_len=None, out=None):
+def attn(node, q, k_cache, v_cache, tok_seq, tok_pos, block_table, *extra, out=None):
     p = node.params
+    sinks = extra[-1] if p.get("sinks") else None
+    seq_len = extra[0] if len(extra) > (sinks is not None) else None
     n_tokens, n_head, d = q.shape
     n_head_kv, dv = k_cache.shape[1], kv_types.head_dim(v_cache)
     quant = kv_types.quant_of(k_cache)
@@ -284,7 +293,8 @@ def attn(node, q, k_cache, v_cache, tok_seq, tok_pos, block_table, seq_len=None,
     _launch("attention.cu", "attn_paged" + (f"_{quant}" if quant else ""), (n_tokens, _cdiv(n_head, heads)),
             (32, heads), (_f(q), kc, vc, _i(tok_seq), _i(tok_pos), _i(lo), _i(hi), bt, i32(bt.shape[1]),
                           i32(n_head), i32(n_head_kv), i32(d), i32(dv), f32(p["scale"]), f32(p.get("softcap", 0.0)),
-                          f32(p.get("alibi", 0.0)), i32(p["block_size"]), y))
+                          f32(p.get("alibi", 0.0)), i32(p["block_size"]),
+                          _dummy() if sinks is None else _f(sinks), i32(sinks is not None), y))
     return _into(y, out)
 
 
@@ -330,11 +340,16 @@ def kq_mask(node, pos, seq_len=None, out=None):
     return _into(cp.where(ok, f32(0.0), f32(-np.inf)).astype(cp.float32)[:, None, :], out)
 
 
-def soft_max(node, x, out=None):
+def soft_max(node, x, sinks=None, out=None):
     if x.size == 0:
         return _into(cp.empty(x.shape, cp.float32), out)
-    e = cp.exp(x - x.max(axis=-1, keepdims=True))
-    return _into(e / e.sum(axis=-1, keepdims=True), out)
+    if sinks is None:
+        e = cp.exp(x - x.max(axis=-1, keepdims=True))
+        return _into(e / e.sum(axis=-1, keepdims=True), out)
+    s = _f(sinks)[None, :, None]  # a logit per head in each row's denominator (gpt-oss)
+    m = cp.maximum(x.max(axis=-1, keepdims=True), s)
+    e = cp.exp(x - m)
+    return _into(e / (e.sum(axis=-1, keepdims=True) + cp.exp(s - m)), out)
 
 
 def kqv(node, probs, v, tok_seq, out=None):

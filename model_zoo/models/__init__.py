@@ -24,6 +24,7 @@ ARCHITECTURES = {  # general.architecture -> module
     "gemma2": "gemma2",
     "gemma3": "gemma3",
     "gemma-embedding": "gemma_embedding",
+    "gpt-oss": "gpt_oss",
     "granitehybrid": "granitehybrid",
     "phi3": "phi3",
     "qwen2": "qwen2",

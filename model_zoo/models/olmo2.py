@@ -9,7 +9,6 @@ from dataclasses import dataclass
 
 from hearthlm.model_zoo.config import HParams, Reader
 from hearthlm.model_zoo.decoder import Decoder, build_decoder
-from hearthlm.runtime.errors import ModelLoadError
 
 
 @dataclass(frozen=True)
@@ -19,17 +18,7 @@ class Config(HParams):
 
     @classmethod
     def read(cls, r: Reader) -> dict:
-        n_layer, window = r.need("block_count"), r.opt("attention.sliding_window", 0)
-        if not window:
-            return {}
-        key = r.key("attention.sliding_window_pattern")
-        v = r.md.get(key, 4)
-        if isinstance(v, int) and not isinstance(v, bool):  # a period: every layer but each v-th slides
-            return {"swa_layers": tuple(v == 0 or il % v < v - 1 for il in range(n_layer))}
-        v = list(v)
-        if len(v) != n_layer or not all(isinstance(x, (bool, int)) or hasattr(x, "dtype") for x in v):
-            raise ModelLoadError(f"GGUF metadata {key!r} must be {n_layer} bools (one per layer), got {v[:8]!r}")
-        return {"swa_layers": tuple(bool(x) for x in v)}
+        return {"swa_layers": r.swa_layers(4)} if r.opt("attention.sliding_window", 0) else {}
 
     def is_swa(self, il: int) -> bool:
         return bool(self.swa_layers) and self.swa_layers[il]

@@ -59,6 +59,9 @@ VARIANTS = {  # name -> (architecture, extra metadata, extra F32 tensors by name
                               "attention.temperature_scale": 0.5}, {}),
     # Phi-4-mini's shape: partial rotary (12 of 16 dims), the LM head tied (None: the tensor left out)
     "phi3-phi4mini": ("phi3", {"rope.dimension_count": 12}, {"output.weight": None}),
+    # sliding (window 4) and full layers alternating, YaRN; attention sinks, router and expert biases
+    "gpt-oss": ("gpt-oss", {"block_count": 4, "attention.sliding_window": 4, "rope.scaling.type": "yarn",
+                            "rope.scaling.factor": 4.0, "rope.scaling.original_context_length": 64}, {}),
     "llama-rope-llama3": ("llama", {}, {"rope_freqs.weight": np.array([4.0, 9.0, 1.0, 1.7, 4.2, 8.0, 8.0, 8.0])}),
     "llama-rope-yarn": ("llama", {"rope.scaling.type": "yarn", "rope.scaling.factor": 4.0,
                                   "rope.scaling.original_context_length": 64}, {}),
@@ -146,7 +149,8 @@ def write(path: Path, variant, seed: int = 0, *, defects: dict | None = None,
             continue
         bq = qtypes(s.name, s.shape) if qtypes else None
         if bq is not None:
-            w.add_tensor(s.name, random_blocks(bq, s.shape[0] if len(s.shape) == 2 else int(np.prod(s.shape[:-1])), s.shape[-1], rng), raw_dtype=bq)
+            blocks = random_blocks(bq, int(np.prod(s.shape[:-1])), s.shape[-1], rng)
+            w.add_tensor(s.name, blocks.reshape(*s.shape[:-1], -1), raw_dtype=bq)  # 3-D: a stack of experts
             continue
         if s.name in extra_t:
             data = np.asarray(extra_t[s.name], np.float32).reshape(s.shape)

@@ -30,7 +30,7 @@ __device__ void attn(const float* __restrict__ q, const void* __restrict__ k_cac
                      const int* __restrict__ tok_seq, const int* __restrict__ tok_pos, const int* __restrict__ tok_lo,
                      const int* __restrict__ tok_hi, const int* __restrict__ block_table, int mb, int n_head,
                      int n_head_kv, int d, int dv, float scale, float softcap, float max_bias, int block_size,
-                     float* __restrict__ out) {
+                     const float* __restrict__ sinks, int has_sinks, float* __restrict__ out) {
     int t = blockIdx.x;
     int h = blockIdx.y * blockDim.y + threadIdx.y;
     if (h >= n_head) return;
@@ -75,6 +75,12 @@ __device__ void attn(const float* __restrict__ q, const void* __restrict__ k_cac
         }
         mx = m_new;
     }
+    if (has_sinks) {  // gpt-oss: the head's sink logit joins the denominator, with no value
+        float s = sinks[h], m_new = fmaxf(mx, s), corr = expf(mx - m_new);
+        sum = sum * corr + expf(s - m_new);
+#pragma unroll
+        for (int i = 0; i < PER_LANE; ++i) acc[i] *= corr;
+    }
     float inv = 1.0f / sum;  // hi >= lo always: at least the token's own key
 #pragma unroll
     for (int i = 0; i < PER_LANE; ++i) {
@@ -88,9 +94,10 @@ extern "C" __global__ void attn_paged(const float* __restrict__ q, const float* 
                                       const int* __restrict__ tok_pos, const int* __restrict__ tok_lo,
                                       const int* __restrict__ tok_hi, const int* __restrict__ block_table, int mb,
                                       int n_head, int n_head_kv, int d, int dv, float scale, float softcap,
-                                      float max_bias, int block_size, float* __restrict__ out) {
+                                      float max_bias, int block_size, const float* __restrict__ sinks, int has_sinks,
+                                      float* __restrict__ out) {
     attn<0>(q, k_cache, v_cache, tok_seq, tok_pos, tok_lo, tok_hi, block_table, mb, n_head, n_head_kv, d, dv, scale,
-            softcap, max_bias, block_size, out);
+            softcap, max_bias, block_size, sinks, has_sinks, out);
 }
 
 // src (n_rows, n_head_kv, d) float32 -> its blocks at cache rows slots[t]; one thread per block
@@ -125,9 +132,10 @@ __device__ void kv_dequant(const u8* __restrict__ cache, const int* __restrict__
                                                  const int* tok_seq, const int* tok_pos, const int* tok_lo,  \
                                                  const int* tok_hi, const int* block_table, int mb,          \
                                                  int n_head, int n_head_kv, int d, int dv, float scale,      \
-                                                 float softcap, float max_bias, int block_size, float* out) { \
+                                                 float softcap, float max_bias, int block_size,              \
+                                                 const float* sinks, int has_sinks, float* out) {            \
         attn<T>(q, k_cache, v_cache, tok_seq, tok_pos, tok_lo, tok_hi, block_table, mb, n_head, n_head_kv, d,  \
-                dv, scale, softcap, max_bias, block_size, out);                                               \
+                dv, scale, softcap, max_bias, block_size, sinks, has_sinks, out);                             \
     }                                                                                                         \
     extern "C" __global__ void kv_store_##name(const float* src, const int* slots, u8* cache, int n_rows,    \
                                                int n_head_kv, int d) {                                        \

@@ -36,11 +36,17 @@ __device__ __forceinline__ float gelu_f(float x) {  // tanh approximation, as gg
     return 0.5f * x * (1.0f + tanhf(0.7978845608028654f * (x + 0.044715f * x * x * x)));
 }
 
-// y = act(g) [* u]; act 0 = silu, 1 = gelu. has_u 0: plain activation (u a dummy).
+// y = act(g) [* u]; act 0 = silu, 1 = gelu, 2 = gpt-oss's clamped SwiGLU (alpha, limit; needs u).
+// has_u 0: plain activation (u a dummy).
 extern "C" __global__ void glu(const float* __restrict__ g, const float* __restrict__ u, float* __restrict__ y,
-                               long long n, int act, int has_u) {
+                               long long n, int act, int has_u, float alpha, float limit) {
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n) return;
+    if (act == 2) {
+        float x = fminf(g[i], limit);
+        y[i] = x / (1.0f + expf(-alpha * x)) * (fminf(fmaxf(u[i], -limit), limit) + 1.0f);
+        return;
+    }
     float v = act == 0 ? silu_f(g[i]) : gelu_f(g[i]);
     y[i] = has_u ? v * u[i] : v;
 }
