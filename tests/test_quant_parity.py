@@ -1,0 +1,67 @@
+"""The weight types the Hub ships, end to end against llama.cpp: a tiny llama (256-wide rows, whole
+super-blocks) quantized by llama.cpp's own quantizer to each type (tests/data/quant/*.gguf), and
+llama.cpp's greedy steps and top-5 log-probs on it (tests/parity/record_quant_types.py, with
+llama-cpp-python 0.3.36). Quantized weights and int8 activations make llama.cpp's own result move
+with its settings, so the tolerance is derived from that: llama.cpp's top-1 log-probs under flash
+attention on and off and f32 K/V, against its defaults, over the steps where the greedy tokens
+agree; this test allows each type twice that spread, and at least 0.05 nat (the F32 criterion), on
+the cpu backend, which quantizes activations to int8 as llama.cpp does. The numpy reference keeps
+them float, a rounding none of llama.cpp's variants share, which moves late steps of the ternary
+types by up to 0.4 nat: it is allowed twice the cpu's tolerance."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from hearthlm import Session
+
+sys.path.insert(0, str(Path(__file__).parent))
+import golden  # noqa: E402
+
+DATA = Path(__file__).parent / "data"
+RECORDED = json.loads((DATA / "quant_parity.json").read_text())
+
+
+def tolerance(cases: list[dict]) -> float:
+    """Twice the largest move of llama.cpp's own top-1 log-prob across its variants, at least 0.05."""
+    spread = 0.0
+    for c in cases:
+        base = [s["top_logprobs"][0] for s in c["steps"]]
+        for v in c["variants"].values():
+            n = next((i for i, (a, b) in enumerate(zip(v["greedy_ids"], c["greedy_ids"])) if a != b),
+                     min(len(v["greedy_ids"]), len(c["greedy_ids"])))
+            spread = max([spread] + [abs(x - y) for x, y in zip(v["top1_logprobs"][:n], base[:n])])
+    return max(0.05, 2 * spread)
+
+
+def test_the_recorded_files_are_of_their_types():
+    import gguf
+    for name in RECORDED:
+        want = {"MXFP4_MOE": "MXFP4", "Q4_K_M": "Q4_K", "IQ3_M": "IQ3_S"}.get(name, name)
+        types = {t.tensor_type.name for t in gguf.GGUFReader(str(DATA / "quant" / f"{name}.gguf")).tensors}
+        assert want in types or name == "MXFP4_MOE", (name, types)  # a dense model: MXFP4 is for experts
+
+
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
+@pytest.mark.parametrize("name", sorted(RECORDED))
+async def test_matches_llama_cpp(name, backend):
+    cases, tol = RECORDED[name], tolerance(RECORDED[name]) * (2 if backend == "reference" else 1)
+    failures = []
+    async with Session.open(str(DATA / "quant" / f"{name}.gguf"), backend=backend, n_ctx=256) as s:
+        for i, case in enumerate(cases):
+            c = await s.generate(case["prompt_ids"], max_tokens=len(case["greedy_ids"]), temperature=0, top_logprobs=5)
+            why = golden.compare(case, c.token_ids, c.top_logprobs, c.finish_reason, top1_tol=tol)
+            for step, (ours, want, a, b) in enumerate(zip(c.top_logprobs, case["steps"], c.token_ids,
+                                                          case["greedy_ids"])):
+                if a != b:  # a near-tie went the other way (golden.compare judged it): the contexts part
+                    break
+                mine = dict(ours)
+                t, lp = want["top_ids"][0], want["top_logprobs"][0]
+                if why is None and t in mine and abs(mine[t] - lp) > tol:
+                    why = f"step {step}: top-1 {t} log-prob {mine[t]:.4f} vs llama.cpp {lp:.4f} (tolerance {tol:.3f})"
+            if why:
+                failures.append(f"prompt {i}: {why}")
+    assert not failures, "\n".join(failures)
