@@ -125,9 +125,10 @@ class HParams:
             raise ModelLoadError(f"GGUF metadata {r.key('attention.head_count_kv')!r}: attention layers with "
                                  f"different KV head counts {sorted(set(kv_layers) - {0})} are not supported")
         n_head_kv = (max(kv_layers) or n_head) if kv_layers else r.opt("attention.head_count_kv", n_head)
+        ff_layers = r.per_layer("feed_forward_length", n_layer)  # Gemma 4: wider FFNs on some layers
         base = dict(n_layer=n_layer, n_embd=n_embd, n_head=n_head, n_head_kv=n_head_kv, head_dim=head_dim,
                     head_count_kv_layers=kv_layers or (),
-                    n_ff=r.opt("feed_forward_length", 0), n_ctx_train=r.need("context_length"),
+                    n_ff=max(ff_layers) if ff_layers else r.opt("feed_forward_length", 0), n_ctx_train=r.need("context_length"),
                     norm_eps=r.opt("attention.layer_norm_rms_epsilon", cls.NORM_EPS, float),
                     rope=Rope.from_gguf(r, n_rot=r.opt("rope.dimension_count", head_dim), neox=cls.NEOX,
                                         base=cls.ROPE_BASE),

@@ -17,7 +17,7 @@ from typing import Any
 
 from hearthlm.runtime.errors import InvalidRequestError, ModelLoadError, UnsupportedModelError
 
-from .tokenizer_bpe import bpe_piece_bytes, build_bpe, pre_type
+from .tokenizer_bpe import bpe_piece_bytes, build_bpe, build_spm_bpe, pre_type, spm_bpe_encode
 from .tokenizer_rules import (AUTO_DETECT, EOG_TEXTS, SPECIAL, TYPE_TO_ATTR, BYTE, CONTROL, NORMAL,
                               UNDEFINED, UNKNOWN, UNUSED, USER_DEFINED, clean_spaces)
 from .tokenizer_spm import score_ranks, spm_encode
@@ -55,9 +55,12 @@ class Tokenizer:
             self.kind = "spm"
         elif model == "bert":
             self.kind = "wpm"
+        elif model == "gemma4":  # BPE over SentencePiece-style pieces: renders as SPM does
+            self.kind = "spm"
         else:
             raise UnsupportedModelError(
-                f"unsupported tokenizer.ggml.model {model!r} (supported: 'gpt2', 'llama', 'bert')")
+                f"unsupported tokenizer.ggml.model {model!r} (supported: 'gpt2', 'llama', 'bert', 'gemma4')")
+        self._spm_bpe = None  # Gemma 4's merges
         raw = md.get("tokenizer.ggml.tokens")
         if raw is None or len(raw) == 0:
             raise ModelLoadError("GGUF metadata has no tokenizer.ggml.tokens")
@@ -83,6 +86,14 @@ class Tokenizer:
             self._bpe = build_bpe(self._tokens, merges, pre)
             defaults = dict(bos=11, eos=11, unk=None)
             add_bos, self.add_space_prefix, self.clean_spaces = pre.add_bos, False, pre.clean_spaces
+        elif model == "gemma4":
+            merges = md.get("tokenizer.ggml.merges")
+            if merges is None:
+                raise ModelLoadError("gemma4 tokenizer without tokenizer.ggml.merges")
+            with _key("tokenizer.ggml.merges"):
+                self._spm_bpe = build_spm_bpe(self._tokens, [_text(m) for m in merges])
+            defaults = dict(bos=None, eos=None, unk=None)
+            add_bos, self.add_space_prefix, self.clean_spaces = True, False, True
         elif self.kind == "wpm":  # [CLS] text [SEP]; lowercased and accents stripped unless the file says not
             defaults = dict(bos=101, eos=None, unk=100)
             add_bos, self.add_space_prefix, self.clean_spaces = True, False, True
@@ -118,7 +129,8 @@ class Tokenizer:
         self.pad_id = special("padding", 0 if self.kind == "wpm" else None)
         self.sep_id = special("seperator", 102 if self.kind == "wpm" else None)  # llama.cpp's spelling
         # llama.cpp prepends [CLS] to WordPiece text whatever the file says
-        self.add_bos = self.kind == "wpm" or bool(md.get("tokenizer.ggml.add_bos_token", add_bos))
+        # ... and Gemma 4 starts with BOS whatever the file says (its PR #21500)
+        self.add_bos = self.kind == "wpm" or model == "gemma4" or bool(md.get("tokenizer.ggml.add_bos_token", add_bos))
         self.add_eos = bool(md.get("tokenizer.ggml.add_eos_token", False))
         if self.add_bos and self.bos_id is None:
             raise ModelLoadError("tokenizer.ggml.add_bos_token is true, but no BOS token is set")
@@ -229,6 +241,8 @@ class Tokenizer:
             if len(text) > 4096:  # encode_batch releases the GIL (encode does not): other threads run
                 return self._bpe.encode_batch([text], add_special_tokens=False)[0].ids
             return self._bpe.encode(text, add_special_tokens=False).ids
+        if self._spm_bpe is not None:
+            return spm_bpe_encode(self._spm_bpe, text.replace(" ", _SPACE), self._token_to_id)
         if self.add_space_prefix and prev_special:
             text = " " + text
         return spm_encode(text.replace(" ", _SPACE), self._token_to_id, self._ranks,

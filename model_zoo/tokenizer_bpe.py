@@ -7,6 +7,8 @@ text no regex matches stays a piece of its own: `Split(..., "isolated")` does ex
 
 from __future__ import annotations
 
+import re
+
 from tokenizers import Regex, Tokenizer as HFTokenizer
 from tokenizers import models, pre_tokenizers
 
@@ -95,6 +97,39 @@ def build_bpe(tokens: list[str], merges, pre: _Pre) -> HFTokenizer:
         [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in pre.regexes]
         + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     return tok
+
+
+_WORDS = re.compile(r"[^\n]+|\n+")  # llama.cpp's split for SPM-style BPE: newlines apart, nothing else
+
+
+def build_spm_bpe(tokens: list[str], merges) -> HFTokenizer:
+    """Gemma 4's SPM-style BPE (tokenizer.ggml.model "gemma4"): merges over the raw UTF-8 text with
+    spaces escaped as U+2581, no byte-level mapping; a character the vocab lacks becomes its UTF-8
+    bytes' <0xXX> tokens."""
+    vocab = {t: i for i, t in enumerate(tokens)}
+    pairs = []
+    for m in merges:
+        pos = m.find(" ", 1)
+        if pos < 0 or m[:pos] + m[pos + 1:] not in vocab:
+            raise ModelLoadError(f"malformed BPE merge {m!r} in tokenizer.ggml.merges")
+        pairs.append((m[:pos], m[pos + 1:]))
+    try:
+        return HFTokenizer(models.BPE(vocab=vocab, merges=pairs, byte_fallback=True))
+    except Exception as e:
+        raise ModelLoadError(f"cannot build the BPE tokenizer from GGUF metadata: {e}") from e
+
+
+def spm_bpe_encode(tok: HFTokenizer, text: str, vocab: dict[str, int]) -> list[int]:
+    """Ids of one fragment of text (spaces already escaped), word by word as llama.cpp splits it;
+    a run of newlines that is itself a token is that token (llama.cpp's fix for Gemma 4)."""
+    words = _WORDS.findall(text)
+    out: list[int] = []
+    for w in words:
+        if w[0] == "\n" and w in vocab:
+            out.append(vocab[w])
+        else:
+            out.extend(tok.encode(w, add_special_tokens=False).ids)
+    return out
 
 
 def _byte_to_unicode() -> dict[int, str]:

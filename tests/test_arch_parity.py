@@ -24,11 +24,16 @@ def test_every_architecture_is_recorded():
     assert archs == {a for a, _, _ in VARIANTS.values()}, "record it: tests/parity/record.py"
 
 
-def _logprobs(case, c) -> str | None:
+# the cpu's K/V cache is float16, llama.cpp's reference run for Gemma 4 float32 (models.LLAMA_KW): there
+# llama.cpp's own f16 cache moves lower-ranked log-probs by up to 0.08 nat
+TOLERANCE = {("gemma4", "cpu"): 0.1}
+
+
+def _logprobs(case, c, tol: float = 0.05) -> str | None:
     for step, (ours, want, a, b) in enumerate(zip(c.top_logprobs, case["steps"], c.token_ids, case["greedy_ids"])):
         mine = dict(ours)
         for t, lp in zip(want["top_ids"], want["top_logprobs"]):
-            if t in mine and abs(mine[t] - lp) > 0.05:
+            if t in mine and abs(mine[t] - lp) > tol:
                 return f"step {step}: token {t} log-prob {mine[t]:.4f} vs llama.cpp {lp:.4f}"
         if a != b:
             return None
@@ -45,7 +50,8 @@ async def test_matches_llama_cpp(tmp_path, monkeypatch, variant, backend):
         for i, case in enumerate(RECORDED[variant]):
             c = await s.generate(case["prompt_ids"], max_tokens=len(case["greedy_ids"]), temperature=0,
                                  top_logprobs=5)
-            why = golden.compare(case, c.token_ids, c.top_logprobs, c.finish_reason) or _logprobs(case, c)
+            why = (golden.compare(case, c.token_ids, c.top_logprobs, c.finish_reason)
+                   or _logprobs(case, c, TOLERANCE.get((variant, backend), 0.05)))
             if why:
                 failures.append(f"prompt {i}: {why}")
     assert not failures, "\n".join(failures)
@@ -68,7 +74,8 @@ def test_fusion_rules_fire(tmp_path, variant):
         ops = [n.op for n in g.nodes]
         n = m.config.n_layer
         n_attn = sum(m.config.has_attention(il) for il in range(n))  # hybrids: the attention layers
-        roped = sum(m.config.has_attention(il) and m.config.uses_rope(il) for il in range(n))  # NoPE layers
+        kv = m.config.layer_kv_dims()  # (0, 0): no K written (a recurrent layer, or Gemma 4's shared K/V)
+        roped = sum(kv[il] != (0, 0) and m.config.uses_rope(il) for il in range(n))  # NoPE layers
         assert ops.count(Op.ROPE_SET_ROWS) == roped
         assert ops.count(Op.ATTN) == n_attn and Op.KQ not in ops  # Gemma 2: soft-capped scores too
         recurrent = n - n_attn

@@ -270,3 +270,21 @@ def test_bpe_pre_types_match_llama_cpp(pre, tmp_path):
     tok = Tokenizer.from_gguf_metadata(md)
     for text, want in data[pre]:
         assert tok.encode(text) == want, text
+
+
+def test_gemma4_spm_style_bpe_matches_llama_cpp():
+    """Gemma 4's tokenizer (model "gemma4"): merges over raw UTF-8 with spaces as U+2581, newline runs
+    apart (a run that is a token taken whole), <0xXX> byte tokens for characters the vocab lacks, BOS
+    whatever the file says: ids as llama.cpp's (tests/parity/record_gemma4_tokenizer.py); and back to text."""
+    import sys
+    sys.path.insert(0, str(Path(__file__).parent / "parity"))
+    from record_gemma4_tokenizer import metadata
+
+    md = metadata()
+    md["tokenizer.ggml.token_type"] = np.array(md["tokenizer.ggml.token_type"])
+    tok = Tokenizer.from_gguf_metadata(md)
+    assert tok.add_bos and tok.bos_id == 2
+    for text, want in json.loads((Path(__file__).parent / "data" / "gemma4_tokenizer.json").read_text()):
+        got = tok.encode(text, add_special=True, parse_special=True)
+        assert got == want, text
+        assert tok.decode(got, skip_special=True) == text.replace("<turn|>", "")

@@ -46,6 +46,8 @@ def _into(node, value, out):
 
 def _mul_mat(node, w, x, out=None):
     x2 = x.reshape(-1, x.shape[-1])
+    if isinstance(w, np.ndarray):  # narrower than a quant block, kept float32 (prepare_weight)
+        return _into(node, (x2 @ w.T).reshape(node.shape), out)
     if out is None or not out.flags.c_contiguous:
         return _into(node, matmul(w, x2), out)
     matmul(w, x2, out.reshape(x2.shape[0], node.shape[-1]))  # -1 cannot size an empty batch

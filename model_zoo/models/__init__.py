@@ -23,6 +23,7 @@ ARCHITECTURES = {  # general.architecture -> module
     "smollm3": "smollm3",
     "gemma2": "gemma2",
     "gemma3": "gemma3",
+    "gemma4": "gemma4",
     "gemma-embedding": "gemma_embedding",
     "gpt-oss": "gpt_oss",
     "granitehybrid": "granitehybrid",

@@ -9,8 +9,8 @@ import llama_cpp
 from llama_cpp import Llama
 
 
-def run(path: str, prompts: list[list[int]], n_steps: int) -> list[dict]:
-    llm = Llama(model_path=path, n_ctx=256, n_threads=2, n_batch=256, logits_all=True, verbose=False)
+def run(path: str, prompts: list[list[int]], n_steps: int, **kw) -> list[dict]:
+    llm = Llama(model_path=path, n_ctx=256, n_threads=2, n_batch=256, logits_all=True, verbose=False, **kw)
     out = []
     for prompt in prompts:
         llm.reset()
@@ -32,4 +32,4 @@ def run(path: str, prompts: list[list[int]], n_steps: int) -> list[dict]:
 
 if __name__ == "__main__":
     jobs = json.loads(sys.argv[1])
-    print(json.dumps({j["name"]: run(j["path"], j["prompts"], j["n_steps"]) for j in jobs}))
+    print(json.dumps({j["name"]: run(j["path"], j["prompts"], j["n_steps"], **j.get("kw", {})) for j in jobs}))

@@ -59,6 +59,16 @@ VARIANTS = {  # name -> (architecture, extra metadata, extra F32 tensors by name
                               "attention.temperature_scale": 0.5}, {}),
     # Phi-4-mini's shape: partial rotary (12 of 16 dims), the LM head tied (None: the tensor left out)
     "phi3-phi4mini": ("phi3", {"rope.dimension_count": 12}, {"output.weight": None}),
+    # Gemma 4: sliding layers with their own head size and RoPE, full ones with proportional RoPE (half the
+    # dimensions rotate: factors of 1e10 stop the rest), the last two layers reading earlier layers' K/V,
+    # per-layer inputs, a wider FFN on two layers
+    "gemma4": ("gemma4", {"block_count": 6, "attention.sliding_window_pattern": [True, False] * 3,
+                          "attention.shared_kv_layers": 2, "attention.key_length": 32, "attention.value_length": 32,
+                          "attention.key_length_swa": 16, "attention.value_length_swa": 16,
+                          "rope.dimension_count": 32, "rope.dimension_count_swa": 16, "rope.freq_base_swa": 10000.0,
+                          "embedding_length_per_layer_input": 32, "feed_forward_length": [96, 96, 96, 96, 192, 192],
+                          "expert_count": None},
+               {"rope_freqs.weight": np.array([1.0] * 8 + [1e10] * 8)}),
     # sliding (window 4) and full layers alternating, YaRN; attention sinks, router and expert biases
     "gpt-oss": ("gpt-oss", {"block_count": 4, "attention.sliding_window": 4, "rope.scaling.type": "yarn",
                             "rope.scaling.factor": 4.0, "rope.scaling.original_context_length": 64}, {}),
@@ -87,6 +97,10 @@ def _vocab(w: gguf.GGUFWriter, n_vocab: int = N_VOCAB) -> None:
     w.add_bos_token_id(0)
     w.add_eos_token_id(2)
     w.add_add_bos_token(False)
+# llama.cpp settings per variant for its reference run: Gemma 4 attends with scale 1 over RMS-normed Q
+# and K (scores up to head_dim), where an f16 K/V cache's rounding moves lower-ranked log-probs by up
+# to 0.08 nat in llama.cpp itself: its f32 cache is the exact semantics (ours: f16 on cpu, f32 on reference)
+LLAMA_KW = {"gemma4": {"type_k": 0, "type_v": 0}}
 
 
 def _add(w: gguf.GGUFWriter, key: str, v) -> None:

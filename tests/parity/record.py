@@ -9,7 +9,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from models import N_STEPS, PROMPTS, VARIANTS, write  # noqa: E402
+from models import LLAMA_KW, N_STEPS, PROMPTS, VARIANTS, write  # noqa: E402
 
 OUT = Path(__file__).parent.parent / "data" / "arch_parity.json"
 
@@ -20,8 +20,8 @@ if __name__ == "__main__":
     a = ap.parse_args()
     data = json.loads(OUT.read_text()) if OUT.exists() else {}
     with tempfile.TemporaryDirectory() as d:
-        jobs = [{"name": v, "path": str(write(Path(d) / f"{v}.gguf", v)), "prompts": PROMPTS, "n_steps": N_STEPS}
-                for v in (a.variants or VARIANTS)]
+        jobs = [{"name": v, "path": str(write(Path(d) / f"{v}.gguf", v)), "prompts": PROMPTS, "n_steps": N_STEPS,
+                 "kw": LLAMA_KW.get(v, {})} for v in (a.variants or VARIANTS)]
         res = subprocess.run([a.llama_python, str(Path(__file__).parent / "llamacpp_eval.py"), json.dumps(jobs)],
                              capture_output=True, text=True)
         if res.returncode:
