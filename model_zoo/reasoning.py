@@ -3,6 +3,8 @@ llama.cpp's chat code does (common/chat.cpp), never from the model's name:
 - "think": `<think>...</think>` (Qwen3, Qwen3.5, QwQ, DeepSeek-R1 and its distills, SmolLM3). The
   generation prompt may open `<think>` itself (DeepSeek-R1, Qwen3.5: the output starts inside the
   thinking), or the model opens it (Qwen3).
+- "gemma4": Gemma 4, `<|channel>thought\n...<channel|>` then the answer (with thinking off, the
+  generation prompt holds an empty one, closed).
 - "harmony": gpt-oss. `<|channel|>analysis<|message|>...<|end|>` is the thinking, the answer comes
   after `<|channel|>final<|message|>`; special tokens are rendered as text, so both are text here."""
 from __future__ import annotations
@@ -21,6 +23,7 @@ class ThinkFormat:
 
 
 THINK = ThinkFormat("think", "<think>", "</think>", "", "\n</think>\n\n")
+GEMMA4 = ThinkFormat("gemma4", "<|channel>thought\n", "<channel|>", "", "<channel|>")
 HARMONY = ThinkFormat("harmony", "<|channel|>analysis<|message|>", "<|end|>", "<|channel|>final<|message|>",
                       "<|end|><|start|>assistant<|channel|>final<|message|>", "to=functions.")
 
@@ -31,6 +34,8 @@ def detect(template: str | None) -> ThinkFormat | None:
         return None
     if "<|channel|>" in template and "analysis" in template:
         return HARMONY
+    if "<|channel>" in template and "<channel|>" in template:
+        return GEMMA4
     if "<think>" in template or "</think>" in template:
         return THINK
     return None
@@ -39,7 +44,7 @@ def detect(template: str | None) -> ThinkFormat | None:
 def opened_by_prompt(fmt: ThinkFormat, prompt_tail: str) -> bool:
     """Whether the rendered generation prompt ends inside the thinking (`...<think>\\n`)."""
     tail = prompt_tail.rstrip()
-    return tail.endswith(fmt.open) if fmt is THINK else tail.endswith("<|channel|>analysis<|message|>")
+    return tail.endswith("<|channel|>analysis<|message|>") if fmt is HARMONY else tail.endswith(fmt.open.rstrip())
 
 
 class ReasoningSplitter:

@@ -234,6 +234,78 @@ class Harmony(ToolFormat):
         return "\n".join(rules)
 
 
+class Gemma4(ToolFormat):
+    """Gemma 4: `<|tool_call>call:NAME{key:value,...}<tool_call|>`, keys bare, strings between
+    `<|"|>` marks, numbers, true/false/null, nested {...} and [...] (its template's format_argument)."""
+    _RE = re.compile(r"<\|tool_call>call:([^{\s<]+)\{")
+    _NUM = re.compile(r"-?\d+(?:\.\d+)?(?:[eE][-+]?\d+)?")
+    _QUOTE = '<|"|>'
+
+    def parse(self, text, names=frozenset()):
+        first, calls = text.find("<|tool_call>"), []
+        if first < 0:
+            return text, []
+        for m in self._RE.finditer(text):
+            got = self._value(text, m.end() - 1)
+            if got is None or not isinstance(got[0], dict):
+                return text, []
+            calls.append(_call(m.group(1), got[0]))
+        if not calls:
+            return text, []
+        return text[:first].strip() or None, calls
+
+    def _value(self, t: str, i: int):
+        """(value, end) of the value at t[i], or None where it is not one."""
+        q = self._QUOTE
+        if t.startswith(q, i):
+            j = t.find(q, i + len(q))
+            return None if j < 0 else (t[i + len(q):j], j + len(q))
+        if t.startswith("{", i) or t.startswith("[", i):
+            obj, close, i = ({}, "}", i + 1) if t[i] == "{" else ([], "]", i + 1)
+            while i < len(t) and t[i] != close:
+                if isinstance(obj, dict):
+                    if t.startswith(q, i):  # a quoted key
+                        got = self._value(t, i)
+                        if got is None:
+                            return None
+                        key, i = got
+                    else:
+                        j = t.find(":", i)
+                        if j < 0:
+                            return None
+                        key, i = t[i:j].strip(), j
+                    if not t.startswith(":", i):
+                        return None
+                    got = self._value(t, i + 1)
+                    if got is None:
+                        return None
+                    obj[key], i = got
+                else:
+                    got = self._value(t, i)
+                    if got is None:
+                        return None
+                    obj.append(got[0])
+                    i = got[1]
+                if t.startswith(",", i):
+                    i += 1
+            return None if i >= len(t) else (obj, i + 1)
+        for word, v in (("true", True), ("false", False), ("null", None)):
+            if t.startswith(word, i):
+                return v, i + len(word)
+        m = self._NUM.match(t, i)
+        if m:
+            return (float(m.group()) if any(c in m.group() for c in ".eE") else int(m.group())), m.end()
+        return None
+
+    def grammar(self, tools, choice, special=lambda text: None):
+        names = [t["function"]["name"] for t in tools if choice in ("required", t["function"]["name"])]
+        # the arguments' own syntax is Gemma's, not JSON: the call's frame and name are forced, its body
+        # is any text with braces nested one deep
+        return (f"start: {_literal('<|tool_call>', special)} \"call:\" ({' | '.join(json.dumps(n) for n in names)}) "
+                f"\"{{\" BODY \"}}\" {_literal('<tool_call|>', special)}\n"
+                "BODY: /([^{}]|\\{[^{}]*\\})*/")
+
+
 def _literal(text: str, special) -> str:
     """A grammar's terminal for `text`: its control token where the vocabulary has one."""
     tid = special(text)
@@ -245,15 +317,18 @@ FORMATS: dict[str, ToolFormat] = {
     "llama3": Llama3("llama3", ("<|python_tag|>",), "parameters"),
     "mistral": Mistral("mistral", ("[TOOL_CALLS]",), "arguments"),
     "harmony": Harmony("harmony", ("<|channel|>commentary", "to=functions."), "arguments"),
+    "gemma4": Gemma4("gemma4", ("<|tool_call>",), "arguments"),
 }
 # families by GGUF architecture, where the template does not say
-_BY_ARCH = {"qwen2": "hermes", "qwen3": "hermes", "qwen2moe": "hermes", "qwen3moe": "hermes", "gpt-oss": "harmony"}
+_BY_ARCH = {"qwen2": "hermes", "qwen3": "hermes", "qwen2moe": "hermes", "qwen3moe": "hermes", "gpt-oss": "harmony", "gemma4": "gemma4"}
 
 
 def tool_format(arch: str, template: str | None) -> ToolFormat:
     """The model family's format: from the markers its chat template writes, else its
     architecture; Hermes-style otherwise (then the tools are described in a system message)."""
     t = template or ""
+    if "<|tool_call>" in t:
+        return FORMATS["gemma4"]
     if "<|channel|>" in t and "commentary" in t:  # harmony (gpt-oss): calls go to the commentary channel
         return FORMATS["harmony"]
     if "<tool_call>" in t:

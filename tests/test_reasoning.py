@@ -10,7 +10,7 @@ import pytest
 
 from hearthlm import Session
 from hearthlm.model_zoo import reasoning
-from hearthlm.model_zoo.reasoning import HARMONY, THINK, ReasoningSplitter
+from hearthlm.model_zoo.reasoning import GEMMA4, HARMONY, THINK, ReasoningSplitter
 from hearthlm.runtime.errors import InvalidRequestError
 from hearthlm.runtime.request import ThinkBudget
 
@@ -34,6 +34,9 @@ OUTPUTS = [
     ("gpt-oss", HARMONY, False, "<|channel|>analysis<|message|>User asks 2+2. Answer 4.<|end|><|start|>assistant"
      "<|channel|>final<|message|>2 + 2 = 4.", "User asks 2+2. Answer 4.", "2 + 2 = 4."),
     ("gpt-oss-final-only", HARMONY, False, "<|channel|>final<|message|>Four.", "", "Four."),
+    # Gemma 4: a thought channel, then the answer; or none (thinking off: the prompt closed an empty one)
+    ("gemma4", GEMMA4, False, "<|channel>thought\nThe user greets.<channel|>Hello!", "The user greets.", "Hello!"),
+    ("gemma4-no-thought", GEMMA4, False, "Hello there.", "", "Hello there."),
     # a tool call after the analysis: handed on whole to the tool-call parser (tool_calls.Harmony)
     ("gpt-oss-call", HARMONY, False, "<|channel|>analysis<|message|>Need the weather.<|end|><|start|>assistant"
      "<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{}", "Need the weather.",
@@ -69,6 +72,9 @@ def test_detect_from_the_template():
     assert reasoning.opened_by_prompt(THINK, "<|im_start|>assistant\n<think>\n")
     assert not reasoning.opened_by_prompt(THINK, "<|im_start|>assistant\n<think>\n\n</think>\n\n")
     assert not reasoning.opened_by_prompt(HARMONY, "<|start|>assistant")
+    gemma4 = "{{ '<|turn>model\n' }}{% if not enable_thinking %}{{ '<|channel>thought\n<channel|>' }}{% endif %}"
+    assert reasoning.detect(gemma4) is GEMMA4
+    assert not reasoning.opened_by_prompt(GEMMA4, "<|turn>model\n<|channel>thought\n<channel|>")
 
 
 def test_think_budget_counts_thinking_tokens_only():

@@ -84,6 +84,12 @@ PARIS = ("get_weather", {"city": "Paris", "unit": "celsius"})
      "Checking both.", [PARIS, ("get_time", {"zone": "CET"})]),
     ("harmony", '<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city": "Pa', None, []),
     ("harmony", '<|channel|>final<|message|>It is sunny.', None, []),
+    # Gemma 4: bare keys, <|"|>-quoted strings, numbers and nesting (its template's format_argument)
+    ("gemma4", '<|tool_call>call:get_weather{city:<|"|>Paris<|"|>,unit:<|"|>celsius<|"|>}<tool_call|>', None, [PARIS]),
+    ("gemma4", 'Checking.<|tool_call>call:get_time{zone:<|"|>CET<|"|>}<tool_call|><|tool_call>call:f{n:-2.5,ok:true,'
+     'xs:[1,<|"|>a, b<|"|>],o:{k:null}}<tool_call|>', "Checking.",
+     [("get_time", {"zone": "CET"}), ("f", {"n": -2.5, "ok": True, "xs": [1, "a, b"], "o": {"k": None}})]),
+    ("gemma4", '<|tool_call>call:get_weather{city:<|"|>Par', None, []),
 ])
 def test_parsers(fmt, text, content, calls):
     got_content, got_calls = calls_of(text, fmt)
@@ -114,6 +120,7 @@ def test_format_by_family():
     assert tc.tool_format("qwen3", None).name == "hermes"
     assert tc.tool_format("llama", "<|start|>assistant to={{ 'functions.' + name }}<|channel|>commentary ").name == "harmony"
     assert tc.tool_format("gpt-oss", None).name == "harmony"
+    assert tc.tool_format("gemma4", "{{ '<|tool_call>call:' + name }}").name == "gemma4"
 
 
 def test_harmony_grammar_forces_one_call():
@@ -124,6 +131,9 @@ def test_harmony_grammar_forces_one_call():
     g = tc.FORMATS["harmony"].grammar([WEATHER, TIME], "required", ids.get)
     assert g.startswith("start: <[7]> ") and "<[8]>" in g and "<[9]>" in g and '"get_time"' in g
     assert llguidance.LLMatcher.validate_grammar(llguidance.grammar_from("lark", g)) == ""  # no error
+    g4 = tc.FORMATS["gemma4"].grammar([WEATHER, TIME], "required", {"<|tool_call>": 5, "<tool_call|>": 6}.get)
+    assert g4.startswith("start: <[5]> ") and "<[6]>" in g4
+    assert llguidance.LLMatcher.validate_grammar(llguidance.grammar_from("lark", g4)) == ""
     named = tc.FORMATS["harmony"].grammar([WEATHER, TIME], "get_weather", lambda t: None)
     assert '"get_time"' not in named and '"<|channel|>"' in named  # no control tokens: the text
 
