@@ -61,6 +61,7 @@ class Tokenizer:
             raise UnsupportedModelError(
                 f"unsupported tokenizer.ggml.model {model!r} (supported: 'gpt2', 'llama', 'bert', 'gemma4')")
         self._spm_bpe = None  # Gemma 4's merges
+        self.add_sep = False  # a [SEP] between a rerank pair's query and document (RoBERTa-style BPE; WordPiece always)
         raw = md.get("tokenizer.ggml.tokens")
         if raw is None or len(raw) == 0:
             raise ModelLoadError("GGUF metadata has no tokenizer.ggml.tokens")
@@ -84,6 +85,7 @@ class Tokenizer:
             with _key("tokenizer.ggml.merges"):
                 merges = [_text(m) for m in merges]
             self._bpe = build_bpe(self._tokens, merges, pre)
+            self.add_sep = pre.add_sep
             defaults = dict(bos=11, eos=11, unk=None)
             add_bos, self.add_space_prefix, self.clean_spaces = pre.add_bos, False, pre.clean_spaces
         elif model == "gemma4":

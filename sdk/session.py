@@ -297,7 +297,8 @@ class Session:
         if not documents:
             raise InvalidRequestError("no documents to rank")
         if not self.has_rank_head():
-            raise InvalidRequestError("this model has no classification head (cls.output.weight): it does not rerank")
+            raise InvalidRequestError("this model has no classification head (cls.output.weight or a one-score "
+                                      "cls.weight): it does not rerank")
         ids = [await self._input_ids(self.rerank_ids(query, d), truncate) for d in documents]
         if not self.model.causal:
             return [float(v[0]) for v in await self._pooled(ids, "rank")]
@@ -308,7 +309,9 @@ class Session:
         return [float(x) for x in p[:, 0] / p.sum(axis=1)]
 
     def has_rank_head(self) -> bool:
-        return "cls.output.weight" in self.model.weights
+        """cls.output (bert rerankers, Qwen3-Reranker), or an encoder's one-score cls (jina-bert-v2's)."""
+        w = self.model.weights
+        return "cls.output.weight" in w or (not self.model.causal and "cls.weight" in w and w["cls.weight"].shape[0] == 1)
 
     def _rank_head(self) -> np.ndarray:
         if self._head is None:
@@ -325,7 +328,7 @@ class Session:
         q, d = tok.encode(query), tok.encode(doc)
         eos = tok.eos_id if tok.eos_id is not None else tok.sep_id
         return ([tok.bos_id] if tok.add_bos else []) + q + ([eos] if tok.add_eos else []) \
-            + ([tok.sep_id] if tok.kind == "wpm" else []) + d + ([eos] if tok.add_eos else [])
+            + ([tok.sep_id] if tok.kind == "wpm" or tok.add_sep else []) + d + ([eos] if tok.add_eos else [])
 
     async def _input_ids(self, text, truncate: bool) -> list[int]:
         ids = await self._prompt_ids_off_loop(text, None)
