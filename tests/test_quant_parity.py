@@ -40,9 +40,9 @@ def tolerance(cases: list[dict]) -> float:
 def test_the_recorded_files_are_of_their_types():
     import gguf
     for name in RECORDED:
-        want = {"MXFP4_MOE": "MXFP4", "Q4_K_M": "Q4_K", "IQ3_M": "IQ3_S"}.get(name, name)
+        want = {"Q4_K_M": "Q4_K", "IQ3_M": "IQ3_S"}.get(name, name)
         types = {t.tensor_type.name for t in gguf.GGUFReader(str(DATA / "quant" / f"{name}.gguf")).tensors}
-        assert want in types or name == "MXFP4_MOE", (name, types)  # a dense model: MXFP4 is for experts
+        assert want in types, (name, types)
 
 
 @pytest.mark.parametrize("backend", ["cpu", "reference"])
