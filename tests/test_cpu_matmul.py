@@ -195,8 +195,8 @@ def test_matmul_is_batch_invariant(qtype):
 
 
 # bits a weight of the packed K-quants (codes, sc and mins per sub-block, D and Dmin per 256; qtypes):
-# Q2_K/Q3_K's codes go in 4-bit nibbles, Q6_K's in bytes
-KQUANT_MAX_BITS = {T.Q2_K: 5.2, T.Q3_K: 4.7, T.Q4_K: 4.7, T.Q5_K: 5.7, T.Q6_K: 8.7}
+# Q2_K/Q3_K's codes go in 4-bit nibbles
+KQUANT_MAX_BITS = {T.Q2_K: 5.2, T.Q3_K: 4.7, T.Q4_K: 4.7, T.Q5_K: 5.7, T.Q6_K: 6.7}
 
 
 def float32_scales(w):
@@ -236,6 +236,30 @@ def test_kquant_scales_are_compact_and_exact(qtype, monkeypatch):
     back = backend.import_weight(*backend.export_weight(w))
     assert all(np.array_equal(getattr(back, f), getattr(w, f)) for f in ("qs", "d", "m", "sup"))
     x = rng.standard_normal((9, n_cols)).astype(np.float32)
+    monkeypatch.setattr(mm, "BLAS_MIN_TOKENS", 8)
+    assert same(matmul(w, x), matmul(ref, x))
+
+
+def test_q6_k_in_six_bits_gives_the_int8_layouts_results(monkeypatch):
+    """Q6_K's codes packed in 6 bits ("nib6": nibbles and 2-bit planes, unpacked in registers) enter
+    the sums as the int8 layout's do: bitwise the results of the same codes packed as "i8"."""
+    from hearthlm.backends.cpu import matmul as mm
+    from hearthlm.backends.cpu.kquants import KQUANT_UNPACKERS
+    from hearthlm.backends.cpu.qtypes import _pack_codes
+    rng = np.random.default_rng(61)
+    n_rows, n_cols = 37, 512
+    raw = make_raw(T.Q6_K, n_rows, n_cols, rng)
+    layout, sub, codes, d, m, c = KQUANT_UNPACKERS[int(T.Q6_K)](raw, n_rows, n_cols)
+    assert layout == "nib6" and codes.max() <= 63
+    w = pack_weight(int(T.Q6_K), raw, (n_rows, n_cols))
+    ref = _pack_codes(int(T.Q6_K), (n_rows, n_cols), "i8", sub, (codes.astype(np.int16) - 32).astype(np.int8), d, m, c)
+    assert w.qs.shape[-1] == 48 and ref.qs.shape[-1] == 64
+    same = lambda a, b: np.array_equal(a.view(np.uint32), b.view(np.uint32))  # noqa: E731
+    for n_tok in (1, 2, 3, 4, 5, 8, 17):
+        x = rng.standard_normal((n_tok, n_cols)).astype(np.float32)
+        assert same(matmul(w, x), matmul(ref, x)), n_tok
+    ids = np.arange(n_rows, dtype=np.int32)
+    assert same(get_rows(w, ids), get_rows(ref, ids))
     monkeypatch.setattr(mm, "BLAS_MIN_TOKENS", 8)
     assert same(matmul(w, x), matmul(ref, x))
 

@@ -15,9 +15,9 @@ token's 4 activations broadcast to every lane adds each row's 4 products into th
 lane. A sub-block's sums thus build up in one vector of 16 rows, and the float update runs on
 vectors of 16 rows, with no reduction across lanes (the previous layout, a row's 64 weights per
 load, needed a transposing tree of shuffles per group and token that cost more than the
-products: 64-token matmuls of Qwen2.5-0.5B ran 1.4-1.8x slower with it). 4- and 5-bit codes are
-unpacked in registers (two nibbles a byte; the fifth bits as a 64-bit mask per load), once for
-all the tokens of a call.
+products: 64-token matmuls of Qwen2.5-0.5B ran 1.4-1.8x slower with it). 4-, 5- and 6-bit codes
+are unpacked in registers (two nibbles a byte; the fifth bits as a 64-bit mask per load, Q6_K's
+top two from 2-bit planes), once for all the tokens of a call.
 
 Many tokens (batched decode, prefill) go through the same kernels, 4 tokens at a time (then 2,
 then 1) within each block of rows (a block's codes loaded and unpacked once for the 4, and in L1
@@ -40,7 +40,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
 from .halfs import TARGET_FEATURES, f32, widen
-from .quantize import sub_scale
+from .quantize import nib_code, sub_scale
 from .qtypes import LUTS, ROWS  # ROWS: rows per vector (one zmm of int32 or float32 lanes) and per block
 
 _I8, _I16, _I32, _F32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.FloatType()
@@ -56,6 +56,8 @@ _SIGNED_LUT = _HAS_AVX2 and not _HAS_BW
 _I8_SIGNED = _SIGNED_LUT  # int8 codes likewise (Q8_0, Q6_K, the IQ2/IQ3/IQ1 grids): signed, no shift
 _I8_OFF = 0 if _I8_SIGNED else 128
 _ID32 = np.arange(32, dtype=np.int32)  # 5-bit codes too
+_LUT6 = np.arange(-32, 32, dtype=np.int32) + _I8_OFF  # "nib6" codes u as the "i8" kind takes s = u - 32
+_NIB6_ADD = (_I8_OFF - 32) & 255  # that in registers: a byte add to u
 _LUT_IQ4, _LUT_FP4 = _TABLES["iq4nl"], _TABLES["mxfp4"]
 
 
@@ -189,6 +191,46 @@ def _dpbusd(builder, acc, a, b, kind):
     return r if acc is None else builder.add(acc, r)
 
 
+def _six_bits(builder, lo, hi, plane, j, bias):
+    """Load j's nibble vectors of a "nib6" group (low: v = 2j, high: 2j+1) with their top two bits,
+    bits 2(v % 4) of `plane` (the group's 64-byte plane j // 2, qtypes), plus bias (mod 256)."""
+    v64 = ir.VectorType(_I8, 64)
+
+    def top(v):  # moved to bits 4-5
+        sh = 2 * (v & 3)
+        t = (builder.shl(plane, ir.Constant(v64, [4 - sh] * 64)) if sh < 4 else
+             builder.lshr(plane, ir.Constant(v64, [sh - 4] * 64)))
+        return builder.and_(t, ir.Constant(v64, [0x30] * 64))
+    k = ir.Constant(v64, [bias] * 64)
+    return builder.add(builder.or_(lo, top(2 * j)), k), builder.add(builder.or_(hi, top(2 * j + 1)), k)
+
+
+@intrinsic
+def _nib6_unpack(typingctx, qs, rb, g, out):
+    """Group g of block rb of a "nib6" qs as int8 codes s = u - 32 into out[0, g], in the "i8"
+    layout (whose load j' < 16 is weights 4j'..4j'+3: load j's low nibbles, then at 8 + j its high)."""
+    sig = types.none(qs, rb, g, out)
+
+    def codegen(context, builder, sig, args):
+        ta, ip = sig.args, types.intp
+        cst = lambda v: context.get_constant(ip, v)  # noqa: E731
+        rb, g = context.cast(builder, args[1], ta[1], ip), context.cast(builder, args[2], ta[2], ip)
+        v64, i8p = ir.VectorType(_I8, 64), _I8.as_pointer()
+        at = lambda i, b: builder.bitcast(_ptr(context, builder, ta[i], args[i],  # noqa: E731
+                                               [(b, ip), (g, ip), (cst(0), ip), (cst(0), ip)]), i8p)
+        src, dst = at(0, rb), at(3, cst(0))
+        vp = lambda p, off: builder.bitcast(builder.gep(p, [cst(off)]), v64.as_pointer())  # noqa: E731
+        for j in range(8):
+            q = builder.load(vp(src, 64 * j), align=1)
+            lo, hi = _six_bits(builder, builder.and_(q, ir.Constant(v64, [15] * 64)),
+                               builder.lshr(q, ir.Constant(v64, [4] * 64)),
+                               builder.load(vp(src, 512 + 64 * (j >> 1)), align=1), j, 256 - 32)
+            builder.store(lo, vp(dst, 64 * j), align=1)
+            builder.store(hi, vp(dst, 64 * (8 + j)), align=1)
+        return context.get_dummy_value()
+    return sig, codegen
+
+
 def _make_group(kind, sub, has_m, n_tok):
     """An intrinsic group(qs, rb, g, xq, t, d, m, sup, c, xd, xs, y, rq): weights g*64..g*64+63 of
     the rows of block rb (their codes in qs's block rq) against tokens t..t+n_tok-1, added into
@@ -234,7 +276,7 @@ def _make_group(kind, sub, has_m, n_tok):
             def add(codes, w):  # codes: weights w..w+3 of the 16 rows, 4 bytes a row
                 k, p = w // sub, (w // 4) % parts
                 for u in range(n_tok):
-                    acc[u][k][p] = _dpbusd(builder, acc[u][k][p], codes, xb(u, w), kind)
+                    acc[u][k][p] = _dpbusd(builder, acc[u][k][p], codes, xb(u, w), "i8" if kind == "nib6" else kind)
             lut = _TABLES.get(kind)  # the lookup layouts: nibbles, then their table's values as s + 128
             if lut is not None and _SIGNED_LUT:
                 lut = lut - 128
@@ -253,6 +295,8 @@ def _make_group(kind, sub, has_m, n_tok):
                                                           ir.Constant(v64, [16] * 64), ir.Constant(v64, [0] * 64))
                         lo = builder.or_(lo, five(512 + 16 * j))
                         hi = builder.or_(hi, five(512 + 16 * j + 8))
+                    if kind == "nib6":  # their top two bits; u -> s + 128 or s, as the i8 kind's codes
+                        lo, hi = _six_bits(builder, lo, hi, at(base, 512 + 64 * (j >> 1), v64), j, _NIB6_ADD)
                     if lut is not None:
                         lo, hi = _lookup(builder, lo, lut), _lookup(builder, hi, lut)
                     add(lo, 4 * j)
@@ -269,7 +313,7 @@ def _make_group(kind, sub, has_m, n_tok):
                 return builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, ROWS), [0] * ROWS))
 
             cv = context.cast(builder, c_v, ta[8], types.float32)
-            if kind == "i8" and not _I8_SIGNED or lut is not None and not _SIGNED_LUT:
+            if kind in ("i8", "nib6") and not _I8_SIGNED or lut is not None and not _SIGNED_LUT:
                 cv = builder.fsub(cv, ir.Constant(_F32, I8_SHIFT))
             cv = splat(cv)
             def sup_scale(plane):  # the group's super-block (256 weights: 4 groups) of a K-quant: 16 rows' D or -Dmin
@@ -307,13 +351,15 @@ def _make_group(kind, sub, has_m, n_tok):
 
 
 _G = {(kind, sub, has_m, n): _make_group(kind, sub, has_m, n)
-      for kind, sub in (("nib", 32), ("nib", 16), ("i8", 32), ("i8", 16), ("nib5", 32), ("iq4nl", 32), ("mxfp4", 32))
+      for kind, sub in (("nib", 32), ("nib", 16), ("i8", 32), ("i8", 16), ("nib5", 32), ("iq4nl", 32), ("mxfp4", 32),
+                        ("nib6", 16))
       for has_m in (False, True) for n in (1, 2, 4)}
 _nib32, _nib32m, _nib32_2, _nib32m_2, _nib32_4, _nib32m_4 = (_G[("nib", 32, hm, n)] for n in (1, 2, 4) for hm in (False, True))
 _nib16, _nib16m, _nib16_2, _nib16m_2, _nib16_4, _nib16m_4 = (_G[("nib", 16, hm, n)] for n in (1, 2, 4) for hm in (False, True))
 _i8_32, _i8_32m, _i8_32_2, _i8_32m_2, _i8_32_4, _i8_32m_4 = (_G[("i8", 32, hm, n)] for n in (1, 2, 4) for hm in (False, True))
 _i8_16, _i8_16m, _i8_16_2, _i8_16m_2, _i8_16_4, _i8_16m_4 = (_G[("i8", 16, hm, n)] for n in (1, 2, 4) for hm in (False, True))
 _nib5, _nib5m, _nib5_2, _nib5m_2, _nib5_4, _nib5m_4 = (_G[("nib5", 32, hm, n)] for n in (1, 2, 4) for hm in (False, True))
+_nib6, _nib6_2, _nib6_4 = (_G[("nib6", 16, False, n)] for n in (1, 2, 4))  # Q6_K: no minimum
 _iq4, _iq4_2, _iq4_4 = (_G[("iq4nl", 32, False, n)] for n in (1, 2, 4))
 _fp4, _fp4_2, _fp4_4 = (_G[("mxfp4", 32, False, n)] for n in (1, 2, 4))
 
@@ -330,32 +376,16 @@ def _term(d, m, sup, ms, c, sub, r, k, xdv, s, xsv):
 
 
 @numba.njit(inline="always", cache=True, nogil=True)
-def _code(qs, five, r, g, w):
-    """Weight w (0..63) of group g of row r from a nibble layout (see qtypes): byte b of row i
-    in 64-byte load j holds weights 4j+b (low nibble) and 32+4j+b (high), fifth bits after."""
-    i, j, b = r & 15, (w & 31) >> 2, w & 3
-    f = 64 * j + 4 * i + b
-    width = qs.shape[3]
-    byte = np.int32(qs[r >> 4, g, f // width, f % width])
-    code = (byte >> 4) if w >= 32 else (byte & 15)
-    if five:
-        f = 512 + 16 * j + 8 * (w >> 5) + ((4 * i + b) >> 3)
-        code |= ((np.int32(qs[r >> 4, g, f // width, f % width]) >> ((4 * i + b) & 7)) & 1) << 4
-    return code
-
-
-@numba.njit(inline="always", cache=True, nogil=True)
 def _row_nibs(qs, d, m, sup, ms, c, xq, xd, xs, r, t, sub, lut):
     """Row r (one past the last whole block of 16) against token t, nibble layouts; `lut` maps
-    a code to what enters the sums (_ID32, or a lookup table's values as s + 128, c lower by 128)."""
+    a code to what enters the sums (_ID32, or a table's values as s + 128 (or s: _I8_OFF), c lower by as much)."""
     acc = np.float32(0.0)
-    five = qs.shape[3] == 40
     for g in range(qs.shape[1]):
         for e in range(64 // sub):
             s = np.int32(0)
             for u in range(sub):
                 w = e * sub + u
-                s = np.int32(s + lut[_code(qs, five, r, g, w)] * np.int32(xq[t, g * 64 + w]))
+                s = np.int32(s + lut[nib_code(qs, r, g, w)] * np.int32(xq[t, g * 64 + w]))
             k = g * (64 // sub) + e
             acc = acc + _term(d, m, sup, ms, c, sub, r, k, xd[t, (k * sub) // 32], s, xs[t, k])
     return acc
@@ -614,11 +644,58 @@ def dot_mxfp4_32(qs, d, m, sup, ms, c, xq, xd, xs, y):
                     _fp4(qs, rb, g, xq, u, d, m, sup, c, xd, xs, y, rb)
 
 
+@numba.njit(**_JIT)
+def dot_nib6_16(qs, d, m, sup, ms, c, xq, xd, xs, y):
+    """6-bit codes (nibbles and 2-bit planes), a scale per 16 (Q6_K): the "i8" kind's integers.
+    Over 4 tokens, each block's codes are unpacked once into an int8 copy that the "i8" kernels
+    read: unpacking per 4 tokens cost 10-15% at 64-512 tokens (one thread)."""
+    nb = y.shape[1] // ROWS
+    n_tok = xq.shape[0]
+    for rb in prange(nb + 1):
+        if rb == nb:
+            for t in range(n_tok):
+                for r in range(nb * ROWS, y.shape[1]):
+                    y[t, r] = _row_nibs(qs, d, m, sup, ms, c - np.float32(_I8_OFF), xq, xd, xs, r, t, 16, _LUT6)
+            continue
+        if n_tok > 4:
+            q8 = np.empty((1, qs.shape[1], ROWS, 64), np.int8)  # the block as the "i8" layout (its block 0)
+            for g in range(qs.shape[1]):
+                _nib6_unpack(qs, rb, g, q8)
+            for t in range(0, n_tok, 4):
+                for u in range(t, min(t + 4, n_tok)):
+                    y[u, rb * ROWS:rb * ROWS + ROWS] = 0
+                for g in range(qs.shape[1]):
+                    if t + 3 < n_tok:
+                        _i8_16_4(q8, rb, g, xq, t, d, m, sup, c, xd, xs, y, 0)
+                        continue
+                    u = t
+                    if u + 1 < n_tok:
+                        _i8_16_2(q8, rb, g, xq, u, d, m, sup, c, xd, xs, y, 0)
+                        u += 2
+                    if u < n_tok:
+                        _i8_16(q8, rb, g, xq, u, d, m, sup, c, xd, xs, y, 0)
+            continue
+        for t in range(0, n_tok, 4):  # tokens 4 at a time (then 2, 1): one load and unpack of the codes for all
+            for u in range(t, min(t + 4, n_tok)):
+                y[u, rb * ROWS:rb * ROWS + ROWS] = 0
+            for g in range(qs.shape[1]):
+                if t + 3 < n_tok:
+                    _nib6_4(qs, rb, g, xq, t, d, m, sup, c, xd, xs, y, rb)
+                    continue
+                u = t
+                if u + 1 < n_tok:
+                    _nib6_2(qs, rb, g, xq, u, d, m, sup, c, xd, xs, y, rb)
+                    u += 2
+                if u < n_tok:
+                    _nib6(qs, rb, g, xq, u, d, m, sup, c, xd, xs, y, rb)
+
+
 # The family travels as a type: a tag, an empty array whose dtype names it (TAGS[kind]), so
 # that compiled callers specialize on it and only the families a model's weights use are ever
 # compiled (a first run compiles them: each is seconds of LLVM). An integer `kind` would be one
 # type for all four, and each caller would compile every family.
-TAGS = tuple(np.empty(0, dt) for dt in (np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32))  # by qtypes.KINDS
+TAGS = tuple(np.empty(0, dt) for dt in (np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32,
+                                         np.uint64))  # by qtypes.KINDS
 
 
 def _family(tag, qs, d, m, sup, ms, c, xq, xd, xs, y):
@@ -629,7 +706,8 @@ def _family(tag, qs, d, m, sup, ms, c, xq, xd, xs, y):
 @overload(_family)
 def _family_for_tag(tag, qs, d, m, sup, ms, c, xq, xd, xs, y):
     kernel = {"int8": dot_nib32, "int16": dot_nib16, "int32": dot_i8_32, "int64": dot_i8_16,
-              "uint8": dot_nib5_32, "uint16": dot_iq4nl_32, "uint32": dot_mxfp4_32}[str(tag.dtype)]
+              "uint8": dot_nib5_32, "uint16": dot_iq4nl_32, "uint32": dot_mxfp4_32,
+              "uint64": dot_nib6_16}[str(tag.dtype)]
 
     def impl(tag, qs, d, m, sup, ms, c, xq, xd, xs, y):
         kernel(qs, d, m, sup, ms, c, xq, xd, xs, y)

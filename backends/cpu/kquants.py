@@ -99,8 +99,8 @@ def _q6_k(raw, n_rows, n_cols):
     low = ql.reshape(-1, 2, 1, 64)
     low = np.concatenate([low & 0x0F, low >> 4], axis=2).reshape(-1, 2, 4, 32)
     high = _bit_planes(qh.reshape(-1, 32), 4, 2).reshape(-1, 2, 4, 32)
-    codes = ((low | (high << 4)).astype(np.int16) - 32).astype(np.int8).reshape(n_rows, n_cols)
-    return "i8", 16, codes, (_f16_bits(b, 208).reshape(n_rows, -1), sc.reshape(n_rows, -1)), None, 0
+    codes = (low | (high << 4)).reshape(n_rows, n_cols)  # 0..63: the value is code - 32 ("nib6", qtypes)
+    return "nib6", 16, codes, (_f16_bits(b, 208).reshape(n_rows, -1), sc.reshape(n_rows, -1)), None, 0
 
 
 KQUANT_UNPACKERS = {

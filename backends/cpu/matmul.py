@@ -28,6 +28,7 @@ TILE_ROWS = 512  # rows dequantized per BLAS call (at most): big enough for BLAS
 
 _CODES = np.arange(32, dtype=np.float32)  # a nibble layout's code is its value (5-bit ones too)
 _VALUES = {name: np.array(v, np.float32) for name, v in LUTS.items()}
+_VALUES["nib6"] = np.arange(-32, 32, dtype=np.float32)  # Q6_K: the value of code u is u - 32
 
 def matmul(w: PackedWeight, x: np.ndarray, out: np.ndarray | None = None, xq=None) -> np.ndarray:
     """x (n_tokens, n_cols) float32 -> (n_tokens, n_rows) float32, written into `out` (a
@@ -225,6 +226,6 @@ def _dequant(w: PackedWeight, rows: np.ndarray, out: np.ndarray) -> None:
         return
     if w.layout == "i8":
         quantize.dequant_i8(w.qs, w.d, w.m, w.sup, w.ms, np.float32(w.c), w.sub, rows, out)
-    else:  # nib5: the same, plus bits; the lookup layouts: their tables' values
+    else:  # nib5, nib6: the same, plus bits; nib6 and the lookup layouts: their tables' values
         quantize.dequant_nib(w.qs, w.d, w.m, w.sup, w.ms, np.float32(w.c), w.sub, rows, out,
                              _VALUES.get(w.layout, _CODES))

@@ -2,13 +2,16 @@
 
 F32 stays float32 (a zero-copy view of the file when it can), F16 and BF16 stay 2-byte bit
 patterns (layout "half", in `qs`; halfs.py widens them). Every quantized type becomes one of
-three layouts, so a handful of kernels serve all of them:
+a few layouts, so a handful of kernels serve all of them:
   - "nib": 4-bit codes (0..15), two per byte, per 64 weights 32 bytes: the low nibble of byte j
     is weight j, the high nibble weight 32+j (Q4_K's own order; one widening load per 32).
   - "nib5": 5-bit codes (0..31, Q5_0/Q5_1/Q5_K): per 64 weights the 32 bytes of "nib" for the
     low 4 bits, then 8 bytes whose bit j (little-endian) is weight j's fifth bit: 40 bytes.
-  - "i8":  one int8 code per weight (Q8_0, and Q6_K, whose 2-bit planes would cost more to
-    unpack than the extra bytes cost to read; the IQ types' grid values and IQ4/MXFP4's lookup
+  - "nib6": Q6_K's 6-bit codes u = s + 32 (s = -32..31 is the weight's value): per 64 weights the
+    32 bytes of "nib" for the low 4 bits, then 16 bytes of their top two bits: 48 bytes. The
+    kernels take s as the "i8" layout does (the same integers, so the same results; over 4 tokens
+    from an int8 copy of each block of rows, unpacked once).
+  - "i8":  one int8 code per weight (Q8_0; the IQ types' grid values and IQ4/MXFP4's lookup
     values, iquants.py: exact, at up to 4x their bytes, until they get kernels of their own).
   TQ1_0/TQ2_0's ternary codes go in "nib".
   - "iq4nl", "mxfp4": "nib" bytes whose codes index the type's table of 16 int8 values (LUTS),
@@ -18,11 +21,14 @@ time: one 64-byte load is 4 consecutive weights of each of the 16 rows, a row a 
 (dot.py: each vpdpbusd then adds into a lane per row, with no shuffling across lanes). "i8":
 qs[rb, g] holds, for j < 16, row i's weights 4j..4j+3 at bytes 64j + 4i; "nib": for j < 8, byte
 64j + 4i + b holds row i's weight 4j+b (low nibble) and 32+4j+b (high); "nib5": those 512 bytes,
-then per j a 64-bit mask of the low weights' fifth bits (bit 4i+b) and one of the high weights'.
-qs's shape, (blocks, groups, 16, 64 / 32 / 40 bytes), is the bytes' count, not rows: a block's
-group is one stream of 1024 / 512 / 640 bytes. Reading 16 rows side by side from a row-major
-matrix would be 16 streams, which the hardware prefetcher does not follow (measured: the same
-kernel read SmolLM2's weights at 16 GB/s that way, where one stream reaches ~50).
+then per j a 64-bit mask of the low weights' fifth bits (bit 4i+b) and one of the high weights';
+"nib6": those 512 bytes, then 4 x 64 bytes of 2-bit fields: the 16 vectors of 64 nibbles (load
+j's low ones v = 2j, its high ones v = 2j+1) get their top bits from bits 2(v % 4) of byte 4i+b of
+64-byte plane v // 4. qs's shape, (blocks, groups, 16, 64 / 32 / 40 / 48 bytes), is the bytes'
+count, not rows: a block's group is one stream of 1024 / 512 / 640 / 768 bytes. Reading 16 rows
+side by side from a row-major matrix would be 16 streams, which the hardware prefetcher does not
+follow (measured: the same kernel read SmolLM2's weights at 16 GB/s that way, where one stream
+reaches ~50).
 Each sub-block (32 weights, or 16 for Q2_K/Q3_K/Q6_K) has a scale `d`, and types with a
 stored minimum an offset `m`: weight = d * (code + c) + m, with c a per-type constant (-8 for
 Q4_0's unsigned nibbles). d and m are (row block, sub-block, 16 rows): the kernels read a
@@ -58,11 +64,11 @@ SUPPORTED_TYPES = frozenset(int(t) for t in (
     T.IQ4_NL, T.IQ4_XS, T.MXFP4, T.TQ1_0, T.TQ2_0, T.IQ2_XXS, T.IQ2_XS, T.IQ2_S, T.IQ3_XXS, T.IQ3_S, T.IQ1_S, T.IQ1_M,
 ))
 
-LAYOUT_VERSION = 4  # of everything below: bump it when a layout changes (cached packed weights are rebuilt)
+LAYOUT_VERSION = 5  # of everything below: bump it when a layout changes (cached packed weights are rebuilt)
 ROWS = 16  # rows per block of the quantized layouts
 PACK_ROWS = 4096  # rows unpacked at a time (a multiple of ROWS)
 KINDS = {("nib", 32): 0, ("nib", 16): 1, ("i8", 32): 2, ("i8", 16): 3, ("nib5", 32): 4,  # dot.py's kernel families
-         ("iq4nl", 32): 5, ("mxfp4", 32): 6}
+         ("iq4nl", 32): 5, ("mxfp4", 32): 6, ("nib6", 16): 7}
 
 HALF_SCALE_TYPES = frozenset(int(t) for t in (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.IQ4_NL, T.TQ1_0, T.TQ2_0))
 
@@ -75,10 +81,10 @@ class PackedWeight:
 
     ggml_type: int
     shape: tuple[int, int]
-    layout: str                    # "f32", "half", "nib", "nib5", "i8", or a lookup layout ("iq4nl", "mxfp4")
+    layout: str                    # "f32", "half", "nib", "nib5", "nib6", "i8", or a lookup layout ("iq4nl", "mxfp4")
     sub: int = 0                   # weights per scale: 32 or 16 (0 for f32)
     w: np.ndarray | None = None    # f32: (n_rows, n_cols) float32
-    qs: np.ndarray | None = None   # nib: (n_blocks, n_pad // 64, ROWS, 32) uint8; nib5: (..., 40) uint8;
+    qs: np.ndarray | None = None   # nib: (n_blocks, n_pad // 64, ROWS, 32) uint8; nib5, nib6: (..., 40 / 48) uint8;
     #                                i8: (..., 64) int8;
     #                                half: (n_rows, n_cols) uint16 bits of F16 or BF16
     d: np.ndarray | None = None    # (n_blocks, n_pad // sub, ROWS) scale: float32, float16 bits as uint16,
@@ -175,7 +181,7 @@ def _pack_codes(ggml_type, shape, layout, sub, codes, d, m, c) -> PackedWeight:
     pad = ((0, n_blk * ROWS - n_rows), (0, n_pad - n_cols))  # zero codes and scales contribute nothing
     codes = np.pad(codes, pad)
     pad_s = ((0, pad[0][1]), (0, pad[1][1] // sub))
-    if layout in ("nib", "nib5", *LUTS):
+    if layout in ("nib", "nib5", "nib6", *LUTS):
         per_row = codes.reshape(n_blk, ROWS, n_pad // 64, 2, 8, 4)  # (block, row, group, half, j, b): weight 32h+4j+b
         # byte (j, row i, b) of a group: weight 4j+b in the low nibble, 32+4j+b in the high
         nib = (per_row[:, :, :, 0] & 15) | ((per_row[:, :, :, 1] & 15) << 4)  # (block, row, group, j, b)
@@ -184,6 +190,11 @@ def _pack_codes(ggml_type, shape, layout, sub, codes, d, m, c) -> PackedWeight:
             five = ((per_row >> 4) & 1).astype(np.uint8).transpose(0, 2, 4, 3, 1, 5)  # (block, group, j, half, row, b)
             bits = np.packbits(five.reshape(n_blk, n_pad // 64, 8, 2, 64), axis=-1, bitorder="little")
             qs = np.concatenate([qs, bits.reshape(n_blk, n_pad // 64, 128)], axis=-1)
+        if layout == "nib6":  # nibble vector v = 2j + half takes bits 2(v % 4) of plane v // 4, byte 4i+b
+            top = ((per_row >> 4) & 3).astype(np.uint8).transpose(0, 2, 4, 3, 1, 5)  # (block, group, j, half, row, b)
+            top = top.reshape(n_blk, n_pad // 64, 4, 4, 64)  # (block, group, plane, v % 4, 4i+b)
+            plane = top[:, :, :, 0] | (top[:, :, :, 1] << 2) | (top[:, :, :, 2] << 4) | (top[:, :, :, 3] << 6)
+            qs = np.concatenate([qs, plane.reshape(n_blk, n_pad // 64, 256)], axis=-1)
         qs = qs.reshape(n_blk, n_pad // 64, ROWS, -1)
     else:  # (block, group, j, 4i+b): row i's weight 4j+b, j < 16
         i8 = codes.astype(np.int8, copy=False).reshape(n_blk, ROWS, n_pad // 64, 16, 4)

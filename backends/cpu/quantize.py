@@ -103,28 +103,37 @@ def offset(d, m, sup, ms, c, sub, r, k):
     return sub_scale(m, sup, 1, sub, (r >> 4) * ms, k, (r & 15) * ms) + c * scale(d, sup, sub, r, k)
 
 
+@numba.njit(inline="always", **_JIT)
+def nib_code(qs, r, g, w):
+    """Code w (0..63) of group g of row r from a nibble layout (qtypes): byte b of row i in 64-byte
+    load j holds weights 4j+b (low nibble) and 32+4j+b (high); "nib5" (40 bytes a row) adds each
+    weight's fifth bit from the masks after the 512 nibble bytes, "nib6" (48) its top two from the
+    2-bit planes there."""
+    i, j, b = r & 15, (w & 31) >> 2, w & 3
+    width = qs.shape[3]
+    f = 64 * j + 4 * i + b
+    byte = np.int32(qs[r >> 4, g, f // width, f % width])
+    code = (byte >> 4) if w >= 32 else (byte & 15)
+    if width == 40:
+        f = 512 + 16 * j + 8 * (w >> 5) + ((4 * i + b) >> 3)
+        code |= ((np.int32(qs[r >> 4, g, f // width, f % width]) >> ((4 * i + b) & 7)) & 1) << 4
+    elif width == 48:
+        v = 2 * j + (w >> 5)  # the nibble vector (load j's low or high nibbles)
+        f = 512 + 64 * (v >> 2) + 4 * i + b
+        code |= ((np.int32(qs[r >> 4, g, f // width, f % width]) >> (2 * (v & 3))) & 3) << 4
+    return code
+
+
 @numba.njit(**_JIT)
 def dequant_nib(qs, d, m, sup, ms, c, sub, rows, out, values):
     """out[i] = row rows[i] as float32 (n, n_pad). Serial: the tiles feed BLAS, whose threads
-    would fight numba's spinning ones. The layout (qtypes): byte 64j + 4i + b of a block's group
-    holds row i's weights 4j+b and 32+4j+b; "nib5" (40 "bytes" a row) adds each weight's fifth
-    bit from the masks after the 512 nibble bytes. `values[code]` is the code's value: the codes
-    themselves, or a lookup layout's table."""
-    five = qs.shape[3] == 40
-    width = qs.shape[3]
+    would fight numba's spinning ones. Codes of the nibble layouts (nib_code); `values[code]` is
+    the code's value: the code itself, code - 32 ("nib6"), or a lookup layout's table."""
     for n in range(rows.shape[0]):
         r = rows[n]
-        i = r & 15
         for g in range(qs.shape[1]):
-            q = qs[r >> 4, g]  # (16, width): the group's bytes, row-major
             for w in range(64):
-                j, b = (w & 31) >> 2, w & 3
-                f = 64 * j + 4 * i + b
-                byte = np.int32(q[f // width, f % width])
-                code = (byte >> 4) if w >= 32 else (byte & 15)
-                if five:
-                    f = 512 + 16 * j + 8 * (w >> 5) + ((4 * i + b) >> 3)
-                    code |= ((np.int32(q[f // width, f % width]) >> ((4 * i + b) & 7)) & 1) << 4
+                code = nib_code(qs, r, g, w)
                 k = (g * 64 + w) // sub
                 out[n, g * 64 + w] = scale(d, sup, sub, r, k) * values[code] + offset(d, m, sup, ms, c, sub, r, k)
 
