@@ -77,16 +77,7 @@ def pre_type(pre: str) -> _Pre:
 def build_bpe(tokens: list[str], merges, pre: _Pre) -> HFTokenizer:
     """A `tokenizers` BPE over the GGUF vocab; it encodes text fragments free of specials."""
     vocab = {t: i for i, t in enumerate(tokens)}
-    pairs = []
-    for m in merges:
-        # llama.cpp splits at the first space after position 0, so a merge may start with one.
-        pos = m.find(" ", 1)
-        if pos < 0:
-            raise ModelLoadError(f"malformed BPE merge {m!r} in tokenizer.ggml.merges")
-        if m[:pos] + m[pos + 1:] not in vocab:  # `tokenizers` would panic (a BaseException), not raise
-            raise ModelLoadError(f"BPE merge {m!r} in tokenizer.ggml.merges makes "
-                                 f"{m[:pos] + m[pos + 1:]!r}, which is not in the vocab")
-        pairs.append((m[:pos], m[pos + 1:]))
+    pairs = _merge_pairs(merges, vocab)
     # ignore_merges needs tokenizers >= 0.19; only llama3-style vocabs ask for it.
     extra = {"ignore_merges": True} if pre.ignore_merges else {}
     try:
@@ -99,6 +90,21 @@ def build_bpe(tokens: list[str], merges, pre: _Pre) -> HFTokenizer:
     return tok
 
 
+def _merge_pairs(merges, vocab: dict[str, int]) -> list[tuple[str, str]]:
+    """tokenizer.ggml.merges as (left, right) pairs, each checked to make a token of the vocab."""
+    pairs = []
+    for m in merges:
+        # llama.cpp splits at the first space after position 0, so a merge may start with one.
+        pos = m.find(" ", 1)
+        if pos < 0:
+            raise ModelLoadError(f"malformed BPE merge {m!r} in tokenizer.ggml.merges")
+        if m[:pos] + m[pos + 1:] not in vocab:  # `tokenizers` would panic (a BaseException), not raise
+            raise ModelLoadError(f"BPE merge {m!r} in tokenizer.ggml.merges makes "
+                                 f"{m[:pos] + m[pos + 1:]!r}, which is not in the vocab")
+        pairs.append((m[:pos], m[pos + 1:]))
+    return pairs
+
+
 _WORDS = re.compile(r"[^\n]+|\n+")  # llama.cpp's split for SPM-style BPE: newlines apart, nothing else
 
 
@@ -107,12 +113,7 @@ def build_spm_bpe(tokens: list[str], merges) -> HFTokenizer:
     spaces escaped as U+2581, no byte-level mapping; a character the vocab lacks becomes its UTF-8
     bytes' <0xXX> tokens."""
     vocab = {t: i for i, t in enumerate(tokens)}
-    pairs = []
-    for m in merges:
-        pos = m.find(" ", 1)
-        if pos < 0 or m[:pos] + m[pos + 1:] not in vocab:
-            raise ModelLoadError(f"malformed BPE merge {m!r} in tokenizer.ggml.merges")
-        pairs.append((m[:pos], m[pos + 1:]))
+    pairs = _merge_pairs(merges, vocab)
     try:
         return HFTokenizer(models.BPE(vocab=vocab, merges=pairs, byte_fallback=True))
     except Exception as e:

@@ -15,28 +15,21 @@ import numpy as np
 from hearthlm.runtime.batcher import Scheduled, StepPlan
 from hearthlm.runtime.request import Request
 from hearthlm.runtime.sampling import SamplingParams
-from hearthlm.runtime.speculative import K_MAX
+from hearthlm.runtime.speculative import K_MAX, DraftLength
 
 P_MIN = 0.75  # a draft token the draft model itself gives less than this is not proposed (llama.cpp's default)
 
 
-class DraftSeq:
+class DraftSeq(DraftLength):
     """One request's side of the draft model: the draft engine's view of its tokens (a Request
     of that engine, whose K/V is valid for its first n_computed tokens) and the draft length,
     adapted as for n-gram drafts."""
 
-    def __init__(self, drafter: "DraftModel", k_max: int) -> None:
-        self.drafter = drafter
+    def __init__(self, k_max: int) -> None:
+        super().__init__(k_max)
         self.seq = Request(prompt=[], params=SamplingParams(temperature=0.0), max_tokens=1,
                            on_token=lambda t, lp: None, on_finish=lambda reason, err: None)
         self.admitted = False
-        self.k_max = self.k = k_max
-        self.drafted = self.accepted = 0
-
-    def feedback(self, n_drafted: int, n_accepted: int) -> None:
-        self.drafted += n_drafted
-        self.accepted += n_accepted
-        self.k = min(self.k_max, self.k * 2) if n_accepted == n_drafted else max(2, n_accepted + 1)
 
 
 class DraftModel:
@@ -51,7 +44,7 @@ class DraftModel:
         self.steps = 0
 
     def new_seq(self) -> DraftSeq:
-        return DraftSeq(self, self.k_max)
+        return DraftSeq(self.k_max)
 
     def release(self, spec: DraftSeq) -> None:
         """The request is done: its draft blocks go back (the prefix cache may keep them)."""

@@ -10,16 +10,29 @@ N_MAX, N_MIN = 3, 2  # n-gram sizes tried, longest first (single tokens match to
 K_MAX = 10           # draft tokens at most per step
 
 
-class NgramDrafter:
-    """Per request: an index of every n-gram of its tokens (prompt and output) to the position
-    after its latest occurrence, kept up to date as tokens come (O(1) per token)."""
+class DraftLength:
+    """A request's draft length, adapted step by step, and its counts (any drafter's)."""
 
     def __init__(self, k_max: int = K_MAX) -> None:
         self.k_max = k_max
         self.k = k_max  # this step's draft length: shrinks after rejections, grows after acceptances
+        self.drafted = self.accepted = 0
+
+    def feedback(self, n_drafted: int, n_accepted: int) -> None:
+        """Adapt the draft length: all kept, try longer; a miss, a little past what was kept."""
+        self.drafted += n_drafted
+        self.accepted += n_accepted
+        self.k = min(self.k_max, self.k * 2) if n_accepted == n_drafted else max(2, n_accepted + 1)
+
+
+class NgramDrafter(DraftLength):
+    """Per request: an index of every n-gram of its tokens (prompt and output) to the position
+    after its latest occurrence, kept up to date as tokens come (O(1) per token)."""
+
+    def __init__(self, k_max: int = K_MAX) -> None:
+        super().__init__(k_max)
         self._index: dict[tuple[int, ...], int] = {}
         self._upto = 0  # n-grams ending before this position are indexed
-        self.drafted = self.accepted = 0
 
     def propose(self, tokens: list[int], limit: int) -> list[int]:
         """Up to min(k, limit) tokens to try after `tokens`."""
@@ -36,9 +49,3 @@ class NgramDrafter:
             if e is not None:
                 return tokens[e:e + limit]
         return []
-
-    def feedback(self, n_drafted: int, n_accepted: int) -> None:
-        """Adapt the draft length: all kept, try longer; a miss, a little past what was kept."""
-        self.drafted += n_drafted
-        self.accepted += n_accepted
-        self.k = min(self.k_max, self.k * 2) if n_accepted == n_drafted else max(2, n_accepted + 1)
