@@ -83,7 +83,10 @@ clean-kernels:
 # The GPU machine has no network: .gpu-bundle/ holds the wheels it lacks (tests/gpu_bundle.py);
 # carry it there and run `bash tests/gpu_check.sh`. The check installs it offline into a
 # fresh Python 3.12 like that machine's and generates on the CPU.
-PY312 ?= $(shell command -v python3.12 || ls -d $(HOME)/.pyenv/versions/3.12*/bin/python 2>/dev/null | tail -1)
+# the first Python 3.12 that runs (pyenv's python3.12 shim is on PATH but fails where 3.12 is
+# installed yet not selected)
+PY312 ?= $(shell for p in $$(command -v python3.12) $$(ls -d $(HOME)/.pyenv/versions/3.12*/bin/python 2>/dev/null); do \
+	"$$p" -c 'import sys; assert sys.version_info[:2] == (3, 12)' 2>/dev/null && { echo "$$p"; break; }; done)
 
 gpu-bundle: $(VENV)/.stamp
 	$(PY) tests/gpu_bundle.py build .gpu-bundle

@@ -50,6 +50,22 @@ HD int ld_i32_b2(const u8* p) {
 
 HD int ld_i32_b4(const u8* p) { return *(const int*)p; }
 
+// the smallest normal float: CuPy compiles with -ftz=true, so on the GPU anything below it is 0
+#define F32_MIN_NORMAL 1.17549435e-38f
+
+// float -> int, round half to even, saturating, NaN -> 0 (the cvt.rni.s32.f32 instruction;
+// the same semantics on the host)
+HD int f2i_rn(float x) {
+#if defined(__CUDA_ARCH__)
+    return __float2int_rn(x);
+#else
+    if (x != x) return 0;
+    if (x >= 2147483648.0f) return 2147483647;
+    if (x <= -2147483648.0f) return -2147483647 - 1;
+    return (int)__builtin_rintf(x);  // the default rounding mode: to nearest even
+#endif
+}
+
 // sum of the four signed byte products, plus c
 HD int dp4a(int a, int b, int c) {
 #if defined(__CUDA_ARCH__)

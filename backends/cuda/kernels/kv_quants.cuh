@@ -39,13 +39,18 @@ HD void st_f16(u8* p, float v) {
     p[1] = (u8)(h >> 8);
 }
 
+// 1 / d, or 0 where d is 0 or subnormal (ggml: `d ? 1 / d : 0`). On the GPU (-ftz=true) a
+// subnormal d is 0 already; on the host 1 / d overflowed to inf there (d < ~2.9e-39) and the
+// codes of inf / NaN were undefined. Either way such a d is 0 as a half, so the block reads 0.
+HD float kv_inv(float d) { return kv_fabs(d) < F32_MIN_NORMAL ? 0.0f : 1.0f / d; }
+
 template <int T> HD void kv_quantize(const float* x, u8* b);
 
 // d = amax / 127, codes round-half-away(x / d) (roundf)
 template <> HD void kv_quantize<KV_Q8_0>(const float* x, u8* b) {
     float amax = 0.0f;
     for (int j = 0; j < 32; ++j) amax = fmaxf(amax, kv_fabs(x[j]));
-    float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+    float d = amax / 127.0f, id = kv_inv(d);
     st_f16(b, d);
     for (int j = 0; j < 32; ++j) b[2 + j] = (u8)(i8)(int)roundf(x[j] * id);
 }
@@ -58,7 +63,7 @@ template <> HD void kv_quantize<KV_Q4_0>(const float* x, u8* b) {
             amax = kv_fabs(x[j]);
             mx = x[j];
         }
-    float d = mx / -8.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+    float d = mx / -8.0f, id = kv_inv(d);
     st_f16(b, d);
     for (int j = 0; j < 16; ++j) {
         int lo = (int)(x[j] * id + 8.5f), hi = (int)(x[16 + j] * id + 8.5f);

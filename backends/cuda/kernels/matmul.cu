@@ -21,8 +21,8 @@ extern "C" __global__ void quantize_q8(const float* __restrict__ x, long long n_
     float s = v;
 #pragma unroll
     for (int o = 8; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);  // within each half of 16
-    float d = amax / 127.0f;
-    xq[c * 32 + lane] = (i8)(amax == 0.0f ? 0 : __float2int_rn(v / d));
+    float d = q8_scale(amax);  // 0 for a chunk of tiny values (FTZ-safe, see quants.cuh)
+    xq[c * 32 + lane] = (i8)q8_code(v, d);
     if (lane == 0) xd[c] = d;
     if ((lane & 15) == 0) xs[c * 2 + lane / 16] = s;
 }

@@ -202,6 +202,24 @@ HD float chunk_weight(const Chunk& k, int i) {
     return k.d[i / 16] * (float)code + k.m[i / 16];
 }
 
+// Activations as llama.cpp's q8_1, a chunk of 32 whose largest magnitude is amax: the scale
+// d = amax / 127 and codes round(v / d). A d below the smallest normal float counts as 0, and so
+// do the chunk's codes: under CuPy's -ftz=true such a d flushes to 0 on the GPU, where v / d
+// then made +-inf or NaN codes (an amax under 127 * F32_MIN_NORMAL, ~1.5e-36). Thus a chunk of
+// tiny values quantizes to zeros alike with FTZ and without it (the host), and d >= F32_MIN_NORMAL
+// keeps |v / d| <= 127 (+ rounding), no overflow; the clamp only guards that rounding. A NaN
+// amax stays NaN (propagates, as before).
+HD float q8_scale(float amax) {
+    float d = amax / 127.0f;
+    return d < F32_MIN_NORMAL ? 0.0f : d;
+}
+
+HD int q8_code(float v, float d) {
+    if (d == 0.0f) return 0;
+    int q = f2i_rn(v / d);
+    return q < -127 ? -127 : (q > 127 ? 127 : q);
+}
+
 // dot of a chunk with 32 int8 activations x = d8 * xq (llama.cpp's q8_1), xs[h] = the sum of
 // the half's float activations (for the offsets)
 HD float chunk_dot(const Chunk& k, const int* xq, float d8, const float* xs) {
