@@ -162,6 +162,34 @@ def test_half_types_widen_every_bit_pattern():
     np.testing.assert_array_equal(bf16, (bits.astype(np.uint32) << 16).view(np.float32))
 
 
+@pytest.mark.parametrize("qtype", [T.F32, T.F16, T.BF16], ids=lambda t: t.name)
+def test_float_weights_a_token_a_lane(qtype):
+    """From HALF_TOKENS_MIN tokens, F32/F16/BF16 weights multiply a token per vector lane
+    (halfs.matmul_tokens): each output is fma over k in order, so it is the float64 product
+    to float32 rounding, and a token's row is bitwise the same whatever else shares the call.
+    37 rows: full and partial row blocks; 6000 columns: x in several chunks (X_CHUNK_BYTES)."""
+    from hearthlm.backends.cpu import halfs
+    from hearthlm.backends.cpu import matmul as mm
+    rng = np.random.default_rng(int(qtype) + 5)
+    for n_rows, n_cols in ((37, 96), (37, 6000)):
+        raw = make_raw(qtype, n_rows, n_cols, rng)
+        ref_w = quants.dequantize(raw, qtype).reshape(n_rows, n_cols).astype(np.float64)
+        w = pack_weight(int(qtype), raw, (n_rows, n_cols))
+        x = rng.standard_normal((70, n_cols)).astype(np.float32)
+        if n_cols == 6000:
+            assert halfs.X_CHUNK_BYTES // (n_cols * halfs.VW * 4) < 70 // halfs.VW  # several chunks
+        alone = None
+        for n_tok in (mm.HALF_TOKENS_MIN, 9, 16, 17, 33, 70):
+            y = matmul(w, x[:n_tok])
+            ref = x[:n_tok].astype(np.float64) @ ref_w.T
+            scale = np.abs(x[:n_tok]).astype(np.float64) @ np.abs(ref_w).T  # sum |x w|: the rounding's scale
+            assert np.all(np.abs(y - ref) <= 1e-6 * n_cols ** 0.5 * scale + 1e-30), (qtype.name, n_tok)
+            alone = y[0] if alone is None else alone
+            assert np.array_equal(y[0], alone), (qtype.name, n_tok)
+        y = matmul(w, x[30:70])  # the same tokens in other lanes and chunks
+        np.testing.assert_array_equal(y, matmul(w, x)[30:70])
+
+
 def test_pack_weight_rejects_mismatched_bytes():
     with pytest.raises(ValueError):
         pack_weight(int(T.Q4_1), np.zeros((4, 40), dtype=np.uint8), (4, 96))  # 96 cols need 60 bytes
@@ -336,10 +364,10 @@ h = np.arange(65536, dtype=np.uint16); out = np.empty(65536, np.float32); widen_
 ref = h.view(np.float16).astype(np.float32)
 assert np.array_equal(np.isnan(out), np.isnan(ref)) and np.array_equal(out[~np.isnan(ref)], ref[~np.isnan(ref)])
 rng = np.random.default_rng(0)
-for qt in (T.Q4_1, T.Q5_0, T.Q4_K, T.Q6_K, T.Q8_0):
+for qt in (T.Q4_1, T.Q5_0, T.Q4_K, T.Q6_K, T.Q8_0, T.F16):
     raw = random_raw(qt, 37, 512, rng)
     w = pack_weight(int(qt), raw, (37, 512))
-    for n in (1, 3, 6):
+    for n in (1, 3, 6, 20):  # 20: the float types' token-a-lane kernel (8-wide vectors without AVX-512)
         x = rng.standard_normal((n, 512)).astype(np.float32)
         r = x @ quants.dequantize(raw, qt).reshape(37, 512).T
         err = float(((matmul(w, x) - r) ** 2).sum() / (r ** 2).sum())

@@ -39,7 +39,7 @@ from numba import prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
-from .halfs import TARGET_FEATURES, f32, widen
+from .halfs import TARGET_FEATURES, _call, _ptr, f32, widen
 from .quantize import nib_code, sub_scale
 from .qtypes import LUTS, ROWS  # ROWS: rows per vector (one zmm of int32 or float32 lanes) and per block
 
@@ -79,15 +79,6 @@ def _lookup(builder, idx, table):
     return out
 
 
-def _ptr(context, builder, arrty, arr, inds):
-    """Address of arr[i, j] (no wraparound, no bounds check: the callers index in range)."""
-    a = context.make_array(arrty)(context, builder, arr)
-    inds = [context.cast(builder, v, t, types.intp) for v, t in inds]
-    return cgutils.get_item_pointer2(context, builder, data=a.data, shape=cgutils.unpack_tuple(builder, a.shape),
-                                     strides=cgutils.unpack_tuple(builder, a.strides), layout=arrty.layout,
-                                     inds=inds, wraparound=False, boundscheck=False)
-
-
 def _vec_ptr(context, builder, arrty, arr, inds, vty):
     return builder.bitcast(_ptr(context, builder, arrty, arr, inds), vty.as_pointer())
 
@@ -102,11 +93,6 @@ def _halves(builder, v):
 def _join(builder, lo, hi):
     n = lo.type.count
     return builder.shuffle_vector(lo, hi, ir.Constant(ir.VectorType(_I32, 2 * n), list(range(2 * n))))
-
-
-def _call(builder, name, ret, args):
-    fty = ir.FunctionType(ret, [a.type for a in args])
-    return builder.call(cgutils.get_or_insert_function(builder.module, fty, name), args)
 
 
 def _madd(builder, a, b):

@@ -1,6 +1,7 @@
 """F16 and BF16 weights kept at 2 bytes a weight (float32 copies would double a model's memory
 and the bytes each decode token streams). Rows are widened to float32 into a small per-thread
-buffer, then dotted with each token; for many tokens, matmul.py widens tiles for BLAS.
+buffer, then dotted with each token; for many tokens, widened rows are multiplied into a
+token a vector lane (matmul_tokens, which also takes float32 weights).
 
 numba has no float16 and no scalar bitcast, so the widening writes float32 bit patterns into
 a uint32 buffer viewed as float32. F16: sign | exponent+mantissa << 13 is the value times
@@ -13,7 +14,8 @@ import numba
 import numpy as np
 from llvmlite import ir
 from numba import prange, types
-from numba.extending import intrinsic
+from numba.core import cgutils
+from numba.extending import intrinsic, overload
 
 _JIT = dict(cache=True, fastmath=True, nogil=True)
 
@@ -28,6 +30,20 @@ _JIT = dict(cache=True, fastmath=True, nogil=True)
 TARGET_FEATURES = (llb.get_host_cpu_features().flatten() if numba.config.CPU_NAME in (None, "host")
                    else (numba.config.CPU_FEATURES or ""))
 NATIVE_HALF = "+f16c" in TARGET_FEATURES or not llb.get_process_triple().startswith(("x86", "i386", "i686"))
+
+
+def _ptr(context, builder, arrty, arr, inds):
+    """Address of arr[i, j] (no wraparound, no bounds check: the callers index in range)."""
+    a = context.make_array(arrty)(context, builder, arr)
+    inds = [context.cast(builder, v, t, types.intp) for v, t in inds]
+    return cgutils.get_item_pointer2(context, builder, data=a.data, shape=cgutils.unpack_tuple(builder, a.shape),
+                                     strides=cgutils.unpack_tuple(builder, a.strides), layout=arrty.layout,
+                                     inds=inds, wraparound=False, boundscheck=False)
+
+
+def _call(builder, name, ret, args):
+    fty = ir.FunctionType(ret, [a.type for a in args])
+    return builder.call(cgutils.get_or_insert_function(builder.module, fty, name), args)
 
 
 def widen(builder, bits):
@@ -163,3 +179,121 @@ def widen_rows(w, is_f16, rows, out):
     bits = out.view(np.uint32)
     for i in range(rows.shape[0]):
         _widen_row(w[rows[i]], is_f16, bits[i], out[i])
+
+
+# Many tokens (8 and up: batched decode, prefill, an encoder's text): a token per vector lane.
+# x goes in transposed, VW tokens a vector; each weight, widened once per block of RB rows into
+# a per-thread buffer, is broadcast and multiplied into the accumulators of up to 3 token
+# vectors, so one FMA does VW tokens' products and a block's RB x 3 accumulators stay in
+# registers for the whole row (no sums across lanes). ~2x BLAS on one thread, both cores busy
+# without BLAS's own threads (which spin against numba's). A token's sum is fma(w[k], x[k], acc)
+# over k in order, in its own lane: bitwise the same whatever else is in the call.
+VW = 16 if "+avx512f" in TARGET_FEATURES else 8  # tokens a vector
+RB = 8 if VW == 16 else 4  # rows a block: RB x 3 accumulators + 3 token vectors + 1 weight in registers
+X_CHUNK_BYTES = 1 << 20  # x's share one pass of the rows reads: within a core's L2
+
+
+def _make_block(n_v):
+    @intrinsic
+    def block(typingctx, wb, xt, yb, t0):
+        """yb[r, t0:t0 + VW*n_v] = wb[r] . xt[:, those tokens] for the RB rows of wb."""
+        def codegen(context, builder, sig, args):
+            wb_v, xt_v, yb_v, t0_v = args
+            ta, ip = sig.args, types.intp
+            cst = lambda v: context.get_constant(ip, v)  # noqa: E731
+            vf = ir.VectorType(ir.FloatType(), VW)
+            t0 = context.cast(builder, t0_v, ta[3], ip)
+            n_k = cgutils.unpack_tuple(builder, context.make_array(ta[0])(context, builder, wb_v).shape)[1]
+            accs = [[cgutils.alloca_once_value(builder, ir.Constant(vf, [0.0] * VW)) for _ in range(n_v)]
+                    for _ in range(RB)]  # allocas: mem2reg keeps them in registers
+            zeros = ir.Constant(ir.VectorType(ir.IntType(32), VW), [0] * VW)
+            with cgutils.for_range(builder, n_k) as loop:
+                k = loop.index
+                xs = [builder.load(builder.bitcast(_ptr(context, builder, ta[1], xt_v, [(k, ip), (builder.add(t0, cst(VW * v)), ip)]),
+                                                   vf.as_pointer()), align=4) for v in range(n_v)]
+                for r in range(RB):
+                    s = builder.load(_ptr(context, builder, ta[0], wb_v, [(cst(r), ip), (k, ip)]))
+                    wv = builder.shuffle_vector(builder.insert_element(ir.Constant(vf, ir.Undefined), s, cst(0)),
+                                                ir.Constant(vf, ir.Undefined), zeros)
+                    for v in range(n_v):
+                        acc = builder.load(accs[r][v])
+                        builder.store(_call(builder, f"llvm.fma.v{VW}f32", vf, [wv, xs[v], acc]), accs[r][v])
+            for r in range(RB):
+                for v in range(n_v):
+                    p = _ptr(context, builder, ta[2], yb_v, [(cst(r), ip), (builder.add(t0, cst(VW * v)), ip)])
+                    builder.store(builder.load(accs[r][v]), builder.bitcast(p, vf.as_pointer()), align=4)
+            return context.get_dummy_value()
+        return types.none(wb, xt, yb, t0), codegen
+    return block
+
+
+_BLOCK1, _BLOCK2, _BLOCK3 = _make_block(1), _make_block(2), _make_block(3)
+
+
+def _rows_f32(w, r0, nr, is_f16, wb, bits):
+    """Rows r0..r0+nr of w as float32 into wb[:nr]."""
+
+
+@overload(_rows_f32)
+def _rows_f32_impl(w, r0, nr, is_f16, wb, bits):
+    if w.dtype == types.float32:
+        def impl(w, r0, nr, is_f16, wb, bits):
+            for r in range(nr):
+                wb[r, :] = w[r0 + r]
+    else:
+        def impl(w, r0, nr, is_f16, wb, bits):
+            for r in range(nr):
+                _widen_row(w[r0 + r], is_f16, bits[r], wb[r])
+    return impl
+
+
+@numba.njit(parallel=True, cache=True, nogil=True)
+def _x_chunks(x, n_chunks, width):
+    """x (T, K) -> (n_chunks, K, width): chunk c holds tokens c*width.. transposed, zeros past T."""
+    n_tok, n_k = x.shape
+    xc = np.empty((n_chunks, n_k, width), np.float32)
+    for kb in prange((n_k + 63) // 64):
+        for c in range(n_chunks):
+            for k in range(kb * 64, min(n_k, kb * 64 + 64)):
+                for j in range(width):
+                    t = c * width + j
+                    xc[c, k, j] = x[t, k] if t < n_tok else np.float32(0.0)
+    return xc
+
+
+@numba.njit(parallel=True, cache=True, nogil=True)
+def matmul_tokens(w, is_f16, x, y, n_threads):
+    """w (n_rows, n_cols): uint16 bits of F16 (is_f16) or BF16, or float32; x (n_tok, n_cols)
+    float32 -> y (n_tok, n_rows); n_threads: numba.get_num_threads() (read inside, it would keep
+    the function from numba's cache)."""
+    n_rows, n_k = w.shape
+    n_tok = x.shape[0]
+    nv = (n_tok + VW - 1) // VW
+    cv = min(nv, max(1, min(6, X_CHUNK_BYTES // (n_k * VW * 4))))  # token vectors a chunk
+    width = cv * VW
+    n_chunks = (nv + cv - 1) // cv
+    xc = _x_chunks(x, n_chunks, width)
+    n_rb = (n_rows + RB - 1) // RB
+    n_th = max(1, min(n_threads, n_rb))
+    for th in prange(n_th):
+        wb = np.zeros((RB, n_k), np.float32)
+        bits = wb.view(np.uint32)
+        yb = np.empty((RB, width), np.float32)
+        for c in range(n_chunks):
+            n = min(cv, nv - c * cv)
+            xt = xc[c]
+            for rb in range(th * n_rb // n_th, (th + 1) * n_rb // n_th):
+                r0 = rb * RB
+                nr = min(RB, n_rows - r0)
+                _rows_f32(w, r0, nr, is_f16, wb, bits)  # a partial block's other rows: stale, unread
+                v = 0
+                while v + 3 <= n:
+                    _BLOCK3(wb, xt, yb, v * VW)
+                    v += 3
+                if n - v == 2:
+                    _BLOCK2(wb, xt, yb, v * VW)
+                elif n - v == 1:
+                    _BLOCK1(wb, xt, yb, v * VW)
+                for j in range(min(n_tok - c * width, n * VW)):
+                    for r in range(nr):
+                        y[c * width + j, r0 + r] = yb[r, j]

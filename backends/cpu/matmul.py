@@ -4,8 +4,9 @@ Up to BLAS_MIN_TOKENS tokens (decode, batches, prefill), x is quantized to int8 
 (as ggml's q8_1, with codes, a scale, and the block sums that absorb the weights' offsets), and
 each weight row is an integer dot product per sub-block (dot.py, 16 rows at a time, tokens in
 pairs), so a token's result does not depend on the batch it came in. Beyond, rows are
-dequantized a tile at a time and multiplied by BLAS. F32 weights go to BLAS at any token count;
-F16/BF16 ones are widened to float32 a row at a time (halfs.py), or a tile at a time for BLAS.
+dequantized a tile at a time and multiplied by BLAS. F16/BF16 weights are widened to float32 a
+row at a time (halfs.py) and dotted with each token; from HALF_TOKENS_MIN tokens, they and F32
+ones go to halfs.matmul_tokens (a token a vector lane); F32 ones below that to BLAS.
 """
 
 from concurrent.futures import ThreadPoolExecutor
@@ -23,7 +24,10 @@ from .qtypes import LUTS, PackedWeight
 # the tiles stay only for counts beyond what was measured.
 BLAS_MIN_TOKENS = 4096
 SPLIT_MIN_MACS = 1 << 26  # a tiled matmul's multiply-adds from which its tiles go to several threads
-HALF_BLAS_MIN_TOKENS = 8  # F16/BF16: their per-token kernel against widened tiles + BLAS
+# F16/BF16/F32: from here a token a vector lane (halfs.matmul_tokens: an FMA does 16 tokens),
+# below it a row's weights a lane (dot_half; BLAS for F32), which wins for few tokens (measured:
+# even at 8 on 896x896, 4864x896, 1536x384)
+HALF_TOKENS_MIN = 8
 TILE_ROWS = 512  # rows dequantized per BLAS call (at most): big enough for BLAS, within L2-L3
 
 
@@ -46,10 +50,16 @@ def matmul(w: PackedWeight, x: np.ndarray, out: np.ndarray | None = None, xq=Non
         if xq is None or xq[0] != (w.n_pad, w.sub):
             xq = quantize_for(w, x)
         return _matmul_int(w, x.shape[0], xq[1], out)
+    if w.layout in ("f32", "half") and x.shape[0] >= HALF_TOKENS_MIN:
+        y = np.empty((x.shape[0], n_rows), dtype=np.float32) if out is None else out
+        start_pool()
+        halfs.matmul_tokens(w.w if w.layout == "f32" else w.qs, w.ggml_type == GGMLQuantizationType.F16, x, y,
+                              numba.get_num_threads())
+        return y
     if w.layout == "f32":
         y = x @ w.w.T
     elif w.layout == "half":
-        y = _matmul_half(w, x) if x.shape[0] < HALF_BLAS_MIN_TOKENS else _matmul_tiles(w, x)
+        y = _matmul_half(w, x)
     else:
         y = _matmul_tiles(w, x)
     if out is None:
