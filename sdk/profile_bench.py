@@ -1,6 +1,6 @@
 """`hearthlm bench --profile`: where a decode step's time goes at 1, 4, 16 and 64 tokens per
-step. n requests decode together (8-token prompts, so the steps timed are decode steps of n
-tokens); each step's wall time splits into kernels by op kind, the rest of the graph walk
+step. n requests decode together (8-token prompts, or --context N tokens: decode after a long
+prompt; the steps timed are decode steps of n tokens); each step's wall time splits into kernels by op kind, the rest of the graph walk
 (Python per node), and the engine around it (plan, inputs, sampling, callbacks)."""
 from __future__ import annotations
 
@@ -71,12 +71,14 @@ async def _run(a, levels: list[int], decode: int) -> list[dict]:
                 step_t[bucket(n, eng.max_batch_tokens)] += time.perf_counter() - t
         eng.step = step
         engine_mod.execute = _timed_execute(acc)
+        n_prompt = getattr(a, "context", None) or 8
+        vocab = s.model.n_vocab
         try:
             for warm in (True, False):
                 for n in levels:
                     async with anyio.create_task_group() as tg:
                         for i in range(n):
-                            tg.start_soon(lambda i=i: s.generate([1000 + i + 7 * j for j in range(8)],
+                            tg.start_soon(lambda i=i: s.generate([(1000 + i + 7 * j) % vocab for j in range(n_prompt)],
                                                                  max_tokens=4 if warm else decode,
                                                                  temperature=0, ignore_eos=True))
                 if warm:

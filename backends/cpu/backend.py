@@ -6,6 +6,7 @@ the node, possibly a dying source's: see Op.props.inplace) they write into it an
 return it; without, they allocate."""
 from __future__ import annotations
 
+import numba
 import numpy as np
 from gguf.constants import GGMLQuantizationType as T
 
@@ -156,7 +157,8 @@ def _attn(node, q, k, v, seq, pos, bt, *extra, out=None):
     lo, hi = attn_bounds(pos, seq_len, p["window"], p["causal"])
     ops.attention(np.ascontiguousarray(q, np.float32), _bits(k), _bits(v), seq, np.ascontiguousarray(pos, np.int32),
                   np.ascontiguousarray(lo, np.int32), np.ascontiguousarray(hi, np.int32), bt, p["scale"],
-                  p["block_size"], p.get("softcap", 0.0), slopes, sinks, out.reshape(q.shape[0], q.shape[1], kv_types.head_dim(v)))
+                  p["block_size"], p.get("softcap", 0.0), slopes, sinks, out.reshape(q.shape[0], q.shape[1], kv_types.head_dim(v)),
+                  numba.get_num_threads())
     return out
 
 

@@ -7,10 +7,12 @@ import math
 
 import numba
 import numpy as np
-from numba import prange
+from llvmlite import ir
+from numba import prange, types
+from numba.extending import intrinsic
 
-from .halfs import bits_as_f32, f32, like
-from .kvquant import as_values, store_row
+from .halfs import _call, bits_as_f32, f32, like
+from .kvquant import load_row, store_row
 
 # error_model="numpy": a float division by zero gives inf/NaN, as in numpy and ggml, not a
 # ZeroDivisionError out of a norm of garbage weights
@@ -258,79 +260,128 @@ def set_rows_1(cache, src, slots):
         _set_row(cache, src, slots, t)
 
 
+@intrinsic
+def _prefetch(typingctx, arr, offset):
+    """Ask for the cache line at byte `offset` of arr's data (read, into every level)."""
+    def codegen(context, builder, sig, args):
+        data = context.make_array(sig.args[0])(context, builder, args[0]).data
+        off = context.cast(builder, args[1], sig.args[1], types.intp)
+        p = builder.gep(builder.bitcast(data, ir.IntType(8).as_pointer()), [off])
+        i32 = ir.IntType(32)
+        _call(builder, "llvm.prefetch.p0i8", ir.VoidType(), [p, ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
+        return context.get_dummy_value()
+    return types.none(arr, offset), codegen
+
+
+@numba.njit(inline="always", **_JIT)
+def _prefetch_rows(cache, slot0, n):
+    """Rows slot0..slot0+n-1 of a cache (contiguous: one KV block), every head."""
+    row = cache.strides[0]
+    for b in range(slot0 * row, (slot0 + n) * row, 64):
+        _prefetch(cache, b)
+
+
 @numba.njit(**_JIT)
-def _attend(q, k_cache, v_cache, t, kh, group, seq, p_lo, p_hi, block_table, scale, softcap, block_size,
+def _attend(q, k_cache, v_cache, t, kh0, kh1, group, seq, p_lo, p_hi, block_table, scale, softcap, block_size,
             pos, slopes, m, l, acc):
-    """Online softmax of the GQA group's query heads of token t (at position pos) over positions
-    p_lo..p_hi-1, less slopes[h] * |p - pos| where slopes is not empty (ALiBi):
-    m (group,) running maxima, l (group,) sums of exp, acc (group, dv) exp-weighted V; updated.
-    Positions go ATT_BLOCK at a time (scores, then one max and rescale per block, then V), and
-    each K and V row read serves the whole group (a quantized row dequantized once, into kb / vb)."""
+    """Online softmax of the query heads of token t (at position pos) of KV heads kh0..kh1-1 over
+    positions p_lo..p_hi-1, less slopes[h] * |p - pos| where slopes is not empty (ALiBi):
+    m (n_kv, group) running maxima, l (n_kv, group) sums of exp, acc (n_kv, group, dv)
+    exp-weighted V; rows kh0..kh1-1 updated. Positions go ATT_BLOCK at a time (scores, then one
+    max and rescale per block, then V); each K and V row read (a quantized one dequantized once)
+    serves the head's whole GQA group, and a slot's heads are read together (its bytes are
+    contiguous: per-head passes strode through memory at a third of the rate), the next KV
+    block's rows prefetched, as the block table scatters blocks."""
     d = q.shape[2]
-    dv = acc.shape[1]
-    h0 = kh * group
-    sc = np.empty((group, ATT_BLOCK), np.float32)
+    dv = acc.shape[2]
+    nh = kh1 - kh0
+    sc = np.empty((nh, group, ATT_BLOCK), np.float32)
     slots = np.empty(ATT_BLOCK, np.int64)
-    kb = np.empty(d, np.float32)
-    vb = np.empty(dv, np.float32)
+    kb = np.empty((nh, ATT_BLOCK, d), np.float32)
+    vb = np.empty((nh, dv), np.float32)
+    qs = np.empty((nh, group, d), np.float32)
+    for a in range(nh):
+        for g in range(group):
+            for j in range(d):
+                qs[a, g, j] = q[t, (kh0 + a) * group + g, j]
+    blk = p_lo // block_size  # the slot walks the block table: no division per position
+    off = p_lo - blk * block_size
+    base = block_table[seq, blk] * block_size
     for p0 in range(p_lo, p_hi, ATT_BLOCK):
         nb = min(ATT_BLOCK, p_hi - p0)
         for i in range(nb):
-            p = p0 + i
-            slot = block_table[seq, p // block_size] * block_size + p % block_size
-            slots[i] = slot
-            kv = as_values(k_cache[slot, kh], kb)
+            if off == block_size:
+                blk += 1
+                off = 0
+                base = block_table[seq, blk] * block_size
+                if (blk + 1) * block_size < p_hi:
+                    nxt = block_table[seq, blk + 1] * block_size
+                    _prefetch_rows(k_cache, nxt, block_size)
+                    _prefetch_rows(v_cache, nxt, block_size)
+            slots[i] = base + off
+            off += 1
+            for a in range(nh):
+                load_row(k_cache[slots[i], kh0 + a], kb[a, i])
+        for a in range(nh):
             for g in range(group):
-                qv = q[t, h0 + g]
-                s = np.float32(0.0)
-                for j in range(d):
-                    s += qv[j] * f32(kv[j])
-                sc[g, i] = s * scale
+                for i in range(nb):
+                    s = np.float32(0.0)
+                    for j in range(d):
+                        s += qs[a, g, j] * kb[a, i, j]
+                    sc[a, g, i] = s * scale
         if softcap > 0:  # as the unfused chain: scale by 1/softcap, tanh, scale by softcap
             inv = np.float32(1.0) / np.float32(softcap)
-            for g in range(group):
-                for i in range(nb):
-                    sc[g, i] = np.float32(np.tanh(sc[g, i] * inv)) * np.float32(softcap)
+            for a in range(nh):
+                for g in range(group):
+                    for i in range(nb):
+                        sc[a, g, i] = np.float32(np.tanh(sc[a, g, i] * inv)) * np.float32(softcap)
         if slopes.shape[0] > 0:  # ALiBi: as ggml's mask of -|p - pos| times the head's slope
+            for a in range(nh):
+                for g in range(group):
+                    sl = slopes[(kh0 + a) * group + g]
+                    for i in range(nb):
+                        sc[a, g, i] += sl * np.float32(-abs(p0 + i - pos))
+        for a in range(nh):
+            kh = kh0 + a
             for g in range(group):
-                sl = slopes[h0 + g]
+                mb = m[kh, g]
                 for i in range(nb):
-                    sc[g, i] += sl * np.float32(-abs(p0 + i - pos))
-        for g in range(group):
-            mb = m[g]
-            for i in range(nb):
-                mb = max(mb, sc[g, i])
-            if mb > m[g]:  # rescale what was accumulated under the old maximum
-                corr = np.float32(math.exp(m[g] - mb)) if m[g] > -np.inf else np.float32(0.0)
-                l[g] *= corr
-                for j in range(dv):
-                    acc[g, j] *= corr
-                m[g] = mb
-            ls = np.float32(0.0)
-            for i in range(nb):
-                e = fexp(sc[g, i] - mb)
-                sc[g, i] = e
-                ls += e
-            l[g] += ls
+                    mb = max(mb, sc[a, g, i])
+                if mb > m[kh, g]:  # rescale what was accumulated under the old maximum
+                    corr = np.float32(math.exp(m[kh, g] - mb)) if m[kh, g] > -np.inf else np.float32(0.0)
+                    l[kh, g] *= corr
+                    for j in range(dv):
+                        acc[kh, g, j] *= corr
+                    m[kh, g] = mb
+                ls = np.float32(0.0)
+                for i in range(nb):
+                    e = fexp(sc[a, g, i] - mb)
+                    sc[a, g, i] = e
+                    ls += e
+                l[kh, g] += ls
         for i in range(nb):
-            vv = as_values(v_cache[slots[i], kh], vb)
-            for g in range(group):
-                e = sc[g, i]
-                for j in range(dv):
-                    acc[g, j] += e * f32(vv[j])
+            for a in range(nh):
+                load_row(v_cache[slots[i], kh0 + a], vb[a])
+            for a in range(nh):
+                for g in range(group):
+                    e = sc[a, g, i]
+                    for j in range(dv):
+                        acc[kh0 + a, g, j] += e * vb[a, j]
 
 
 @numba.njit(parallel=True, **_JIT)
 def attention(q, k_cache, v_cache, tok_seq, tok_pos, tok_lo, tok_hi, block_table, scale, block_size, softcap, slopes,
-              sinks, out):
+              sinks, out, n_threads):
     """Flash-style attention with an online softmax: never holds a score matrix.
     q (n_tokens, n_head, d); caches (n_slots, n_head_kv, d_v), float32 or float16 bits (halfs),
     or quantized blocks (kvquant); out (n_tokens, n_head, d_v).
     Token t attends to positions tok_lo[t]..tok_hi[t] of its sequence (graph.attn_bounds); slopes
     (n_head,) float32: ALiBi's per-head slopes (graph.alibi_slopes), or empty for none; sinks
     (n_head,) float32: a logit per head in the softmax's denominator with no value (gpt-oss), or empty.
-    A task per token, KV head and ATT_SPLIT positions of the token's context (its window); the
-    parts' (max, sum, weighted V) are then merged per token in a fixed order."""
+    A task per token and ATT_SPLIT positions of the token's context (its window), all KV heads
+    (split into head ranges when the parts are too few for n_threads: heads never interact, so
+    the results are the same); the parts' (max, sum, weighted V) are then merged per token in a
+    fixed order."""
     n_tokens, n_head, d = q.shape
     n_kv = k_cache.shape[1]
     dv = out.shape[2]
@@ -340,18 +391,20 @@ def attention(q, k_cache, v_cache, tok_seq, tok_pos, tok_lo, tok_hi, block_table
     for t in range(n_tokens):
         first[t + 1] = first[t] + (tok_hi[t] - tok_lo[t]) // ATT_SPLIT + 1
     n_parts = first[n_tokens]
+    n_hr = min(n_kv, max(1, (2 * n_threads) // n_parts))  # head ranges a part
     pm = np.empty((n_parts, n_kv, group), np.float32)
     pl = np.empty((n_parts, n_kv, group), np.float32)
     pacc = np.empty((n_parts, n_kv, group, dv), np.float32)
-    for job in prange(n_parts * n_kv):
-        part, kh = job // n_kv, job % n_kv
+    for job in prange(n_parts * n_hr):
+        part, r = job // n_hr, job % n_hr
+        kh0, kh1 = r * n_kv // n_hr, (r + 1) * n_kv // n_hr
         t = np.searchsorted(first, part, side="right") - 1
         p_lo = tok_lo[t] + (part - first[t]) * ATT_SPLIT
-        pm[part, kh] = -np.inf
-        pl[part, kh] = 0.0
-        pacc[part, kh] = 0.0
-        _attend(q, k_cache, v_cache, t, kh, group, tok_seq[t], p_lo, min(p_lo + ATT_SPLIT, tok_hi[t] + 1),
-                block_table, scale, softcap, block_size, tok_pos[t], slopes, pm[part, kh], pl[part, kh], pacc[part, kh])
+        pm[part, kh0:kh1] = -np.inf
+        pl[part, kh0:kh1] = 0.0
+        pacc[part, kh0:kh1] = 0.0
+        _attend(q, k_cache, v_cache, t, kh0, kh1, group, tok_seq[t], p_lo, min(p_lo + ATT_SPLIT, tok_hi[t] + 1),
+                block_table, scale, softcap, block_size, tok_pos[t], slopes, pm[part], pl[part], pacc[part])
     for job in prange(n_tokens * n_head):
         t, h = job // n_head, job % n_head
         kh, g = h // group, h % group
