@@ -7,11 +7,9 @@ import math
 
 import numba
 import numpy as np
-from llvmlite import ir
-from numba import prange, types
-from numba.extending import intrinsic
+from numba import prange
 
-from .halfs import _call, bits_as_f32, f32, like
+from .halfs import bits_as_f32, f32, like
 from .kvquant import load_row, store_row
 
 # error_model="numpy": a float division by zero gives inf/NaN, as in numpy and ggml, not a
@@ -260,27 +258,6 @@ def set_rows_1(cache, src, slots):
         _set_row(cache, src, slots, t)
 
 
-@intrinsic
-def _prefetch(typingctx, arr, offset):
-    """Ask for the cache line at byte `offset` of arr's data (read, into every level)."""
-    def codegen(context, builder, sig, args):
-        data = context.make_array(sig.args[0])(context, builder, args[0]).data
-        off = context.cast(builder, args[1], sig.args[1], types.intp)
-        p = builder.gep(builder.bitcast(data, ir.IntType(8).as_pointer()), [off])
-        i32 = ir.IntType(32)
-        _call(builder, "llvm.prefetch.p0i8", ir.VoidType(), [p, ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
-        return context.get_dummy_value()
-    return types.none(arr, offset), codegen
-
-
-@numba.njit(inline="always", **_JIT)
-def _prefetch_rows(cache, slot0, n):
-    """Rows slot0..slot0+n-1 of a cache (contiguous: one KV block), every head."""
-    row = cache.strides[0]
-    for b in range(slot0 * row, (slot0 + n) * row, 64):
-        _prefetch(cache, b)
-
-
 @numba.njit(**_JIT)
 def _attend(q, k_cache, v_cache, t, kh0, kh1, group, seq, p_lo, p_hi, block_table, scale, softcap, block_size,
             pos, slopes, m, l, acc):
@@ -290,8 +267,8 @@ def _attend(q, k_cache, v_cache, t, kh0, kh1, group, seq, p_lo, p_hi, block_tabl
     exp-weighted V; rows kh0..kh1-1 updated. Positions go ATT_BLOCK at a time (scores, then one
     max and rescale per block, then V); each K and V row read (a quantized one dequantized once)
     serves the head's whole GQA group, and a slot's heads are read together (its bytes are
-    contiguous: per-head passes strode through memory at a third of the rate), the next KV
-    block's rows prefetched, as the block table scatters blocks."""
+    contiguous: per-head passes strode through memory at half the rate; a software prefetch
+    of the next KV block measured no gain)."""
     d = q.shape[2]
     dv = acc.shape[2]
     nh = kh1 - kh0
@@ -314,10 +291,6 @@ def _attend(q, k_cache, v_cache, t, kh0, kh1, group, seq, p_lo, p_hi, block_tabl
                 blk += 1
                 off = 0
                 base = block_table[seq, blk] * block_size
-                if (blk + 1) * block_size < p_hi:
-                    nxt = block_table[seq, blk + 1] * block_size
-                    _prefetch_rows(k_cache, nxt, block_size)
-                    _prefetch_rows(v_cache, nxt, block_size)
             slots[i] = base + off
             off += 1
             for a in range(nh):
