@@ -7,9 +7,12 @@ import math
 
 import numba
 import numpy as np
-from numba import prange
+from llvmlite import ir
+from numba import prange, types
+from numba.core import cgutils
+from numba.extending import intrinsic
 
-from .halfs import bits_as_f32, f32, like
+from .halfs import TARGET_FEATURES, _call, _ptr, bits_as_f32, f32, like
 from .kvquant import load_row, store_row
 
 # error_model="numpy": a float division by zero gives inf/NaN, as in numpy and ggml, not a
@@ -19,6 +22,7 @@ ATT_BLOCK = 32  # positions per step of attention's online softmax
 # positions per attention task: decode has one token and a few KV heads, too few tasks for the
 # cores without splitting the context; a fixed split, so a token's result never depends on its batch
 ATT_SPLIT = 128
+MERGE_PAR_MIN = 1 << 16  # parts x heads x dv from which the merge runs on every thread
 
 
 @numba.njit(inline="always", **_JIT)
@@ -258,6 +262,51 @@ def set_rows_1(cache, src, slots):
         _set_row(cache, src, slots, t)
 
 
+_VW = 16 if "+avx512f" in TARGET_FEATURES else 8
+
+
+@intrinsic
+def _axpy_rows(typingctx, acc, e, v, nb):
+    """acc[:n] += sum over i < nb of e[i] * v[i, :n], n = acc's length rounded down to whole
+    vectors (the caller adds the rest): the running sums of 4 vectors in registers across the
+    rows, where a loop over acc in memory waits on each store."""
+    def codegen(context, builder, sig, args):
+        acc_v, e_v, v_v, nb_v = args
+        ta, ip = sig.args, types.intp
+        cst = lambda x: context.get_constant(ip, x)  # noqa: E731
+        vf = ir.VectorType(ir.FloatType(), _VW)
+        nb = context.cast(builder, nb_v, ta[3], ip)
+        n = cgutils.unpack_tuple(builder, context.make_array(ta[0])(context, builder, acc_v).shape)[0]
+        n_vec = builder.sdiv(n, cst(_VW))
+        zeros = ir.Constant(ir.VectorType(ir.IntType(32), _VW), [0] * _VW)
+
+        def vec_at(arrty, arr, inds):
+            return builder.bitcast(_ptr(context, builder, arrty, arr, inds), vf.as_pointer())
+
+        def run(c0, width):  # vectors c0..c0+width-1 of acc, over all rows
+            cols = [builder.mul(builder.add(c0, cst(u)), cst(_VW)) for u in range(width)]
+            sums = [cgutils.alloca_once_value(builder, builder.load(vec_at(ta[0], acc_v, [(c, ip)]), align=4))
+                    for c in cols]
+            with cgutils.for_range(builder, nb) as loop:
+                i = loop.index
+                s = builder.load(_ptr(context, builder, ta[1], e_v, [(i, ip)]))
+                ev = builder.shuffle_vector(builder.insert_element(ir.Constant(vf, ir.Undefined), s, cst(0)),
+                                            ir.Constant(vf, ir.Undefined), zeros)
+                for c, sm in zip(cols, sums):
+                    x = builder.load(vec_at(ta[2], v_v, [(i, ip), (c, ip)]), align=4)
+                    builder.store(_call(builder, f"llvm.fma.v{_VW}f32", vf, [ev, x, builder.load(sm)]), sm)
+            for c, sm in zip(cols, sums):
+                builder.store(builder.load(sm), vec_at(ta[0], acc_v, [(c, ip)]), align=4)
+
+        n4 = builder.mul(builder.sdiv(n_vec, cst(4)), cst(4))
+        with cgutils.for_range_slice(builder, cst(0), n4, cst(4)) as (c0, _):
+            run(c0, 4)
+        with cgutils.for_range(builder, builder.sub(n_vec, n4)) as loop:
+            run(builder.add(n4, loop.index), 1)
+        return context.get_dummy_value()
+    return types.none(acc, e, v, nb), codegen
+
+
 @numba.njit(**_JIT)
 def _attend(q, k_cache, v_cache, t, kh0, kh1, group, seq, p_lo, p_hi, block_table, scale, softcap, block_size,
             pos, slopes, m, l, acc):
@@ -275,7 +324,8 @@ def _attend(q, k_cache, v_cache, t, kh0, kh1, group, seq, p_lo, p_hi, block_tabl
     sc = np.empty((nh, group, ATT_BLOCK), np.float32)
     slots = np.empty(ATT_BLOCK, np.int64)
     kb = np.empty((nh, ATT_BLOCK, d), np.float32)
-    vb = np.empty((nh, dv), np.float32)
+    vb = np.empty((nh, ATT_BLOCK, dv), np.float32)
+    dv_vec = dv // _VW * _VW
     qs = np.empty((nh, group, d), np.float32)
     for a in range(nh):
         for g in range(group):
@@ -334,12 +384,36 @@ def _attend(q, k_cache, v_cache, t, kh0, kh1, group, seq, p_lo, p_hi, block_tabl
                 l[kh, g] += ls
         for i in range(nb):
             for a in range(nh):
-                load_row(v_cache[slots[i], kh0 + a], vb[a])
-            for a in range(nh):
-                for g in range(group):
-                    e = sc[a, g, i]
-                    for j in range(dv):
-                        acc[kh0 + a, g, j] += e * vb[a, j]
+                load_row(v_cache[slots[i], kh0 + a], vb[a, i])
+        for a in range(nh):
+            for g in range(group):
+                _axpy_rows(acc[kh0 + a, g], sc[a, g], vb[a], nb)
+                for j in range(dv_vec, dv):  # past whole vectors
+                    for i in range(nb):
+                        acc[kh0 + a, g, j] += sc[a, g, i] * vb[a, i, j]
+
+
+@numba.njit(inline="always", **_JIT)
+def _merge(job, n_head, group, first, pm, pl, pacc, sinks, out):
+    """Token t's head h from its parts' (max, sum, weighted V), in part order."""
+    t, h = job // n_head, job % n_head
+    kh, g = h // group, h % group
+    dv = out.shape[2]
+    mx = np.float32(-np.inf)
+    for part in range(first[t], first[t + 1]):
+        mx = max(mx, pm[part, kh, g])
+    if len(sinks):
+        mx = max(mx, sinks[h])
+    ls = np.float32(math.exp(sinks[h] - mx)) if len(sinks) else np.float32(0.0)
+    for j in range(dv):
+        out[t, h, j] = 0.0
+    for part in range(first[t], first[t + 1]):
+        w = np.float32(math.exp(pm[part, kh, g] - mx))
+        ls += w * pl[part, kh, g]
+        for j in range(dv):
+            out[t, h, j] += w * pacc[part, kh, g, j]
+    for j in range(dv):
+        out[t, h, j] /= ls
 
 
 @numba.njit(parallel=True, **_JIT)
@@ -378,21 +452,9 @@ def attention(q, k_cache, v_cache, tok_seq, tok_pos, tok_lo, tok_hi, block_table
         pacc[part, kh0:kh1] = 0.0
         _attend(q, k_cache, v_cache, t, kh0, kh1, group, tok_seq[t], p_lo, min(p_lo + ATT_SPLIT, tok_hi[t] + 1),
                 block_table, scale, softcap, block_size, tok_pos[t], slopes, pm[part], pl[part], pacc[part])
-    for job in prange(n_tokens * n_head):
-        t, h = job // n_head, job % n_head
-        kh, g = h // group, h % group
-        mx = np.float32(-np.inf)
-        for part in range(first[t], first[t + 1]):
-            mx = max(mx, pm[part, kh, g])
-        if len(sinks):
-            mx = max(mx, sinks[h])
-        ls = np.float32(math.exp(sinks[h] - mx)) if len(sinks) else np.float32(0.0)
-        for j in range(dv):
-            out[t, h, j] = 0.0
-        for part in range(first[t], first[t + 1]):
-            w = np.float32(math.exp(pm[part, kh, g] - mx))
-            ls += w * pl[part, kh, g]
-            for j in range(dv):
-                out[t, h, j] += w * pacc[part, kh, g, j]
-        for j in range(dv):
-            out[t, h, j] /= ls
+    if n_parts * n_head * dv < MERGE_PAR_MIN:  # decode: a second parallel region costs more than the merge
+        for job in range(n_tokens * n_head):
+            _merge(job, n_head, group, first, pm, pl, pacc, sinks, out)
+    else:
+        for job in prange(n_tokens * n_head):
+            _merge(job, n_head, group, first, pm, pl, pacc, sinks, out)
