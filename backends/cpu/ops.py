@@ -307,6 +307,83 @@ def _axpy_rows(typingctx, acc, e, v, nb):
     return types.none(acc, e, v, nb), codegen
 
 
+def _fold_plan(w):
+    """Shuffle masks that fold w vectors of w lanes into one vector of their w sums: per level,
+    pairs (x, y) -> shuffle(x, y, lo) + shuffle(x, y, hi); returns (levels, order) where order[u]
+    is the lane that ends up holding vector u's sum."""
+    owners = [[u] * 1 for u in range(w)]  # per vector: the owner of each segment
+    levels, seg = [], w
+    n = w
+    while n > 1:
+        half = seg // 2
+        lo, hi = [], []
+        for s in range(w // seg):
+            base = s * seg
+            lo += [base + j for j in range(half)] + [w + base + j for j in range(half)]
+            hi += [base + half + j for j in range(half)] + [w + base + half + j for j in range(half)]
+        levels.append((lo, hi))
+        owners = [[o for s in range(len(owners[2 * m])) for o in (owners[2 * m][s], owners[2 * m + 1][s])]
+                  for m in range(n // 2)]
+        n //= 2
+        seg = half
+    order = [0] * w
+    for lane, u in enumerate(owners[0]):
+        order[u] = lane
+    return levels, order
+
+
+_LEVELS, _ORDER = _fold_plan(_VW)
+assert ATT_BLOCK % _VW == 0  # _dot_rows writes whole vectors of scores
+
+
+@intrinsic
+def _dot_rows(typingctx, out, q, kb, nb, scale):
+    """out[i] = (q . kb[i]) * scale for i < nb (up to the next multiple of the vector width:
+    rows past nb repeat row nb-1); q's length a multiple of the vector width. A vector of rows at
+    a time: each row's products summed in a vector over the columns, then the rows' vectors folded
+    into one vector of their sums (a shuffle tree, no sum across one vector's lanes per row)."""
+    def codegen(context, builder, sig, args):
+        out_v, q_v, kb_v, nb_v, sc_v = args
+        ta, ip = sig.args, types.intp
+        cst = lambda x: context.get_constant(ip, x)  # noqa: E731
+        i32 = ir.IntType(32)
+        vf = ir.VectorType(ir.FloatType(), _VW)
+        nb = context.cast(builder, nb_v, ta[3], ip)
+        scale = context.cast(builder, sc_v, ta[4], types.float32)
+        d = cgutils.unpack_tuple(builder, context.make_array(ta[1])(context, builder, q_v).shape)[0]
+        n_chunks = builder.sdiv(d, cst(_VW))
+        zeros = ir.Constant(vf, [0.0] * _VW)
+
+        def vec_at(arrty, arr, inds):
+            return builder.bitcast(_ptr(context, builder, arrty, arr, inds), vf.as_pointer())
+        last = builder.sub(nb, cst(1))
+        n_blocks = builder.sdiv(builder.add(nb, cst(_VW - 1)), cst(_VW))
+        with cgutils.for_range(builder, n_blocks) as blk:
+            i0 = builder.mul(blk.index, cst(_VW))
+            rows = []
+            for u in range(_VW):
+                r = builder.add(i0, cst(u))
+                rows.append(builder.select(builder.icmp_signed("<", r, nb), r, last))
+            sums = [cgutils.alloca_once_value(builder, zeros) for _ in range(_VW)]
+            with cgutils.for_range(builder, n_chunks) as ch:
+                c = builder.mul(ch.index, cst(_VW))
+                qv = builder.load(vec_at(ta[1], q_v, [(c, ip)]), align=4)
+                for r, sm in zip(rows, sums):
+                    kv = builder.load(vec_at(ta[2], kb_v, [(r, ip), (c, ip)]), align=4)
+                    builder.store(_call(builder, f"llvm.fma.v{_VW}f32", vf, [qv, kv, builder.load(sm)]), sm)
+            vs = [builder.load(sm) for sm in sums]
+            for lo, hi in _LEVELS:
+                vs = [builder.fadd(builder.shuffle_vector(vs[2 * m], vs[2 * m + 1], ir.Constant(ir.VectorType(i32, _VW), lo)),
+                                   builder.shuffle_vector(vs[2 * m], vs[2 * m + 1], ir.Constant(ir.VectorType(i32, _VW), hi)))
+                      for m in range(len(vs) // 2)]
+            res = builder.shuffle_vector(vs[0], vs[0], ir.Constant(ir.VectorType(i32, _VW), _ORDER))
+            sv = builder.shuffle_vector(builder.insert_element(ir.Constant(vf, ir.Undefined), scale, cst(0)),
+                                        ir.Constant(vf, ir.Undefined), ir.Constant(ir.VectorType(i32, _VW), [0] * _VW))
+            builder.store(builder.fmul(res, sv), vec_at(ta[0], out_v, [(i0, ip)]), align=4)
+        return context.get_dummy_value()
+    return types.none(out, q, kb, nb, scale), codegen
+
+
 @numba.njit(**_JIT)
 def _attend(q, k_cache, v_cache, t, kh0, kh1, group, seq, p_lo, p_hi, block_table, scale, softcap, block_size,
             pos, slopes, m, l, acc):
@@ -347,6 +424,9 @@ def _attend(q, k_cache, v_cache, t, kh0, kh1, group, seq, p_lo, p_hi, block_tabl
                 load_row(k_cache[slots[i], kh0 + a], kb[a, i])
         for a in range(nh):
             for g in range(group):
+                if d % _VW == 0:
+                    _dot_rows(sc[a, g], qs[a, g], kb[a], nb, scale)
+                    continue
                 for i in range(nb):
                     s = np.float32(0.0)
                     for j in range(d):
