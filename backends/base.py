@@ -1,10 +1,11 @@
 """The Backend protocol, as a base class every backend derives from: what runtime calls,
 and the optional capabilities with their defaults, so runtime never probes with getattr.
-A backend runs one graph node at a time (`kernels[op](node, *srcs, out=None)`) on values
-it owns; `runtime.dispatch` walks the graph. Backends import nothing of ours but the
+A backend runs one graph node at a time (`kernels[op](node, *srcs, out=None)`, bound to
+its node once per compiled graph by `bind`) on values it owns; `runtime.dispatch` walks the graph. Backends import nothing of ours but the
 graph's op definitions and the weight record."""
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable
 
 import numpy as np
@@ -39,6 +40,13 @@ class Backend:
         """The prepared weight again, from what export_weight gave (arrays now mapped from the
         cache file: writable, but their pages are the file's only while nothing writes them)."""
         raise NotImplementedError
+
+    def bind(self, node: Tensor) -> Callable[..., Any]:
+        """node's kernel as call(*src_values[, out=buffer]), made once when a graph is compiled: a
+        backend binds its hot kernels with what they read of the node (params, the kernel variant
+        its fixed shape picks) so that a step does not read them again; by default the node is
+        passed along."""
+        return functools.partial(self.kernels[node.op], node)
 
     def supports(self, node: Tensor) -> bool:
         """Whether this backend can run `node` (its op, and a weight's type)."""

@@ -5,8 +5,8 @@
    backends that take out= buffers;
 2. bind: per node a step record: a weight's prepared value from its backend's store, an
    input's upload, a cache's lookup, a kernel with its planned buffer, a view, a copy.
-`execute` then walks the steps in order each engine step: calls `kernel(node, *srcs)` (or
-with `out=buffer`), and drops each value after its last consumer (planned buffers stay in
+`execute` then walks the steps in order each engine step: calls the kernel bound to its node
+(`backend.bind`) on the sources (with `out=buffer` where planned), and drops each value after its last consumer (planned buffers stay in
 the arena)."""
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ class Step:
     node: Tensor
     srcs: tuple[int, ...]   # indices of the source values
     frees: tuple[int, ...]  # indices of values to drop after this step
-    fn: Any = None          # KERNEL/VIEW: the kernel; INPUT: the upload (from_host)
+    fn: Any = None          # KERNEL/VIEW: the kernel bound to the node (Backend.bind); INPUT: the upload
     value: Any = None       # STATIC: the prepared weight
     out: Any = None         # KERNEL: the planned buffer, or None (the kernel allocates)
     src: Any = None         # COPY: the backend the value leaves
@@ -76,10 +76,9 @@ def compile_graph(graph: Graph, placement: Placement, stores: Mapping[str, Weigh
         elif op.props.moves:
             st.kind, st.src, st.dst = COPY, placement.backends[node.params["src"]], backend
         else:
-            k = backend.kernels.get(op)
-            if k is None:
+            if op not in backend.kernels:
                 raise BackendError(f"backend {backend.name!r} has no kernel for {op.value} ({node.label})")
-            st.fn = k
+            st.fn = backend.bind(node)
             if op.props.view and st.srcs[0] in planned:
                 # a view of an arena buffer: made once and reused while the source's value is the
                 # same object (kernels that return their out= buffer make it so every step)
@@ -101,11 +100,11 @@ def execute(cg: CompiledGraph, feed: Mapping[str, np.ndarray], cache_of: Callabl
         kind = st.kind
         if kind is KERNEL:
             args = [vals[j] for j in st.srcs]
-            vals[st.index] = st.fn(st.node, *args) if st.out is None else st.fn(st.node, *args, out=st.out)
+            vals[st.index] = st.fn(*args) if st.out is None else st.fn(*args, out=st.out)
         elif kind is VIEW:
             v = vals[st.srcs[0]]
             if v is not st.seen:
-                st.seen, st.view = v, st.fn(st.node, v)
+                st.seen, st.view = v, st.fn(v)
             vals[st.index] = st.view
         elif kind is STATIC:
             vals[st.index] = st.value

@@ -140,7 +140,8 @@ def run_graph(be, g: Graph, feed, caches, mode: str, states: dict | None = None)
                     if s.op is Op.INPUT and users[id(s)] == 1 and s.shape == node.shape and s.dtype == np.float32:
                         out = srcs[i]
                         break
-            v = be.kernels[op](node, *srcs) if out is None else be.kernels[op](node, *srcs, out=out)
+            k = be.bind(node)  # as runtime.dispatch calls it: bound once to its node
+            v = k(*srcs) if out is None else k(*srcs, out=out)
             assert out is None or v is out, f"{node.label}: the kernel did not return its out= buffer"
             assert tuple(v.shape) == node.shape, f"{node.label}: shape {v.shape}, not {node.shape}"
         vals[id(node)] = v

@@ -54,9 +54,9 @@ def run(be, g: Graph, feed, caches, out_buffers: bool = False):
         else:
             srcs = [vals[id(s)] for s in node.srcs]
             if out_buffers and not (node.op.props.view or node.op.props.writes_cache):
-                v = be.kernels[node.op](node, *srcs, out=np.full(node.shape, np.nan, np.float32))
+                v = be.bind(node)(*srcs, out=np.full(node.shape, np.nan, np.float32))
             else:
-                v = be.kernels[node.op](node, *srcs)
+                v = be.bind(node)(*srcs)
             if not node.op.props.writes_cache:
                 assert tuple(v.shape) == node.shape, (node.label, v.shape, node.shape)
         vals[id(node)] = v

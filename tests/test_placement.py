@@ -41,17 +41,18 @@ class Tagged(CPUBackend):
         super().__init__()
         self.name, self.copies = name, 0
         self.kind = type(f"On_{name}", (np.ndarray,), {})
-        self.kernels = {op: self._checked(k) for op, k in self.kernels.items()}
 
     def _own(self, v):
         return v.view(self.kind) if isinstance(v, np.ndarray) else v
 
-    def _checked(self, kernel):
-        def run(node, *srcs, **out):
+    def bind(self, node):  # what dispatch calls: each kernel checks where its sources live
+        kernel = super().bind(node)
+
+        def run(*srcs, **out):
             for s in srcs:
                 if isinstance(s, np.ndarray) and type(s) is not self.kind:
                     raise AssertionError(f"{node.label} on {self.name} got a {type(s).__name__} value")
-            return self._own(kernel(node, *(np.asarray(s) if isinstance(s, np.ndarray) else s for s in srcs), **out))
+            return self._own(kernel(*(np.asarray(s) if isinstance(s, np.ndarray) else s for s in srcs), **out))
         return run
 
     def prepare_weight(self, w):

@@ -6,6 +6,8 @@ the node, possibly a dying source's: see Op.props.inplace) they write into it an
 return it; without, they allocate."""
 from __future__ import annotations
 
+import functools
+
 import numba
 import numpy as np
 from gguf.constants import GGMLQuantizationType as T
@@ -55,15 +57,6 @@ def _mul_mat(node, w, x, out=None):
     return out
 
 
-def _rms_norm(node, x, w=None, out=None):
-    out = _buf(node, out)
-    x2 = _rows(x)
-    kern = ops.rms_norm if x2.shape[0] >= ops.PAR_MIN_ROWS else ops.rms_norm_1
-    kern(x2, _NO_WEIGHT if w is None else np.ascontiguousarray(w, np.float32).reshape(-1), node.params["eps"],
-         out.reshape(-1, x.shape[-1]))
-    return out
-
-
 def _rms_norm_add(node, x, w, r, out=None):
     out = _buf(node, out)
     ops.rms_norm_add(_rows(x), np.ascontiguousarray(w, np.float32).reshape(-1), _rows(r), node.params["eps"],
@@ -103,13 +96,6 @@ def _rope_args(p) -> tuple:
             p.get("mscale", 1.0))
 
 
-def _rope(node, x, pos, out=None):
-    out = _buf(node, out)
-    kern = ops.rope if x.shape[0] >= ops.PAR_MIN_ROWS else ops.rope_1
-    kern(np.ascontiguousarray(x, np.float32), pos, *_rope_args(node.params), out)
-    return out
-
-
 def _bits(cache: np.ndarray) -> np.ndarray:
     """A KV cache as the kernels take it: float16 ones as their uint16 bits (numba has no float16)."""
     return cache.view(np.uint16) if cache.dtype == np.float16 else cache
@@ -119,16 +105,6 @@ def _set_rows(node, cache, src, slots):
     kern = ops.set_rows if len(slots) >= ops.PAR_MIN_ROWS else ops.set_rows_1
     rows = np.ascontiguousarray(src, np.float32).reshape(len(slots), cache.shape[1], kv_types.head_dim(cache))
     kern(_bits(cache), rows, slots)
-    return cache
-
-
-def _rope_set_rows(node, cache, x, pos, slots):
-    par = x.shape[0] >= ops.PAR_MIN_ROWS
-    if kv_types.quant_of(cache):  # rotated into a float row, then quantized
-        kern = ops.rope_set_rows_q if par else ops.rope_set_rows_q_1
-    else:
-        kern = ops.rope_set_rows if par else ops.rope_set_rows_1
-    kern(np.ascontiguousarray(x, np.float32), pos, slots, *_rope_args(node.params), _bits(cache))
     return cache
 
 
@@ -146,20 +122,97 @@ def _kv_rows(cache, slots, out=None) -> np.ndarray:
 _NO_SLOPES = np.zeros(0, np.float32)
 
 
-def _attn(node, q, k, v, seq, pos, bt, *extra, out=None):
+# Bound once per compiled graph (Backend.bind): what the hot kernels read of their node.
+
+def _bind_attn(node):
     p = node.params
-    sinks = np.ascontiguousarray(extra[-1], np.float32).reshape(-1) if p.get("sinks") else _NO_SLOPES
-    seq_len = extra[0] if len(extra) > bool(p.get("sinks")) else None
-    out = _buf(node, out)
-    slopes = alibi_slopes(q.shape[1], p["alibi"]) if p.get("alibi", 0.0) > 0 else _NO_SLOPES
-    if not p["causal"] and not p["window"] and not p.get("softcap") and not len(sinks):
-        return _attn_whole(q, k, v, seq, pos, bt, seq_len, p["scale"], p["block_size"], slopes, out)
-    lo, hi = attn_bounds(pos, seq_len, p["window"], p["causal"])
-    ops.attention(np.ascontiguousarray(q, np.float32), _bits(k), _bits(v), seq, np.ascontiguousarray(pos, np.int32),
-                  np.ascontiguousarray(lo, np.int32), np.ascontiguousarray(hi, np.int32), bt, p["scale"],
-                  p["block_size"], p.get("softcap", 0.0), slopes, sinks, out.reshape(q.shape[0], q.shape[1], kv_types.head_dim(v)),
-                  numba.get_num_threads())
-    return out
+    has_sinks = bool(p.get("sinks"))
+    causal, window, softcap, scale, bs = p["causal"], p["window"], p.get("softcap", 0.0), p["scale"], p["block_size"]
+    slopes = alibi_slopes(node.srcs[0].shape[1], p["alibi"]) if p.get("alibi", 0.0) > 0 else _NO_SLOPES
+    whole = not causal and not window and not softcap and not has_sinks
+    zeros: dict[int, np.ndarray] = {}  # lo of a causal attention without a window, by token count
+
+    def k(q, kc, vc, seq, pos, bt, *extra, out=None):
+        sinks = np.ascontiguousarray(extra[-1], np.float32).reshape(-1) if has_sinks else _NO_SLOPES
+        seq_len = extra[0] if len(extra) > has_sinks else None
+        out = _buf(node, out)
+        if whole:
+            return _attn_whole(q, kc, vc, seq, pos, bt, seq_len, scale, bs, slopes, out)
+        pos = np.ascontiguousarray(pos, np.int32)
+        if causal and window <= 0:
+            lo = zeros.get(len(pos))
+            if lo is None:
+                lo = zeros[len(pos)] = np.zeros(len(pos), np.int32)
+            hi = pos
+        else:
+            lo, hi = (np.ascontiguousarray(a, np.int32) for a in attn_bounds(pos, seq_len, window, causal))
+        ops.attention(np.ascontiguousarray(q, np.float32), _bits(kc), _bits(vc), seq, pos, lo, hi, bt, scale, bs,
+                      softcap, slopes, sinks, out.reshape(q.shape[0], q.shape[1], kv_types.head_dim(vc)),
+                      numba.get_num_threads())
+        return out
+    return k
+
+
+def _bind_rms_norm(node):
+    eps = node.params["eps"]
+
+    def k(x, w=None, out=None):
+        out = _buf(node, out)
+        x2 = _rows(x)
+        kern = ops.rms_norm if x2.shape[0] >= ops.PAR_MIN_ROWS else ops.rms_norm_1
+        kern(x2, _NO_WEIGHT if w is None else np.ascontiguousarray(w, np.float32).reshape(-1), eps,
+             out.reshape(x2.shape))
+        return out
+    return k
+
+
+def _bind_rope(node):
+    args = _rope_args(node.params)
+
+    def k(x, pos, out=None):
+        out = _buf(node, out)
+        kern = ops.rope if x.shape[0] >= ops.PAR_MIN_ROWS else ops.rope_1
+        kern(np.ascontiguousarray(x, np.float32), pos, *args, out)
+        return out
+    return k
+
+
+def _bind_rope_set_rows(node):
+    args = _rope_args(node.params)
+    kerns = {}  # by (cache dtype, parallel)
+
+    def k(cache, x, pos, slots):
+        par = x.shape[0] >= ops.PAR_MIN_ROWS
+        kern = kerns.get((cache.dtype, par))
+        if kern is None:
+            if kv_types.quant_of(cache):  # rotated into a float row, then quantized
+                kern = ops.rope_set_rows_q if par else ops.rope_set_rows_q_1
+            else:
+                kern = ops.rope_set_rows if par else ops.rope_set_rows_1
+            kerns[(cache.dtype, par)] = kern
+        kern(np.ascontiguousarray(x, np.float32), pos, slots, *args, _bits(cache))
+        return cache
+    return k
+
+
+def _bind_ffn_glu(node):
+    gelu = node.params["act"] == "gelu"
+    return lambda wg, wu, x, out=None: ffn_glu(wg, wu, x, gelu, _buf(node, out))
+
+
+def _bind_mul_mat_add(node):
+    return lambda w, x, r, out=None: matmul_add(w, x, r, out)
+
+
+def _unbound(binder):
+    """A binder's kernel in the kernel(node, *srcs) form (op tests, tools)."""
+    return lambda node, *srcs, **kw: binder(node)(*srcs, **kw)
+
+
+_BINDERS = {Op.ATTN: _bind_attn, Op.RMS_NORM: _bind_rms_norm, Op.RMS_NORM_MUL: _bind_rms_norm,
+            Op.ROPE: _bind_rope, Op.ROPE_SET_ROWS: _bind_rope_set_rows, Op.FFN_GLU: _bind_ffn_glu,
+            Op.MUL_MAT_ADD: _bind_mul_mat_add,
+            Op.MUL_MAT: lambda node: functools.partial(_mul_mat, node)}
 
 
 def _attn_whole(q, k, v, seq, pos, bt, seq_len, scale, bs, slopes, out):
@@ -427,9 +480,9 @@ class CPUBackend(Backend):
         self.kernels = {
             Op.GET_ROWS: _get_rows,
             Op.MUL_MAT: _mul_mat,
-            Op.MUL_MAT_ADD: lambda n, w, x, r, out=None: matmul_add(w, x, r, out),
-            Op.RMS_NORM: _rms_norm,
-            Op.RMS_NORM_MUL: _rms_norm,
+            Op.MUL_MAT_ADD: _unbound(_bind_mul_mat_add),
+            Op.RMS_NORM: _unbound(_bind_rms_norm),
+            Op.RMS_NORM_MUL: _unbound(_bind_rms_norm),
             Op.RMS_NORM_MUL_ADD: _rms_norm_add,
             Op.MUL: _binary(np.multiply),
             Op.ADD: _binary(np.add),
@@ -439,19 +492,19 @@ class CPUBackend(Backend):
             Op.GELU: _act(True),
             Op.TANH: lambda n, x, out=None: np.tanh(x, out=out, dtype=np.float32),
             Op.GLU: _glu,
-            Op.FFN_GLU: lambda n, wg, wu, x, out=None: ffn_glu(wg, wu, x, n.params["act"] == "gelu", _buf(n, out)),
+            Op.FFN_GLU: _unbound(_bind_ffn_glu),
             Op.RESHAPE: lambda n, x: x.reshape(n.params["new_shape"]),
             Op.SLICE: lambda n, x: x[..., n.params["start"]:n.params["stop"]],
-            Op.ROPE: _rope,
+            Op.ROPE: _unbound(_bind_rope),
             Op.SET_ROWS: _set_rows,
-            Op.ROPE_SET_ROWS: _rope_set_rows,
+            Op.ROPE_SET_ROWS: _unbound(_bind_rope_set_rows),
             Op.GATHER_KV: _gather_kv,
             Op.KQ: _kq,
             Op.KQ_MASK: _kq_mask,
             Op.ATTN_TEMP: _attn_temp,
             Op.SOFT_MAX: _soft_max,
             Op.KQV: _kqv,
-            Op.ATTN: _attn,
+            Op.ATTN: _unbound(_bind_attn),
             Op.TOP_K: _top_k,
             Op.TAKE: lambda n, x, ids, out=None: _into(n, np.take_along_axis(x, ids.astype(np.intp), axis=-1), out),
             Op.SUM_ROWS: lambda n, x, out=None: np.sum(x, axis=-1, keepdims=True, out=out, dtype=np.float32),
@@ -464,6 +517,10 @@ class CPUBackend(Backend):
             Op.SSM_SCAN: _ssm_scan,
             Op.GATED_DELTA_NET: _gated_delta_net,
         }
+
+    def bind(self, node):
+        binder = _BINDERS.get(node.op)
+        return binder(node) if binder else super().bind(node)
 
     def thread_counts(self) -> tuple[int, ...]:
         # all of numba's threads, or one: a parallel kernel waits at its end for every worker,
