@@ -12,7 +12,7 @@ from numba import prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .halfs import TARGET_FEATURES, _call, _ptr, bits_as_f32, f32, like
+from .halfs import VW, _call, _ptr, bits_as_f32, f32, like
 from .kvquant import load_row, store_row
 
 # error_model="numpy": a float division by zero gives inf/NaN, as in numpy and ggml, not a
@@ -262,7 +262,7 @@ def set_rows_1(cache, src, slots):
         _set_row(cache, src, slots, t)
 
 
-_VW = 16 if "+avx512f" in TARGET_FEATURES else 8
+_VW = VW  # float32 lanes a vector, as halfs.matmul_tokens uses
 
 
 @intrinsic
