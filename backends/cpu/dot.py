@@ -39,7 +39,7 @@ from numba import prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
-from .halfs import TARGET_FEATURES, _call, _ptr, f32, widen
+from .halfs import TARGET_FEATURES, _call, _ptr, _vec_ptr, f32, widen
 from .quantize import nib_code, sub_scale
 from .qtypes import LUTS, ROWS  # ROWS: rows per vector (one zmm of int32 or float32 lanes) and per block
 
@@ -77,10 +77,6 @@ def _lookup(builder, idx, table):
         hit = builder.icmp_unsigned("==", idx, ir.Constant(v64, [i] * 64))
         out = builder.select(hit, ir.Constant(v64, [int(table[i]) & 255] * 64), out)
     return out
-
-
-def _vec_ptr(context, builder, arrty, arr, inds, vty):
-    return builder.bitcast(_ptr(context, builder, arrty, arr, inds), vty.as_pointer())
 
 
 def _halves(builder, v):

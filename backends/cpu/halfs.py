@@ -41,6 +41,17 @@ def _ptr(context, builder, arrty, arr, inds):
                                      inds=inds, wraparound=False, boundscheck=False)
 
 
+def _vec_ptr(context, builder, arrty, arr, inds, vty):
+    return builder.bitcast(_ptr(context, builder, arrty, arr, inds), vty.as_pointer())
+
+
+def _splat(builder, s, vty):
+    """The scalar s in every lane of a vector of type vty."""
+    i32 = ir.IntType(32)
+    v = builder.insert_element(ir.Constant(vty, ir.Undefined), s, ir.Constant(i32, 0))
+    return builder.shuffle_vector(v, ir.Constant(vty, ir.Undefined), ir.Constant(ir.VectorType(i32, vty.count), [0] * vty.count))
+
+
 def _call(builder, name, ret, args):
     fty = ir.FunctionType(ret, [a.type for a in args])
     return builder.call(cgutils.get_or_insert_function(builder.module, fty, name), args)
@@ -206,22 +217,19 @@ def _make_block(n_v):
             n_k = cgutils.unpack_tuple(builder, context.make_array(ta[0])(context, builder, wb_v).shape)[1]
             accs = [[cgutils.alloca_once_value(builder, ir.Constant(vf, [0.0] * VW)) for _ in range(n_v)]
                     for _ in range(RB)]  # allocas: mem2reg keeps them in registers
-            zeros = ir.Constant(ir.VectorType(ir.IntType(32), VW), [0] * VW)
             with cgutils.for_range(builder, n_k) as loop:
                 k = loop.index
-                xs = [builder.load(builder.bitcast(_ptr(context, builder, ta[1], xt_v, [(k, ip), (builder.add(t0, cst(VW * v)), ip)]),
-                                                   vf.as_pointer()), align=4) for v in range(n_v)]
+                xs = [builder.load(_vec_ptr(context, builder, ta[1], xt_v, [(k, ip), (builder.add(t0, cst(VW * v)), ip)], vf),
+                                   align=4) for v in range(n_v)]
                 for r in range(RB):
-                    s = builder.load(_ptr(context, builder, ta[0], wb_v, [(cst(r), ip), (k, ip)]))
-                    wv = builder.shuffle_vector(builder.insert_element(ir.Constant(vf, ir.Undefined), s, cst(0)),
-                                                ir.Constant(vf, ir.Undefined), zeros)
+                    wv = _splat(builder, builder.load(_ptr(context, builder, ta[0], wb_v, [(cst(r), ip), (k, ip)])), vf)
                     for v in range(n_v):
                         acc = builder.load(accs[r][v])
                         builder.store(_call(builder, f"llvm.fma.v{VW}f32", vf, [wv, xs[v], acc]), accs[r][v])
             for r in range(RB):
                 for v in range(n_v):
-                    p = _ptr(context, builder, ta[2], yb_v, [(cst(r), ip), (builder.add(t0, cst(VW * v)), ip)])
-                    builder.store(builder.load(accs[r][v]), builder.bitcast(p, vf.as_pointer()), align=4)
+                    p = _vec_ptr(context, builder, ta[2], yb_v, [(cst(r), ip), (builder.add(t0, cst(VW * v)), ip)], vf)
+                    builder.store(builder.load(accs[r][v]), p, align=4)
             return context.get_dummy_value()
         return types.none(wb, xt, yb, t0), codegen
     return block

@@ -83,12 +83,6 @@ def store_row(x, row):
     raise NotImplementedError
 
 
-def as_values(row, buf):
-    """A cache row as something indexable by value: a float (or float16-bits) row itself, a
-    quantized one dequantized into buf (d,) float32; compiled code only."""
-    raise NotImplementedError
-
-
 @overload(load_row, inline="always")
 def _load_row(row, out):
     if row.dtype == types.int8:
@@ -123,16 +117,6 @@ def _store_row(x, row):
         for j in range(x.shape[0]):
             row[j] = like(row, x[j])
     return impl
-
-
-@overload(as_values, inline="always")
-def _as_values(row, buf):
-    if row.dtype in (types.int8, types.uint8):
-        def impl(row, buf):
-            load_row(row, buf)
-            return buf
-        return impl
-    return lambda row, buf: row
 
 
 @numba.njit(parallel=True, **_JIT)

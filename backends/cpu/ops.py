@@ -12,7 +12,7 @@ from numba import prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .halfs import VW, _call, _ptr, bits_as_f32, f32, like
+from .halfs import VW, _call, _ptr, _splat, _vec_ptr, bits_as_f32, f32, like
 from .kvquant import load_row, store_row
 
 # error_model="numpy": a float division by zero gives inf/NaN, as in numpy and ggml, not a
@@ -262,9 +262,6 @@ def set_rows_1(cache, src, slots):
         _set_row(cache, src, slots, t)
 
 
-_VW = VW  # float32 lanes a vector, as halfs.matmul_tokens uses
-
-
 @intrinsic
 def _axpy_rows(typingctx, acc, e, v, nb):
     """acc[:n] += sum over i < nb of e[i] * v[i, :n], n = acc's length rounded down to whole
@@ -274,27 +271,23 @@ def _axpy_rows(typingctx, acc, e, v, nb):
         acc_v, e_v, v_v, nb_v = args
         ta, ip = sig.args, types.intp
         cst = lambda x: context.get_constant(ip, x)  # noqa: E731
-        vf = ir.VectorType(ir.FloatType(), _VW)
+        vf = ir.VectorType(ir.FloatType(), VW)
         nb = context.cast(builder, nb_v, ta[3], ip)
         n = cgutils.unpack_tuple(builder, context.make_array(ta[0])(context, builder, acc_v).shape)[0]
-        n_vec = builder.sdiv(n, cst(_VW))
-        zeros = ir.Constant(ir.VectorType(ir.IntType(32), _VW), [0] * _VW)
-
+        n_vec = builder.sdiv(n, cst(VW))
         def vec_at(arrty, arr, inds):
-            return builder.bitcast(_ptr(context, builder, arrty, arr, inds), vf.as_pointer())
+            return _vec_ptr(context, builder, arrty, arr, inds, vf)
 
         def run(c0, width):  # vectors c0..c0+width-1 of acc, over all rows
-            cols = [builder.mul(builder.add(c0, cst(u)), cst(_VW)) for u in range(width)]
+            cols = [builder.mul(builder.add(c0, cst(u)), cst(VW)) for u in range(width)]
             sums = [cgutils.alloca_once_value(builder, builder.load(vec_at(ta[0], acc_v, [(c, ip)]), align=4))
                     for c in cols]
             with cgutils.for_range(builder, nb) as loop:
                 i = loop.index
-                s = builder.load(_ptr(context, builder, ta[1], e_v, [(i, ip)]))
-                ev = builder.shuffle_vector(builder.insert_element(ir.Constant(vf, ir.Undefined), s, cst(0)),
-                                            ir.Constant(vf, ir.Undefined), zeros)
+                ev = _splat(builder, builder.load(_ptr(context, builder, ta[1], e_v, [(i, ip)])), vf)
                 for c, sm in zip(cols, sums):
                     x = builder.load(vec_at(ta[2], v_v, [(i, ip), (c, ip)]), align=4)
-                    builder.store(_call(builder, f"llvm.fma.v{_VW}f32", vf, [ev, x, builder.load(sm)]), sm)
+                    builder.store(_call(builder, f"llvm.fma.v{VW}f32", vf, [ev, x, builder.load(sm)]), sm)
             for c, sm in zip(cols, sums):
                 builder.store(builder.load(sm), vec_at(ta[0], acc_v, [(c, ip)]), align=4)
 
@@ -332,8 +325,8 @@ def _fold_plan(w):
     return levels, order
 
 
-_LEVELS, _ORDER = _fold_plan(_VW)
-assert ATT_BLOCK % _VW == 0  # _dot_rows writes whole vectors of scores
+_LEVELS, _ORDER = _fold_plan(VW)
+assert ATT_BLOCK % VW == 0  # _dot_rows writes whole vectors of scores
 
 
 @intrinsic
@@ -347,38 +340,37 @@ def _dot_rows(typingctx, out, q, kb, nb, scale):
         ta, ip = sig.args, types.intp
         cst = lambda x: context.get_constant(ip, x)  # noqa: E731
         i32 = ir.IntType(32)
-        vf = ir.VectorType(ir.FloatType(), _VW)
+        vf = ir.VectorType(ir.FloatType(), VW)
         nb = context.cast(builder, nb_v, ta[3], ip)
         scale = context.cast(builder, sc_v, ta[4], types.float32)
         d = cgutils.unpack_tuple(builder, context.make_array(ta[1])(context, builder, q_v).shape)[0]
-        n_chunks = builder.sdiv(d, cst(_VW))
-        zeros = ir.Constant(vf, [0.0] * _VW)
+        n_chunks = builder.sdiv(d, cst(VW))
+        zeros = ir.Constant(vf, [0.0] * VW)
 
         def vec_at(arrty, arr, inds):
-            return builder.bitcast(_ptr(context, builder, arrty, arr, inds), vf.as_pointer())
+            return _vec_ptr(context, builder, arrty, arr, inds, vf)
         last = builder.sub(nb, cst(1))
-        n_blocks = builder.sdiv(builder.add(nb, cst(_VW - 1)), cst(_VW))
+        n_blocks = builder.sdiv(builder.add(nb, cst(VW - 1)), cst(VW))
         with cgutils.for_range(builder, n_blocks) as blk:
-            i0 = builder.mul(blk.index, cst(_VW))
+            i0 = builder.mul(blk.index, cst(VW))
             rows = []
-            for u in range(_VW):
+            for u in range(VW):
                 r = builder.add(i0, cst(u))
                 rows.append(builder.select(builder.icmp_signed("<", r, nb), r, last))
-            sums = [cgutils.alloca_once_value(builder, zeros) for _ in range(_VW)]
+            sums = [cgutils.alloca_once_value(builder, zeros) for _ in range(VW)]
             with cgutils.for_range(builder, n_chunks) as ch:
-                c = builder.mul(ch.index, cst(_VW))
+                c = builder.mul(ch.index, cst(VW))
                 qv = builder.load(vec_at(ta[1], q_v, [(c, ip)]), align=4)
                 for r, sm in zip(rows, sums):
                     kv = builder.load(vec_at(ta[2], kb_v, [(r, ip), (c, ip)]), align=4)
-                    builder.store(_call(builder, f"llvm.fma.v{_VW}f32", vf, [qv, kv, builder.load(sm)]), sm)
+                    builder.store(_call(builder, f"llvm.fma.v{VW}f32", vf, [qv, kv, builder.load(sm)]), sm)
             vs = [builder.load(sm) for sm in sums]
             for lo, hi in _LEVELS:
-                vs = [builder.fadd(builder.shuffle_vector(vs[2 * m], vs[2 * m + 1], ir.Constant(ir.VectorType(i32, _VW), lo)),
-                                   builder.shuffle_vector(vs[2 * m], vs[2 * m + 1], ir.Constant(ir.VectorType(i32, _VW), hi)))
+                vs = [builder.fadd(builder.shuffle_vector(vs[2 * m], vs[2 * m + 1], ir.Constant(ir.VectorType(i32, VW), lo)),
+                                   builder.shuffle_vector(vs[2 * m], vs[2 * m + 1], ir.Constant(ir.VectorType(i32, VW), hi)))
                       for m in range(len(vs) // 2)]
-            res = builder.shuffle_vector(vs[0], vs[0], ir.Constant(ir.VectorType(i32, _VW), _ORDER))
-            sv = builder.shuffle_vector(builder.insert_element(ir.Constant(vf, ir.Undefined), scale, cst(0)),
-                                        ir.Constant(vf, ir.Undefined), ir.Constant(ir.VectorType(i32, _VW), [0] * _VW))
+            res = builder.shuffle_vector(vs[0], vs[0], ir.Constant(ir.VectorType(i32, VW), _ORDER))
+            sv = _splat(builder, scale, vf)
             builder.store(builder.fmul(res, sv), vec_at(ta[0], out_v, [(i0, ip)]), align=4)
         return context.get_dummy_value()
     return types.none(out, q, kb, nb, scale), codegen
@@ -402,7 +394,7 @@ def _attend(q, k_cache, v_cache, t, kh0, kh1, group, seq, p_lo, p_hi, block_tabl
     slots = np.empty(ATT_BLOCK, np.int64)
     kb = np.empty((nh, ATT_BLOCK, d), np.float32)
     vb = np.empty((nh, ATT_BLOCK, dv), np.float32)
-    dv_vec = dv // _VW * _VW
+    dv_vec = dv // VW * VW
     qs = np.empty((nh, group, d), np.float32)
     for a in range(nh):
         for g in range(group):
@@ -424,7 +416,7 @@ def _attend(q, k_cache, v_cache, t, kh0, kh1, group, seq, p_lo, p_hi, block_tabl
                 load_row(k_cache[slots[i], kh0 + a], kb[a, i])
         for a in range(nh):
             for g in range(group):
-                if d % _VW == 0:
+                if d % VW == 0:
                     _dot_rows(sc[a, g], qs[a, g], kb[a], nb, scale)
                     continue
                 for i in range(nb):
