@@ -98,6 +98,12 @@ class Backend:
     def use_threads(self, n: int) -> None:
         """Run the calling thread's next kernels on n worker threads (one of thread_counts)."""
 
+    def after_step(self, n: int | None, slow: bool) -> bool:
+        """Called after each step run on n threads; slow: runtime.threads found it far slower
+        than its count's mean. True if the backend moved its workers (backends/cpu/affinity.py),
+        so that the engine measures the thread counts afresh."""
+        return False
+
     def loaded(self) -> None:
         """Called once the weights a session needs at start are prepared (a GPU backend
         frees its upload staging memory)."""

@@ -170,7 +170,8 @@ class Engine:
         self._failed: HearthError | None = None  # set when the loop itself broke: nothing runs any more
         self._thread: threading.Thread | None = None
         self.counters = dict(steps=0, tokens_computed=0, tokens_generated=0, step_time_s=0.0,
-                             preemptions=0, spec_drafted_tokens=0, spec_accepted_tokens=0)
+                             preemptions=0, spec_drafted_tokens=0, spec_accepted_tokens=0,
+                             worker_moves=0)  # workers moved off a shared core (backends/cpu/affinity.py)
         self._ttft: deque[float] = deque(maxlen=1000)
         self._masks: MaskWorker | None = None  # started with the first constrained request
         # the host backend's worker threads, chosen per step shape by measuring (runtime.threads)
@@ -378,7 +379,10 @@ class Engine:
                     self._threads_now = n_threads
                 t_run = time.perf_counter()
                 outs = execute(cg, feed, self.memory.cache_of)
-                self.threads.done(shape, n_threads, time.perf_counter() - t_run)
+                slow = self.threads.done(shape, n_threads, time.perf_counter() - t_run)
+                if self._host is not None and self._host.after_step(n_threads, slow):
+                    self.threads.moved()
+                    self.counters["worker_moves"] += 1
             finally:  # the matchers are not touched again before their masks are done
                 masks = self._masks.join(job) if job else None
             # counted before _update wakes the callers, so their stats() see this step

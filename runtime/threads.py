@@ -3,15 +3,19 @@ with other work (inside an app it is), a parallel kernel waits at its end for ev
 and a worker descheduled by another process stalls it: fewer threads than cores can be
 several times faster then, and slower again once the other work stops. So each step shape
 keeps a running mean of its step time per thread count; steps run on the fastest, and now
-and then one runs on another, to notice when the machine has changed."""
+and then one runs on another, to notice when the machine has changed. A change of the fastest
+is often brief (a few slow steps while the kernel places a newcomer), so the first tries come
+soon after it and then ever more rarely."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 ALPHA = 0.3        # weight of the newest step in a running mean: a competitor shows within a few steps
-EXPLORE_EVERY = 32  # steps between tries of another count, times how much slower it was (so a try costs
-                   # at most ~1/32 of the time), and at most MAX_EVERY
+FIRST_EVERY = 4    # steps between tries of another count, times how much slower it was (so a try costs
+EXPLORE_EVERY = 32  # ~1/FIRST_EVERY of the time just after the fastest changed, halving with each try
+                   # that confirms it, down to ~1/EXPLORE_EVERY), and at most MAX_EVERY
 MAX_EVERY = 128
+SLOW = 2.0         # a step this many times its count's mean is reported slow (done's return)
 
 
 @dataclass
@@ -19,6 +23,8 @@ class _Shape:
     mean: dict[int, float] = field(default_factory=dict)  # thread count -> running mean of its step time (s)
     steps: int = 0
     next_try: int = 0  # step number at which another count is tried
+    every: int = FIRST_EVERY  # the current spacing of tries (times the slowdown)
+    best: int | None = None  # the fastest count when last tried
     warm: bool = False
 
 
@@ -44,25 +50,39 @@ class ThreadTuner:
             return min((n for n in self.counts if n != best), key=s.mean.get)
         return best
 
-    def done(self, key, n: int | None, seconds: float) -> None:
+    def done(self, key, n: int | None, seconds: float) -> bool:
+        """Records a step; True if it ran on several threads and took SLOW times its count's
+        mean (a worker descheduled, or placed on a busy core)."""
         if n is None or len(self.counts) < 2:
-            return
+            return False
         if n != self._last:
             self.switches += 1
         self._last = n
         s = self.shapes[key]
         if not s.warm:  # a shape's first run loads its kernels: not a measure of the threads
             s.warm = True
-            return
+            return False
         tried = s.steps >= s.next_try
         old = s.mean.get(n)
         # a try's one measurement replaces its count's mean: that mean is old, and may be of
         # another machine state (a competitor since gone)
         s.mean[n] = seconds if old is None or tried else (1 - ALPHA) * old + ALPHA * seconds
         s.steps += 1
+        best = min(s.mean, key=s.mean.get)
+        if best != s.best:  # the fastest changed (or a try was due): look again soon
+            s.best, s.every, tried = best, FIRST_EVERY, True
+        elif tried:
+            s.every = min(2 * s.every, EXPLORE_EVERY)
         if tried:
             ratio = max(s.mean.values()) / max(min(s.mean.values()), 1e-9)
-            s.next_try = s.steps + min(int(EXPLORE_EVERY * ratio), MAX_EVERY)
+            s.next_try = s.steps + min(int(s.every * ratio), MAX_EVERY)
+        return n > 1 and old is not None and seconds > SLOW * old
+
+    def moved(self) -> None:
+        """The backend moved its workers (runtime.engine, after a slow step): the means of
+        several threads were of the old placement, so every shape measures them again next."""
+        for s in self.shapes.values():
+            s.mean = {n: t for n, t in s.mean.items() if n == 1}
 
     def current(self) -> int | None:
         return self._last

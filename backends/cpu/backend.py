@@ -7,6 +7,7 @@ return it; without, they allocate."""
 from __future__ import annotations
 
 import functools
+import threading
 
 import numba
 import numpy as np
@@ -16,7 +17,7 @@ from hearthlm.backends.base import Backend
 from hearthlm.backends.cpu import delta_net, kvquant, ops, ssm
 from hearthlm.backends.cpu.ffn import ffn_glu
 from hearthlm.backends.cpu.halfs import NATIVE_HALF
-from hearthlm.backends.cpu import dot
+from hearthlm.backends.cpu import affinity, dot
 from hearthlm.backends.cpu.matmul import expert_matvecs, get_rows, matmul, matmul_add, start_pool
 from hearthlm.backends.cpu.qtypes import LAYOUT_VERSION, SUPPORTED_TYPES, PackedWeight, pack_weight
 from hearthlm.runtime import kv_types
@@ -477,6 +478,7 @@ class CPUBackend(Backend):
     weight_layout = f"cpu-qtypes-{LAYOUT_VERSION}"
 
     def __init__(self) -> None:
+        self._spreaders: dict[int, affinity.Spreader] = {}  # by engine thread
         self.kernels = {
             Op.GET_ROWS: _get_rows,
             Op.MUL_MAT: _mul_mat,
@@ -533,6 +535,20 @@ class CPUBackend(Backend):
     def use_threads(self, n: int) -> None:
         import numba
         numba.set_num_threads(n)  # per calling thread: the engine's
+        sp = self._spreaders.get(threading.get_native_id())
+        if sp is not None and n > 1:
+            sp.spread(every=True)
+
+    def after_step(self, n: int | None, slow: bool) -> bool:
+        if not n or n < 2:
+            return False
+        sp = self._spreaders.get(threading.get_native_id())
+        if sp is None:
+            if not slow or not affinity.supported():
+                return False
+            sp = self._spreaders.setdefault(threading.get_native_id(), affinity.Spreader())
+        sp.release()
+        return slow and sp.spread()
 
     def loaded(self) -> None:
         if not kernels_cached():

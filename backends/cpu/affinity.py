@@ -1,0 +1,100 @@
+"""Moving the engine's OpenMP workers off a core they share with it (Linux).
+
+A worker sleeps between steps and the kernel wakes it on a core of its choosing. Beside another
+busy process (even at nice 19) it can wake on the engine thread's own core, the other core
+counting as busy: the two then take turns on one core while each parallel kernel waits for
+both, and a 5 ms step takes 60 ms. The pair stays so, as each wake goes back to the core the
+worker slept on. Measured on 2 cores beside one spinning process. After a slow step, a worker
+found on a core with another of the engine's threads is pinned to a core with none until it has
+woken there once, then given its own mask back (the kernel keeps it where it is). Once that has
+happened, each switch from one thread to several pins the workers apart for the first step, as
+workers that slept through the one-thread steps wake stacked as often as not."""
+from __future__ import annotations
+
+import ctypes
+import os
+
+import numba
+import numpy as np
+from numba import types
+
+_gettid = types.ExternalFunction("gettid", types.int32())  # by name, so the kernel caches
+
+
+@numba.njit(parallel=True, cache=True)
+def _team_tids(out):
+    for i in numba.prange(out.shape[0]):  # an iteration a thread (a static schedule)
+        out[numba.get_thread_id()] = _gettid()
+
+
+def supported() -> bool:
+    try:
+        ctypes.CDLL(None).gettid  # glibc >= 2.30
+    except (AttributeError, OSError):
+        return False
+    return hasattr(os, "sched_setaffinity") and os.path.isdir("/proc/self/task")
+
+
+def cpu_of(tid: int) -> int | None:
+    """The core a thread of this process last ran on."""
+    try:
+        with open(f"/proc/self/task/{tid}/stat") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    return int(stat[stat.rindex(")") + 2:].split()[36])  # field 39, "processor"
+
+
+class Spreader:
+    """One per engine thread (OpenMP gives each thread that starts parallel work its own team)."""
+
+    def __init__(self) -> None:
+        self.team: list[int] = []  # the calling thread, then its workers, at the current count
+        self.pinned: dict[int, set[int]] = {}  # worker -> its own mask, while pinned
+        self.moves = 0
+
+    def _team(self) -> list[int]:
+        n = numba.get_num_threads()
+        if len(self.team) != n:
+            out = np.zeros(n, np.int64)
+            for _ in range(10):
+                _team_tids(out)
+                if (out != 0).all():
+                    break
+            self.team = [int(t) for t in out]
+        return self.team
+
+    def release(self) -> None:
+        """After a step on the workers: the pinned ones have woken where they were sent."""
+        for tid, mask in self.pinned.items():
+            try:
+                os.sched_setaffinity(tid, mask)
+            except OSError:
+                pass
+        self.pinned = {}
+
+    def spread(self, every: bool = False) -> bool:
+        """Pins each worker that shares a core with an earlier one of the team to a free core of
+        its mask (every: each worker, to its own core when that is free, so that waking it cannot
+        stack it); True if any was pinned."""
+        team = self._team()
+        cores = [cpu_of(t) for t in team]
+        taken = {cores[0]}
+        moved = False
+        for tid, core in zip(team[1:], cores[1:]):
+            if core is None:
+                continue
+            if core in taken or every:
+                try:
+                    mask = os.sched_getaffinity(tid)
+                    free = [core] if core not in taken else sorted(mask - taken - set(cores))
+                    if free and free[0] in mask:
+                        os.sched_setaffinity(tid, {free[0]})
+                        self.pinned.setdefault(tid, mask)
+                        moved |= free[0] != core
+                        core = free[0]
+                except OSError:  # the thread is gone, or the mask is not ours to change
+                    pass
+            taken.add(core)
+        self.moves += moved
+        return moved
