@@ -96,7 +96,8 @@ class Backend:
         return ()
 
     def use_threads(self, n: int) -> None:
-        """Run the calling thread's next kernels on n worker threads (one of thread_counts)."""
+        """Run the calling thread's next kernels on n worker threads (one of thread_counts);
+        called before each step."""
 
     def after_step(self, n: int | None, slow: bool) -> bool:
         """Called after each step run on n threads; slow: runtime.threads found it far slower

@@ -374,7 +374,7 @@ class Engine:
             try:
                 cg = self._graph(shape)
                 n_threads = self.threads.pick(shape)
-                if n_threads != self._threads_now:
+                if n_threads is not None:
                     self._host.use_threads(n_threads)
                     self._threads_now = n_threads
                 t_run = time.perf_counter()

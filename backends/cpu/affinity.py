@@ -7,8 +7,9 @@ both, and a 5 ms step takes 60 ms. The pair stays so, as each wake goes back to 
 worker slept on. Measured on 2 cores beside one spinning process. After a slow step, a worker
 found on a core with another of the engine's threads is pinned to a core with none until it has
 woken there once, then given its own mask back (the kernel keeps it where it is). Once that has
-happened, each switch from one thread to several pins the workers apart for the first step, as
-workers that slept through the one-thread steps wake stacked as often as not."""
+happened, each step on several threads pins the workers apart while it runs (a few syscalls,
+~20 us), as a worker woken beside a busy process lands stacked as often as not; between steps
+they have their own masks."""
 from __future__ import annotations
 
 import ctypes
@@ -86,7 +87,7 @@ class Spreader:
                 continue
             if core in taken or every:
                 try:
-                    mask = os.sched_getaffinity(tid)
+                    mask = self.pinned.get(tid) or os.sched_getaffinity(tid)
                     free = [core] if core not in taken else sorted(mask - taken - set(cores))
                     if free and free[0] in mask:
                         os.sched_setaffinity(tid, {free[0]})

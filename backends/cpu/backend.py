@@ -534,9 +534,10 @@ class CPUBackend(Backend):
 
     def use_threads(self, n: int) -> None:
         import numba
-        numba.set_num_threads(n)  # per calling thread: the engine's
+        if numba.get_num_threads() != n:
+            numba.set_num_threads(n)  # per calling thread: the engine's
         sp = self._spreaders.get(threading.get_native_id())
-        if sp is not None and n > 1:
+        if sp is not None and n > 1:  # once workers have been found stacked, kept apart in each step
             sp.spread(every=True)
 
     def after_step(self, n: int | None, slow: bool) -> bool:
