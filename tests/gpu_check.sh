@@ -194,6 +194,7 @@ step "op suite on cuda" 90 hearthlm,gpu env HEARTHLM_TEST_BACKENDS=cuda \
 # the cpu side compiles its numba kernels cold here: about a minute of this step's limit
 step "generation parity: cuda and ngl against cpu" 150 hearthlm,gpu "$PY" tests/gpu_parity.py parity "$WORK/models"
 step "decode tok/s" 45 hearthlm,gpu "$PY" tests/gpu_parity.py bench "$WORK/models"
+step "speed: a Qwen2.5-0.5B shape, 1 and 16 streams, prefill 512" 120 hearthlm,gpu "$PY" tests/gpu_parity.py speed "$WORK/models"
 
 echo; echo "=== gpu_check: $(( $(date +%s) - START ))s ==="
 for s in "${PASSED[@]}"; do echo "passed:  $s"; done

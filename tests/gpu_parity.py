@@ -4,6 +4,8 @@ layer shapes with a few layers, random weights, every weight type. Used by tests
     python tests/gpu_parity.py models DIR               write the parity models
     python tests/gpu_parity.py parity DIR [--backend B] compare B (default cuda) with cpu
     python tests/gpu_parity.py bench DIR [--backend B]  decode tok/s, B (default cuda) and cpu
+    python tests/gpu_parity.py speed DIR [--backend B]  #25's figures on B alone: a Qwen2.5-0.5B
+                                                        shape, 1 and 16 streams, prefill 512
 Parity is an NMSE of logits, not equal tokens: the GPU quantizes activations differently
 (q8_1 blocks, in another order), so near-ties may flip a greedy token. Through the public API:
 each prefix of one prompt is a request for one token with top_logprobs=20, so both backends
@@ -225,9 +227,48 @@ async def bench(d: Path, backend: str) -> int:
     return 0
 
 
+async def speed(d: Path, backend: str) -> int:
+    """A Qwen2.5-0.5B-shaped model (24 layers, 151936 tokens) in Q4_K where rows allow, Q8_0
+    elsewhere (as llama.cpp falls back on 896-wide rows): decode of 1 stream, of 16 streams
+    together, and a 512-token prefill, on `backend` alone."""
+    s = SHAPES["qwen2.5"]
+    path = d / "qwen2.5-full-q4_k.gguf"
+    if not path.exists():
+        t = time.perf_counter()
+        write_model(path, "qwen2.5", T.Q4_K, n_layer=24, n_vocab=151936)
+        print(f"wrote {path.name} ({path.stat().st_size >> 20} MiB) in {time.perf_counter() - t:.0f}s", flush=True)
+    rng = np.random.default_rng(3)
+    toks = lambda n: [int(t) for t in rng.integers(300, 151936, n)]
+    async with Session.open(str(path), backend=backend, n_ctx=1024, max_batch_tokens=512, max_seqs=16) as ses:
+        await ses.generate(toks(512), max_tokens=2, temperature=0)  # compile and warm every shape
+        await asyncio.gather(*(ses.generate(toks(8), max_tokens=4, temperature=0) for _ in range(16)))
+        t = time.perf_counter()
+        await ses.generate(toks(512), max_tokens=1, temperature=0)
+        prefill = 512 / (time.perf_counter() - t)
+
+        async def decode(prompt, n):  # tokens after the first, and when the first came
+            first, got = None, 0
+            async for c in ses.stream(prompt, max_tokens=n, temperature=0, ignore_eos=True):
+                if first is None:
+                    first = time.perf_counter()
+                else:
+                    got += len(c.token_ids)
+            return first, got, time.perf_counter()
+        _f, _g, _e = await decode(toks(8), 4)
+        first, got, end = await decode(toks(8), 129)
+        one = got / (end - first)
+        runs = await asyncio.gather(*(decode(toks(8), 129) for _ in range(16)))
+        start, stop = max(r[0] for r in runs), min(r[2] for r in runs)  # all 16 decoding
+        # tokens in [start, stop], from each stream's own mean rate
+        many = sum(r[1] / (r[2] - r[0]) for r in runs) if stop > start else float("nan")
+    print(f"speed {backend} qwen2.5-0.5B shape q4_k: prefill 512 {prefill:7.0f} tok/s | decode 1 stream "
+          f"{one:6.1f} tok/s | 16 streams {many:7.1f} tok/s ({many / one:.1f}x one stream)", flush=True)
+    return 0
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("cmd", choices=["models", "parity", "bench"])
+    p.add_argument("cmd", choices=["models", "parity", "bench", "speed"])
     p.add_argument("dir", type=Path)
     p.add_argument("--backend", default="cuda", help="the backend measured against cpu")
     a = p.parse_args()
@@ -239,7 +280,8 @@ def main() -> int:
         size = sum(model_path(a.dir, *k).stat().st_size for k in PARITY)
         print(f"wrote {len(PARITY)} models ({size >> 20} MiB) in {time.perf_counter() - t:.1f}s to {a.dir}")
         return 0
-    return asyncio.run(parity(a.dir, a.backend) if a.cmd == "parity" else bench(a.dir, a.backend))
+    run = {"parity": parity, "bench": bench, "speed": speed}[a.cmd]
+    return asyncio.run(run(a.dir, a.backend))
 
 
 if __name__ == "__main__":
