@@ -6,7 +6,7 @@
 # (it is git-ignored: the device tool's `carry`), then there:  bash tests/gpu_check.sh
 # (PYTHON=... picks the interpreter). Nothing is downloaded or built there: without a current
 # bundle, or without CuPy, the check says so in one line and the steps that need it skip.
-# Every step runs under its own time limit (under 8 minutes in all), whatever failed before
+# Every step runs under its own time limit (under 9 minutes in all), whatever failed before
 # it, and the summary at the end lists each. Without a GPU the steps that need one say
 # 'skipped: no GPU' and the others run. Where $OUT is set (the device tool's output folder):
 # $OUT/gpu_check.log (everything printed), $OUT/gpu_check.json (each step's status, seconds
