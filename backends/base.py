@@ -105,6 +105,13 @@ class Backend:
         so that the engine measures the thread counts afresh."""
         return False
 
+    def graph_runner(self, cg) -> Callable[..., Any] | None:
+        """For a compiled graph that runs on this backend alone: a callable
+        `runner(feed, cache_of) -> outputs | None` that dispatch.execute tries before walking
+        the steps (None from it: walk them), or None for none. A GPU backend replays the
+        captured step (backends/cuda/graphs.py): one launch instead of one per kernel."""
+        return None
+
     def loaded(self) -> None:
         """Called once the weights a session needs at start are prepared (a GPU backend
         frees its upload staging memory)."""

@@ -7,7 +7,8 @@
    input's upload, a cache's lookup, a kernel with its planned buffer, a view, a copy.
 `execute` then walks the steps in order each engine step: calls the kernel bound to its node
 (`backend.bind`) on the sources (with `out=buffer` where planned), and drops each value after its last consumer (planned buffers stay in
-the arena)."""
+the arena). A graph on one backend may instead be run by that backend's runner
+(`Backend.graph_runner`: the cuda backend replays a captured CUDA graph)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -51,6 +52,7 @@ class CompiledGraph:
     outputs: list[tuple[int, Backend]]  # node index of each output, and the backend it comes back through
     n_splits: int                # runs of compute nodes on one backend
     n_copies: int                # COPY nodes between them
+    runner: Any = None           # the backend's own way to run it (Backend.graph_runner), or None
 
 
 def compile_graph(graph: Graph, placement: Placement, stores: Mapping[str, WeightStore],
@@ -90,11 +92,25 @@ def compile_graph(graph: Graph, placement: Placement, stores: Mapping[str, Weigh
                     planned.add(i)
         steps.append(st)
     outs = [(index[id(o)], be[index[id(o)]]) for o in g.outputs]
-    return CompiledGraph(g, names, p, steps, outs, s.n_splits, s.n_copies)
+    cg = CompiledGraph(g, names, p, steps, outs, s.n_splits, s.n_copies)
+    if be and len(set(names)) == 1:
+        cg.runner = be[0].graph_runner(cg)
+    return cg
 
 
 def execute(cg: CompiledGraph, feed: Mapping[str, np.ndarray], cache_of: Callable[[Tensor], Any]) -> list[np.ndarray]:
     """One run of a compiled graph: the outputs as numpy arrays."""
+    if cg.runner is not None:
+        outs = cg.runner(feed, cache_of)
+        if outs is not None:
+            return outs
+    return [b.to_host(v) for v, (_j, b) in zip(walk(cg, feed, cache_of), cg.outputs)]
+
+
+def walk(cg: CompiledGraph, feed: Mapping[str, np.ndarray], cache_of: Callable[[Tensor], Any],
+         inputs: Mapping[int, Any] | None = None) -> list[Any]:
+    """The steps in order: the outputs' values, on their backends. `inputs`: the INPUT nodes'
+    values by node index, already placed (else each is uploaded from `feed`)."""
     vals: list[Any] = [None] * len(cg.steps)
     for st in cg.steps:
         kind = st.kind
@@ -109,14 +125,14 @@ def execute(cg: CompiledGraph, feed: Mapping[str, np.ndarray], cache_of: Callabl
         elif kind is STATIC:
             vals[st.index] = st.value
         elif kind is INPUT:
-            vals[st.index] = st.fn(feed[st.node.name])
+            vals[st.index] = st.fn(feed[st.node.name]) if inputs is None else inputs[st.index]
         elif kind is CACHE:
             vals[st.index] = cache_of(st.node)
         else:  # COPY
             vals[st.index] = st.dst.copy_from(st.src, vals[st.srcs[0]])
         for j in st.frees:
             vals[j] = None
-    return [b.to_host(vals[j]) for j, b in cg.outputs]
+    return [vals[j] for j, _b in cg.outputs]
 
 
 def run(graph: Graph, where: Backend | Placement, feed: Mapping[str, np.ndarray],

@@ -6,7 +6,7 @@
 # (it is git-ignored: the device tool's `carry`), then there:  bash tests/gpu_check.sh
 # (PYTHON=... picks the interpreter). Nothing is downloaded or built there: without a current
 # bundle, or without CuPy, the check says so in one line and the steps that need it skip.
-# Every step runs under its own time limit (under 9 minutes in all), whatever failed before
+# Every step runs under its own time limit (under 11 minutes in all; about 5 on the H200), whatever failed before
 # it, and the summary at the end lists each. Without a GPU the steps that need one say
 # 'skipped: no GPU' and the others run. Where $OUT is set (the device tool's output folder):
 # $OUT/gpu_check.log (everything printed), $OUT/gpu_check.json (each step's status, seconds
@@ -189,12 +189,14 @@ step "cuda kernels: nvcc, NVRTC and host checks" 45 hearthlm \
   "$PY" -m pytest $PYTEST ${OUT:+"--junitxml=$OUT/cuda-kernels.xml"} -m "not gpu" tests/test_cuda.py tests/test_cuda_nvrtc.py \
   tests/test_cuda_launch.py
 step "tiny GGUFs in the real models' shapes" 45 hearthlm "$PY" tests/gpu_parity.py models "$WORK/models"
-step "op suite on cuda" 90 hearthlm,gpu env HEARTHLM_TEST_BACKENDS=cuda \
+step "op suite on cuda" 75 hearthlm,gpu env HEARTHLM_TEST_BACKENDS=cuda \
   "$PY" -m pytest $PYTEST ${OUT:+"--junitxml=$OUT/op-suite.xml"} tests/test_backend_ops.py
 # the cpu side compiles its numba kernels cold here: about a minute of this step's limit
 step "generation parity: cuda and ngl against cpu" 150 hearthlm,gpu "$PY" tests/gpu_parity.py parity "$WORK/models"
+step "CUDA graphs: replayed decoding as eager" 90 hearthlm,gpu "$PY" tests/gpu_parity.py graphs "$WORK/models"
 step "decode tok/s" 45 hearthlm,gpu "$PY" tests/gpu_parity.py bench "$WORK/models"
-step "speed: a Qwen2.5-0.5B shape, 1 and 16 streams, prefill 512" 120 hearthlm,gpu "$PY" tests/gpu_parity.py speed "$WORK/models"
+step "speed: a Qwen2.5-0.5B shape, 1 and 16 streams, prefill 512" 90 hearthlm,gpu "$PY" tests/gpu_parity.py speed "$WORK/models"
+step "speed without CUDA graphs" 60 hearthlm,gpu env HEARTHLM_CUDA_GRAPHS=0 "$PY" tests/gpu_parity.py speed "$WORK/models"
 
 echo; echo "=== gpu_check: $(( $(date +%s) - START ))s ==="
 for s in "${PASSED[@]}"; do echo "passed:  $s"; done

@@ -4,6 +4,7 @@ layer shapes with a few layers, random weights, every weight type. Used by tests
     python tests/gpu_parity.py models DIR               write the parity models
     python tests/gpu_parity.py parity DIR [--backend B] compare B (default cuda) with cpu
     python tests/gpu_parity.py bench DIR [--backend B]  decode tok/s, B (default cuda) and cpu
+    python tests/gpu_parity.py graphs DIR               decoding replayed as CUDA graphs = eager
     python tests/gpu_parity.py speed DIR [--backend B]  #25's figures on B alone: a Qwen2.5-0.5B
                                                         shape, 1 and 16 streams, prefill 512
 Parity is an NMSE of logits, not equal tokens: the GPU quantizes activations differently
@@ -227,6 +228,52 @@ async def bench(d: Path, backend: str) -> int:
     return 0
 
 
+GRAPH_CASES = [("smollm2", T.Q4_K), ("smollm2", T.F16), ("gemma3", T.Q8_0), ("qwen2.5", T.Q4_0)]
+
+
+async def _decode_all(path: Path, prompts: list[list[int]], backend: str) -> tuple[list, dict]:
+    """Greedy tokens and top-5 logprobs of each prompt, all in flight at once; and the graph
+    replays' counters summed."""
+    async with Session.open(str(path), backend=backend, n_ctx=256, max_seqs=8) as s:
+        outs = await asyncio.gather(*(s.generate(p, max_tokens=24, temperature=0, top_logprobs=5, ignore_eos=True)
+                                      for p in prompts))
+        one = await s.generate(prompts[0], max_tokens=24, temperature=0, top_logprobs=5, ignore_eos=True)
+        counts = {"captures": 0, "replays": 0}
+        for entry in s.engine.graphs._graphs.values():
+            r = entry.compiled.runner
+            for k in counts:
+                counts[k] += r.counters[k] if r is not None else 0
+    return [(c.token_ids, c.top_logprobs) for c in [*outs, one]], counts
+
+
+async def graphs_parity(d: Path, backend: str) -> int:
+    """Decoding with CUDA graphs (1 and 3 streams) against the same session shape without:
+    the same kernels on the same inputs, so the same tokens and logprobs."""
+    import os
+    rng = np.random.default_rng(4)
+    prompts = [[int(t) for t in rng.integers(3, 259, n)] for n in (5, 11, 17)]
+    failed = []
+    for shape, qtype in GRAPH_CASES:
+        path = model_path(d, shape, qtype)
+        os.environ["HEARTHLM_CUDA_GRAPHS"] = "0"
+        want, off = await _decode_all(path, prompts, backend)
+        os.environ["HEARTHLM_CUDA_GRAPHS"] = "1"
+        t = time.perf_counter()
+        got, on = await _decode_all(path, prompts, backend)
+        same_tokens = [g[0] for g in got] == [w[0] for w in want]
+        diff = max((abs(a - b) for g, w in zip(got, want) for rg, rw in zip(g[1], w[1])
+                    for (ia, a), (ib, b) in zip(rg, rw) if ia == ib), default=0.0)
+        ok = same_tokens and diff <= 1e-4 and on["replays"] >= 30 and off["replays"] == 0
+        print(f"{path.name:<20} graphs: tokens {'same' if same_tokens else 'DIFFER'}, logprobs within {diff:.1e}, "
+              f"{on['captures']} captures, {on['replays']} replays (eager: {off['replays']})  "
+              f"{time.perf_counter() - t:5.1f}s  {'ok' if ok else 'FAIL'}", flush=True)
+        if not ok:
+            failed.append(path.name)
+    print(f"graphs: {len(GRAPH_CASES) - len(failed)} passed, {len(failed)} failed" +
+          (f": {', '.join(failed)}" if failed else ""))
+    return 1 if failed else 0
+
+
 async def speed(d: Path, backend: str) -> int:
     """A Qwen2.5-0.5B-shaped model (24 layers, 151936 tokens) in Q4_K where rows allow, Q8_0
     elsewhere (as llama.cpp falls back on 896-wide rows): decode of 1 stream, of 16 streams
@@ -268,7 +315,7 @@ async def speed(d: Path, backend: str) -> int:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("cmd", choices=["models", "parity", "bench", "speed"])
+    p.add_argument("cmd", choices=["models", "parity", "bench", "speed", "graphs"])
     p.add_argument("dir", type=Path)
     p.add_argument("--backend", default="cuda", help="the backend measured against cpu")
     a = p.parse_args()
@@ -280,7 +327,7 @@ def main() -> int:
         size = sum(model_path(a.dir, *k).stat().st_size for k in PARITY)
         print(f"wrote {len(PARITY)} models ({size >> 20} MiB) in {time.perf_counter() - t:.1f}s to {a.dir}")
         return 0
-    run = {"parity": parity, "bench": bench, "speed": speed}[a.cmd]
+    run = {"parity": parity, "bench": bench, "speed": speed, "graphs": graphs_parity}[a.cmd]
     return asyncio.run(run(a.dir, a.backend))
 
 

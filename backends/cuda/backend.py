@@ -56,6 +56,11 @@ class CUDABackend(Backend):
     def bind_thread(self) -> None:
         self.device.use()  # the current device is per thread in CUDA
 
+    def graph_runner(self, cg):
+        """Small steps (decode) replay as CUDA graphs: backends/cuda/graphs.py."""
+        from hearthlm.backends.cuda.graphs import runner
+        return runner(self, cg)
+
     def loaded(self) -> None:
         """cupy.asarray stages every upload in CuPy's pinned pool, which keeps its blocks
         for reuse: the size of the biggest weights, for as long as the process lives."""

@@ -1,0 +1,107 @@
+"""Decode steps as CUDA graphs. A step's walk makes several CuPy calls per op (about 300
+launches and 500 allocations a token on a 24-layer model: ~8 ms of host time, the GPU idle
+most of it); the same step captured once replays in one launch.
+
+A compiled graph of up to MAX_TOKENS tokens (decode and small batches) runs eagerly on its
+first use (kernels compile, constants upload), is captured on its second, and replays after.
+What a replay must find where the capture left it:
+- the inputs: uploaded into buffers of the graph's own before each replay;
+- every buffer the kernels wrote: they come from a memory pool of the graph's own, so no
+  other allocation can be handed a block the graph still writes;
+- the caches (K/V, recurrent state): the same device arrays (their addresses are the key;
+  a change captures again);
+- no data-dependent launch: the kernels read lengths and positions from device arrays.
+A graph that cannot be captured (an op that reads device data on the host, as mul_mat_id's
+expert ids) runs eagerly from then on. HEARTHLM_CUDA_GRAPHS=0 turns capture off."""
+from __future__ import annotations
+
+import os
+from typing import Any, Callable
+
+import numpy as np
+import structlog
+
+from hearthlm.runtime.graph import Op
+
+log = structlog.get_logger("hearthlm.cuda")
+
+MAX_TOKENS = 8  # the mmvq path (ops.MAX_TOKENS): bigger steps dequantize weights into slabs a pool would keep
+HOST_OPS = frozenset({Op.MUL_MAT_ID})  # read device data on the host: not capturable
+
+
+def enabled() -> bool:
+    return os.environ.get("HEARTHLM_CUDA_GRAPHS", "1") not in ("0", "false", "no", "off")
+
+
+def runner(backend, cg) -> Callable[..., Any] | None:
+    """A GraphReplay for `cg` where capture applies, else None."""
+    from hearthlm.runtime import dispatch
+    if not enabled():
+        return None
+    inputs = [st for st in cg.steps if st.kind is dispatch.INPUT]
+    tokens = [st for st in inputs if st.node.name == "tokens"]
+    if not tokens or tokens[0].node.shape[0] > MAX_TOKENS:
+        return None
+    if any(st.kind is dispatch.COPY or st.node.op in HOST_OPS for st in cg.steps):
+        return None
+    return GraphReplay(backend, cg)
+
+
+class GraphReplay:
+    def __init__(self, backend, cg) -> None:
+        from hearthlm.runtime import dispatch
+        self.backend, self.cg = backend, cg
+        self.inputs = [(st.index, st.node.name) for st in cg.steps if st.kind is dispatch.INPUT]
+        self.cache_nodes = [st.node for st in cg.steps if st.kind is dispatch.CACHE]
+        self.uses = 0
+        self.failed = False
+        self.graph = None
+        self.key: tuple = ()
+        self.counters = dict(captures=0, replays=0)
+
+    def __call__(self, feed, cache_of):
+        self.uses += 1
+        if self.failed or self.uses == 1:
+            return None  # the first run is eager: it compiles kernels and uploads constants
+        key = tuple(int(cache_of(n).data.ptr) for n in self.cache_nodes)
+        if self.graph is None or key != self.key:
+            return self._capture(feed, cache_of, key)
+        cp = self.backend.cp
+        with self.run_stream:
+            for i, name in self.inputs:
+                x = feed[name]
+                buf = self.statics[i]
+                if x.shape != buf.shape or x.dtype != buf.dtype:
+                    return None  # not the captured shape (the graph cache keys on it: should not happen)
+                buf.set(np.ascontiguousarray(x))
+            self.graph.launch(self.run_stream)
+            self.counters["replays"] += 1
+            return [cp.asnumpy(o, stream=self.run_stream) for o in self.outs]
+
+    def _capture(self, feed, cache_of, key):
+        """This step run eagerly (its outputs are returned: they are the step's results), then
+        the same walk captured, not run. An error of the eager run is the step's own: raised."""
+        from hearthlm.runtime import dispatch
+        cp = self.backend.cp
+        self.graph = self.outs = self.statics = self.pool = None
+        pool = cp.cuda.MemoryPool()  # the graph's own: see the module's docstring
+        cap = cp.cuda.Stream(non_blocking=True)  # capture cannot run on the legacy stream
+        # replays run on a blocking stream: ordered after the eager work queued on the legacy one
+        self.run_stream = cp.cuda.Stream(non_blocking=False)
+        self.backend.device.synchronize()  # the capture stream does not wait on the legacy one
+        with cp.cuda.using_allocator(pool.malloc), cap:
+            statics = {i: cp.asarray(np.ascontiguousarray(feed[name])) for i, name in self.inputs}
+            host = [cp.asnumpy(v, stream=cap) for v in dispatch.walk(self.cg, feed, cache_of, statics)]
+            try:
+                cap.begin_capture()
+                try:
+                    outs = dispatch.walk(self.cg, feed, cache_of, statics)
+                finally:
+                    graph = cap.end_capture()
+            except Exception as e:  # an op that syncs with the host, say: eager from now on
+                self.failed = True
+                log.warning("this step shape runs without a CUDA graph", error=f"{type(e).__name__}: {e}")
+                return host
+        self.graph, self.outs, self.statics, self.key, self.pool = graph, outs, statics, key, pool
+        self.counters["captures"] += 1
+        return host

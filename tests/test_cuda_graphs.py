@@ -1,0 +1,102 @@
+"""Decode steps replayed as CUDA graphs (backends/cuda/graphs.py), the parts a machine without
+a GPU can check: dispatch tries a backend's graph runner first and walks the steps when it
+declines, on the engine's real path; and which compiled graphs the cuda backend would capture.
+On a GPU, `tests/gpu_parity.py graphs` compares replayed decoding with eager decoding (exact
+tokens) and counts the replays; tests/gpu_check.sh runs it."""
+import numpy as np
+from synth import FakeModel
+from test_graph_cache import generate
+
+from hearthlm.backends import get_backend
+from hearthlm.backends.cuda import graphs
+from hearthlm.runtime import dispatch
+from hearthlm.runtime.engine import Engine
+
+
+class _Counting:
+    """A runner as a GPU backend's: runs the walk itself (declining its first `decline` calls)."""
+
+    def __init__(self, cg, decline: int) -> None:
+        self.cg, self.decline, self.calls, self.ran = cg, decline, 0, 0
+
+    def __call__(self, feed, cache_of):
+        self.calls += 1
+        if self.calls <= self.decline:
+            return None
+        self.ran += 1
+        return [np.asarray(v) for v in dispatch.walk(self.cg, feed, cache_of)]
+
+
+def _engine(backend) -> Engine:
+    e = Engine(FakeModel("llama"), backend, n_ctx=256, kv_blocks=64, block_size=4)
+    e.start()
+    return e
+
+
+def _graphs(e: Engine):
+    return [entry.compiled for entry in e.graphs._graphs.values()]
+
+
+def test_runner_first_and_the_walk_when_it_declines():
+    plain = _engine(get_backend("reference"))
+    try:
+        want = generate(plain, [[1, 2, 3], [4, 5, 6, 7, 8]], 12)
+    finally:
+        plain.close()
+    backend = get_backend("reference")
+    runners = []
+    backend.graph_runner = lambda cg: runners.append(_Counting(cg, decline=1)) or runners[-1]
+    e = _engine(backend)
+    try:
+        got = generate(e, [[1, 2, 3], [4, 5, 6, 7, 8]], 12)
+        cgs = _graphs(e)
+    finally:
+        e.close()
+    assert got == want
+    assert runners and all(cg.runner in runners for cg in cgs)
+    assert sum(r.calls for r in runners) >= 12  # every step asked its runner
+    assert sum(r.ran for r in runners) >= 10  # and it ran all but the first use of each graph
+
+
+def test_no_runner_for_a_split_graph():
+    from hearthlm.runtime.placement import offload
+    ref, cpu = get_backend("reference"), get_backend("cpu")
+    asked = []
+    for b in (ref, cpu):
+        b.graph_runner = lambda cg, b=b: asked.append(b.name)
+    model = FakeModel("llama")
+    e = Engine(model, offload({"cpu": cpu, "reference": ref}, len(model.kv_dims), 1), n_ctx=256, kv_blocks=64,
+               block_size=4)
+    e.start()
+    try:
+        generate(e, [[1, 2, 3]], 4)
+        assert all(cg.n_copies for cg in _graphs(e))
+    finally:
+        e.close()
+    assert asked == []
+
+
+def _n_tokens(cg) -> int:
+    return next(st for st in cg.steps if st.node.name == "tokens").node.shape[0]
+
+
+def test_what_the_cuda_backend_captures(monkeypatch):
+    e = _engine(get_backend("reference"))
+    try:  # a 12-token prefill and a decode of 2 tokens a step
+        generate(e, [list(range(1, 13)), [1, 2]], 4)
+        cgs = _graphs(e)
+    finally:
+        e.close()
+    assert min(map(_n_tokens, cgs)) <= graphs.MAX_TOKENS < max(map(_n_tokens, cgs))
+    monkeypatch.setattr(graphs, "GraphReplay", lambda backend, cg: ("replay", cg))
+    for cg in cgs:
+        assert (graphs.runner(None, cg) == ("replay", cg)) == (_n_tokens(cg) <= graphs.MAX_TOKENS)
+    decode = min(cgs, key=_n_tokens)
+    monkeypatch.setenv("HEARTHLM_CUDA_GRAPHS", "0")
+    assert graphs.runner(None, decode) is None
+    monkeypatch.delenv("HEARTHLM_CUDA_GRAPHS")
+    assert graphs.runner(None, decode) == ("replay", decode)
+    # an op that reads device data on the host (mul_mat_id's expert ids) is never captured
+    st = next(st for st in decode.steps if st.kind is dispatch.KERNEL)
+    monkeypatch.setattr(st.node, "op", next(iter(graphs.HOST_OPS)))
+    assert graphs.runner(None, decode) is None
