@@ -263,7 +263,9 @@ async def graphs_parity(d: Path, backend: str) -> int:
         same_tokens = [g[0] for g in got] == [w[0] for w in want]
         diff = max((abs(a - b) for g, w in zip(got, want) for rg, rw in zip(g[1], w[1])
                     for (ia, a), (ib, b) in zip(rg, rw) if ia == ib), default=0.0)
-        ok = same_tokens and diff <= 1e-4 and on["replays"] >= 30 and off["replays"] == 0
+        # float weights go to cuBLAS, which CuPy cannot capture: those graphs stay eager
+        ok = (same_tokens and diff <= 1e-4 and off["replays"] == 0
+              and (on["replays"] >= 30 if qtype not in FLOATS else on["captures"] == 0))
         print(f"{path.name:<20} graphs: tokens {'same' if same_tokens else 'DIFFER'}, logprobs within {diff:.1e}, "
               f"{on['captures']} captures, {on['replays']} replays (eager: {off['replays']})  "
               f"{time.perf_counter() - t:5.1f}s  {'ok' if ok else 'FAIL'}", flush=True)

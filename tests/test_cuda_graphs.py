@@ -8,7 +8,10 @@ from synth import FakeModel
 from test_graph_cache import generate
 
 from hearthlm.backends import get_backend
+from gguf import GGMLQuantizationType as T
+
 from hearthlm.backends.cuda import graphs
+from hearthlm.backends.cuda.weights import CudaWeight
 from hearthlm.runtime import dispatch
 from hearthlm.runtime.engine import Engine
 
@@ -88,6 +91,11 @@ def test_what_the_cuda_backend_captures(monkeypatch):
     finally:
         e.close()
     assert min(map(_n_tokens, cgs)) <= graphs.MAX_TOKENS < max(map(_n_tokens, cgs))
+    # the weights as the cuda backend prepares them: quantized blocks (mmvq), not floats (cuBLAS)
+    weights = [cg.steps[st.srcs[0]] for cg in cgs for st in cg.steps if st.node.op in graphs.PRODUCTS]
+    assert weights
+    for w in weights:
+        monkeypatch.setattr(w, "value", CudaWeight(int(T.Q8_0), (1, 32), raw=np.zeros((1, 34), np.uint8)))
     monkeypatch.setattr(graphs, "GraphReplay", lambda backend, cg: ("replay", cg))
     for cg in cgs:
         assert (graphs.runner(None, cg) == ("replay", cg)) == (_n_tokens(cg) <= graphs.MAX_TOKENS)
@@ -99,4 +107,16 @@ def test_what_the_cuda_backend_captures(monkeypatch):
     # an op that reads device data on the host (mul_mat_id's expert ids) is never captured
     st = next(st for st in decode.steps if st.kind is dispatch.KERNEL)
     monkeypatch.setattr(st.node, "op", next(iter(graphs.HOST_OPS)))
+    assert graphs.runner(None, decode) is None
+    monkeypatch.undo()
+    # float weights, or the unfused attention's products, go to cuBLAS: CuPy cannot capture it
+    for w in weights:
+        monkeypatch.setattr(w, "value", CudaWeight(int(T.Q8_0), (1, 32), raw=np.zeros((1, 34), np.uint8)))
+    monkeypatch.setattr(graphs, "GraphReplay", lambda backend, cg: ("replay", cg))
+    assert graphs.runner(None, decode) == ("replay", decode)
+    w = next(w for w in weights if w in decode.steps)
+    monkeypatch.setattr(w, "value", CudaWeight(int(T.F16), (1, 32), f=np.zeros((1, 32), np.float32)))
+    assert graphs.runner(None, decode) is None
+    monkeypatch.setattr(w, "value", CudaWeight(int(T.Q8_0), (1, 32), raw=np.zeros((1, 34), np.uint8)))
+    monkeypatch.setattr(st.node, "op", next(iter(graphs.BLAS_OPS)))
     assert graphs.runner(None, decode) is None

@@ -11,8 +11,10 @@ What a replay must find where the capture left it:
 - the caches (K/V, recurrent state): the same device arrays (their addresses are the key;
   a change captures again);
 - no data-dependent launch: the kernels read lengths and positions from device arrays.
-A graph that cannot be captured (an op that reads device data on the host, as mul_mat_id's
-expert ids) runs eagerly from then on. HEARTHLM_CUDA_GRAPHS=0 turns capture off."""
+Not captured, so run eagerly: a graph with an op that reads device data on the host
+(mul_mat_id's expert ids), and one that calls cuBLAS (float weights, the unfused attention),
+which CuPy refuses during a capture. A capture that fails anyway leaves its graph eager from
+then on. HEARTHLM_CUDA_GRAPHS=0 turns capture off."""
 from __future__ import annotations
 
 import os
@@ -27,6 +29,8 @@ log = structlog.get_logger("hearthlm.cuda")
 
 MAX_TOKENS = 8  # the mmvq path (ops.MAX_TOKENS): bigger steps dequantize weights into slabs a pool would keep
 HOST_OPS = frozenset({Op.MUL_MAT_ID})  # read device data on the host: not capturable
+BLAS_OPS = frozenset({Op.KQ, Op.KQV})   # cupy.matmul: cuBLAS
+PRODUCTS = frozenset({Op.MUL_MAT, Op.MUL_MAT_ADD, Op.FFN_GLU})  # cuBLAS unless the weight is quantized
 
 
 def enabled() -> bool:
@@ -42,9 +46,18 @@ def runner(backend, cg) -> Callable[..., Any] | None:
     tokens = [st for st in inputs if st.node.name == "tokens"]
     if not tokens or tokens[0].node.shape[0] > MAX_TOKENS:
         return None
-    if any(st.kind is dispatch.COPY or st.node.op in HOST_OPS for st in cg.steps):
+    if any(st.kind is dispatch.COPY or st.node.op in HOST_OPS | BLAS_OPS for st in cg.steps):
+        return None
+    if any(st.node.op in PRODUCTS and not _quantized(cg.steps[st.srcs[0]]) for st in cg.steps):
         return None
     return GraphReplay(backend, cg)
+
+
+def _quantized(src) -> bool:
+    """Whether a product's weight is quantized blocks (ops.mmvq, a kernel of ours) rather than
+    floats (cuBLAS)."""
+    from hearthlm.runtime import dispatch
+    return src.kind is dispatch.STATIC and getattr(src.value, "raw", None) is not None
 
 
 class GraphReplay:
