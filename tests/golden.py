@@ -16,7 +16,8 @@ TOP1_LOGPROB_TOL = 0.2
 def compare(case: dict, token_ids: list[int], top: list[list[tuple[int, float]]], finish: str,
             top1_tol: float = TOP1_LOGPROB_TOL, tie_tol: float = 0.0) -> str | None:
     """None when the case passes, else what went wrong. llama.cpp's list ends with the EOS
-    token when one came; ours stops before it (finish_reason "stop"). tie_tol: at the first
+    token when one came; ours stops before it (finish_reason "stop"), unless it ran with
+    ignore_eos (check_golden does: an EOS is then a step like any other). tie_tol: at the first
     difference it is also enough that llama.cpp put our token within tie_tol nats of its own
     (a near-tie in its run, which a coarse KV cache's rounding may turn either way)."""
     want = case["greedy_ids"]
@@ -41,19 +42,22 @@ def compare(case: dict, token_ids: list[int], top: list[list[tuple[int, float]]]
 
 
 async def check_golden(path, backend: str, cases: list[dict], top1_tol: float = TOP1_LOGPROB_TOL,
-                       tie_tol: float = 0.0, **open_kw) -> None:
+                       tie_tol: float = 0.0, allowed: int = 0, **open_kw) -> None:
     """The cases run concurrently: one batch a step (a greedy sequence does not depend on its
     neighbours: tests/test_engine.py), which the numpy reference backend computes in about the
-    time of one sequence. `open_kw`: more Session.open options (kv_cache_type, say)."""
+    time of one sequence. `allowed`: cases that may fail (a coarse KV cache's chaotic paths).
+    `open_kw`: more Session.open options (kv_cache_type, say)."""
     failures = []
     async with Session.open(str(path), backend=backend, n_ctx=1024, **open_kw) as s:
         async def one(i: int, case: dict) -> None:
+            # past an EOS too: where ours and llama.cpp's differ on ending (a near-tie with EOS),
+            # the criterion needs our top 5 at that step, which a stopped request does not give
             c = await s.generate(case["prompt_ids"], max_tokens=len(case["greedy_ids"]), temperature=0,
-                                 top_logprobs=5)
+                                 top_logprobs=5, ignore_eos=True)
             why = compare(case, c.token_ids, c.top_logprobs, c.finish_reason, top1_tol, tie_tol)
             if why:
                 failures.append(f"case {i} ({case['prompt'][:30]!r}): {why}")
         async with anyio.create_task_group() as tg:
             for i, case in enumerate(cases):
                 tg.start_soon(one, i, case)
-    assert not failures, "\n".join(sorted(failures))
+    assert len(failures) <= allowed, "\n".join(sorted(failures))
