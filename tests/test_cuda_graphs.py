@@ -85,8 +85,8 @@ def _n_tokens(cg) -> int:
 
 def test_what_the_cuda_backend_captures(monkeypatch):
     e = _engine(get_backend("reference"))
-    try:  # a 12-token prefill and a decode of 2 tokens a step
-        generate(e, [list(range(1, 13)), [1, 2]], 4)
+    try:  # a 40-token prefill and a decode of 2 tokens a step
+        generate(e, [[1 + i % 20 for i in range(40)], [1, 2]], 4)
         cgs = _graphs(e)
     finally:
         e.close()

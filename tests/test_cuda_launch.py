@@ -196,7 +196,8 @@ def _values(node, feed, cp):
     return out
 
 
-@pytest.mark.parametrize("n", [0, 3, 12], ids=lambda n: f"{n}tok")  # 12 > MAX_TOKENS: dequantize + cuBLAS
+# 12: mmvq in two launches; 40 > MMVQ_MAX_TOKENS: dequantize + cuBLAS
+@pytest.mark.parametrize("n", [0, 3, 12, 40], ids=lambda n: f"{n}tok")
 @pytest.mark.parametrize("op", [op for op in Op if op not in (Op.INPUT, Op.WEIGHT, Op.CACHE, Op.COPY)],
                          ids=lambda op: op.value)
 def test_launches(fake_ops, op, n):

@@ -2,7 +2,7 @@
 launches and 500 allocations a token on a 24-layer model: ~8 ms of host time, the GPU idle
 most of it); the same step captured once replays in one launch.
 
-A compiled graph of up to MAX_TOKENS tokens (decode and small batches) runs eagerly on its
+A compiled graph of up to MAX_TOKENS (32) tokens (decode of up to 32 streams) runs eagerly on its
 first use (kernels compile, constants upload), is captured on its second, and replays after.
 What a replay must find where the capture left it:
 - the inputs: uploaded into buffers of the graph's own before each replay;
@@ -23,11 +23,13 @@ from typing import Any, Callable
 import numpy as np
 import structlog
 
+from hearthlm.backends.cuda.weights import MMVQ_MAX_TOKENS
 from hearthlm.runtime.graph import Op
 
 log = structlog.get_logger("hearthlm.cuda")
 
-MAX_TOKENS = 8  # the mmvq path (ops.MAX_TOKENS): bigger steps dequantize weights into slabs a pool would keep
+# the mmvq path's: bigger steps dequantize weights into slabs (cuBLAS), which a graph's pool would keep
+MAX_TOKENS = MMVQ_MAX_TOKENS
 HOST_OPS = frozenset({Op.MUL_MAT_ID})  # read device data on the host: not capturable
 BLAS_OPS = frozenset({Op.KQ, Op.KQV})   # cupy.matmul: cuBLAS
 PRODUCTS = frozenset({Op.MUL_MAT, Op.MUL_MAT_ADD, Op.FFN_GLU})  # cuBLAS unless the weight is quantized

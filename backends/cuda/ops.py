@@ -15,12 +15,12 @@ import cupy as cp
 import numpy as np
 
 from hearthlm.backends.cuda.modules import kernel
-from hearthlm.backends.cuda.weights import CudaWeight
+from hearthlm.backends.cuda.weights import MMVQ_MAX_TOKENS, CudaWeight
 from hearthlm.runtime import kv_types
 from hearthlm.runtime.errors import BackendError
 from hearthlm.runtime.graph import Op, alibi_slopes, attn_bounds
 
-MAX_TOKENS = 8        # matmul.cu's MAX_TOKENS: mmvq up to this many tokens, dequantize + cuBLAS above
+MAX_TOKENS = 8        # matmul.cu's MAX_TOKENS: the tokens of one mmvq launch
 ROWS = 4              # matmul.cu's ROWS_PER_BLOCK
 MAX_HEAD_DIM = 256    # attention.cu's MAX_D
 SLAB_FLOATS = 1 << 26  # 256 MiB of float32: dequantize big weights for cuBLAS a slab of rows at a time
@@ -72,16 +72,21 @@ def quantize_q8(x2):
 
 
 def mmvq(w: CudaWeight, x2, mode: int = 0, w2: CudaWeight | None = None, r=None):
-    """(n <= MAX_TOKENS, K) -> (n, n_rows); mode 1 adds r, 2/3 = silu/gelu(x @ w.T) * (x @ w2.T)."""
+    """(n <= MMVQ_MAX_TOKENS, K) -> (n, n_rows); mode 1 adds r, 2/3 = silu/gelu(x @ w.T) * (x @ w2.T).
+    A launch per MAX_TOKENS tokens, on row slices of x's codes, r and y."""
     n, k = x2.shape
-    n_rows = w.shape[0]
+    n_rows, nc = w.shape[0], k // 32
     y = cp.empty((n, n_rows), cp.float32)
     if n == 0:
         return y
     xq, xd, xs = quantize_q8(x2)
-    _launch("matmul.cu", "mmvq_" + w.kernel, (_cdiv(n_rows, ROWS),), (32, ROWS),
-            (w.raw, (w2 or w).raw, i64(w.raw.shape[1]), i32(n_rows), i32(k // 32), xq, xd, xs, i32(n),
-             _dummy() if r is None else r, y, i32(mode)))
+    w2raw = (w2 or w).raw
+    for t0 in range(0, n, MAX_TOKENS):
+        t1 = min(n, t0 + MAX_TOKENS)
+        _launch("matmul.cu", "mmvq_" + w.kernel, (_cdiv(n_rows, ROWS),), (32, ROWS),
+                (w.raw, w2raw, i64(w.raw.shape[1]), i32(n_rows), i32(nc), xq[t0:t1], xd[t0 * nc:t1 * nc],
+                 xs[2 * t0 * nc:2 * t1 * nc], i32(t1 - t0), _dummy() if r is None else r[t0:t1], y[t0:t1],
+                 i32(mode)))
     return y
 
 
@@ -121,7 +126,7 @@ def matmul2(w, x2):
         return x2 @ _f(w).T
     if w.f is not None:
         return x2 @ w.f.T
-    return mmvq(w, x2) if x2.shape[0] <= MAX_TOKENS else _dequant_gemm(w, x2)
+    return mmvq(w, x2) if x2.shape[0] <= MMVQ_MAX_TOKENS else _dequant_gemm(w, x2)
 
 
 def _rows(x):
@@ -134,7 +139,7 @@ def mul_mat(node, w, x, out=None):
 
 def mul_mat_add(node, w, x, r, out=None):
     x2 = _rows(x)
-    if _quantized(w) and x2.shape[0] <= MAX_TOKENS and r.shape == node.shape:
+    if _quantized(w) and x2.shape[0] <= MMVQ_MAX_TOKENS and r.shape == node.shape:
         y = mmvq(w, x2, mode=1, r=_f(r).reshape(-1, w.shape[0]))  # not (n, -1): n may be 0
         return _into(y.reshape(node.shape), out)
     return _into(matmul2(w, x2).reshape(r.shape) + r, out)
@@ -143,7 +148,7 @@ def mul_mat_add(node, w, x, r, out=None):
 def ffn_glu(node, wg, wu, x, out=None):
     x2, act = _rows(x), node.params["act"]
     if (_quantized(wg) and _quantized(wu) and wg.ggml_type == wu.ggml_type and wg.shape == wu.shape
-            and x2.shape[0] <= MAX_TOKENS):
+            and x2.shape[0] <= MMVQ_MAX_TOKENS):
         y = mmvq(wg, x2, mode=2 if act == "silu" else 3, w2=wu)
         return _into(y.reshape(node.shape), out)
     g, u = matmul2(wg, x2), matmul2(wu, x2)

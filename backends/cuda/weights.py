@@ -18,6 +18,9 @@ from hearthlm.runtime.weights import QWeight
 QUANT_KERNELS = {int(T.Q4_0): "q4_0", int(T.Q4_1): "q4_1", int(T.Q5_0): "q5_0", int(T.Q5_1): "q5_1",
                  int(T.Q8_0): "q8_0", int(T.Q2_K): "q2_k", int(T.Q3_K): "q3_k", int(T.Q4_K): "q4_k",
                  int(T.Q5_K): "q5_k", int(T.Q6_K): "q6_k"}
+# tokens a quantized product takes in mmvq (matmul.cu), in launches of 8 (its MAX_TOKENS: the
+# accumulators live in registers), each reading the weight again; above: dequantize + cuBLAS
+MMVQ_MAX_TOKENS = 32
 FLOAT_TYPES = frozenset(int(t) for t in (T.F32, T.F16, T.BF16))
 DEQUANTIZED_TYPES = frozenset(int(t) for t in (  # float32 on the device until they have kernels
     T.IQ4_NL, T.IQ4_XS, T.MXFP4, T.TQ1_0, T.TQ2_0, T.IQ2_XXS, T.IQ2_XS, T.IQ2_S, T.IQ3_XXS, T.IQ3_S,
