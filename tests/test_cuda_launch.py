@@ -239,3 +239,40 @@ def test_alibi_launches(fake_ops, n):
         y = ops.KERNELS[node.op](node, *_values(node, feed, cp))
         assert y.shape == node.shape
     assert [fn for fn, _ in launches] == ([] if n == 0 else ["attn_paged"])
+
+
+def test_mmvq_token_groups_address_their_rows(fake_ops):
+    """Over MAX_TOKENS tokens mmvq launches once per group of 8 on row slices of the codes, r and
+    y: each launch, run here in numpy as the kernel indexes (chunk tc = t * n_chunks + c of its
+    own arguments), writes through its views, and 20 tokens come out as x @ W.T + r."""
+    ops, cp, launches = fake_ops
+    rows, cols, n = 24, 128, 20
+    qw = _weight("w", T.Q8_0, rows, cols)
+    w = upload(cp, qw)
+    blocks = qw.raw.reshape(rows, cols // 32, 34)
+    wd = blocks[:, :, :2].copy().view(np.float16)[..., 0].astype(np.float32)  # (rows, n_chunks)
+    wq = blocks[:, :, 2:].view(np.int8).astype(np.int32)                      # (rows, n_chunks, 32)
+
+    def quantize_q8(grid, block, args):
+        x, n_chunks, xq, xd, xs = args
+        c = x.reshape(int(n_chunks), 32)
+        d = np.abs(c).max(axis=1) / 127
+        xq[...] = np.round(c / np.where(d > 0, d, 1)[:, None]).reshape(xq.shape)
+        xd[...] = d
+        xs[...] = c.reshape(-1, 2, 16).sum(axis=2).reshape(-1)
+
+    def mmvq(grid, block, args):
+        _w, _w2, _rb, n_rows, n_chunks, xq, xd, xs, n_tok, r, y, mode = args
+        assert int(n_tok) <= ops.MAX_TOKENS and xq.shape[0] == y.shape[0] == int(n_tok)
+        q = xq.reshape(int(n_tok), int(n_chunks), 32).astype(np.int32)
+        d = xd.reshape(int(n_tok), int(n_chunks))
+        y[...] = np.einsum("rcj,tcj,rc,tc->tr", wq, q, wd, d) + (r if int(mode) == 1 else 0)
+
+    run = {"quantize_q8": quantize_q8, "mmvq_q8_0": mmvq}
+    ops.kernel = lambda file, fn: (lambda grid, block, args: (launches.append(fn), run[fn](grid, block, args)))
+    x = rng.standard_normal((n, cols)).astype(np.float32)
+    r = rng.standard_normal((n, rows)).astype(np.float32)
+    y = ops.mmvq(w, x, mode=1, r=r)
+    assert launches == ["quantize_q8"] + ["mmvq_q8_0"] * 3  # 8 + 8 + 4 tokens
+    want = x @ quants.dequantize(qw.raw, T.Q8_0).reshape(rows, cols).T + r
+    assert np.abs(y - want).max() < 0.05 * np.abs(want).max()
