@@ -23,7 +23,7 @@ from typing import Any, Callable
 import numpy as np
 import structlog
 
-from hearthlm.backends.cuda.weights import MMVQ_MAX_TOKENS
+from hearthlm.backends.cuda.weights import MMVQ_MAX_TOKENS, quantized
 from hearthlm.runtime.graph import Op
 
 log = structlog.get_logger("hearthlm.cuda")
@@ -44,22 +44,15 @@ def runner(backend, cg) -> Callable[..., Any] | None:
     from hearthlm.runtime import dispatch
     if not enabled():
         return None
-    inputs = [st for st in cg.steps if st.kind is dispatch.INPUT]
-    tokens = [st for st in inputs if st.node.name == "tokens"]
-    if not tokens or tokens[0].node.shape[0] > MAX_TOKENS:
+    tokens = next((st for st in cg.steps if st.kind is dispatch.INPUT and st.node.name == "tokens"), None)
+    if tokens is None or tokens.node.shape[0] > MAX_TOKENS:
         return None
     if any(st.kind is dispatch.COPY or st.node.op in HOST_OPS | BLAS_OPS for st in cg.steps):
         return None
-    if any(st.node.op in PRODUCTS and not _quantized(cg.steps[st.srcs[0]]) for st in cg.steps):
+    weights = (cg.steps[st.srcs[0]] for st in cg.steps if st.node.op in PRODUCTS)
+    if not all(w.kind is dispatch.STATIC and quantized(w.value) for w in weights):
         return None
     return GraphReplay(backend, cg)
-
-
-def _quantized(src) -> bool:
-    """Whether a product's weight is quantized blocks (ops.mmvq, a kernel of ours) rather than
-    floats (cuBLAS)."""
-    from hearthlm.runtime import dispatch
-    return src.kind is dispatch.STATIC and getattr(src.value, "raw", None) is not None
 
 
 class GraphReplay:
@@ -70,7 +63,8 @@ class GraphReplay:
         self.cache_nodes = [st.node for st in cg.steps if st.kind is dispatch.CACHE]
         self.uses = 0
         self.failed = False
-        self.graph = None
+        # set by each capture: the graph, its outputs, input buffers, pool, replay stream, cache key
+        self.graph = self.outs = self.statics = self.pool = self.run_stream = None
         self.key: tuple = ()
         self.counters = dict(captures=0, replays=0)
 
@@ -98,7 +92,7 @@ class GraphReplay:
         the same walk captured, not run. An error of the eager run is the step's own: raised."""
         from hearthlm.runtime import dispatch
         cp = self.backend.cp
-        self.graph = self.outs = self.statics = self.pool = None
+        self.graph = self.outs = self.statics = self.pool = None  # the old capture goes
         pool = cp.cuda.MemoryPool()  # the graph's own: see the module's docstring
         cap = cp.cuda.Stream(non_blocking=True)  # capture cannot run on the legacy stream
         # replays run on a blocking stream: ordered after the eager work queued on the legacy one

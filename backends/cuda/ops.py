@@ -16,6 +16,7 @@ import numpy as np
 
 from hearthlm.backends.cuda.modules import kernel
 from hearthlm.backends.cuda.weights import MMVQ_MAX_TOKENS, CudaWeight
+from hearthlm.backends.cuda.weights import quantized as _quantized
 from hearthlm.runtime import kv_types
 from hearthlm.runtime.errors import BackendError
 from hearthlm.runtime.graph import Op, alibi_slopes, attn_bounds
@@ -80,10 +81,10 @@ def mmvq(w: CudaWeight, x2, mode: int = 0, w2: CudaWeight | None = None, r=None)
     if n == 0:
         return y
     xq, xd, xs = quantize_q8(x2)
-    w2raw = (w2 or w).raw
+    fn, w2raw = "mmvq_" + w.kernel, (w2 or w).raw
     for t0 in range(0, n, MAX_TOKENS):
         t1 = min(n, t0 + MAX_TOKENS)
-        _launch("matmul.cu", "mmvq_" + w.kernel, (_cdiv(n_rows, ROWS),), (32, ROWS),
+        _launch("matmul.cu", fn, (_cdiv(n_rows, ROWS),), (32, ROWS),
                 (w.raw, w2raw, i64(w.raw.shape[1]), i32(n_rows), i32(nc), xq[t0:t1], xd[t0 * nc:t1 * nc],
                  xs[2 * t0 * nc:2 * t1 * nc], i32(t1 - t0), _dummy() if r is None else r[t0:t1], y[t0:t1],
                  i32(mode)))
@@ -112,10 +113,6 @@ def _dequant_gemm(w: CudaWeight, x2):
         m = min(slab, n_rows - r0)
         y[:, r0:r0 + m] = x2 @ dequant_rows(w, row0=r0, n_out=m).T
     return y
-
-
-def _quantized(w) -> bool:
-    return isinstance(w, CudaWeight) and w.raw is not None
 
 
 def matmul2(w, x2):

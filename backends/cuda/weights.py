@@ -42,6 +42,12 @@ class CudaWeight:
         return QUANT_KERNELS[self.ggml_type]
 
 
+def quantized(w) -> bool:
+    """Whether a prepared weight is raw quantized blocks (read by our kernels, mmvq) rather than
+    floats (cuBLAS) or an activation."""
+    return isinstance(w, CudaWeight) and w.raw is not None
+
+
 def type_name(ggml_type: int) -> str:
     return T(ggml_type).name if ggml_type in T._value2member_map_ else str(ggml_type)
 
