@@ -20,11 +20,12 @@ class SyncSession:
     def __init__(self, model: str = DEFAULT_MODEL, **open_kwargs: Any) -> None:
         self._portal_cm = anyio.from_thread.start_blocking_portal()
         self._portal = self._portal_cm.__enter__()
-        self._cm = Session.open(model, **open_kwargs)
-        try:
+        try:  # any failure here (a bad option, a missing file) must stop the portal's thread
+            self._cm = Session.open(model, **open_kwargs)
             self.session: Session = self._portal.call(self._cm.__aenter__)
         except BaseException:
             self._portal_cm.__exit__(None, None, None)
+            self._portal_cm = None
             raise
 
     def generate(self, prompt=None, **kwargs: Any) -> Completion:

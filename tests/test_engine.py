@@ -190,6 +190,22 @@ def test_sync_session(tiny):
         assert st["tokens_generated"] >= 11 and st["steps"] >= 11
 
 
+@pytest.mark.parametrize("args", ["TINY, bogus=1", "'/nonexistent/model.gguf'", "MALFORMED"])
+def test_sync_session_failing_to_open_lets_the_script_exit(tiny, tmp_path, args):
+    """A script whose SyncSession(...) raises (an option misspelt, a missing or malformed file) prints
+    the error and exits. Mutation: `Session.open(...)` back outside the `try` that stops the portal
+    (as it was) hangs the bad-option case until the timeout."""
+    import subprocess
+    import sys
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF" + b"\x00" * 60)
+    script = (f"from hearthlm import SyncSession\nTINY, MALFORMED = {tiny!r}, {str(bad)!r}\n"
+              f"SyncSession({args})\n")
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1, r.stderr[-2000:]
+    assert ("TypeError" if "bogus" in args else "Error") in r.stderr.splitlines()[-1]
+
+
 @pytest.mark.parametrize("main_thread_engine_first", [False, True])
 async def test_blas_limit_held_while_any_session_runs(tiny, main_thread_engine_first):
     """Also after an engine started and closed in the main thread (as the graph-cache tests
