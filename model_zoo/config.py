@@ -108,6 +108,7 @@ class HParams:
 
     NEOX: ClassVar[bool] = False          # the architecture's RoPE layout (llama.cpp's rope_type)
     CAUSAL: ClassVar[bool] = True         # False: an encoder (each input runs whole, attending both ways)
+    PER_LAYER_KV_HEADS: ClassVar[bool] = False  # True: builds with n_head_kv_of(il), so the counts may differ
     NORM_EPS: ClassVar[float] = 1e-5
     ROPE_BASE: ClassVar[float] = 10000.0
 
@@ -121,7 +122,7 @@ class HParams:
                                  f"{r.key('attention.key_length')!r} ({head_dim}): not supported")
         n_layer = r.need("block_count")
         kv_layers = r.per_layer("attention.head_count_kv", n_layer)  # hybrids: 0 on recurrent layers
-        if kv_layers is not None and len(set(kv_layers) - {0}) > 1:
+        if kv_layers is not None and len(set(kv_layers) - {0}) > 1 and not cls.PER_LAYER_KV_HEADS:
             raise ModelLoadError(f"GGUF metadata {r.key('attention.head_count_kv')!r}: attention layers with "
                                  f"different KV head counts {sorted(set(kv_layers) - {0})} are not supported")
         n_head_kv = (max(kv_layers) or n_head) if kv_layers else r.opt("attention.head_count_kv", n_head)
@@ -141,8 +142,9 @@ class HParams:
         return {}
 
     def __post_init__(self) -> None:
-        if self.n_head % self.n_head_kv:
-            raise ModelLoadError(f"head_count {self.n_head} is not a multiple of head_count_kv {self.n_head_kv}")
+        for h in {self.n_head_kv, *self.head_count_kv_layers} - {0}:
+            if self.n_head % h:
+                raise ModelLoadError(f"head_count {self.n_head} is not a multiple of head_count_kv {h}")
         if self.rope.n_rot > self.head_dim or self.rope.n_rot % 2:
             raise ModelLoadError(f"rope.dimension_count {self.rope.n_rot} does not fit head dim {self.head_dim}")
 
@@ -153,6 +155,10 @@ class HParams:
     def layer_kv_dims(self) -> list[tuple[int, int]]:
         """Per layer, its K/V cache's (n_head_kv, head_dim); (0, 0) for a layer without attention."""
         return [self.kv_dims if self.has_attention(il) else (0, 0) for il in range(self.n_layer)]
+
+    def n_head_kv_of(self, il: int) -> int:
+        """Layer il's K/V head count: the file's per-layer array where it has one."""
+        return self.head_count_kv_layers[il] if self.head_count_kv_layers else self.n_head_kv
 
     def has_attention(self, il: int) -> bool:
         return True

@@ -40,6 +40,12 @@ def _ints(v: Any) -> list[int]:
     return v.tolist() if hasattr(v, "tolist") else [int(x) for x in v]
 
 
+def _flag(md: Mapping[str, Any], key: str, default: bool) -> bool:
+    """tokenizer.ggml.<key> when the file has it (llama.cpp's get_key), else the kind's default."""
+    v = md.get(f"tokenizer.ggml.{key}")
+    return default if v is None else bool(v)
+
+
 def _text(t: Any) -> str:
     return t.decode("utf-8", "replace") if isinstance(t, (bytes, bytearray)) else str(t)
 
@@ -61,7 +67,7 @@ class Tokenizer:
             raise UnsupportedModelError(
                 f"unsupported tokenizer.ggml.model {model!r} (supported: 'gpt2', 'llama', 'bert', 'gemma4')")
         self._spm_bpe = None  # Gemma 4's merges
-        self.add_sep = False  # a [SEP] between a rerank pair's query and document (RoBERTa-style BPE; WordPiece always)
+        add_sep = False  # a [SEP] between a rerank pair's query and document: the kind's default, then the file's
         raw = md.get("tokenizer.ggml.tokens")
         if raw is None or len(raw) == 0:
             raise ModelLoadError("GGUF metadata has no tokenizer.ggml.tokens")
@@ -85,7 +91,7 @@ class Tokenizer:
             with _key("tokenizer.ggml.merges"):
                 merges = [_text(m) for m in merges]
             self._bpe = build_bpe(self._tokens, merges, pre)
-            self.add_sep = pre.add_sep
+            add_sep = pre.add_sep
             defaults = dict(bos=11, eos=11, unk=None)
             add_bos, self.add_space_prefix, self.clean_spaces = pre.add_bos, False, pre.clean_spaces
         elif model == "gemma4":
@@ -98,7 +104,7 @@ class Tokenizer:
             add_bos, self.add_space_prefix, self.clean_spaces = True, False, True
         elif self.kind == "wpm":  # [CLS] text [SEP]; lowercased and accents stripped unless the file says not
             defaults = dict(bos=101, eos=None, unk=100)
-            add_bos, self.add_space_prefix, self.clean_spaces = True, False, True
+            add_bos, add_sep, self.add_space_prefix, self.clean_spaces = True, True, False, True
             with _key("tokenizer.ggml.normalizer.lowercase"):
                 self._lowercase = bool(md.get("tokenizer.ggml.normalizer.lowercase", True))
             with _key("tokenizer.ggml.normalizer.strip_accents"):
@@ -130,14 +136,17 @@ class Tokenizer:
         self.unk_id = special("unknown", defaults["unk"])
         self.pad_id = special("padding", 0 if self.kind == "wpm" else None)
         self.sep_id = special("seperator", 102 if self.kind == "wpm" else None)  # llama.cpp's spelling
-        # llama.cpp prepends [CLS] to WordPiece text whatever the file says
-        # ... and Gemma 4 starts with BOS whatever the file says (its PR #21500)
-        self.add_bos = self.kind == "wpm" or model == "gemma4" or bool(md.get("tokenizer.ggml.add_bos_token", add_bos))
-        self.add_eos = bool(md.get("tokenizer.ggml.add_eos_token", False))
-        if self.add_bos and self.bos_id is None:
+        # llama.cpp's flags: the kind's defaults, then the file's keys; Gemma 4 starts with BOS whatever the
+        # file says (its PR #21500). WordPiece text ignores them (encode_parts); rerank pairs read them.
+        self.add_bos = model == "gemma4" or _flag(md, "add_bos_token", add_bos)
+        self.add_eos = _flag(md, "add_eos_token", False)
+        self.add_sep = _flag(md, "add_sep_token", add_sep)
+        if (self.add_bos or self.kind == "wpm") and self.bos_id is None:
             raise ModelLoadError("tokenizer.ggml.add_bos_token is true, but no BOS token is set")
-        if self.add_eos and self.eos_id is None:
+        if self.add_eos and self.eos_id is None and not (self.kind == "wpm" and self.sep_id is not None):
             raise ModelLoadError("tokenizer.ggml.add_eos_token is true, but no EOS token is set")
+        if (self.add_sep or self.kind == "wpm") and self.sep_id is None:
+            raise ModelLoadError("the tokenizer adds a separator token, but tokenizer.ggml.seperator_token_id is not set")
 
         ids = {k: special(k) for k in AUTO_DETECT}
         for k in ("fim_pre", "fim_suf", "fim_mid"):  # deprecated key names
@@ -261,7 +270,8 @@ class Tokenizer:
         """Token ids of consecutive (text, parse_special) parts: a chat prompt whose template
         text may hold special tokens while the messages' text may not."""
         out: list[int] = []
-        if add_special and self.add_bos:
+        wpm = self.kind == "wpm"  # llama.cpp's WordPiece: [CLS] text [SEP], whatever add_bos/add_eos say
+        if add_special and (self.add_bos or wpm):
             out.append(self.bos_id)
         prev_special = True  # SPM prefixes a space to text at the start or after a special
         for text, parse_special in parts:
@@ -278,10 +288,10 @@ class Tokenizer:
                 else:
                     out.extend(self._encode_text(f, prev_special))
                     prev_special = False
-        if add_special and self.add_eos:
-            out.append(self.eos_id)
-        if add_special and self.kind == "wpm":  # llama.cpp adds [SEP] to WordPiece text unconditionally
+        if add_special and wpm:
             out.append(self.sep_id)
+        elif add_special and self.add_eos:
+            out.append(self.eos_id)
         return out
 
     # --- decode ---------------------------------------------------------------------------

@@ -328,7 +328,7 @@ class Session:
         q, d = tok.encode(query), tok.encode(doc)
         eos = tok.eos_id if tok.eos_id is not None else tok.sep_id
         return ([tok.bos_id] if tok.add_bos else []) + q + ([eos] if tok.add_eos else []) \
-            + ([tok.sep_id] if tok.kind == "wpm" or tok.add_sep else []) + d + ([eos] if tok.add_eos else [])
+            + ([tok.sep_id] if tok.add_sep else []) + d + ([eos] if tok.add_eos else [])
 
     async def _input_ids(self, text, truncate: bool) -> list[int]:
         ids = await self._prompt_ids_off_loop(text, None)

@@ -1,7 +1,7 @@
 """Gemma 4 (text; E2B, E4B and the dense larger ones): Gemma 3's layer (embeddings scaled by
 sqrt(n_embd), per-head Q/K RMSNorm, norms before and after attention and FFN, GeGLU) with
-- sliding and full layers by the file's per-layer pattern, each kind with its own head size and
-  RoPE (full layers: rope_freqs' proportional factors; sliding ones: rope.freq_base_swa, unscaled);
+- sliding and full layers by the file's per-layer pattern, each kind with its own head size, K/V head
+  count (the file's per-layer attention.head_count_kv) and RoPE (full layers: rope_freqs' proportional factors; sliding ones: rope.freq_base_swa, unscaled);
 - V RMS-normed (no weight), attention scale 1 (Q and K are normed);
 - the last attention.shared_kv_layers layers keep no K/V: each reads the cache of the last earlier
   layer of its kind (llama.cpp's reuse rule);
@@ -32,6 +32,7 @@ class Config(HParams):
     ff_layers: tuple[int, ...] = ()
     final_softcap: float = 0.0
     NEOX, NORM_EPS, ROPE_BASE = True, 1e-6, 1e6
+    PER_LAYER_KV_HEADS = True  # the converter writes one count for sliding layers, another for full ones
 
     @classmethod
     def read(cls, r: Reader) -> dict:
@@ -70,7 +71,8 @@ class Config(HParams):
         return il if il < self.n_kv_layers else self.n_kv_layers - (2 if self.swa_layers[il] else 1)
 
     def layer_kv_dims(self) -> list[tuple[int, int]]:
-        return [(self.n_head_kv, self.head_dim_of(il)) if il < self.n_kv_layers else (0, 0) for il in range(self.n_layer)]
+        return [(self.n_head_kv_of(il), self.head_dim_of(il)) if il < self.n_kv_layers else (0, 0)
+                for il in range(self.n_layer)]
 
 
 def build(c: Config, g, w, shape):
@@ -89,16 +91,16 @@ def build(c: Config, g, w, shape):
         q = g.rope(build_norm(g, q, L("attn_q_norm.weight", (hd,)), eps=eps, name="Qcur_normed", il=il), inp.pos,
                    name="Qcur_pos", il=il, **rope)
         if il < c.n_kv_layers:
-            nkv = c.n_head_kv * hd
-            k = g.reshape(g.mul_mat(L("attn_k.weight", (nkv, e)), h, "Kcur", il), (n, c.n_head_kv, hd), "Kcur_3d", il)
-            wv = L("attn_v.weight", (nkv, e), optional=True)  # none: V is K's projection
-            v = k if wv is None else g.reshape(g.mul_mat(wv, h, "Vcur", il), (n, c.n_head_kv, hd), "Vcur_3d", il)
+            hkv = c.n_head_kv_of(il)
+            k = g.reshape(g.mul_mat(L("attn_k.weight", (hkv * hd, e)), h, "Kcur", il), (n, hkv, hd), "Kcur_3d", il)
+            wv = L("attn_v.weight", (hkv * hd, e), optional=True)  # none: V is K's projection
+            v = k if wv is None else g.reshape(g.mul_mat(wv, h, "Vcur", il), (n, hkv, hd), "Vcur_3d", il)
             k = g.rope(build_norm(g, k, L("attn_k_norm.weight", (hd,)), eps=eps, name="Kcur_normed", il=il), inp.pos,
                        name="Kcur_pos", il=il, **rope)
             v = g.rms_norm(v, eps, "Vcur_normed", il)
             slots = inp.shape.n_slots
-            caches[il] = (g.set_rows(g.cache("cache_k", (slots, c.n_head_kv, hd), il), k, inp.slots, "k_write", il),
-                          g.set_rows(g.cache("cache_v", (slots, c.n_head_kv, hd), il), v, inp.slots, "v_write", il))
+            caches[il] = (g.set_rows(g.cache("cache_k", (slots, hkv, hd), il), k, inp.slots, "k_write", il),
+                          g.set_rows(g.cache("cache_v", (slots, hkv, hd), il), v, inp.slots, "v_write", il))
         att = build_kqv(g, q, *caches[c.kv_source(il)], inp, il=il, scale=1.0, window=c.sliding_window if swa else 0)
         att = g.mul_mat(L("attn_output.weight", (e, c.n_head * hd)), att, "attn_out", il)
         x = build_residual(g, x, att, name="ffn_inp", il=il, post_norm=L("post_attention_norm.weight", (e,)),

@@ -17,40 +17,9 @@ import llama_cpp
 
 sys.path.insert(0, str(Path(__file__).parent))
 from encoders import DOCS, QUERY, TEXTS, VARIANTS, write  # noqa: E402
+from llamacpp_eval import embedder as _llm, pair as _pair, pooled as _pooled  # noqa: E402
 
-POOL = {"mean": llama_cpp.LLAMA_POOLING_TYPE_MEAN, "cls": llama_cpp.LLAMA_POOLING_TYPE_CLS,
-        "last": llama_cpp.LLAMA_POOLING_TYPE_LAST, "rank": llama_cpp.LLAMA_POOLING_TYPE_RANK}
 OUT = Path(__file__).parents[1] / "data" / "encoder_parity.json"
-
-
-def _llm(path, pooling):
-    return llama_cpp.Llama(model_path=str(path), embedding=True, pooling_type=POOL[pooling], n_ctx=512, n_batch=512,
-                           n_ubatch=512, n_seq_max=16, verbose=False)
-
-
-def _pooled(llm, seqs):
-    """Pooled outputs of token-id sequences decoded in one batch (llama-cpp-python's embed, on ids)."""
-    llm._batch.reset()
-    for i, ids in enumerate(seqs):
-        llm._batch.add_sequence(ids, i, False)
-    llm._ctx.kv_cache_clear()
-    llm._ctx.decode(llm._batch)
-    width = llama_cpp.llama_model_n_cls_out(llm.model) if llm.pooling_type() == POOL["rank"] else llm.n_embd()
-    out = [[round(float(x), 6) for x in llama_cpp.llama_get_embeddings_seq(llm._ctx.ctx, i)[:width]]
-           for i in range(len(seqs))]
-    llm._batch.reset()
-    return out
-
-
-def _pair(llm, query: str, doc: str) -> list[int]:
-    """llama-server's format_prompt_rerank, without a rerank template."""
-    v = llama_cpp.llama_model_get_vocab(llm.model)
-    eos = llama_cpp.llama_vocab_eos(v)
-    eos = eos if eos >= 0 else llama_cpp.llama_vocab_sep(v)
-    tok = lambda t: llm.tokenize(t.encode(), add_bos=False, special=False)  # noqa: E731
-    add_eos = [eos] if llama_cpp.llama_vocab_get_add_eos(v) else []
-    return ([llama_cpp.llama_vocab_bos(v)] if llama_cpp.llama_vocab_get_add_bos(v) else []) + tok(query) + add_eos \
-        + ([llama_cpp.llama_vocab_sep(v)] if llama_cpp.llama_vocab_get_add_sep(v) else []) + tok(doc) + add_eos
 
 
 def record(variant: str, tmp: Path) -> dict:

@@ -1,0 +1,152 @@
+"""Tiny Hugging Face checkpoints for every supported architecture, made the way users' files are:
+transformers builds the model class from a config (its own parameter names and shapes), the weights
+are drawn at random and saved as safetensors, and a small tokenizer (BPE, SentencePiece or WordPiece,
+trained here on CORPUS) is saved beside them. convert.py then runs llama.cpp's converter on them.
+Run under a venv with torch and a transformers that knows every family (never in CI):
+
+    python tests/parity/hf/make.py OUT_DIR [name ...]
+
+Each spec (specs.py) names the transformers class, its config, the tokenizer kind and the BPE
+pre-tokenizer name the converter should write."""
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from specs import SPECS  # noqa: E402
+
+CORPUS = [
+    "The hearth is the heart of the home; people gather around the fire to keep warm.",
+    "Hello world! Hello, hearth. Models run inside the application, without a server.",
+    "A query and a document: search the vector index for the warm house by the sea.",
+    "Numbers 0 1 2 3 4 5 6 7 8 9 10 42 123 2026, and punctuation: (a) [b] {c} <d> e-f g_h.",
+    "caf\u00e9 na\u00efve \u4e2d\u6587 \u65e5\u672c\u8a9e \u0431\u043e\u0440\u0449 \U0001F525 tabs\tand  double  spaces\n\nnew lines",
+    "def main():\n    return {\"key\": [1, 2, 3]}  # code too",
+] * 8
+PEAK = 8.0  # LM-head scale: peaked next-token distributions, so greedy steps are not near-ties
+
+
+def _bpe(out: Path, spec: dict) -> None:
+    """A byte-level BPE trained on CORPUS (GPT-2's byte alphabet), the spec's special tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    specials = spec.get("specials", ["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
+    trainer = trainers.BpeTrainer(vocab_size=spec.get("vocab", 384), special_tokens=specials,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(CORPUS, trainer)
+    kw = {k: v for k, v in spec.get("tokens", {}).items()}
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, **kw)
+    if "chat_template" in spec:
+        fast.chat_template = spec["chat_template"]
+    fast.save_pretrained(out)
+    _tokenizer_class(out, spec.get("tokenizer_class", "PreTrainedTokenizerFast"))
+
+
+def _tokenizer_class(out: Path, name: str) -> None:
+    """The class name 4.x transformers know (5.x writes its own "TokenizersBackend"), as real repos have."""
+    p = out / "tokenizer_config.json"
+    p.write_text(json.dumps({**json.loads(p.read_text()), "tokenizer_class": name}, indent=1))
+
+
+def _spm(out: Path, spec: dict) -> None:
+    """A SentencePiece BPE with byte fallback (Llama 2 / Gemma style): tokenizer.model."""
+    import io
+
+    import sentencepiece as spm
+    buf = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(CORPUS), model_writer=buf, vocab_size=spec.get("vocab", 384), model_type="bpe",
+        byte_fallback=True, character_coverage=1.0, bos_id=spec.get("bos_id", 1), eos_id=spec.get("eos_id", 2),
+        unk_id=spec.get("unk_id", 0), pad_id=spec.get("pad_id", -1), user_defined_symbols=spec.get("user_symbols", []),
+        add_dummy_prefix=spec.get("dummy_prefix", True), split_digits=True, minloglevel=2)
+    (out / "tokenizer.model").write_bytes(buf.getvalue())
+    cfg = {"tokenizer_class": spec.get("tokenizer_class", "LlamaTokenizer"), "add_bos_token": True,
+           "add_eos_token": False, **spec.get("tokens", {})}
+    if "chat_template" in spec:
+        cfg["chat_template"] = spec["chat_template"]
+    (out / "tokenizer_config.json").write_text(json.dumps(cfg, indent=1))
+
+
+def _wpm(out: Path, spec: dict) -> None:
+    """A WordPiece vocabulary (BERT's normalizer), saved as BERT repos have it: vocab.txt and
+    tokenizer.json with the `[CLS] $A [SEP]` post-processor."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+    specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+    tok.normalizer = normalizers.BertNormalizer(lowercase=spec.get("lowercase", True))
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tok.decoder = decoders.WordPiece()
+    tok.train_from_iterator(CORPUS, trainers.WordPieceTrainer(vocab_size=spec.get("vocab", 384), special_tokens=specials,
+                                                              show_progress=False))
+    cls, sep = tok.token_to_id("[CLS]"), tok.token_to_id("[SEP]")
+    tok.post_processor = processors.TemplateProcessing(single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1",
+                                                       special_tokens=[("[CLS]", cls), ("[SEP]", sep)])
+    vocab = sorted(tok.get_vocab().items(), key=lambda kv: kv[1])
+    (out / "vocab.txt").write_text("".join(t + "\n" for t, _ in vocab))
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", sep_token="[SEP]", pad_token="[PAD]",
+                                   cls_token="[CLS]", mask_token="[MASK]", do_lower_case=spec.get("lowercase", True))
+    fast.save_pretrained(out)
+    _tokenizer_class(out, "BertTokenizer")
+
+
+TOKENIZERS = {"bpe": _bpe, "spm": _spm, "wpm": _wpm}
+
+
+def _vocab_size(out: Path) -> int:
+    from transformers import AutoTokenizer
+    return len(AutoTokenizer.from_pretrained(out))
+
+
+@torch.no_grad()
+def _randomize(model, seed: int) -> None:
+    """Fan-in scaled matrices, norms near 1, biases near 0, the LM head scaled to peak the logits
+    (transformers' own init, std 0.02, leaves every next token a near-tie)."""
+    g = torch.Generator().manual_seed(seed)
+    for name, p in sorted(model.named_parameters()):
+        r = torch.randn(p.shape, generator=g, dtype=torch.float32)
+        if p.ndim == 1:
+            v = (0.1 * r) if name.endswith("bias") else (1.0 + 0.1 * r)
+            if "norm" in name and getattr(model.config, "model_type", "").startswith(("gemma", "qwen3_5")):
+                v = 0.1 * r  # these RMSNorms multiply by (1 + weight)
+        elif "embed" in name and "lm_head" not in name:
+            v = 0.2 * r if getattr(model.config, "tie_word_embeddings", False) else r
+        else:
+            v = r / math.sqrt(p.shape[-1]) * (PEAK if "lm_head" in name else 1.0)
+        p.copy_(v.to(p.dtype))
+
+
+def make(name: str, out: Path, seed: int = 0) -> Path:
+    import transformers
+    spec = SPECS[name]
+    d = out / name
+    d.mkdir(parents=True, exist_ok=True)
+    TOKENIZERS[spec["tokenizer"]](d, spec)
+    n_vocab = _vocab_size(d)
+    cfg_cls = getattr(transformers, spec["config_class"])
+    cfg = cfg_cls(**{**spec["config"], "vocab_size": n_vocab})
+    if "text_config" in spec:  # a multimodal wrapper's text half
+        cfg.text_config.vocab_size = n_vocab
+    torch.manual_seed(seed)
+    model = getattr(transformers, spec["model_class"])(cfg).to(torch.float32)
+    _randomize(model, seed)
+    model.save_pretrained(d, safe_serialization=True)
+    for fname, text in spec.get("extra_files", {}).items():  # sentence-transformers modules and the like
+        (d / fname).parent.mkdir(parents=True, exist_ok=True)
+        (d / fname).write_text(text)
+    (d / "hearthlm_spec.json").write_text(json.dumps({"pre": spec.get("pre", "default")}))
+    return d
+
+
+if __name__ == "__main__":
+    out = Path(sys.argv[1])
+    for n in sys.argv[2:] or sorted(SPECS):
+        print("made", make(n, out))
