@@ -145,8 +145,8 @@ class Tokenizer:
             raise ModelLoadError("tokenizer.ggml.add_bos_token is true, but no BOS token is set")
         if self.add_eos and self.eos_id is None and not (self.kind == "wpm" and self.sep_id is not None):
             raise ModelLoadError("tokenizer.ggml.add_eos_token is true, but no EOS token is set")
-        if (self.add_sep or self.kind == "wpm") and self.sep_id is None:
-            raise ModelLoadError("the tokenizer adds a separator token, but tokenizer.ggml.seperator_token_id is not set")
+        if self.kind == "wpm" and self.sep_id is None:  # every WordPiece text ends with it
+            raise ModelLoadError("a WordPiece tokenizer needs tokenizer.ggml.seperator_token_id ([SEP])")
 
         ids = {k: special(k) for k in AUTO_DETECT}
         for k in ("fim_pre", "fim_suf", "fim_mid"):  # deprecated key names

@@ -327,6 +327,9 @@ class Session:
             return tok.encode(template.replace("{query}", query).replace("{document}", doc), parse_special=True)
         q, d = tok.encode(query), tok.encode(doc)
         eos = tok.eos_id if tok.eos_id is not None else tok.sep_id
+        if tok.add_sep and tok.sep_id is None or tok.add_eos and eos is None:
+            raise InvalidRequestError("this model's tokenizer separates a rerank pair with a token its file does not name "
+                                      "(tokenizer.ggml.seperator_token_id / eos_token_id)")
         return ([tok.bos_id] if tok.add_bos else []) + q + ([eos] if tok.add_eos else []) \
             + ([tok.sep_id] if tok.add_sep else []) + d + ([eos] if tok.add_eos else [])
 

@@ -288,3 +288,25 @@ def test_gemma4_spm_style_bpe_matches_llama_cpp():
         got = tok.encode(text, add_special=True, parse_special=True)
         assert got == want, text
         assert tok.decode(got, skip_special=True) == text.replace("<turn|>", "")
+
+
+@pytest.mark.parametrize("kind, keys, want", [
+    # (kind, the file's add_* keys, llama.cpp's (add_bos, add_eos, add_sep)): its defaults per kind, then the keys
+    ("spm", {}, (True, False, False)),
+    ("spm", {"add_bos_token": False, "add_eos_token": True}, (False, True, False)),
+    ("bpe", {}, (False, False, False)),
+    ("bpe-llama3", {}, (True, False, False)),
+    ("bpe-roberta", {}, (False, False, True)),
+    ("bpe-roberta", {"add_sep_token": False, "add_eos_token": True}, (False, True, False)),
+    ("bpe", {"add_bos_token": True, "add_sep_token": True}, (True, False, True)),
+])
+def test_special_token_flags_as_llama_cpp_reads_them(kind, keys, want):
+    """Mutation: reading add_sep only from the pre-tokenizer (as before #37) fails the add_sep_token rows."""
+    md = spm_md([]) if kind == "spm" else bpe_md({"bpe": "gpt2", "bpe-llama3": "llama-bpe",
+                                                  "bpe-roberta": "roberta-bpe"}[kind])
+    md["tokenizer.ggml.seperator_token_id"] = 2
+    md.update({f"tokenizer.ggml.{k}": v for k, v in keys.items()})
+    tok = Tokenizer(md)
+    assert (tok.add_bos, tok.add_eos, tok.add_sep) == want
+    ids = tok.encode("ab", add_special=True)
+    assert (ids[0] == tok.bos_id) == want[0] and (ids[-1] == tok.eos_id) == want[1]
