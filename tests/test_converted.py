@@ -63,12 +63,13 @@ async def test_decoder_matches_llama_cpp(monkeypatch, name, backend):
     assert not failures, "\n".join(failures)
 
 
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
 @pytest.mark.parametrize("name", [n for n in NAMES if "greedy" not in rec(n)])
-async def test_encoder_matches_llama_cpp(name):
+async def test_encoder_matches_llama_cpp(name, backend):
     """Mutation: the old rerank pairing ([SEP] for every WordPiece file whatever add_sep_token says)
     gives bert-reranker `[CLS] q [SEP] [SEP] d [SEP]` and fails its pairs."""
     r = rec(name)
-    async with Session.open(str(DIR / f"{name}.gguf"), weight_cache=False) as s:
+    async with Session.open(str(DIR / f"{name}.gguf"), backend=backend, weight_cache=False) as s:
         if "scores" in r:
             assert [s.rerank_ids(QUERY, t) for t in r["texts"]] == r["pairs"]
             got = await s.rerank(QUERY, r["texts"])

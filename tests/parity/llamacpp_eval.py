@@ -53,8 +53,13 @@ def pooled(llm, seqs):
 
 
 def pair(llm, query: str, doc: str) -> list[int]:
-    """llama-server's format_prompt_rerank, without a rerank template."""
+    """llama-server's format_prompt_rerank: the file's rerank template (Qwen3-Reranker's) tokenized with
+    special-token text parsed, else query and document joined by the vocabulary's flags."""
     v = llama_cpp.llama_model_get_vocab(llm.model)
+    template = llama_cpp.llama_model_chat_template(llm.model, b"rerank")
+    if template is not None:
+        prompt = template.decode().replace("{query}", query).replace("{document}", doc)
+        return llm.tokenize(prompt.encode(), add_bos=False, special=True)
     eos = llama_cpp.llama_vocab_eos(v)
     eos = eos if eos >= 0 else llama_cpp.llama_vocab_sep(v)
     tok = lambda t: llm.tokenize(t.encode(), add_bos=False, special=False)  # noqa: E731

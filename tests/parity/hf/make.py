@@ -41,7 +41,7 @@ def _bpe(out: Path, spec: dict) -> None:
     specials = spec.get("specials", ["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
     trainer = trainers.BpeTrainer(vocab_size=spec.get("vocab", 384), special_tokens=specials,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok.train_from_iterator(CORPUS, trainer)
+    tok.train_from_iterator(CORPUS + spec.get("corpus", []), trainer)  # + a family's own words
     kw = {k: v for k, v in spec.get("tokens", {}).items()}
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, **kw)
     if "chat_template" in spec:
@@ -129,8 +129,11 @@ def make(name: str, out: Path, seed: int = 0) -> Path:
     spec = SPECS[name]
     d = out / name
     d.mkdir(parents=True, exist_ok=True)
-    TOKENIZERS[spec["tokenizer"]](d, spec)
+    tk = spec["tokenizer"]  # a kind, or a spec's own callable (d, spec)
+    (tk if callable(tk) else TOKENIZERS[tk])(d, spec)
     n_vocab = _vocab_size(d)
+    if "writer" in spec:  # a remote-code family (no transformers class): the spec writes the checkpoint
+        return spec["writer"](d, spec, n_vocab, seed)
     cfg_cls = getattr(transformers, spec["config_class"])
     cfg = cfg_cls(**{**spec["config"], "vocab_size": n_vocab})
     if "text_config" in spec:  # a multimodal wrapper's text half
