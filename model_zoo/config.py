@@ -133,7 +133,7 @@ class HParams:
                     norm_eps=r.opt("attention.layer_norm_rms_epsilon", cls.NORM_EPS, float),
                     rope=Rope.from_gguf(r, n_rot=r.opt("rope.dimension_count", head_dim), neox=cls.NEOX,
                                         base=cls.ROPE_BASE),
-                    sliding_window=r.opt("attention.sliding_window", 0))
+                    sliding_window=r.get("attention.sliding_window", 0, positive=False))  # phi3 writes 0: none
         return cls(**base, **cls.read(r))
 
     @classmethod

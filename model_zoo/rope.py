@@ -26,7 +26,7 @@ class Rope:
     freq_scale: float = 1.0   # 1 / rope.scaling.factor (linear, YaRN)
     n_ctx_orig: int = 0       # rope.scaling.original_context_length (YaRN's ramp, LongRoPE's long/short)
     attn_factor: float = 1.0  # rope.scaling.attn_factor: cos/sin magnitude (LongRoPE's)
-    yarn_log_mul: float = 0.0  # rope.scaling.yarn_log_multiplier
+    yarn_log_mul: float = 0.0  # rope.scaling.yarn_log_multiplier, where the architecture reads it (mistral3)
     beta_fast: float = 32.0   # YaRN ramp bounds (llama.cpp's defaults)
     beta_slow: float = 1.0
     long: bool = False        # LongRoPE: the context exceeds n_ctx_orig (see for_context)
@@ -44,8 +44,7 @@ class Rope:
         return cls(n_rot=n_rot, base=r.opt("rope.freq_base", base, float), neox=neox, scaling=scaling,
                    freq_scale=1.0 if scaling == "none" or factor == 0.0 else 1.0 / factor,
                    n_ctx_orig=r.opt("rope.scaling.original_context_length", r.need("context_length")),
-                   attn_factor=r.opt("rope.scaling.attn_factor", 1.0, float),
-                   yarn_log_mul=r.get("rope.scaling.yarn_log_multiplier", 0.0, float, positive=False))
+                   attn_factor=r.opt("rope.scaling.attn_factor", 1.0, float))
 
     def for_context(self, n_ctx: int) -> "Rope":
         """LongRoPE picks its long factors for contexts past the original one (llama.cpp's

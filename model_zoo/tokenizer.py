@@ -18,13 +18,14 @@ from typing import Any
 from hearthlm.runtime.errors import InvalidRequestError, ModelLoadError, UnsupportedModelError
 
 from .tokenizer_bpe import bpe_piece_bytes, build_bpe, build_spm_bpe, pre_type, spm_bpe_encode
-from .tokenizer_rules import (AUTO_DETECT, EOG_TEXTS, SPECIAL, TYPE_TO_ATTR, BYTE, CONTROL, NORMAL,
+from .tokenizer_rules import (AUTO_DETECT, EOG_TEXTS, LSTRIP, RSTRIP, SPECIAL, TYPE_TO_ATTR, BYTE, CONTROL, NORMAL,
                               UNDEFINED, UNKNOWN, UNUSED, USER_DEFINED, clean_spaces)
 from .tokenizer_spm import score_ranks, spm_encode
 from .tokenizer_wpm import build_wpm, wpm_encode
 
 _SPACE = "\u2581"  # SentencePiece's escaped space
 _HEX = frozenset("0123456789abcdefABCDEF")
+_C_SPACE = " \t\n\v\f\r"  # C's isspace, as llama.cpp strips around LSTRIP / RSTRIP tokens
 
 
 @contextmanager
@@ -163,6 +164,12 @@ class Tokenizer:
         for i in self._special_list(CONTROL):
             if "unused" in self._tokens[i]:
                 self._attr[i] |= UNUSED
+        # llama.cpp (load's per-token attributes): a model named phi-3 / phi3 drops the whitespace after
+        # its special tokens and </s>, but not after <unk>, <s>, <|endoftext|>
+        if any(k in _text(md.get("general.name", "")).lower() for k in ("phi-3", "phi3")):
+            for i in self._special_list(SPECIAL) + [self._token_to_id.get("</s>")]:
+                if i is not None and self._tokens[i] not in ("<unk>", "<s>", "<|endoftext|>"):
+                    self._attr[i] |= RSTRIP
         self._build_special_index()
         self._piece_cache: dict[tuple[int, bool], bytes] = {}
         if self.kind == "wpm":
@@ -190,6 +197,10 @@ class Tokenizer:
             if i is not None:
                 eog.add(i)
                 self._attr[i] |= CONTROL
+        # llama.cpp's "quick hack for gpt-oss": these always render, and split out of plain text (user-defined)
+        for t in ("<|channel|>", "<|message|>", "<|start|>", "<|constrain|>"):
+            if t in self._token_to_id:
+                self._attr[self._token_to_id[t]] = USER_DEFINED
         eog.update(i for i in (self.eos_id, ids["eot"], ids["eom"]) if i is not None)
         text = {self._tokens[i]: i for i in eog}
         # gpt-oss / solar-open: "<|end|>" ends a message there, not the generation.
@@ -240,6 +251,10 @@ class Tokenizer:
                 for j, p in enumerate(parts):
                     if j:
                         out.append(tid)
+                        if self._attr[tid] & RSTRIP:
+                            p = p.lstrip(_C_SPACE)
+                    if j < len(parts) - 1 and self._attr[tid] & LSTRIP:
+                        p = p.rstrip(_C_SPACE)
                     if p:
                         out.append(p)
             frags = out

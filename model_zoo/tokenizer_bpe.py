@@ -38,6 +38,10 @@ class _Pre:
 _GPT4O = (r"[^\r\n\p{L}\p{N}]?((?=[\p{L}])([^a-z]))*((?=[\p{L}])([^A-Z]))+" + _CONTRACTIONS + r"?"
           r"|[^\r\n\p{L}\p{N}]?((?=[\p{L}])([^a-z]))+((?=[\p{L}])([^A-Z]))*" + _CONTRACTIONS + r"?"
           r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+# Tekken's (Mistral NeMo, Ministral 3): GPT-4o's letters without the contractions, one digit a piece
+_TEKKEN = (r"[^\r\n\p{L}\p{N}]?((?=[\p{L}])([^a-z]))*((?=[\p{L}])([^A-Z]))+"
+           r"|[^\r\n\p{L}\p{N}]?((?=[\p{L}])([^a-z]))+((?=[\p{L}])([^A-Z]))*"
+           r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 
 _DEFAULT = _Pre([r"[\p{P}\$\+<=>\^~\|]+", _GPT2, r"\p{N}+", r"[0-9][0-9][0-9]"])
 _STARCODER = [r"\p{N}", _GPT2]
@@ -61,6 +65,7 @@ PRE_TYPES: dict[str, _Pre] = {
                                      "minerva-7b", "mellum2")},
     **{k: _Pre(_STARCODER, clean_spaces=False) for k in ("smollm", "command-r")},
     **{k: _Pre([_GPT4O], clean_spaces=False) for k in ("gpt-4o", "llama4", "kanana2", "talkie")},
+    "tekken": _Pre([_TEKKEN], clean_spaces=False, ignore_merges=True, add_bos=True),
     "falcon": _Pre([r"[\p{P}\$\+<=>\^~\|`]+", _GPT2, r"[0-9][0-9][0-9]"]),
 }
 

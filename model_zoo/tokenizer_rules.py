@@ -8,6 +8,7 @@ from __future__ import annotations
 UNDEFINED, UNKNOWN, UNUSED, NORMAL, CONTROL, USER_DEFINED, BYTE = 0, 1, 2, 4, 8, 16, 32
 TYPE_TO_ATTR = {1: NORMAL, 2: UNKNOWN, 3: CONTROL, 4: USER_DEFINED, 5: UNUSED, 6: BYTE}
 SPECIAL = CONTROL | USER_DEFINED | UNKNOWN   # split out of the text before tokenizing
+LSTRIP, RSTRIP = 128, 256  # the whitespace before / after the token goes with it (set by model name)
 
 # Texts llama.cpp treats as end-of-generation (load(): "maintain a list of tokens ...").
 EOG_TEXTS = frozenset((

@@ -310,3 +310,20 @@ def test_special_token_flags_as_llama_cpp_reads_them(kind, keys, want):
     assert (tok.add_bos, tok.add_eos, tok.add_sep) == want
     ids = tok.encode("ab", add_special=True)
     assert (ids[0] == tok.bos_id) == want[0] and (ids[-1] == tok.eos_id) == want[1]
+
+
+def test_token_attribute_rules_by_name_as_llama_cpp():
+    """llama.cpp's per-token rules in load(), on the converted phi3 and gpt-oss files (tests/parity/hf), with
+    its ids: a model named phi3 drops the whitespace after its special tokens (but <unk>, <s>, <|endoftext|>);
+    <|channel|>, <|message|>, <|start|>, <|constrain|> are user-defined whatever the file says (gpt-oss), so
+    they split out of plain text and always render. Mutations: without either rule these ids differ."""
+    conv = DATA / "converted"
+    phi3 = Tokenizer.from_gguf_metadata(GGUFFile.open(conv / "phi3.gguf").metadata)
+    assert phi3.encode("<|user|>\nHello  there<|end|>\n<|assistant|>\n", parse_special=True) == [6, 311, 315, 266,
+                                                                                               289, 5, 4]
+    assert phi3.encode("a </s> b <|endoftext|> c <s> d", parse_special=True) == [267, 315, 2, 315, 335, 315, 3, 315,
+                                                                                   293, 315, 1, 315, 294]
+    oss = Tokenizer.from_gguf_metadata(GGUFFile.open(conv / "gpt-oss.gguf").metadata)
+    assert oss.encode("<|start|>assistant<|channel|>final<|message|>hi<|end|>") == [
+        3, 72, 90, 90, 341, 91, 72, 352, 6, 77, 271, 72, 83, 4, 79, 80, 5]
+    assert [oss.token_to_piece(t, special=False) for t in (3, 4, 6, 2)] == ["<|start|>", "<|message|>", "<|channel|>", ""]

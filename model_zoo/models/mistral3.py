@@ -19,8 +19,10 @@ class Config(HParams):
     def from_gguf(cls, md, arch: str) -> "Config":
         c = super().from_gguf(md, arch)
         r = Reader(md, arch)
+        # llama.cpp reads the ramp bounds and the log multiplier for mistral3 alone (other files' are ignored)
         rope = dataclasses.replace(c.rope, beta_fast=r.opt("rope.scaling.yarn_beta_fast", c.rope.beta_fast, float),
-                                   beta_slow=r.opt("rope.scaling.yarn_beta_slow", c.rope.beta_slow, float))
+                                   beta_slow=r.opt("rope.scaling.yarn_beta_slow", c.rope.beta_slow, float),
+                                   yarn_log_mul=r.get("rope.scaling.yarn_log_multiplier", 0.0, float, positive=False))
         return dataclasses.replace(c, rope=rope, temp_scale=r.get("attention.temperature_scale", 0.0, float,
                                                                    positive=False))
 

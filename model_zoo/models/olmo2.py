@@ -18,7 +18,8 @@ class Config(HParams):
 
     @classmethod
     def read(cls, r: Reader) -> dict:
-        return {"swa_layers": r.swa_layers(4)} if r.opt("attention.sliding_window", 0) else {}
+        # llama.cpp: sliding_window absent or 0, no layer slides
+        return {"swa_layers": r.swa_layers(4)} if r.get("attention.sliding_window", 0, positive=False) else {}
 
     def is_swa(self, il: int) -> bool:
         return bool(self.swa_layers) and self.swa_layers[il]

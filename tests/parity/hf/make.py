@@ -47,13 +47,14 @@ def _bpe(out: Path, spec: dict) -> None:
     if "chat_template" in spec:
         fast.chat_template = spec["chat_template"]
     fast.save_pretrained(out)
-    _tokenizer_class(out, spec.get("tokenizer_class", "PreTrainedTokenizerFast"))
+    _tokenizer_class(out, spec.get("tokenizer_class", "PreTrainedTokenizerFast"), spec.get("tokenizer_config", {}))
 
 
-def _tokenizer_class(out: Path, name: str) -> None:
-    """The class name 4.x transformers know (5.x writes its own "TokenizersBackend"), as real repos have."""
+def _tokenizer_class(out: Path, name: str, extra: dict | None = None) -> None:
+    """The class name 4.x transformers know (5.x writes its own "TokenizersBackend"), as real repos have;
+    `extra`: the spec's own tokenizer_config.json entries (add_bos_token, which 5.x does not save)."""
     p = out / "tokenizer_config.json"
-    p.write_text(json.dumps({**json.loads(p.read_text()), "tokenizer_class": name}, indent=1))
+    p.write_text(json.dumps({**json.loads(p.read_text()), "tokenizer_class": name, **(extra or {})}, indent=1))
 
 
 def _spm(out: Path, spec: dict) -> None:
