@@ -21,6 +21,9 @@ _LLAMA3 = (_CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
            r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 _QWEN2 = (_CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
           r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+# Qwen3.5's: QWEN2's with combining marks (\p{M}) kept inside words
+_QWEN35 = (_CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
+           r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 
 
 class _Pre:
@@ -60,6 +63,7 @@ PRE_TYPES: dict[str, _Pre] = {
     # jina-reranker-v1-tiny/turbo-en (jina-bert-v2) and the like: GPT-2's split, a [SEP] in rerank pairs
     **{k: _Pre([_GPT2], add_sep=True) for k in ("jina-v1-en", "jina-v2-code", "roberta-bpe")},
     **{k: _Pre([_QWEN2], clean_spaces=False) for k in ("qwen2", "deepseek-r1-qwen", "kormo")},
+    "qwen35": _Pre([_QWEN35], clean_spaces=False),
     **{k: _Pre([_QWEN2]) for k in ("stablelm2", "megrez")},
     **{k: _Pre(_STARCODER) for k in ("starcoder", "refact", "codeshell", "exaone",
                                      "minerva-7b", "mellum2")},

@@ -218,8 +218,9 @@ def mul_mat(qtype, k, n):
     return g, {"x": x}, {}
 
 
-def mul_mat_add(qtype, n):
-    rng, k = rng_for("mma", qtype, n), KQUANT_KS[0] if qtype in SUPER else 896
+def mul_mat_add(qtype, n, k=None):
+    """k < 32: a weight narrower than a quant block, which the CPU backend keeps as a float32 array."""
+    rng, k = rng_for("mma", qtype, n), k or (KQUANT_KS[0] if qtype in SUPER else 896)
     w = qweight(qtype, 67, k)
     x, r = x_for(w, rng, n), f32(rng, n, 67)  # the residual no bigger than the product: both count
     g = Graph()
@@ -542,6 +543,7 @@ def ks_for(qtype):
 CASES = [
     *[case(mul_mat, qtype=t, k=k, n=n) for t in TYPES for k in ks_for(t) for n in TOKENS_MM],
     *[case(mul_mat_add, qtype=t, n=n) for t in BASE_TYPES for n in TOKENS],
+    *[case(mul_mat_add, qtype=T.F32, n=n, k=16) for n in (1, 5)],  # a tiny shared expert's down projection
     *[case(ffn_glu, qtype=t, n=n, act=a) for t in BASE_TYPES for n in TOKENS for a in ("silu", "gelu")
       if n != 0 or a == "silu"],
     # the IQ types share the kernels above (i8, nibble, the two lookup layouts): one type of each here

@@ -202,7 +202,11 @@ def _bind_ffn_glu(node):
 
 
 def _bind_mul_mat_add(node):
-    return lambda w, x, r, out=None: matmul_add(w, x, r, out)
+    def k(w, x, r, out=None):
+        if isinstance(w, np.ndarray):  # narrower than a quant block, kept float32 (prepare_weight)
+            return np.add((x.reshape(-1, w.shape[1]) @ w.T).reshape(r.shape), r, out=out)
+        return matmul_add(w, x, r, out)
+    return k
 
 
 def _unbound(binder):

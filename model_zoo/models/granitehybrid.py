@@ -36,8 +36,10 @@ class Config(HParams):
                  n_ssm_head=r.need("ssm.time_step_rank"), n_group=r.opt("ssm.group_count", 1),
                  embd_scale=r.opt("embedding_scale", 1.0, float), residual_scale=r.opt("residual_scale", 1.0, float),
                  logit_scale=r.opt("logit_scale", 1.0, float), attn_scale=r.opt("attention.scale", 0.0, float),
-                 use_rope=r.get("rope.scaling.finetuned", True, bool), n_expert=r.opt("expert_count", 0),
-                 n_expert_used=r.opt("expert_used_count", 0),
+                 use_rope=r.get("rope.scaling.finetuned", True, bool),
+                 # the converter writes 0 and 0 for the dense models (4.0-H-Micro)
+                 n_expert=r.get("expert_count", 0, positive=False),
+                 n_expert_used=r.get("expert_used_count", 0, positive=False),
                  n_ff_shexp=r.opt("expert_shared_feed_forward_length", 0))
         if c["d_inner"] % c["n_ssm_head"] or c["d_inner"] % c["n_group"] or c["n_ssm_head"] % c["n_group"]:
             raise ModelLoadError(f"{r.key('ssm.inner_size')} {c['d_inner']} does not split into "
@@ -70,7 +72,7 @@ def build_mamba2(c: Config, g, w, inp, h, il: int):
     hd, p = c.n_ssm_head, c.d_inner // c.n_ssm_head
     zxbcdt = g.mul_mat(L("ssm_in.weight", (2 * di + 2 * gs + hd, e)), h, "ssm_in", il)
     xbc = build_conv(g, inp, g.slice(zxbcdt, di, 2 * di + 2 * gs, "xBC", il), L("ssm_conv1d.weight", (c.conv_dim, c.d_conv)),
-                     il=il, bias=L("ssm_conv1d.bias", (c.conv_dim,)), act="silu")
+                     il=il, bias=L("ssm_conv1d.bias", (c.conv_dim,), optional=True), act="silu")  # as llama.cpp
     x = g.reshape(g.slice(xbc, 0, di, "ssm_x", il), (n, hd, p), "ssm_x_3d", il)
     bb = g.reshape(g.slice(xbc, di, di + gs, "ssm_B", il), (n, c.n_group, c.d_state), "ssm_B_3d", il)
     cc = g.reshape(g.slice(xbc, di + gs, di + 2 * gs, "ssm_C", il), (n, c.n_group, c.d_state), "ssm_C_3d", il)

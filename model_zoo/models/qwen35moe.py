@@ -36,6 +36,9 @@ def build(c: Config, g, w, shape):
             return out
         sh = build_ffn(g, h, il=il, gate=L("ffn_gate_shexp.weight", (f, e)), up=L("ffn_up_shexp.weight", (f, e)),
                        down=L("ffn_down_shexp.weight", (e, f)), act="silu")
-        gate = g.sum_rows(g.mul(h, L("ffn_gate_inp_shexp.weight", (e,)), "shexp_gate_prod", il), "shexp_gate", il)
+        # the converter writes shared_expert_gate as it is, (1, n_embd); llama.cpp's {n_embd} takes that or (n_embd,)
+        gi = "ffn_gate_inp_shexp.weight"
+        shape = (1, e) if w.shape_of(f"blk.{il}.{gi}") == (1, e) else (e,)
+        gate = g.sum_rows(g.mul(h, L(gi, shape, flat=True), "shexp_gate_prod", il), "shexp_gate", il)
         return g.add(out, g.mul(sh, g.sigmoid(gate, "shexp_gate_sigmoid", il), "ffn_shexp_gated", il), "ffn_moe_shexp", il)
     return qwen35.build(c, g, w, shape, ffn=ffn)

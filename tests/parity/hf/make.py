@@ -112,11 +112,16 @@ def _randomize(model, seed: int) -> None:
     """Fan-in scaled matrices, norms near 1, biases near 0, the LM head scaled to peak the logits
     (transformers' own init, std 0.02, leaves every next token a near-tie)."""
     g = torch.Generator().manual_seed(seed)
-    for name, p in sorted(model.named_parameters()):
+    # LFM2-MoE's expert_bias is a buffer (trained, saved): drawn too, after the parameters
+    biases = [(n, b) for n, b in sorted(model.named_buffers()) if n.endswith("expert_bias")]
+    for name, p in sorted(model.named_parameters()) + biases:
         r = torch.randn(p.shape, generator=g, dtype=torch.float32)
         if p.ndim == 1:
             v = (0.1 * r) if name.endswith("bias") else (1.0 + 0.1 * r)
-            if "norm" in name and getattr(model.config, "model_type", "").startswith(("gemma", "qwen3_5")):
+            if name.endswith("expert_bias"):  # a selection bias as wide as the router's logits: it changes picks
+                v = r
+            if "norm" in name and getattr(model.config, "model_type", "").startswith(("gemma", "qwen3_5")) \
+                    and "linear_attn.norm" not in name:  # Qwen3.5's gated DeltaNet norm multiplies by weight
                 v = 0.1 * r  # these RMSNorms multiply by (1 + weight)
         elif "embed" in name and "lm_head" not in name:
             v = 0.2 * r if getattr(model.config, "tie_word_embeddings", False) else r
@@ -142,7 +147,17 @@ def make(name: str, out: Path, seed: int = 0) -> Path:
     torch.manual_seed(seed)
     model = getattr(transformers, spec["model_class"])(cfg).to(torch.float32)
     _randomize(model, seed)
+    if "adjust" in spec:  # a family's weights rescaled after the draw (Granite's small embeddings, sharper Q/K)
+        spec["adjust"](model)
     model.save_pretrained(d, safe_serialization=True)
+    if "extra_tensors" in spec:  # tensors the transformers class leaves out (Qwen3.5's MTP block), merged in
+        from safetensors.torch import load_file, save_file
+        f = d / "model.safetensors"
+        extra = spec["extra_tensors"](model, lambda m: _randomize(m, seed + 1))
+        save_file({**load_file(f), **extra}, f, metadata={"format": "pt"})
+    if "saved_config" in spec:  # the released config.json's spelling where transformers 5 renamed a value
+        cfg_path = d / "config.json"
+        cfg_path.write_text(json.dumps({**json.loads(cfg_path.read_text()), **spec["saved_config"]}, indent=2))
     for fname, text in spec.get("extra_files", {}).items():  # sentence-transformers modules and the like
         (d / fname).parent.mkdir(parents=True, exist_ok=True)
         (d / fname).write_text(text)
