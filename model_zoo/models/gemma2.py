@@ -16,7 +16,7 @@ from hearthlm.model_zoo.decoder import Decoder, build_decoder
 class Config(HParams):
     attn_softcap: float = 50.0
     final_softcap: float = 30.0
-    swa_pattern: int = 2           # layer il is local when il % swa_pattern < swa_pattern - 1
+    swa_layers: tuple[bool, ...] = ()  # per layer, whether it slides (the file's pattern, else even layers)
     rope_base_swa: float = 0.0     # local layers' RoPE base (rope.freq_base_swa), 0: the global one
     NEOX, NORM_EPS = True, 1e-6
 
@@ -24,7 +24,7 @@ class Config(HParams):
     def read(cls, r: Reader) -> dict:
         return dict(attn_softcap=r.opt("attn_logit_softcapping", 50.0, float),
                     final_softcap=r.opt("final_logit_softcapping", 30.0, float),
-                    swa_pattern=r.opt("attention.sliding_window_pattern", 2),
+                    swa_layers=r.swa_layers(2),  # llama.cpp's load_swa_pattern(ml, 2): a period or per layer
                     rope_base_swa=r.opt("rope.freq_base_swa", 0.0, float))
 
     @property
@@ -32,7 +32,7 @@ class Config(HParams):
         return self.sliding_window or 4096  # llama.cpp's default for Gemma 2
 
     def is_local(self, il: int) -> bool:
-        return il % self.swa_pattern < self.swa_pattern - 1
+        return self.swa_layers[il]
 
     @property
     def attn_scale(self) -> float:

@@ -16,20 +16,13 @@ from hearthlm.model_zoo.models import gemma3
 
 @dataclass(frozen=True)
 class Config(gemma3.Config):
-    swa_pattern: int = gemma3.SWA_PATTERN
-    rope_base_swa: float = gemma3.LOCAL_ROPE_BASE
     dense_2_out: int = 0  # dense_2's width (0: no dense layers)
 
     CAUSAL = False
 
     @classmethod
     def read(cls, r: Reader) -> dict:
-        return dict(swa_pattern=r.opt("attention.sliding_window_pattern", gemma3.SWA_PATTERN),
-                    rope_base_swa=r.opt("rope.freq_base_swa", gemma3.LOCAL_ROPE_BASE, float),
-                    dense_2_out=r.get("dense_2_feat_out", 0, positive=False))
-
-    def is_local(self, il: int) -> bool:
-        return self.sliding_window > 0 and il % self.swa_pattern < self.swa_pattern - 1
+        return dict(super().read(r), dense_2_out=r.get("dense_2_feat_out", 0, positive=False))
 
 
 def _dense(c: Config):
@@ -46,7 +39,7 @@ def _dense(c: Config):
 
 def build(c: Config, g, w, shape):
     local_rope = dataclasses.replace(c.rope, base=c.rope_base_swa, scaling="none", freq_scale=1.0, factors=())
-    return build_decoder(c, g, w, shape, Decoder(
+    return build_decoder(c, g, w, shape, Decoder(  # attention scale 1/sqrt(head_dim) whatever the depth
         rope=lambda il: local_rope if c.is_local(il) else c.rope,
         window=lambda il: c.sliding_window if c.is_local(il) else 0,
         qk_norm="head", post_norm=True, act="gelu", embd_scale=math.sqrt(c.n_embd), embed_out=_dense(c)))

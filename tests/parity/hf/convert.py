@@ -38,8 +38,10 @@ if __name__ == "__main__":
     OUT.mkdir(parents=True, exist_ok=True)
     for name in names:
         src = a.hf_dir / name
-        pre_name["pre"] = json.loads((src / "hearthlm_spec.json").read_text()).get("pre", "default")
-        sys.argv = ["convert_hf_to_gguf.py", str(src), "--outtype", "f32", "--outfile", str(OUT / f"{name}.gguf")]
+        spec = json.loads((src / "hearthlm_spec.json").read_text())
+        pre_name["pre"] = spec.get("pre", "default")
+        sys.argv = ["convert_hf_to_gguf.py", str(src), "--outtype", "f32", "--outfile", str(OUT / f"{name}.gguf"),
+                    *spec.get("convert_args", [])]  # the options a family's users convert with
         try:
             runpy.run_path(str(a.llama_cpp / "convert_hf_to_gguf.py"), run_name="__main__")
         except SystemExit as e:

@@ -67,7 +67,8 @@ def _spm(out: Path, spec: dict) -> None:
         sentence_iterator=iter(CORPUS), model_writer=buf, vocab_size=spec.get("vocab", 384), model_type="bpe",
         byte_fallback=True, character_coverage=1.0, bos_id=spec.get("bos_id", 1), eos_id=spec.get("eos_id", 2),
         unk_id=spec.get("unk_id", 0), pad_id=spec.get("pad_id", -1), user_defined_symbols=spec.get("user_symbols", []),
-        add_dummy_prefix=spec.get("dummy_prefix", True), split_digits=True, minloglevel=2)
+        add_dummy_prefix=spec.get("dummy_prefix", True), split_digits=True, minloglevel=2,
+        **spec.get("spm_args", {}))  # e.g. Gemma's piece names
     (out / "tokenizer.model").write_bytes(buf.getvalue())
     cfg = {"tokenizer_class": spec.get("tokenizer_class", "LlamaTokenizer"), "add_bos_token": True,
            "add_eos_token": False, **spec.get("tokens", {})}
@@ -99,7 +100,18 @@ def _wpm(out: Path, spec: dict) -> None:
     _tokenizer_class(out, "BertTokenizer")
 
 
-TOKENIZERS = {"bpe": _bpe, "spm": _spm, "wpm": _wpm}
+def _spm_bpe(out: Path, spec: dict) -> None:
+    """The SentencePiece vocabulary as a tokenizer.json (a BPE with byte fallback over its pieces, as
+    transformers' GemmaTokenizer converts it) and no tokenizer.model: Gemma 4 repos."""
+    from transformers import AutoTokenizer
+    _spm(out, spec)
+    cfg = (out / "tokenizer_config.json").read_text()
+    AutoTokenizer.from_pretrained(out).save_pretrained(out)
+    (out / "tokenizer.model").unlink()
+    (out / "tokenizer_config.json").write_text(cfg)  # _spm's: 5.x writes a list 4.x cannot read (extra_special_tokens)
+
+
+TOKENIZERS = {"bpe": _bpe, "spm": _spm, "wpm": _wpm, "spm_bpe": _spm_bpe}
 
 
 def _vocab_size(out: Path) -> int:
@@ -112,16 +124,19 @@ def _randomize(model, seed: int) -> None:
     """Fan-in scaled matrices, norms near 1, biases near 0, the LM head scaled to peak the logits
     (transformers' own init, std 0.02, leaves every next token a near-tie)."""
     g = torch.Generator().manual_seed(seed)
-    # LFM2-MoE's expert_bias is a buffer (trained, saved): drawn too, after the parameters
-    biases = [(n, b) for n, b in sorted(model.named_buffers()) if n.endswith("expert_bias")]
+    # LFM2-MoE's expert_bias and Gemma 4's layer_scalar are buffers (trained, saved): drawn too, after the parameters
+    biases = [(n, b) for n, b in sorted(model.named_buffers()) if n.endswith(("expert_bias", "layer_scalar"))]
     for name, p in sorted(model.named_parameters()) + biases:
         r = torch.randn(p.shape, generator=g, dtype=torch.float32)
         if p.ndim == 1:
             v = (0.1 * r) if name.endswith("bias") else (1.0 + 0.1 * r)
             if name.endswith("expert_bias"):  # a selection bias as wide as the router's logits: it changes picks
                 v = r
+            if name.endswith("layer_scalar"):  # a layer's output scale: positive, around 1
+                v = (0.5 * r).exp()
             if "norm" in name and getattr(model.config, "model_type", "").startswith(("gemma", "qwen3_5")) \
-                    and "linear_attn.norm" not in name:  # Qwen3.5's gated DeltaNet norm multiplies by weight
+                    and "linear_attn.norm" not in name \
+                    and not model.config.model_type.startswith("gemma4"):  # Gemma 4's norms multiply by weight
                 v = 0.1 * r  # these RMSNorms multiply by (1 + weight)
         elif "embed" in name and "lm_head" not in name:
             v = 0.2 * r if getattr(model.config, "tie_word_embeddings", False) else r
@@ -160,8 +175,12 @@ def make(name: str, out: Path, seed: int = 0) -> Path:
         cfg_path.write_text(json.dumps({**json.loads(cfg_path.read_text()), **spec["saved_config"]}, indent=2))
     for fname, text in spec.get("extra_files", {}).items():  # sentence-transformers modules and the like
         (d / fname).parent.mkdir(parents=True, exist_ok=True)
-        (d / fname).write_text(text)
-    (d / "hearthlm_spec.json").write_text(json.dumps({"pre": spec.get("pre", "default")}))
+        if callable(text):  # binary files (a Dense module's safetensors): made here, under torch
+            (d / fname).write_bytes(text())
+        else:
+            (d / fname).write_text(text)
+    (d / "hearthlm_spec.json").write_text(json.dumps({"pre": spec.get("pre", "default"),
+                                                          "convert_args": spec.get("convert_args", [])}))
     return d
 
 
