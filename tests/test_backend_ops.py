@@ -229,9 +229,10 @@ def mul_mat_add(qtype, n, k=None):
     return g, {"x": x, "r": r}, {}
 
 
-def ffn_glu(qtype, n, act, n_ff=600):
-    """n_ff = 600: more than one CPU slab (ffn.CHUNK = 512), the last one partial."""
-    k = KQUANT_KS[0] if qtype in SUPER else 576
+def ffn_glu(qtype, n, act, n_ff=600, k=None):
+    """n_ff = 600: more than one CPU slab (ffn.CHUNK = 512), the last one partial. k < 32: weights narrower
+    than a quant block, kept float32 by the CPU backend (a converted tiny model's FFN)."""
+    k = k or (KQUANT_KS[0] if qtype in SUPER else 576)
     wg, wu = qweight(qtype, n_ff, k, 0), qweight(qtype, n_ff, k, 1)
     x = 2 * x_for(wg, rng_for("ffn", qtype, n, act), n)  # gate ~ N(0, 4): both sides of the activation's bend
     g = Graph()
@@ -550,6 +551,7 @@ CASES = [
     *[case(f, qtype=t, n=n, **kw) for t in (T.IQ4_XS, T.MXFP4, T.IQ2_XS, T.TQ2_0) for n in (1, 5)
       for f, kw in ((mul_mat_add, {}), (ffn_glu, {"act": "silu"}))],
     case(ffn_glu, qtype=T.Q8_0, n=120, act="silu"),  # n_tokens * n_ff > ffn.WHOLE_MAX: CPU slabs
+    *[case(ffn_glu, qtype=T.F32, n=n, act=a, k=16) for n in (1, 5) for a in ("silu", "gelu")],
     *[case(get_rows, qtype=t, n=n) for t in TYPES for n in (0, 1, 17)],
     *[case(get_rows_act, n_out=n) for n in (0, 1, 4)],
     *[case(norm, kind=kind, n=n) for kind in ("rms_norm", "rms_norm_mul", "rms_norm_mul_heads", "rms_norm_mul_add")

@@ -198,7 +198,18 @@ def _bind_rope_set_rows(node):
 
 def _bind_ffn_glu(node):
     gelu = node.params["act"] == "gelu"
-    return lambda wg, wu, x, out=None: ffn_glu(wg, wu, x, gelu, _buf(node, out))
+
+    def k(wg, wu, x, out=None):
+        if isinstance(wg, np.ndarray):  # narrower than a quant block, kept float32 (prepare_weight)
+            x2 = x.reshape(-1, wg.shape[1])
+            g = x2 @ wg.T
+            g = (np.float32(0.5) * g * (np.float32(1) + np.tanh(np.float32(0.7978845608028654) * (g + np.float32(0.044715) * g ** 3)))
+                 if gelu else g / (np.float32(1) + np.exp(-g)))
+            o = _buf(node, out)
+            np.multiply(g, x2 @ wu.T, out=o.reshape(g.shape))
+            return o
+        return ffn_glu(wg, wu, x, gelu, _buf(node, out))
+    return k
 
 
 def _bind_mul_mat_add(node):
