@@ -166,7 +166,12 @@ class Tokenizer:
                 self._attr[i] |= UNUSED
         # llama.cpp (load's per-token attributes): a model named phi-3 / phi3 drops the whitespace after
         # its special tokens and </s>, but not after <unk>, <s>, <|endoftext|>
-        if any(k in _text(md.get("general.name", "")).lower() for k in ("phi-3", "phi3")):
+        pre, arch = _text(md.get("tokenizer.ggml.pre", "")), _text(md.get("general.architecture", ""))
+        if (any(k in pre for k in ("jina-v2-de", "jina-v2-es", "jina-v2-code"))
+                or any(k in arch for k in ("nomic-bert-moe", "jina-bert-v3"))):  # ... and <mask> takes the space before it
+            if "<mask>" in self._token_to_id:
+                self._attr[self._token_to_id["<mask>"]] |= LSTRIP
+        elif any(k in _text(md.get("general.name", "")).lower() for k in ("phi-3", "phi3")):
             for i in self._special_list(SPECIAL) + [self._token_to_id.get("</s>")]:
                 if i is not None and self._tokens[i] not in ("<unk>", "<s>", "<|endoftext|>"):
                     self._attr[i] |= RSTRIP

@@ -327,3 +327,15 @@ def test_token_attribute_rules_by_name_as_llama_cpp():
     assert oss.encode("<|start|>assistant<|channel|>final<|message|>hi<|end|>") == [
         3, 72, 90, 90, 341, 91, 72, 352, 6, 77, 271, 72, 83, 4, 79, 80, 5]
     assert [oss.token_to_piece(t, special=False) for t in (3, 4, 6, 2)] == ["<|start|>", "<|message|>", "<|channel|>", ""]
+
+
+@pytest.mark.parametrize("pre, strips", [("jina-v2-code", True), ("gpt2", False)])
+def test_mask_takes_the_space_before_it_for_jina_v2_code(pre, strips):
+    """llama.cpp's load(): for jina-v2-de/es/code vocabularies <mask> is LSTRIP, so the whitespace before it
+    goes with it. Mutation: without that rule the jina case keeps a space token before <mask>."""
+    md = bpe_md(pre, extra=("<mask>",))
+    md["tokenizer.ggml.token_type"][-1] = 3  # control
+    tok = Tokenizer(md)
+    mask = tok._token_to_id["<mask>"]
+    want = tok.encode("a" if strips else "a ") + [mask] + tok.encode(" b")
+    assert tok.encode("a  <mask> b", parse_special=True) == (want if strips else tok.encode("a  ") + [mask] + tok.encode(" b"))
