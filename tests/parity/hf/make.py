@@ -80,15 +80,21 @@ def _spm(out: Path, spec: dict) -> None:
 def _wpm(out: Path, spec: dict) -> None:
     """A WordPiece vocabulary (BERT's normalizer), saved as BERT repos have it: vocab.txt and
     tokenizer.json with the `[CLS] $A [SEP]` post-processor."""
-    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
     specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
     tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
     tok.normalizer = normalizers.BertNormalizer(lowercase=spec.get("lowercase", True))
     tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
     tok.decoder = decoders.WordPiece()
-    tok.train_from_iterator(CORPUS, trainers.WordPieceTrainer(vocab_size=spec.get("vocab", 384), special_tokens=specials,
-                                                              show_progress=False))
+    # a fixed vocabulary (tokenizers' WordPiece trainer breaks ties differently run to run): the characters,
+    # their continuations, words of up to 5 letters whole and longer ones as a 3-letter head and a "##" rest
+    from collections import Counter
+    words = Counter(w for line in CORPUS for w, _ in tok.pre_tokenizer.pre_tokenize_str(tok.normalizer.normalize_str(line)))
+    pieces = sorted({w[0] for w in words}) + sorted({"##" + c for w in words for c in w[1:]})
+    pieces += [p for w in sorted(words) for p in ((w,) if len(w) <= 5 else (w[:3], "##" + w[3:])) if len(w) > 1]
+    vocab = list(dict.fromkeys(specials + pieces))[:spec.get("vocab", 384)]
+    tok.model = models.WordPiece({t: i for i, t in enumerate(vocab)}, unk_token="[UNK]")
     cls, sep = tok.token_to_id("[CLS]"), tok.token_to_id("[SEP]")
     tok.post_processor = processors.TemplateProcessing(single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1",
                                                        special_tokens=[("[CLS]", cls), ("[SEP]", sep)])
