@@ -36,9 +36,13 @@ class Config(HParams):
 
     @property
     def attn_scale(self) -> float:
-        """query_pre_attn_scalar^-1/2: n_embd / n_head for the 27B (46 layers), else head_dim,
-        as llama.cpp decides it."""
-        return 1.0 / math.sqrt(self.n_embd // self.n_head if self.n_layer == 46 else self.head_dim)
+        return query_pre_attn_scale(self, n_layer_27b=46)
+
+
+def query_pre_attn_scale(c: HParams, *, n_layer_27b: int) -> float:
+    """query_pre_attn_scalar^-1/2: n_embd / n_head for the 27B (known by its layer count), else head_dim,
+    as llama.cpp decides it (Gemma 2 and 3)."""
+    return 1.0 / math.sqrt(c.n_embd // c.n_head if c.n_layer == n_layer_27b else c.head_dim)
 
 
 def build(c: Config, g, w, shape):

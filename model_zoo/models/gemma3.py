@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from hearthlm.model_zoo.config import HParams, Reader
 from hearthlm.model_zoo.decoder import Decoder, build_decoder
+from hearthlm.model_zoo.models.gemma2 import query_pre_attn_scale
 
 SWA_PATTERN = 6           # layer il is local unless il % 6 == 5
 LOCAL_ROPE_BASE = 10000.0
@@ -34,9 +35,7 @@ class Config(HParams):
 
     @property
     def attn_scale(self) -> float:
-        """query_pre_attn_scalar^-1/2: n_embd / n_head for the 27B (62 layers), else head_dim,
-        as llama.cpp decides it."""
-        return 1.0 / math.sqrt(self.n_embd // self.n_head if self.n_layer == 62 else self.head_dim)
+        return query_pre_attn_scale(self, n_layer_27b=62)
 
 
 def build(c: Config, g, w, shape):

@@ -42,8 +42,7 @@ def _bpe(out: Path, spec: dict) -> None:
     trainer = trainers.BpeTrainer(vocab_size=spec.get("vocab", 384), special_tokens=specials,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator(CORPUS + spec.get("corpus", []), trainer)  # + a family's own words
-    kw = {k: v for k, v in spec.get("tokens", {}).items()}
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, **kw)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, **spec.get("tokens", {}))
     if "chat_template" in spec:
         fast.chat_template = spec["chat_template"]
     fast.save_pretrained(out)
@@ -98,8 +97,7 @@ def _wpm(out: Path, spec: dict) -> None:
     cls, sep = tok.token_to_id("[CLS]"), tok.token_to_id("[SEP]")
     tok.post_processor = processors.TemplateProcessing(single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1",
                                                        special_tokens=[("[CLS]", cls), ("[SEP]", sep)])
-    vocab = sorted(tok.get_vocab().items(), key=lambda kv: kv[1])
-    (out / "vocab.txt").write_text("".join(t + "\n" for t, _ in vocab))
+    (out / "vocab.txt").write_text("".join(t + "\n" for t in vocab))
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", sep_token="[SEP]", pad_token="[PAD]",
                                    cls_token="[CLS]", mask_token="[MASK]", do_lower_case=spec.get("lowercase", True))
     fast.save_pretrained(out)
