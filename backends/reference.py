@@ -8,11 +8,11 @@ import numpy as np
 from gguf import GGMLQuantizationType as T
 from gguf import quants
 
-from hearthlm.backends.base import Backend
-from hearthlm.runtime import kv_types
-from hearthlm.runtime.errors import UnsupportedModelError
-from hearthlm.runtime.graph import Op, alibi_slopes, attn_bounds
-from hearthlm.runtime.weights import QWeight
+from hearthlm.core.backend import Backend
+from hearthlm.core import kv_types
+from hearthlm.core.errors import UnsupportedModelError
+from hearthlm.core.graph import Op, alibi_slopes, attn_bounds
+from hearthlm.core.weights import QWeight
 
 
 def dequantize(w: QWeight) -> np.ndarray:

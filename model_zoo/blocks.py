@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from hearthlm.model_zoo.rope import Rope
 from hearthlm.runtime.batch import BatchShape
-from hearthlm.runtime.graph import Graph, Tensor
+from hearthlm.core.graph import Graph, Tensor
 
 
 @dataclass

@@ -20,7 +20,7 @@ from jinja2.ext import Extension
 from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
 
 from hearthlm.model_zoo.template_limits import DEFAULT_LIMITS, BoundedOps, TemplateLimitError, TemplateLimits, bounded
-from hearthlm.runtime.errors import ContextLengthError, InvalidRequestError
+from hearthlm.core.errors import ContextLengthError, InvalidRequestError
 
 
 class _Sandbox(ImmutableSandboxedEnvironment):

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Mapping
 
 from hearthlm.model_zoo.rope import Rope
-from hearthlm.runtime.errors import ModelLoadError
+from hearthlm.core.errors import ModelLoadError
 
 
 class Reader:

@@ -13,7 +13,7 @@ from hearthlm.model_zoo.blocks import (Inputs, build_attn, build_ffn, build_inp_
 from hearthlm.model_zoo.config import HParams
 from hearthlm.model_zoo.rope import Rope
 from hearthlm.runtime.batch import BatchShape
-from hearthlm.runtime.graph import Graph, Tensor
+from hearthlm.core.graph import Graph, Tensor
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ from hearthlm.model_zoo.blocks import (build_attn, build_ffn, build_inputs, buil
                                        build_qkv)
 from hearthlm.model_zoo.config import HParams, Reader
 from hearthlm.runtime.batch import BatchShape
-from hearthlm.runtime.graph import Graph, Tensor
+from hearthlm.core.graph import Graph, Tensor
 
 
 @dataclass(frozen=True)

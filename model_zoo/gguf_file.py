@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from hearthlm.runtime.errors import GGUFError, ModelLoadError, ModelNotFoundError, UnsupportedModelError
+from hearthlm.core.errors import GGUFError, ModelLoadError, ModelNotFoundError, UnsupportedModelError
 
 MAGIC = b"GGUF"
 VERSIONS = (2, 3)

@@ -101,6 +101,20 @@ def log_progress(log, every: float = 0.1) -> Progress:
     return cb
 
 
+def cache_dir() -> Path:
+    """Where hearthlm keeps files it makes (assembled models): $HEARTHLM_CACHE or ~/.cache/hearthlm."""
+    root = os.environ.get("HEARTHLM_CACHE") or Path.home() / ".cache" / "hearthlm"
+    return Path(root).expanduser() / "models"
+
+
+def hub_cache_dir() -> Path:
+    # Read at call time: huggingface_hub reads HF_HUB_CACHE once, at import.
+    if os.environ.get("HF_HUB_CACHE"):
+        return Path(os.environ["HF_HUB_CACHE"]).expanduser()
+    from huggingface_hub import constants
+    return Path(constants.HF_HUB_CACHE)
+
+
 @dataclass
 class CachedFile:
     repo: str        # Hub repo, or "" for hearthlm's own cache
@@ -113,7 +127,6 @@ def cached_ggufs() -> list[CachedFile]:
     """The .gguf files in the Hub cache and in hearthlm's cache (assembled zoo models)."""
     from huggingface_hub import scan_cache_dir
 
-    from hearthlm.model_zoo.resolve import cache_dir, hub_cache_dir
     out = []
     cache = hub_cache_dir()
     if cache.is_dir():

@@ -15,9 +15,9 @@ from hearthlm.model_zoo.models import get_architecture
 from hearthlm.model_zoo.tensors import Weights
 from hearthlm.model_zoo.tokenizer import Tokenizer
 from hearthlm.runtime.batch import BatchShape, one_token
-from hearthlm.runtime.errors import HearthError, ModelLoadError
-from hearthlm.runtime.graph import Graph
-from hearthlm.runtime.weights import QWeight
+from hearthlm.core.errors import HearthError, ModelLoadError
+from hearthlm.core.graph import Graph
+from hearthlm.core.weights import QWeight
 
 TEMPLATES = Path(__file__).parent / "templates"
 

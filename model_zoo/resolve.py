@@ -16,7 +16,9 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from hearthlm.runtime.errors import ModelNotFoundError
+from hearthlm.core.errors import ModelNotFoundError
+from hearthlm.model_zoo import hub
+from hearthlm.model_zoo.hub import cache_dir, hub_cache_dir
 
 
 @dataclass(frozen=True)
@@ -53,12 +55,6 @@ ZOO: dict[str, ZooModel] = {
 
 PREFERRED_QUANTS = ("Q4_K_M", "Q4_0")  # the pick when a repo holds several .gguf files
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
-
-
-def cache_dir() -> Path:
-    """Where hearthlm keeps files it makes (assembled models): $HEARTHLM_CACHE or ~/.cache/hearthlm."""
-    root = os.environ.get("HEARTHLM_CACHE") or Path.home() / ".cache" / "hearthlm"
-    return Path(root).expanduser() / "models"
 
 
 def resolve_model(model: str | os.PathLike, *, filename: str | None = None,
@@ -175,8 +171,6 @@ def hub_files(repo: str, pattern: str | None = None, *, offline: bool | None = N
     downloaded (resuming a partial one) unless cached. progress None: a progress bar."""
     import huggingface_hub
 
-    from hearthlm.model_zoo import hub
-
     env = offline is None
     if offline is None:
         offline = _env_offline()
@@ -211,14 +205,6 @@ def hub_files(repo: str, pattern: str | None = None, *, offline: bool | None = N
     # callers get one error type that says what was tried, with the cause chained.
     except Exception as e:
         raise ModelNotFoundError(f"could not get a model from {where}: {type(e).__name__}: {e}") from e
-
-
-def hub_cache_dir() -> Path:
-    # Read at call time: huggingface_hub reads HF_HUB_CACHE once, at import.
-    if os.environ.get("HF_HUB_CACHE"):
-        return Path(os.environ["HF_HUB_CACHE"]).expanduser()
-    from huggingface_hub import constants
-    return Path(constants.HF_HUB_CACHE)
 
 
 def _env_offline() -> bool:

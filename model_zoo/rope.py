@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from hearthlm.runtime.errors import ModelLoadError
+from hearthlm.core.errors import ModelLoadError
 
 SCALING_TYPES = ("none", "linear", "yarn", "longrope")
 FREQS = "rope_freqs.weight"  # Llama 3(.1/.2): per-dimension divisors of the frequencies

@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from hearthlm.runtime.errors import InvalidRequestError
+from hearthlm.core.errors import InvalidRequestError
 
 TEMPLATE_FILE = "<template>"  # the filename Jinja compiles templates under
 

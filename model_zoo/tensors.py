@@ -11,9 +11,9 @@ import gguf
 import numpy as np
 
 from hearthlm.runtime.batch import one_token
-from hearthlm.runtime.errors import ModelLoadError
-from hearthlm.runtime.graph import Graph, Tensor
-from hearthlm.runtime.weights import QWeight
+from hearthlm.core.errors import ModelLoadError
+from hearthlm.core.graph import Graph, Tensor
+from hearthlm.core.weights import QWeight
 
 _NO_BYTES = np.zeros(0, np.uint8)
 

@@ -15,7 +15,7 @@ import codecs
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from hearthlm.runtime.errors import InvalidRequestError, ModelLoadError, UnsupportedModelError
+from hearthlm.core.errors import InvalidRequestError, ModelLoadError, UnsupportedModelError
 
 from .tokenizer_bpe import bpe_piece_bytes, build_bpe, build_spm_bpe, pre_type, spm_bpe_encode
 from .tokenizer_rules import (AUTO_DETECT, EOG_TEXTS, LSTRIP, RSTRIP, SPECIAL, TYPE_TO_ATTR, BYTE, CONTROL, NORMAL,

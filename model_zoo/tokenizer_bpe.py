@@ -12,7 +12,7 @@ import re
 from tokenizers import Regex, Tokenizer as HFTokenizer
 from tokenizers import models, pre_tokenizers
 
-from hearthlm.runtime.errors import ModelLoadError, UnsupportedModelError
+from hearthlm.core.errors import ModelLoadError, UnsupportedModelError
 
 _GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
 # llama.cpp's case-insensitive contractions, spelled out as it does (no inline (?i:)).

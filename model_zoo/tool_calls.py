@@ -14,7 +14,7 @@ import secrets
 from dataclasses import dataclass
 from typing import Any
 
-from hearthlm.runtime.errors import InvalidRequestError
+from hearthlm.core.errors import InvalidRequestError
 
 # the JSON inside a forced call: compact, as models write it
 _COMPACT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}

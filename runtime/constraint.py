@@ -14,7 +14,7 @@ from typing import Any, Callable, Iterable
 
 import numpy as np
 
-from hearthlm.runtime.errors import HearthError, InvalidRequestError
+from hearthlm.core.errors import HearthError, InvalidRequestError
 
 try:
     import llguidance as llg

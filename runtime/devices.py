@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Callable
 
-from hearthlm.backends.base import Backend
-from hearthlm.runtime.errors import BackendError, InvalidRequestError
-from hearthlm.runtime.log import get_logger
+from hearthlm.core.backend import Backend
+from hearthlm.core.errors import BackendError, InvalidRequestError
+from hearthlm.core.log import get_logger
 
 log = get_logger("hearthlm.devices")
 

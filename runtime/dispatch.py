@@ -16,20 +16,16 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
-from hearthlm.backends.base import Backend
-from hearthlm.runtime.errors import BackendError
-from hearthlm.runtime.graph import Graph, Op, Tensor
+from hearthlm.core.backend import CACHE, COPY, INPUT, KERNEL, STATIC, VIEW, Backend
+from hearthlm.core.errors import BackendError
+from hearthlm.core.graph import Graph, Op, Tensor
 from hearthlm.runtime.memory import Arena, ExecPlan, plan
 from hearthlm.runtime.placement import Placement, place
 from hearthlm.runtime.weights import WeightStore
 
-# step kinds
-INPUT, STATIC, CACHE, COPY, KERNEL, VIEW = "input", "static", "cache", "copy", "kernel", "view"
-
-
 @dataclass(slots=True, eq=False)
 class Step:
-    kind: str               # one of the kinds above
+    kind: str               # one of core.backend's step kinds
     index: int              # the node's index: where its value goes
     node: Tensor
     srcs: tuple[int, ...]   # indices of the source values
@@ -53,6 +49,11 @@ class CompiledGraph:
     n_splits: int                # runs of compute nodes on one backend
     n_copies: int                # COPY nodes between them
     runner: Any = None           # the backend's own way to run it (Backend.graph_runner), or None
+
+    def walk(self, feed: Mapping[str, np.ndarray], cache_of: Callable[[Tensor], Any],
+             inputs: Mapping[int, Any] | None = None) -> list[Any]:
+        """The steps in order (`walk` below): what a backend's runner calls to run or capture."""
+        return walk(self, feed, cache_of, inputs)
 
 
 def compile_graph(graph: Graph, placement: Placement, stores: Mapping[str, WeightStore],

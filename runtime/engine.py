@@ -17,12 +17,12 @@ from hearthlm.runtime.batch import BatchShape
 from hearthlm.runtime.batcher import Batcher, StepPlan
 from hearthlm.runtime.constraint import GrammarError, MaskWorker
 from hearthlm.runtime.dispatch import CompiledGraph, execute
-from hearthlm.runtime.errors import (ContextLengthError, EngineFailedError, HearthError, InvalidRequestError,
+from hearthlm.core.errors import (ContextLengthError, EngineFailedError, HearthError, InvalidRequestError,
                                      QueueFull, SessionClosedError)
 from hearthlm.runtime.graph_cache import FINE_UP_TO, GraphCache, bucket
-from hearthlm.runtime import kv_types
+from hearthlm.core import kv_types
 from hearthlm.runtime.kv_cache import KVCache, kv_layout
-from hearthlm.runtime.log import get_logger
+from hearthlm.core.log import get_logger
 from hearthlm.runtime.placement import Placement
 from hearthlm.runtime.prompt_cache import PromptCache
 from hearthlm.runtime.request import Request
@@ -116,7 +116,7 @@ class Engine:
         slot per running sequence and `state_snapshots` slots of prefix states.
         `prompt_cache_dir`: where persisted prompt prefixes are kept (runtime.prompt_cache), at
         most prompt_cache_bytes of them, keyed by the model file (`model.file.identity()`) and
-        this cache's layout; None for none. `kv_cache_type`: the K/V element type (runtime.kv_types).
+        this cache's layout; None for none. `kv_cache_type`: the K/V element type (core.kv_types).
         `draft`: a runtime.draft.DraftModel, which then drafts for every request that does not
         ask otherwise (SamplingParams.speculative None; "off" opts out)."""
         self.model = model

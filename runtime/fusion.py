@@ -9,8 +9,8 @@ import os
 from dataclasses import dataclass
 from typing import Callable
 
-from hearthlm.runtime.graph import Graph, Op, Tensor
-from hearthlm.runtime.weights import stacked_weight
+from hearthlm.core.graph import Graph, Op, Tensor
+from hearthlm.core.weights import stacked_weight
 
 
 

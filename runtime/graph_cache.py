@@ -14,8 +14,8 @@ from hearthlm.runtime import fusion
 from hearthlm.runtime.batch import BatchShape
 from hearthlm.runtime import memory
 from hearthlm.runtime.dispatch import KERNEL, STATIC, VIEW, CompiledGraph, compile_graph
-from hearthlm.runtime.graph import Graph
-from hearthlm.runtime.log import get_logger
+from hearthlm.core.graph import Graph
+from hearthlm.core.log import get_logger
 from hearthlm.runtime.placement import Placement
 from hearthlm.runtime.weights import WeightStore
 

@@ -7,10 +7,10 @@ from collections import OrderedDict
 
 import numpy as np
 
-from hearthlm.backends.base import Backend
-from hearthlm.runtime import kv_types
-from hearthlm.runtime.errors import InvalidRequestError
-from hearthlm.runtime.graph import Tensor
+from hearthlm.core.backend import Backend
+from hearthlm.core import kv_types
+from hearthlm.core.errors import InvalidRequestError
+from hearthlm.core.graph import Tensor
 
 
 class BlockAllocator:
@@ -77,7 +77,7 @@ def block_hash(parent: int | None, tokens) -> int:
 
 def kv_layout(kv_type: str, kv_dims: list[tuple[int, int]], backends: list[Backend]):
     """Per layer, the (per-slot shape, dtype) of its K and V caches; InvalidRequestError for a
-    type that cannot hold them (runtime.kv_types)."""
+    type that cannot hold them (core.kv_types)."""
     why = kv_types.check(kv_type, kv_dims)
     if why:
         raise InvalidRequestError(why)
@@ -89,7 +89,7 @@ class KVCache:
                  backends: list[Backend], kv_type: str = "f16") -> None:
         """kv_dims and backends: per layer, (n_head_kv, head_dim) and the backend that runs its
         attention, where its K/V live. kv_type: "f16" (each backend's own element type, the
-        CPU's float16 as llama.cpp's), "q8_0" or "q4_0" (runtime.kv_types)."""
+        CPU's float16 as llama.cpp's), "q8_0" or "q4_0" (core.kv_types)."""
         assert len(backends) == len(kv_dims), (len(backends), len(kv_dims))
         self.block_size = block_size
         self.n_blocks = n_blocks

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from hearthlm.runtime.graph import Graph, Op, Tensor
+from hearthlm.core.graph import Graph, Op, Tensor
 
 ALIGN = 64  # bytes: a cache line, and what SIMD loads like
 

@@ -17,10 +17,10 @@ import re
 from dataclasses import dataclass
 from typing import Mapping
 
-from hearthlm.backends.base import Backend
-from hearthlm.runtime.errors import BackendError
-from hearthlm.runtime.graph import Graph, Op, Tensor
-from hearthlm.runtime.log import get_logger
+from hearthlm.core.backend import Backend
+from hearthlm.core.errors import BackendError
+from hearthlm.core.graph import Graph, Op, Tensor
+from hearthlm.core.log import get_logger
 
 log = get_logger("hearthlm.placement")
 _BLK = re.compile(r"blk\.(\d+)\.")

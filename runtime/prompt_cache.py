@@ -20,7 +20,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from hearthlm.runtime import array_file
-from hearthlm.runtime.log import get_logger
+from hearthlm.core.log import get_logger
 
 log = get_logger("hearthlm.prompt_cache")
 MAGIC = b"HLPCACHE"

@@ -7,7 +7,7 @@ import math
 
 import numpy as np
 
-from hearthlm.runtime.errors import InvalidRequestError
+from hearthlm.core.errors import InvalidRequestError
 
 
 SPECULATIVE = (None, "ngram", "draft", "off")

@@ -16,8 +16,8 @@ from typing import Any
 
 import numpy as np
 
-from hearthlm.backends.base import Backend
-from hearthlm.runtime.graph import Tensor
+from hearthlm.core.backend import Backend
+from hearthlm.core.graph import Tensor
 from hearthlm.runtime.kv_cache import KVCache, block_hash
 from hearthlm.runtime.prompt_cache import PromptCache, digests
 from hearthlm.runtime.request import Request

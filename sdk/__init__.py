@@ -4,7 +4,7 @@
         print((await s.generate("The capital of France is", max_tokens=16)).text)
 """
 from hearthlm.model_zoo.template_limits import TemplateLimits
-from hearthlm.runtime.errors import (BackendError, ContextLengthError, EngineFailedError, GGUFError, HearthError,
+from hearthlm.core.errors import (BackendError, ContextLengthError, EngineFailedError, GGUFError, HearthError,
                                      InvalidRequestError, ModelLoadError, ModelNotFoundError, QueueFull,
                                      RequestTimeoutError, SessionClosedError, UnsupportedModelError)
 from hearthlm.runtime.sampling import SamplingParams

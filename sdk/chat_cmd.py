@@ -21,7 +21,7 @@ from contextlib import aclosing, nullcontext
 import anyio
 
 from hearthlm._wake import Channel, loop_waker
-from hearthlm.runtime.errors import ContextLengthError, HearthError, SessionClosedError
+from hearthlm.core.errors import ContextLengthError, HearthError, SessionClosedError
 from hearthlm.session import Session
 
 DIM, PLAIN = "\x1b[2m", "\x1b[0m"

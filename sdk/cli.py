@@ -13,7 +13,7 @@ import anyio
 
 from hearthlm.backends import BACKENDS
 from hearthlm.model_zoo.resolve import DEFAULT_MODEL
-from hearthlm.runtime.errors import HearthError
+from hearthlm.core.errors import HearthError
 from hearthlm.session import Session
 
 

@@ -10,7 +10,7 @@ from hearthlm.model_zoo.model import load_model
 from hearthlm.model_zoo.resolve import resolve_model
 from hearthlm.runtime import fusion
 from hearthlm.runtime.batch import BatchShape
-from hearthlm.runtime.graph import Graph
+from hearthlm.core.graph import Graph
 from hearthlm.runtime.memory import plan
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from hearthlm.model_zoo.hub import cached_ggufs
 from hearthlm.model_zoo.resolve import ZOO, hub_files, resolve_model
-from hearthlm.runtime.errors import ModelNotFoundError
+from hearthlm.core.errors import ModelNotFoundError
 
 
 def add_pull_args(p: argparse.ArgumentParser) -> None:

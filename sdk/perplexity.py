@@ -14,7 +14,7 @@ from pathlib import Path
 import anyio
 import numpy as np
 
-from hearthlm.runtime.errors import InvalidRequestError
+from hearthlm.core.errors import InvalidRequestError
 from hearthlm.session import Session
 
 PARALLEL_CHUNKS = 2  # chunks scored at once: the engine batches their steps

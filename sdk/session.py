@@ -23,10 +23,11 @@ from hearthlm.model_zoo.model import Model, load_model
 from hearthlm.model_zoo.resolve import DEFAULT_MODEL, resolve_model
 from hearthlm.model_zoo.tokenizer import vocab_mismatch
 from hearthlm.model_zoo import reasoning
-from hearthlm.runtime import constraint, kv_types
+from hearthlm.core import kv_types
+from hearthlm.runtime import constraint
 from hearthlm.runtime.engine import Engine
-from hearthlm.runtime.log import get_logger
-from hearthlm.runtime.errors import (ContextLengthError, HearthError, InvalidRequestError, RequestTimeoutError,
+from hearthlm.core.log import get_logger
+from hearthlm.core.errors import (ContextLengthError, HearthError, InvalidRequestError, RequestTimeoutError,
                                      SessionClosedError)
 from hearthlm.runtime.devices import open_device
 from hearthlm.runtime.placement import offload

@@ -11,7 +11,7 @@ import time
 import anyio
 import numpy as np
 
-from hearthlm.runtime.errors import HearthError
+from hearthlm.core.errors import HearthError
 from hearthlm.session import Session
 
 FUNCTION = '''def merge_intervals(intervals, min_gap=0, label_key="name"):

@@ -9,7 +9,7 @@ from typing import Any
 
 from hearthlm.model_zoo import tool_calls as tc
 from hearthlm.model_zoo.chat_template import normalize_messages
-from hearthlm.runtime.errors import InvalidRequestError
+from hearthlm.core.errors import InvalidRequestError
 from hearthlm.types import Chunk
 
 

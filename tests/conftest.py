@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from hearthlm.runtime.errors import ModelNotFoundError
+from hearthlm.core.errors import ModelNotFoundError
 
 DATA = Path(__file__).parent / "data"
 INSTALL = {

@@ -40,7 +40,7 @@ kernels = sorted(p.name for p in (Path(hearthlm.__file__).parent / "backends/cud
 print("hearthlm from", hearthlm.__file__, "| cuda kernel sources:", kernels)
 assert {"matmul.cu", "attention.cu", "norm_rope.cu", "ssm.cu", "delta_net.cu", "quants.cuh", "common.cuh"} <= set(kernels)
 from hearthlm.backends.cuda.backend import CUDABackend
-from hearthlm.runtime.errors import BackendError
+from hearthlm.core.errors import BackendError
 try:
     CUDABackend()
 except BackendError as e:

@@ -65,7 +65,7 @@ def test_fusion_rules_fire(tmp_path, variant):
     from hearthlm.model_zoo.model import load_model
     from hearthlm.runtime import fusion
     from hearthlm.runtime.batch import BatchShape
-    from hearthlm.runtime.graph import Op
+    from hearthlm.core.graph import Op
 
     m = load_model(write(tmp_path / "m.gguf", variant))
     try:

@@ -24,9 +24,9 @@ from gguf.constants import GGMLQuantizationType as T
 from hearthlm.backends import get_backend
 from hearthlm.backends.random_blocks import IQUANTS, random_blocks
 from hearthlm.backends.reference import ReferenceBackend, dequantize
-from hearthlm.runtime.errors import BackendError
-from hearthlm.runtime.graph import Graph, Op
-from hearthlm.runtime.weights import QWeight
+from hearthlm.core.errors import BackendError
+from hearthlm.core.graph import Graph, Op
+from hearthlm.core.weights import QWeight
 
 # NMSE < 5e-4; else 1e-7
 PRODUCTS = {Op.MUL_MAT, Op.MUL_MAT_ADD, Op.FFN_GLU, Op.MUL_MAT_ID, Op.ATTN, Op.KQ, Op.KQV, Op.GATED_DELTA_NET}
@@ -673,7 +673,7 @@ def test_reference_semantics():
 def test_reference_alibi():
     """ALiBi as ggml has it, written out: 9 heads, max_bias 8 -> m0 = 2^(-8/8), m1 = 2^(-4/8); heads
     0-7 take m0^(h+1), head 8 m1^1; each score less slope * |p - pos|, in the mask or the fused op."""
-    from hearthlm.runtime.graph import alibi_slopes
+    from hearthlm.core.graph import alibi_slopes
     want = [0.5 ** (h + 1) for h in range(8)] + [2 ** -0.5]
     assert np.allclose(alibi_slopes(9, 8.0), want, rtol=1e-6)
     assert np.allclose(alibi_slopes(4, 8.0), [0.25, 0.0625, 0.25 ** 3, 0.25 ** 4], rtol=1e-6)

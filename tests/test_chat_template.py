@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from hearthlm.model_zoo.chat_template import compile_template, render_chat
-from hearthlm.runtime.errors import HearthError, InvalidRequestError
+from hearthlm.core.errors import HearthError, InvalidRequestError
 
 DATA = Path(__file__).parent / "data"
 SMOL = (DATA / "smollm2_chat_template.jinja").read_text()

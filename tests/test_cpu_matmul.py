@@ -8,7 +8,7 @@ from gguf.constants import GGMLQuantizationType as T
 
 from hearthlm.backends.cpu.matmul import get_rows, matmul
 from hearthlm.backends.cpu.qtypes import SUPPORTED_TYPES, PackedWeight, pack_weight
-from hearthlm.runtime.errors import UnsupportedModelError
+from hearthlm.core.errors import UnsupportedModelError
 
 QUANTIZABLE = [T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1]
 KQUANTS = [T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K]
@@ -403,8 +403,8 @@ def test_matmul_add_in_place_over_the_residual(n_tok):
 def test_mul_mat_id_reads_only_selected_experts():
     """The CPU groups tokens per expert and reads only the selected experts' weights."""
     from hearthlm.backends.cpu.backend import CPUBackend, Experts
-    from hearthlm.runtime.graph import Graph
-    from hearthlm.runtime.weights import QWeight
+    from hearthlm.core.graph import Graph
+    from hearthlm.core.weights import QWeight
     rng = np.random.default_rng(3)
     w = rng.standard_normal((3, 8, 32)).astype(np.float32)
     used = {e: pack_weight(int(T.F32), w[e].view(np.uint8), (8, 32)) for e in (0, 2)}
@@ -421,7 +421,7 @@ def test_mul_mat_id_reads_only_selected_experts():
 def test_add_n_into_any_source(into):
     """The planner may give add_n any source's buffer (Op.ADD_N's inplace): the sum stays right."""
     from hearthlm.backends.cpu.backend import CPUBackend
-    from hearthlm.runtime.graph import Graph, Op
+    from hearthlm.core.graph import Graph, Op
     rng = np.random.default_rng(into)
     xs = [rng.standard_normal((3, 40)).astype(np.float32) for _ in range(3)]
     want = xs[0] + xs[1] + xs[2]

@@ -13,7 +13,7 @@ import pytest
 from gguf import quants
 
 from hearthlm.backends.cuda.modules import CU_FILES, KERNEL_DIR, source
-from hearthlm.runtime.errors import BackendError
+from hearthlm.core.errors import BackendError
 from test_backend_ops import KQUANTS, LEGACY, make_raw, nmse
 
 QTYPES = LEGACY + KQUANTS

@@ -18,8 +18,8 @@ from gguf.constants import GGMLQuantizationType as T
 
 from hearthlm.backends.cuda.modules import CU_FILES, source
 from hearthlm.backends.cuda.weights import QUANT_KERNELS, upload
-from hearthlm.runtime.graph import Graph, Op
-from hearthlm.runtime.weights import QWeight
+from hearthlm.core.graph import Graph, Op
+from hearthlm.core.weights import QWeight
 
 SCALARS = {"int": np.int32, "long long": np.int64, "float": np.float32, "double": np.float64}
 POINTEES = {"float": np.float32, "double": np.float64, "int": np.int32, "u8": np.uint8, "i8": np.int8}

@@ -14,7 +14,7 @@ import pytest
 
 from hearthlm import Session
 from hearthlm.runtime.draft import DraftModel
-from hearthlm.runtime.errors import InvalidRequestError
+from hearthlm.core.errors import InvalidRequestError
 from tiny_gguf import write_tiny
 
 sys.path.insert(0, str(Path(__file__).parent / "parity"))

@@ -10,7 +10,7 @@ import pytest
 
 from conftest import DATA, load_json
 from hearthlm import InvalidRequestError, Session
-from hearthlm.runtime.errors import ModelNotFoundError
+from hearthlm.core.errors import ModelNotFoundError
 from tiny_gguf import write_tiny
 
 TEXTS = ["hello world", "the quick brown fox jumps over the lazy dog " * 4, "a"]

@@ -64,7 +64,7 @@ def test_encoder_graph_fuses(files, variant):
     from hearthlm.model_zoo.model import load_model
     from hearthlm.runtime import fusion
     from hearthlm.runtime.batch import BatchShape
-    from hearthlm.runtime.graph import Op
+    from hearthlm.core.graph import Op
 
     m = load_model(files[variant])
     try:

@@ -11,7 +11,7 @@ from hearthlm.backends.cpu.backend import CPUBackend
 from hearthlm.backends.reference import ReferenceBackend
 from hearthlm.runtime import fusion
 from hearthlm.runtime.dispatch import run as run_graph
-from hearthlm.runtime.graph import Op
+from hearthlm.core.graph import Op
 from test_backend_ops import nmse
 
 RULES = {r.name: r for r in fusion.RULES}
@@ -54,7 +54,7 @@ def test_rule_matches_builders_and_shrinks(arch, rule):
 
 def test_add_chains():
     """The builders never chain plain adds (each residual sum feeds a norm), so a chain is built here."""
-    from hearthlm.runtime.graph import Graph
+    from hearthlm.core.graph import Graph
     g = Graph()
     xs = [g.input(f"x{i}", (3, 8), np.float32) for i in range(4)]
     s = g.add(g.add(g.add(xs[0], xs[1], "a"), xs[2], "b"), xs[3], "c")
@@ -117,8 +117,8 @@ def test_stacking_groups_by_weight_type():
     """Qwen2.5's q and k are Q5_0 and its v Q8_0: q and k stack, v stays its own projection."""
     from gguf import GGMLQuantizationType as T
 
-    from hearthlm.runtime.graph import Graph
-    from hearthlm.runtime.weights import QWeight
+    from hearthlm.core.graph import Graph
+    from hearthlm.core.weights import QWeight
     g = Graph()
     x = g.input("x", (3, 64), np.float32)
     for name, t in (("attn_q", T.Q5_0), ("attn_k", T.Q5_0), ("attn_v", T.Q8_0)):
@@ -133,7 +133,7 @@ def test_stacking_groups_by_weight_type():
 def test_softcapped_attention_fuses_only_as_a_cap(inv):
     """Gemma 2's scores, cap * tanh(s * (1/cap)), become one ATTN carrying the cap; a chain
     whose two scales are not inverse is some other function and stays unfused."""
-    from hearthlm.runtime.graph import Graph
+    from hearthlm.core.graph import Graph
     g = Graph()
     q = g.input("q", (3, 4, 16), np.float32)
     seq, pos, bt = g.input("seq", (3,)), g.input("pos", (3,)), g.input("bt", (1, 2))
@@ -154,7 +154,7 @@ def test_softcapped_attention_fuses_only_as_a_cap(inv):
 def test_alibi_attention_fuses_with_its_bias(n_head):
     """An encoder's ALiBi mask (one row per head) becomes one ATTN carrying max_bias; a mask of
     one row over 4 query heads (not ALiBi's shape) stays unfused."""
-    from hearthlm.runtime.graph import Graph
+    from hearthlm.core.graph import Graph
     g = Graph()
     q = g.input("q", (3, 4, 16), np.float32)
     seq, pos, bt, sl = g.input("seq", (3,)), g.input("pos", (3,)), g.input("bt", (1, 2)), g.input("sl", (3,))

@@ -16,7 +16,7 @@ import pytest
 from gguf.constants import GGMLQuantizationType as T
 
 from hearthlm.model_zoo.gguf_file import GGUFFile
-from hearthlm.runtime.errors import (GGUFError, HearthError, ModelLoadError, ModelNotFoundError,
+from hearthlm.core.errors import (GGUFError, HearthError, ModelLoadError, ModelNotFoundError,
                                      UnsupportedModelError)
 
 RNG = np.random.default_rng(0)
@@ -358,7 +358,7 @@ def test_real_smollm2():
 def test_release_pages_drops_only_file_pages(tmp_path):
     """Dropping a file view's resident pages leaves its data readable (re-read from the file);
     an ordinary array is left alone (dropping anonymous pages would zero them)."""
-    from hearthlm.runtime.weights import release_pages
+    from hearthlm.core.weights import release_pages
     data = (np.arange(3 * 4096 + 123) % 251).astype(np.uint8)
     path = tmp_path / "w.bin"
     data.tofile(path)

@@ -10,7 +10,7 @@ import pytest
 
 from hearthlm import HearthError, Session
 from hearthlm.runtime import engine as engine_mod
-from hearthlm.runtime.errors import ModelLoadError
+from hearthlm.core.errors import ModelLoadError
 
 sys.path.insert(0, str(Path(__file__).parent / "parity"))
 from models import write  # noqa: E402

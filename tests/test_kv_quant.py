@@ -1,4 +1,4 @@
-"""Quantized KV caches (Session.open(kv_cache_type="q8_0" | "q4_0"), runtime.kv_types): ggml's
+"""Quantized KV caches (Session.open(kv_cache_type="q8_0" | "q4_0"), core.kv_types): ggml's
 blocks of 32 values along head_dim, as llama.cpp's -ctk/-ctv store them. The oracle is gguf.quants
 (ggml's quantize_row_*_ref and dequantize_row_*): the reference backend's writes are its bytes and
 its attention over a quantized cache is float attention over gguf's dequantized one; each backend's
@@ -22,9 +22,9 @@ from gguf.constants import GGMLQuantizationType as T
 
 from hearthlm import Session
 from hearthlm.backends.cuda.modules import KERNEL_DIR
-from hearthlm.runtime import kv_types
-from hearthlm.runtime.errors import InvalidRequestError
-from hearthlm.runtime.graph import Graph, Op
+from hearthlm.core import kv_types
+from hearthlm.core.errors import InvalidRequestError
+from hearthlm.core.graph import Graph, Op
 from test_backend_ops import BS, BT, GQA, N_BLOCKS, REF, backend, f32, inputs, nmse, rng_for, scenario  # noqa: F401
 from test_cuda_launch import fake_ops  # noqa: F401
 from tiny_gguf import write_tiny

@@ -11,7 +11,7 @@ from hearthlm.runtime.batch import BatchShape
 from hearthlm.runtime.dispatch import compile_graph, execute
 from hearthlm.runtime.placement import Placement
 from hearthlm.runtime.weights import WeightStore
-from hearthlm.runtime.graph import Op
+from hearthlm.core.graph import Op
 from hearthlm.runtime.memory import _align, last_uses, nbytes, plan
 from test_backend_ops import nmse
 

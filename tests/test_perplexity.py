@@ -11,7 +11,7 @@ import pytest
 
 from hearthlm import Session
 from hearthlm.perplexity import chunk_nlls, summary
-from hearthlm.runtime.errors import InvalidRequestError
+from hearthlm.core.errors import InvalidRequestError
 
 from conftest import DATA, _model, load_json
 

@@ -23,7 +23,7 @@ from hearthlm.backends.reference import ReferenceBackend
 from hearthlm.runtime import fusion
 from hearthlm.runtime.dispatch import compile_graph, execute
 from hearthlm.runtime.engine import Engine
-from hearthlm.runtime.graph import Op
+from hearthlm.core.graph import Op
 from hearthlm.runtime.placement import Placement, offload, place
 from hearthlm.runtime.weights import WeightStore
 from hearthlm.runtime.request import Request

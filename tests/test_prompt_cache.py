@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from hearthlm import Session
-from hearthlm.runtime.errors import InvalidRequestError
+from hearthlm.core.errors import InvalidRequestError
 from hearthlm.runtime.prompt_cache import SUFFIX
 from tiny_gguf import write_tiny
 

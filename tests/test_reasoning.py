@@ -11,7 +11,7 @@ import pytest
 from hearthlm import Session
 from hearthlm.model_zoo import reasoning
 from hearthlm.model_zoo.reasoning import GEMMA4, HARMONY, THINK, ReasoningSplitter
-from hearthlm.runtime.errors import InvalidRequestError
+from hearthlm.core.errors import InvalidRequestError
 from hearthlm.runtime.request import ThinkBudget
 
 from tiny_gguf import CHATML, write_tiny

@@ -12,7 +12,7 @@ import pytest
 
 from hearthlm.model_zoo import hub as hub_mod, resolve
 from hearthlm.model_zoo.resolve import DEFAULT_MODEL, ZOO, resolve_model
-from hearthlm.runtime.errors import ModelNotFoundError
+from hearthlm.core.errors import ModelNotFoundError
 
 REV = "0123456789abcdef0123456789abcdef01234567"
 

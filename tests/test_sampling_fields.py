@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from hearthlm import Session
-from hearthlm.runtime.errors import ContextLengthError, InvalidRequestError
+from hearthlm.core.errors import ContextLengthError, InvalidRequestError
 from hearthlm.runtime.sampling import SamplingParams
 
 from tiny_gguf import write_tiny

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from hearthlm import Session
-from hearthlm.runtime.errors import InvalidRequestError
+from hearthlm.core.errors import InvalidRequestError
 from hearthlm.runtime.sampling import SamplingParams, verify
 from hearthlm.runtime.speculative import NgramDrafter
 from tiny_gguf import write_tiny

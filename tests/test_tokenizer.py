@@ -15,7 +15,7 @@ from hearthlm.model_zoo.gguf_file import GGUFFile
 from hearthlm.model_zoo.tokenizer import StreamDecoder, Tokenizer
 from hearthlm.model_zoo.tokenizer_rules import clean_spaces
 from hearthlm.model_zoo.tokenizer_bpe import _byte_to_unicode
-from hearthlm.runtime.errors import UnsupportedModelError
+from hearthlm.core.errors import UnsupportedModelError
 
 DATA = Path(__file__).parent / "data"
 SMOL = "SmolLM2-135M-Instruct.Q4_1"

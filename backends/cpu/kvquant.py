@@ -1,4 +1,4 @@
-"""The quantized KV cache's blocks for the numba kernels (runtime.kv_types: ggml's q8_0 and q4_0,
+"""The quantized KV cache's blocks for the numba kernels (core.kv_types: ggml's q8_0 and q4_0,
 32 values along head_dim; an int8 cache holds q8_0, a uint8 one q4_0). Rows are quantized on
 write as ggml-quants.c's quantize_row_q8_0_ref / quantize_row_q4_0_ref, bit for bit (gguf.quants
 is the test's oracle), and read back one head's row at a time into a small float buffer inside

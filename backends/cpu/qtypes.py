@@ -52,8 +52,8 @@ import numpy as np
 from gguf.constants import GGML_QUANT_SIZES
 from gguf.constants import GGMLQuantizationType as T
 
-from hearthlm.runtime.errors import UnsupportedModelError
-from hearthlm.runtime.weights import release_pages
+from hearthlm.core.errors import UnsupportedModelError
+from hearthlm.core.weights import release_pages
 
 from .iquants import IQUANT_UNPACKERS, LUTS
 from .kquants import KQUANT_UNPACKERS, f16_field

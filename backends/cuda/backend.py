@@ -11,11 +11,11 @@ from typing import Any
 
 import numpy as np
 
-from hearthlm.backends.base import Backend
+from hearthlm.core.backend import Backend
 from hearthlm.backends.cuda.weights import SUPPORTED_TYPES
-from hearthlm.runtime.errors import BackendError
-from hearthlm.runtime.graph import Op, Tensor
-from hearthlm.runtime.weights import QWeight
+from hearthlm.core.errors import BackendError
+from hearthlm.core.graph import Op, Tensor
+from hearthlm.core.weights import QWeight
 
 # CuPy ships one package per CUDA major, and two of them in one environment break `import
 # cupy`: hence one extra per major and no plain `gpu` extra that would pick one for the user

@@ -24,7 +24,8 @@ import numpy as np
 import structlog
 
 from hearthlm.backends.cuda.weights import MMVQ_MAX_TOKENS, quantized
-from hearthlm.runtime.graph import Op
+from hearthlm.core.backend import CACHE, COPY, INPUT, STATIC
+from hearthlm.core.graph import Op
 
 log = structlog.get_logger("hearthlm.cuda")
 
@@ -41,26 +42,24 @@ def enabled() -> bool:
 
 def runner(backend, cg) -> Callable[..., Any] | None:
     """A GraphReplay for `cg` where capture applies, else None."""
-    from hearthlm.runtime import dispatch
     if not enabled():
         return None
-    tokens = next((st for st in cg.steps if st.kind is dispatch.INPUT and st.node.name == "tokens"), None)
+    tokens = next((st for st in cg.steps if st.kind is INPUT and st.node.name == "tokens"), None)
     if tokens is None or tokens.node.shape[0] > MAX_TOKENS:
         return None
-    if any(st.kind is dispatch.COPY or st.node.op in HOST_OPS | BLAS_OPS for st in cg.steps):
+    if any(st.kind is COPY or st.node.op in HOST_OPS | BLAS_OPS for st in cg.steps):
         return None
     weights = (cg.steps[st.srcs[0]] for st in cg.steps if st.node.op in PRODUCTS)
-    if not all(w.kind is dispatch.STATIC and quantized(w.value) for w in weights):
+    if not all(w.kind is STATIC and quantized(w.value) for w in weights):
         return None
     return GraphReplay(backend, cg)
 
 
 class GraphReplay:
     def __init__(self, backend, cg) -> None:
-        from hearthlm.runtime import dispatch
         self.backend, self.cg = backend, cg
-        self.inputs = [(st.index, st.node.name) for st in cg.steps if st.kind is dispatch.INPUT]
-        self.cache_nodes = [st.node for st in cg.steps if st.kind is dispatch.CACHE]
+        self.inputs = [(st.index, st.node.name) for st in cg.steps if st.kind is INPUT]
+        self.cache_nodes = [st.node for st in cg.steps if st.kind is CACHE]
         self.uses = 0
         self.failed = False
         # set by each capture: the graph, its outputs, input buffers, pool, replay stream, cache key
@@ -90,7 +89,6 @@ class GraphReplay:
     def _capture(self, feed, cache_of, key):
         """This step run eagerly (its outputs are returned: they are the step's results), then
         the same walk captured, not run. An error of the eager run is the step's own: raised."""
-        from hearthlm.runtime import dispatch
         cp = self.backend.cp
         self.graph = self.outs = self.statics = self.pool = None  # the old capture goes
         pool = cp.cuda.MemoryPool()  # the graph's own: see the module's docstring
@@ -100,11 +98,11 @@ class GraphReplay:
         self.backend.device.synchronize()  # the capture stream does not wait on the legacy one
         with cp.cuda.using_allocator(pool.malloc), cap:
             statics = {i: cp.asarray(np.ascontiguousarray(feed[name])) for i, name in self.inputs}
-            host = [cp.asnumpy(v, stream=cap) for v in dispatch.walk(self.cg, feed, cache_of, statics)]
+            host = [cp.asnumpy(v, stream=cap) for v in self.cg.walk(feed, cache_of, statics)]
             try:
                 cap.begin_capture()
                 try:
-                    outs = dispatch.walk(self.cg, feed, cache_of, statics)
+                    outs = self.cg.walk(feed, cache_of, statics)
                 finally:
                     graph = cap.end_capture()
             except Exception as e:  # an op that syncs with the host, say: eager from now on

@@ -17,9 +17,9 @@ import numpy as np
 from hearthlm.backends.cuda.modules import kernel
 from hearthlm.backends.cuda.weights import MMVQ_MAX_TOKENS, CudaWeight
 from hearthlm.backends.cuda.weights import quantized as _quantized
-from hearthlm.runtime import kv_types
-from hearthlm.runtime.errors import BackendError
-from hearthlm.runtime.graph import Op, alibi_slopes, attn_bounds
+from hearthlm.core import kv_types
+from hearthlm.core.errors import BackendError
+from hearthlm.core.graph import Op, alibi_slopes, attn_bounds
 
 MAX_TOKENS = 8        # matmul.cu's MAX_TOKENS: the tokens of one mmvq launch
 ROWS = 4              # matmul.cu's ROWS_PER_BLOCK

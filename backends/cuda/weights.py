@@ -11,8 +11,8 @@ import numpy as np
 from gguf.constants import GGML_QUANT_SIZES
 from gguf.constants import GGMLQuantizationType as T
 
-from hearthlm.runtime.errors import UnsupportedModelError
-from hearthlm.runtime.weights import QWeight
+from hearthlm.core.errors import UnsupportedModelError
+from hearthlm.core.weights import QWeight
 
 # ggml type -> kernel name suffix in matmul.cu
 QUANT_KERNELS = {int(T.Q4_0): "q4_0", int(T.Q4_1): "q4_1", int(T.Q5_0): "q5_0", int(T.Q5_1): "q5_1",

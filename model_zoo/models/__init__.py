@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
-from hearthlm.runtime.errors import UnsupportedModelError
+from hearthlm.core.errors import UnsupportedModelError
 
 ARCHITECTURES = {  # general.architecture -> module
     "bert": "bert",

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from hearthlm.model_zoo.blocks import (build_ffn, build_inp_embd, build_inputs, build_kqv, build_norm,
                                        build_output, build_residual)
 from hearthlm.model_zoo.config import HParams, Reader
-from hearthlm.runtime.errors import ModelLoadError, UnsupportedModelError
+from hearthlm.core.errors import ModelLoadError, UnsupportedModelError
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hearthlm.model_zoo.encoder import Encoder, EncoderParams, build_encoder
-from hearthlm.runtime.errors import ModelLoadError
+from hearthlm.core.errors import ModelLoadError
 
 MAX_ALIBI_BIAS = 8.0  # llama.cpp sets it for this architecture; no GGUF key holds it
 

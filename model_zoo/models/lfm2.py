@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from hearthlm.model_zoo.blocks import build_conv
 from hearthlm.model_zoo.config import HParams, Reader
 from hearthlm.model_zoo.decoder import Decoder, build_decoder
-from hearthlm.runtime.errors import ModelLoadError
+from hearthlm.core.errors import ModelLoadError
 
 
 @dataclass(frozen=True)

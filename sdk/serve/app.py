@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse, Response
 from sse_starlette.sse import EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from hearthlm.runtime.errors import (ContextLengthError, HearthError, InvalidRequestError, QueueFull,
+from hearthlm.core.errors import (ContextLengthError, HearthError, InvalidRequestError, QueueFull,
                                      SessionClosedError)
 from hearthlm.serve.metrics import Metrics
 from hearthlm.serve.page import add_chat_page

@@ -20,7 +20,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import Field
 
 from hearthlm.model_zoo import reasoning
-from hearthlm.runtime.errors import HearthError
+from hearthlm.core.errors import HearthError
 from hearthlm.serve.app import APIError, Host, _until_disconnect
 from hearthlm.serve.protocol import ChatRequest, _Body, logprob_entries
 from hearthlm.session import Session

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from hearthlm.runtime.errors import HearthError
+from hearthlm.core.errors import HearthError
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:

@@ -231,7 +231,7 @@ def main(argv: list[str] | None = None) -> None:
             target = importlib.import_module(f"fuzz.{a.target}_target")
     else:
         target = importlib.import_module(f"fuzz.{a.target}_target")
-    from hearthlm.runtime.errors import HearthError
+    from hearthlm.core.errors import HearthError
     runner = Runner(target, a.out, seconds=a.seconds, runs=a.runs, time_limit=a.time_limit,
                     rss_step=a.rss_step)
     seeds = target.seeds()

@@ -1,8 +1,7 @@
 """The Backend protocol, as a base class every backend derives from: what runtime calls,
 and the optional capabilities with their defaults, so runtime never probes with getattr.
 A backend runs one graph node at a time (`kernels[op](node, *srcs, out=None)`, bound to
-its node once per compiled graph by `bind`) on values it owns; `runtime.dispatch` walks the graph. Backends import nothing of ours but the
-graph's op definitions and the weight record."""
+its node once per compiled graph by `bind`) on values it owns; `runtime.dispatch` walks the graph. Backends import nothing of ours but core."""
 from __future__ import annotations
 
 import functools
@@ -10,10 +9,14 @@ from typing import Any, Callable
 
 import numpy as np
 
-from hearthlm.runtime.graph import Op, Tensor
-from hearthlm.runtime.weights import QWeight
+from hearthlm.core.graph import Op, Tensor
+from hearthlm.core.weights import QWeight
 
 Kernel = Callable[..., Any]  # kernel(node, *src_values[, out=buffer]) -> value
+
+# the kinds of a compiled graph's steps (runtime.dispatch), read by a backend's graph_runner:
+# an input's upload, a prepared weight, a cache lookup, a copy between backends, a kernel, a view
+INPUT, STATIC, CACHE, COPY, KERNEL, VIEW = "input", "static", "cache", "copy", "kernel", "view"
 
 
 class Backend:

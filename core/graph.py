@@ -171,7 +171,7 @@ class Graph:
         return t
 
     def weight(self, w) -> Tensor:
-        """`w` is a runtime.weights.QWeight; the node's name is the GGUF tensor name."""
+        """`w` is a core.weights.QWeight; the node's name is the GGUF tensor name."""
         return self._add(Op.WEIGHT, (), w.shape, w.name, weight=w)
 
     def cache(self, name: str, shape, il: int) -> Tensor:
