@@ -12,6 +12,7 @@ from typing import Any, ClassVar, Mapping
 
 from hearthlm.model_zoo.rope import Rope
 from hearthlm.core.errors import ModelLoadError
+from hearthlm.core.layer_memory import LayerMemory
 
 
 class Reader:
@@ -148,25 +149,42 @@ class HParams:
         if self.rope.n_rot > self.head_dim or self.rope.n_rot % 2:
             raise ModelLoadError(f"rope.dimension_count {self.rope.n_rot} does not fit head dim {self.head_dim}")
 
-    @property
-    def kv_dims(self) -> tuple[int, int]:  # (n_head_kv, head_dim) of each layer's cache
-        return self.n_head_kv, self.head_dim
-
-    def layer_kv_dims(self) -> list[tuple[int, int]]:
-        """Per layer, its K/V cache's (n_head_kv, head_dim); (0, 0) for a layer without attention."""
-        return [self.kv_dims if self.has_attention(il) else (0, 0) for il in range(self.n_layer)]
+    def layer_memory(self) -> list[LayerMemory]:
+        """Per layer, what it keeps between steps (core.layer_memory): the one declaration the KV
+        cache, the recurrent state and the attention windows are built from. An architecture sets
+        it through the per-layer hooks below."""
+        out = []
+        for il in range(self.n_layer):
+            if not self.has_attention(il):
+                out.append(LayerMemory(state=self.state_of(il)))
+            elif self.kv_source(il) != il:
+                out.append(LayerMemory(window=self.window_of(il), kv_from=self.kv_source(il)))
+            else:
+                out.append(LayerMemory(self.n_head_kv_of(il), self.head_dim_of(il), window=self.window_of(il)))
+        return out
 
     def n_head_kv_of(self, il: int) -> int:
         """Layer il's K/V head count: the file's per-layer array where it has one."""
         return self.head_count_kv_layers[il] if self.head_count_kv_layers else self.n_head_kv
 
+    def head_dim_of(self, il: int) -> int:
+        return self.head_dim
+
     def has_attention(self, il: int) -> bool:
         return True
+
+    def window_of(self, il: int) -> int:
+        """Layer il's sliding window (0: it attends over every position)."""
+        return 0
+
+    def kv_source(self, il: int) -> int:
+        """The layer whose K/V layer il attends over (itself, but for Gemma 4's shared layers)."""
+        return il
 
     def uses_rope(self, il: int) -> bool:
         """Whether layer il's attention rotates Q and K (SmolLM3 and Granite 4.0-H have NoPE layers)."""
         return True
 
-    def layer_state_dims(self) -> list[dict[str, tuple[int, ...]]]:
-        """Per layer, its recurrent state's per-sequence shapes by cache name (hybrid models)."""
-        return [{} for _ in range(self.n_layer)]
+    def state_of(self, il: int) -> dict[str, tuple[int, ...]]:
+        """A recurrent layer's per-sequence state shapes by cache name (hybrid models)."""
+        return {}

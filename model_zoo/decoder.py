@@ -20,7 +20,6 @@ from hearthlm.core.graph import Graph, Tensor
 class Decoder:
     # attention
     rope: Callable[[int], Rope | None] | None = None  # layer il's RoPE; unset: c.rope where c.uses_rope(il)
-    window: Callable[[int], int] | None = None  # layer il's sliding window (0: every position)
     qk_norm: str = ""         # "head": RMSNorm per head on Q and K (Qwen3, Gemma 3); "all": over all heads (OLMo 2)
     biases: str = ""          # which of the q, k, v, o projections may have a bias ("qkvo": llama's)
     attn_scale: float = 0.0   # 0: 1/sqrt(head_dim)
@@ -94,7 +93,7 @@ def build_self_attn(c: HParams, g: Graph, L, inp: Inputs, h: Tensor, il: int, d:
     if d.q_scale is not None:
         q = d.q_scale(g, inp, q, il)
     return build_attn(g, inp, q, k, v, il=il, wo=L("attn_output.weight", (e, nq)), bo=bias("output", e),
-                      scale=d.attn_scale or 1.0 / math.sqrt(hd), window=d.window(il) if d.window else 0,
+                      scale=d.attn_scale or 1.0 / math.sqrt(hd), window=c.window_of(il),
                       softcap=d.attn_softcap, sinks=L("attn_sinks.weight", (c.n_head,)) if d.sinks else None)
 
 

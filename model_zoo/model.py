@@ -15,7 +15,9 @@ from hearthlm.model_zoo.models import get_architecture
 from hearthlm.model_zoo.tensors import Weights
 from hearthlm.model_zoo.tokenizer import Tokenizer
 from hearthlm.runtime.batch import BatchShape, one_token
+from hearthlm.core import layer_memory
 from hearthlm.core.errors import HearthError, ModelLoadError
+from hearthlm.core.layer_memory import LayerMemory
 from hearthlm.core.graph import Graph
 from hearthlm.core.weights import QWeight
 
@@ -40,12 +42,17 @@ class Model:
         return self.file.metadata
 
     @property
+    def layer_memory(self) -> list[LayerMemory]:
+        """Per layer, what it keeps between steps (the architecture's declaration)."""
+        return self.config.layer_memory()
+
+    @property
     def kv_dims(self) -> list[tuple[int, int]]:
-        return self.config.layer_kv_dims()
+        return layer_memory.kv_dims(self.layer_memory)
 
     @property
     def state_dims(self) -> list[dict[str, tuple[int, ...]]]:
-        return self.config.layer_state_dims()
+        return layer_memory.state_dims(self.layer_memory)
 
     @property
     def causal(self) -> bool:

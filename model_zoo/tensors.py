@@ -93,5 +93,5 @@ class Weights:
 def specs(arch, cfg, n_vocab: int) -> list[Spec]:
     """Every tensor `arch.build` reads, in the order it first reads them."""
     w = Weights(Graph(), None, n_vocab)
-    arch.build(cfg, w.g, w, one_token(n_state=2 if any(cfg.layer_state_dims()) else 0))
+    arch.build(cfg, w.g, w, one_token(n_state=2 if any(m.state for m in cfg.layer_memory()) else 0))
     return list(w.specs.values())

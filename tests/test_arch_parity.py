@@ -74,7 +74,7 @@ def test_fusion_rules_fire(tmp_path, variant):
         ops = [n.op for n in g.nodes]
         n = m.config.n_layer
         n_attn = sum(m.config.has_attention(il) for il in range(n))  # hybrids: the attention layers
-        kv = m.config.layer_kv_dims()  # (0, 0): no K written (a recurrent layer, or Gemma 4's shared K/V)
+        kv = m.kv_dims  # (0, 0): no K written (a recurrent layer, or Gemma 4's shared K/V)
         roped = sum(kv[il] != (0, 0) and m.config.uses_rope(il) for il in range(n))  # NoPE layers
         assert ops.count(Op.ROPE_SET_ROWS) == roped
         assert ops.count(Op.ATTN) == n_attn and Op.KQ not in ops  # Gemma 2: soft-capped scores too

@@ -27,12 +27,11 @@ class Config(HParams):
                     swa_layers=r.swa_layers(2),  # llama.cpp's load_swa_pattern(ml, 2): a period or per layer
                     rope_base_swa=r.opt("rope.freq_base_swa", 0.0, float))
 
-    @property
-    def window(self) -> int:
-        return self.sliding_window or 4096  # llama.cpp's default for Gemma 2
-
     def is_local(self, il: int) -> bool:
         return self.swa_layers[il]
+
+    def window_of(self, il: int) -> int:
+        return (self.sliding_window or 4096) if self.is_local(il) else 0  # 4096: llama.cpp's default for Gemma 2
 
     @property
     def attn_scale(self) -> float:
@@ -48,6 +47,6 @@ def query_pre_attn_scale(c: HParams, *, n_layer_27b: int) -> float:
 def build(c: Config, g, w, shape):
     local_rope = dataclasses.replace(c.rope, base=c.rope_base_swa) if c.rope_base_swa else c.rope
     return build_decoder(c, g, w, shape, Decoder(
-        rope=lambda il: local_rope if c.is_local(il) else c.rope, window=lambda il: c.window if c.is_local(il) else 0,
+        rope=lambda il: local_rope if c.is_local(il) else c.rope,
         attn_scale=c.attn_scale, attn_softcap=c.attn_softcap, post_norm=True, act="gelu",
         embd_scale=math.sqrt(c.n_embd), tied=True, final_softcap=c.final_softcap))

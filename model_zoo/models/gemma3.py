@@ -33,6 +33,9 @@ class Config(HParams):
     def is_local(self, il: int) -> bool:
         return self.sliding_window > 0 and self.swa_layers[il]
 
+    def window_of(self, il: int) -> int:
+        return self.sliding_window if self.is_local(il) else 0
+
     @property
     def attn_scale(self) -> float:
         return query_pre_attn_scale(self, n_layer_27b=62)
@@ -42,5 +45,5 @@ def build(c: Config, g, w, shape):
     local_rope = dataclasses.replace(c.rope, base=c.rope_base_swa, scaling="none", freq_scale=1.0, factors=())
     return build_decoder(c, g, w, shape, Decoder(
         rope=lambda il: local_rope if c.is_local(il) else c.rope,
-        window=lambda il: c.sliding_window if c.is_local(il) else 0, attn_scale=c.attn_scale,
+        attn_scale=c.attn_scale,
         qk_norm="head", post_norm=True, act="gelu", embd_scale=math.sqrt(c.n_embd), final_softcap=c.final_softcap))

@@ -70,9 +70,8 @@ class Config(HParams):
         """The layer whose K/V layer il attends over (llama.cpp: the last of the KV layers of its kind)."""
         return il if il < self.n_kv_layers else self.n_kv_layers - (2 if self.swa_layers[il] else 1)
 
-    def layer_kv_dims(self) -> list[tuple[int, int]]:
-        return [(self.n_head_kv_of(il), self.head_dim_of(il)) if il < self.n_kv_layers else (0, 0)
-                for il in range(self.n_layer)]
+    def window_of(self, il: int) -> int:
+        return self.sliding_window if self.swa_layers[il] else 0
 
 
 def build(c: Config, g, w, shape):
@@ -101,7 +100,7 @@ def build(c: Config, g, w, shape):
             slots = inp.shape.n_slots
             caches[il] = (g.set_rows(g.cache("cache_k", (slots, hkv, hd), il), k, inp.slots, "k_write", il),
                           g.set_rows(g.cache("cache_v", (slots, hkv, hd), il), v, inp.slots, "v_write", il))
-        att = build_kqv(g, q, *caches[c.kv_source(il)], inp, il=il, scale=1.0, window=c.sliding_window if swa else 0)
+        att = build_kqv(g, q, *caches[c.kv_source(il)], inp, il=il, scale=1.0, window=c.window_of(il))
         att = g.mul_mat(L("attn_output.weight", (e, c.n_head * hd)), att, "attn_out", il)
         x = build_residual(g, x, att, name="ffn_inp", il=il, post_norm=L("post_attention_norm.weight", (e,)),
                            post_name="attn_post_norm", eps=eps)

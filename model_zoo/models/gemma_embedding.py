@@ -41,5 +41,4 @@ def build(c: Config, g, w, shape):
     local_rope = dataclasses.replace(c.rope, base=c.rope_base_swa, scaling="none", freq_scale=1.0, factors=())
     return build_decoder(c, g, w, shape, Decoder(  # attention scale 1/sqrt(head_dim) whatever the depth
         rope=lambda il: local_rope if c.is_local(il) else c.rope,
-        window=lambda il: c.sliding_window if c.is_local(il) else 0,
         qk_norm="head", post_norm=True, act="gelu", embd_scale=math.sqrt(c.n_embd), embed_out=_dense(c)))

@@ -28,6 +28,12 @@ class Config(HParams):
         return dict(n_expert=n_expert, n_expert_used=used, n_ff_exp=r.need("expert_feed_forward_length"),
                     swa_layers=r.swa_layers(2), swa_rope_base=r.opt("rope.freq_base_swa", 0.0, float))
 
+    def is_swa(self, il: int) -> bool:
+        return self.sliding_window > 0 and self.swa_layers[il]
+
+    def window_of(self, il: int) -> int:
+        return self.sliding_window if self.is_swa(il) else 0
+
 
 def build(c: Config, g, w, shape):
     local = dataclasses.replace(c.rope, base=c.swa_rope_base or c.rope.base)
@@ -39,7 +45,6 @@ def build(c: Config, g, w, shape):
                              n_expert_used=c.n_expert_used, norm_w=False, gating="softmax_weight", act="swiglu_oai",
                              gate_inp_b=L("ffn_gate_inp.bias", (E,)), up_b=L("ffn_up_exps.bias", (E, f)),
                              gate_b=L("ffn_gate_exps.bias", (E, f)), down_b=L("ffn_down_exps.bias", (E, e)))
-    swa = lambda il: c.sliding_window > 0 and c.swa_layers[il]  # noqa: E731
     return build_decoder(c, g, w, shape, Decoder(
-        rope=lambda il: local if swa(il) else c.rope, window=lambda il: c.sliding_window if swa(il) else 0,
+        rope=lambda il: local if c.is_swa(il) else c.rope,
         biases="qkvo", sinks=True, ffn_norm="post_attention_norm.weight", ffn=ffn))

@@ -59,10 +59,10 @@ class Config(HParams):
     def has_attention(self, il: int) -> bool:
         return not self.head_count_kv_layers or self.head_count_kv_layers[il] > 0
 
-    def layer_state_dims(self) -> list[dict[str, tuple[int, ...]]]:
+    def state_of(self, il: int) -> dict[str, tuple[int, ...]]:
         p = self.d_inner // self.n_ssm_head
-        rec = {"state_conv": (self.d_conv - 1, self.conv_dim), "state_ssm": (self.n_ssm_head, p, self.d_state)}
-        return [{} if self.has_attention(il) else rec for il in range(self.n_layer)]
+        return {} if self.has_attention(il) else {"state_conv": (self.d_conv - 1, self.conv_dim),
+                                                  "state_ssm": (self.n_ssm_head, p, self.d_state)}
 
 
 def build_mamba2(c: Config, g, w, inp, h, il: int):

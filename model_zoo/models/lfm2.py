@@ -27,9 +27,11 @@ class Config(HParams):
     def has_attention(self, il: int) -> bool:
         return not self.head_count_kv_layers or self.head_count_kv_layers[il] > 0
 
-    def layer_state_dims(self) -> list[dict[str, tuple[int, ...]]]:
-        return [{} if self.has_attention(il) else {"state_conv": (self.l_cache - 1, self.n_embd)}
-                for il in range(self.n_layer)]
+    def window_of(self, il: int) -> int:
+        return self.sliding_window
+
+    def state_of(self, il: int) -> dict[str, tuple[int, ...]]:
+        return {} if self.has_attention(il) else {"state_conv": (self.l_cache - 1, self.n_embd)}
 
 
 def build_shortconv(c: Config, g, w, inp, h, il: int):
@@ -47,5 +49,4 @@ def build_shortconv(c: Config, g, w, inp, h, il: int):
 def build(c: Config, g, w, shape, ffn=None):
     """`ffn(g, w, h, il)`: the FFN (lfm2moe's experts in later layers); attention layers may slide (LFM2.5)."""
     return build_decoder(c, g, w, shape, Decoder(
-        mixer=lambda g, w, inp, h, il: build_shortconv(c, g, w, inp, h, il), ffn=ffn, qk_norm="head",
-        window=lambda il: c.sliding_window, out_norm=("token_embd_norm.weight", "output_norm.weight")))
+        mixer=lambda g, w, inp, h, il: build_shortconv(c, g, w, inp, h, il), ffn=ffn, qk_norm="head", out_norm=("token_embd_norm.weight", "output_norm.weight")))

@@ -24,10 +24,13 @@ class Config(HParams):
     def is_swa(self, il: int) -> bool:
         return bool(self.swa_layers) and self.swa_layers[il]
 
+    def window_of(self, il: int) -> int:
+        return self.sliding_window if self.is_swa(il) else 0
+
 
 def build(c: Config, g, w, shape):
     # llama.cpp: sliding layers rotate with freq_scale 1 and no YaRN (ext_factor 0, attn_factor 1)
     local = dataclasses.replace(c.rope, scaling="none", freq_scale=1.0, attn_factor=1.0)
     return build_decoder(c, g, w, shape, Decoder(
-        rope=lambda il: local if c.is_swa(il) else c.rope, window=lambda il: c.sliding_window if c.is_swa(il) else 0,
+        rope=lambda il: local if c.is_swa(il) else c.rope,
         qk_norm="all", biases="qkv", pre_norm=False, post_norm=True))

@@ -65,9 +65,9 @@ class Config(HParams):
     def has_attention(self, il: int) -> bool:
         return not self.recurrent_layers[il] if self.recurrent_layers else (il + 1) % self.attn_interval == 0
 
-    def layer_state_dims(self) -> list[dict[str, tuple[int, ...]]]:
-        rec = {"state_conv": (self.d_conv - 1, self.conv_dim), "state_ssm": (self.n_v_heads, self.d_v, self.d_state)}
-        return [{} if self.has_attention(il) else rec for il in range(self.n_layer)]
+    def state_of(self, il: int) -> dict[str, tuple[int, ...]]:
+        return {} if self.has_attention(il) else {"state_conv": (self.d_conv - 1, self.conv_dim),
+                                                  "state_ssm": (self.n_v_heads, self.d_v, self.d_state)}
 
 
 def build_gated_attn(c: Config, g, w, inp, h, il: int):
