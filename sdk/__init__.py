@@ -7,13 +7,14 @@ from hearthlm.model_zoo.template_limits import TemplateLimits
 from hearthlm.core.errors import (BackendError, ContextLengthError, EngineFailedError, GGUFError, HearthError,
                                      InvalidRequestError, ModelLoadError, ModelNotFoundError, QueueFull,
                                      RequestTimeoutError, SessionClosedError, UnsupportedModelError)
+from hearthlm.options import SessionOptions
 from hearthlm.runtime.sampling import SamplingParams
 from hearthlm.session import Session
 from hearthlm.sync import SyncSession
 from hearthlm.types import Chunk, Completion
 
 __all__ = [
-    "Session", "SyncSession", "SamplingParams", "TemplateLimits", "Completion", "Chunk",
+    "Session", "SessionOptions", "SyncSession", "SamplingParams", "TemplateLimits", "Completion", "Chunk",
     "HearthError", "ModelLoadError", "GGUFError", "UnsupportedModelError", "ModelNotFoundError",
     "ContextLengthError", "InvalidRequestError", "QueueFull", "RequestTimeoutError", "SessionClosedError",
     "EngineFailedError", "BackendError",

@@ -22,6 +22,7 @@ import anyio
 
 from hearthlm._wake import Channel, loop_waker
 from hearthlm.core.errors import ContextLengthError, HearthError, SessionClosedError
+from hearthlm.options import from_args
 from hearthlm.session import Session
 
 DIM, PLAIN = "\x1b[2m", "\x1b[0m"
@@ -60,9 +61,7 @@ def run_chat(a: argparse.Namespace) -> int:
 
 
 async def _chat(a: argparse.Namespace) -> int:
-    from hearthlm.cli import draft_args
-    async with Session.open(a.model, backend=a.backend, n_ctx=a.n_ctx, filename=a.filename,
-                            kv_cache_type=a.kv_cache_type, **draft_args(a)) as s:
+    async with Session.open(a.model, options=from_args(a)) as s:
         sampling = dict(max_tokens=a.max_tokens, temperature=a.temperature, seed=a.seed,
                         reasoning_budget=a.reasoning_budget)
         chat = Chat(s, a.system, sampling)

@@ -8,6 +8,7 @@ import argparse
 from hearthlm.backends import get_backend
 from hearthlm.model_zoo.model import load_model
 from hearthlm.model_zoo.resolve import resolve_model
+from hearthlm.options import from_args
 from hearthlm.runtime import fusion
 from hearthlm.runtime.batch import BatchShape
 from hearthlm.core.graph import Graph
@@ -31,11 +32,12 @@ def _dump(title: str, g: Graph, backend) -> str:
 
 
 def run_graph(a: argparse.Namespace) -> None:
-    model = load_model(resolve_model(a.model, filename=a.filename))
+    o = from_args(a)
+    model = load_model(resolve_model(a.model, filename=o.filename))
     try:
-        backend = get_backend(a.backend)
+        backend = get_backend(o.backend)
         bs = 16
-        n_ctx = min(a.n_ctx, model.config.n_ctx_train)
+        n_ctx = min(o.n_ctx, model.config.n_ctx_train)
         width = -(-n_ctx // bs)
         shape = BatchShape(n_tokens=a.tokens, n_seqs=1, max_blocks=width, n_out=1, n_slots=(4 * width + 1) * bs,
                            block_size=bs)

@@ -15,6 +15,7 @@ import anyio
 import numpy as np
 
 from hearthlm.core.errors import InvalidRequestError
+from hearthlm.options import from_args
 from hearthlm.session import Session
 
 PARALLEL_CHUNKS = 2  # chunks scored at once: the engine batches their steps
@@ -69,8 +70,7 @@ def run_perplexity(a: argparse.Namespace) -> None:
     text = Path(a.file).read_text(encoding="utf-8")
 
     async def main() -> dict:
-        async with Session.open(a.model, backend=a.backend, n_ctx=a.ctx, filename=a.filename,
-                                kv_cache_type=a.kv_cache_type) as s:
+        async with Session.open(a.model, options=from_args(a, n_ctx=a.ctx)) as s:
             t0 = time.perf_counter()
 
             def progress(i, nlls):

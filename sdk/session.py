@@ -3,7 +3,6 @@ async streams. Works under asyncio and trio (anyio)."""
 from __future__ import annotations
 
 import math
-import os
 import threading
 from pathlib import Path
 from contextlib import asynccontextmanager
@@ -23,7 +22,6 @@ from hearthlm.model_zoo.model import Model, load_model
 from hearthlm.model_zoo.resolve import DEFAULT_MODEL, resolve_model
 from hearthlm.model_zoo.tokenizer import vocab_mismatch
 from hearthlm.model_zoo import reasoning
-from hearthlm.core import kv_types
 from hearthlm.runtime import constraint
 from hearthlm.runtime.engine import Engine
 from hearthlm.core.log import get_logger
@@ -34,6 +32,7 @@ from hearthlm.runtime.placement import offload
 from hearthlm.runtime.request import Request, ThinkBudget
 from hearthlm.runtime.sampling import SamplingParams
 from hearthlm.runtime.weight_cache import WeightCache, cache_dir
+from hearthlm.options import SessionOptions, check_names, takes_options
 from hearthlm.output import ChoiceOutput, with_prompt
 from hearthlm.tools import ToolOutput, ToolPlan
 from hearthlm.types import Chunk, Completion
@@ -57,8 +56,6 @@ POOLINGS = {1: "mean", 2: "cls", 3: "last", 4: "rank"}  # GGUF {arch}.pooling_ty
 def _prompt_dir(on: bool, directory, weight_cache) -> Path | None:
     """Where persisted prompt prefixes go: `directory`, else `prompts/` beside the packed
     weights (under the default cache directory when those are off); None when turned off."""
-    if not isinstance(on, bool):
-        raise InvalidRequestError(f"prompt_cache must be True or False, got {on!r}")
     if not on:
         return None
     if directory is not None:
@@ -81,76 +78,36 @@ class Session:
 
     # ---- lifecycle -------------------------------------------------------------------
     @classmethod
-    def open(cls, model: str = DEFAULT_MODEL, *, backend: str = "cpu", device: str | None = None,
-             n_gpu_layers: int | None = None, n_ctx: int = 2048,
-             filename: str | None = None, kv_cache_tokens: int | None = None,
-             max_batch_tokens: int = 512, max_seqs: int = 64, max_queued_requests: int = 1024,
-             abort_on_close: bool = True, fusion: bool | None = None,
-             template_limits: TemplateLimits = DEFAULT_LIMITS, progress=None,
-             weight_cache: str | os.PathLike | bool | None = None, prompt_cache: bool = True,
-             prompt_cache_dir: str | os.PathLike | None = None, prompt_cache_bytes: int = 1 << 30,
-             kv_cache_type: str = "f16", draft_model: str | None = None, draft_filename: str | None = None,
-             draft_p_min: float = 0.75):
+    @takes_options
+    def open(cls, model: str = DEFAULT_MODEL, *, options: SessionOptions | None = None, **kwargs):
         """Async context manager yielding a ready Session. `model`: a .gguf path, a Hub repo
-        id (`filename` picks the file, a glob), or a model-zoo name. Leaving it aborts the
-        requests still running (their callers get SessionClosedError), or with
-        abort_on_close=False lets them finish first. `fusion=False` runs unfused graphs
-        (debugging; None follows HEARTHLM_NO_FUSION). `backend` runs everything on one backend
-        ("cpu", "reference", "cuda"); `device` ("cpu", "cuda", "auto": cuda where a GPU answers)
-        with `n_gpu_layers` (None: all) puts the last n_gpu_layers layers and the output head
-        on the GPU and the rest on the CPU, as llama.cpp's -ngl. `template_limits` bounds the
-        chat template's rendering (time, steps, sizes): it is untrusted data from the file.
-        A Hub model not in the cache is downloaded first: `progress(filename, done_bytes,
-        total_bytes)` hears how far it got (default: logged, its start as a warning).
-        `weight_cache`: where packed weights are kept between starts (a directory; False for
-        nowhere; None: $HEARTHLM_CACHE_DIR, or the platform's cache directory).
-        `prompt_cache`: prefixes written by `cache_prefix()` are kept in `prompt_cache_dir`
-        (default: `prompts/` beside the packed weights), at most `prompt_cache_bytes` of them,
-        and any prompt that begins with one takes its KV from there; False for none.
-        `kv_cache_type`: the K/V cache's element type, as llama.cpp's -ctk/-ctv: "f16" (the
-        backend's own: float16 on the CPU, float32 on the reference and cuda backends), "q8_0"
-        (about half the bytes of f16) or "q4_0"; the quantized ones need a head_dim that is a
-        multiple of 32.
-        `draft_model` (a path, Hub repo id with `draft_filename`, or zoo name, as `model`): a
-        smaller model of the same vocabulary (checked here) that drafts tokens for speculative
-        decoding; every request then uses it unless it passes speculative="off" or "ngram".
-        Greedy output is unchanged, sampled output keeps the model's distribution. Drafting
-        stops at the draft model's first token it gives less than `draft_p_min` probability."""
+        id (`filename` picks the file, a glob), or a model-zoo name. The options: a
+        SessionOptions as `options=`, or its fields as keywords (which win over `options`);
+        they are checked on entering (InvalidRequestError naming the option). A Hub model not
+        in the cache is downloaded first. Leaving the context closes the session."""
+        check_names(kwargs)
+
         @asynccontextmanager
         async def _cm():
-            s = await anyio.to_thread.run_sync(lambda: cls._load(
-                model, backend=backend, device=device, n_gpu_layers=n_gpu_layers, n_ctx=n_ctx,
-                filename=filename, kv_cache_tokens=kv_cache_tokens,
-                max_batch_tokens=max_batch_tokens, max_seqs=max_seqs, max_queued_requests=max_queued_requests,
-                fusion=fusion, progress=progress, weight_cache=weight_cache,
-                prompt_cache_dir=_prompt_dir(prompt_cache, prompt_cache_dir, weight_cache),
-                prompt_cache_bytes=prompt_cache_bytes, kv_cache_type=kv_cache_type,
-                draft_model=draft_model, draft_filename=draft_filename, draft_p_min=draft_p_min))
-            s.template_limits = template_limits
+            o = SessionOptions.of(options, kwargs)
+            s = await anyio.to_thread.run_sync(lambda: cls._load(model, o))
+            s.template_limits = o.template_limits
             try:
                 yield s
             finally:
-                await s.aclose(abort=abort_on_close)
+                await s.aclose(abort=o.abort_on_close)
         return _cm()
 
     @classmethod
-    def _load(cls, model: str, *, backend: str, device: str | None, n_gpu_layers: int | None, n_ctx: int,
-              filename, kv_cache_tokens, progress=None, weight_cache=None, kv_cache_type: str = "f16",
-              draft_model: str | None = None, draft_filename: str | None = None, draft_p_min: float = 0.75,
-              **engine_opts) -> "Session":
-        if isinstance(n_ctx, bool) or not isinstance(n_ctx, int) or n_ctx < 2:
-            raise InvalidRequestError(f"n_ctx must be an int >= 2, got {n_ctx!r}")
-        if why := kv_types.check(kv_cache_type, []):  # the name, before the model loads; head_dim at the engine
-            raise InvalidRequestError(why)
-        if device is not None and backend != "cpu":
-            raise InvalidRequestError(f"pass backend= or device=, not both (got {backend!r} and {device!r})")
-        if device is None and n_gpu_layers is not None:
-            raise InvalidRequestError("n_gpu_layers needs device='cuda' or 'auto'")
-        backends = ({backend: get_backend(backend)} if device is None
-                    else open_device(device, n_gpu_layers, get_backend))
-        if isinstance(draft_p_min, bool) or not isinstance(draft_p_min, (int, float)) or not 0 <= draft_p_min <= 1:
-            raise InvalidRequestError(f"draft_p_min must be a number in [0, 1], got {draft_p_min!r}")
-        m = load_model(resolve_model(model, filename=filename, progress=progress or log_progress(log)))
+    def _load(cls, model: str, o: SessionOptions) -> "Session":
+        n_ctx, kv_cache_type, n_gpu_layers, progress = o.n_ctx, o.kv_cache_type, o.n_gpu_layers, o.progress
+        engine_opts = dict(max_batch_tokens=o.max_batch_tokens, max_seqs=o.max_seqs,
+                           max_queued_requests=o.max_queued_requests, fusion=o.fusion,
+                           prompt_cache_dir=_prompt_dir(o.prompt_cache, o.prompt_cache_dir, o.weight_cache),
+                           prompt_cache_bytes=o.prompt_cache_bytes)
+        backends = ({o.backend: get_backend(o.backend)} if o.device is None
+                    else open_device(o.device, n_gpu_layers, get_backend))
+        m = load_model(resolve_model(model, filename=o.filename, progress=progress or log_progress(log)))
         dm = None
         try:  # the layers over the backends, once their count is known
             placement = offload(backends, m.config.n_layer, n_gpu_layers)
@@ -158,15 +115,15 @@ class Session:
             m.set_context(n_ctx)
             if not m.causal:  # an encoder runs each input in one step: a whole context must fit one
                 engine_opts["max_batch_tokens"] = max(engine_opts["max_batch_tokens"], n_ctx)
-            kv_tokens = kv_cache_tokens or 4 * n_ctx
-            wdir = cache_dir(weight_cache)
+            kv_tokens = o.kv_cache_tokens or 4 * n_ctx
+            wdir = cache_dir(o.weight_cache)
             draft = None
-            if draft_model is not None:
-                dm = load_model(resolve_model(draft_model, filename=draft_filename,
+            if o.draft_model is not None:
+                dm = load_model(resolve_model(o.draft_model, filename=o.draft_filename,
                                               progress=progress or log_progress(log)))
                 draft = cls._draft(m, dm, offload(backends, dm.config.n_layer, n_gpu_layers), n_ctx=n_ctx,
                                    kv_blocks=math.ceil(kv_tokens / 16), wdir=wdir, kv_cache_type=kv_cache_type,
-                                   p_min=float(draft_p_min), **engine_opts)
+                                   p_min=float(o.draft_p_min), **engine_opts)
             engine = Engine(m, placement, n_ctx=n_ctx, kv_blocks=math.ceil(kv_tokens / 16),
                             weight_cache=WeightCache(wdir, m.file.identity()) if wdir else None,
                             kv_cache_type=kv_cache_type, draft=draft, **engine_opts)

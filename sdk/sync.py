@@ -12,16 +12,20 @@ from typing import Any, Iterator
 import anyio.from_thread
 
 from hearthlm.model_zoo.resolve import DEFAULT_MODEL
+from hearthlm.options import SessionOptions, takes_options
 from hearthlm.session import Session
 from hearthlm.types import Chunk, Completion
 
 
 class SyncSession:
-    def __init__(self, model: str = DEFAULT_MODEL, **open_kwargs: Any) -> None:
+    @takes_options
+    def __init__(self, model: str = DEFAULT_MODEL, *, options: SessionOptions | None = None,
+                 **open_kwargs: Any) -> None:
+        """Session.open(model, options=options, **open_kwargs), entered on a portal's thread."""
         self._portal_cm = anyio.from_thread.start_blocking_portal()
         self._portal = self._portal_cm.__enter__()
         try:  # any failure here (a bad option, a missing file) must stop the portal's thread
-            self._cm = Session.open(model, **open_kwargs)
+            self._cm = Session.open(model, options=options, **open_kwargs)
             self.session: Session = self._portal.call(self._cm.__aenter__)
         except BaseException:
             self._portal_cm.__exit__(None, None, None)

@@ -1,7 +1,7 @@
 """`hearthlm bench --startup`'s runs (fresh processes) and `hearthlm prepare`, on a tiny model."""
 from gguf import GGMLQuantizationType as T
 
-from hearthlm.startup_bench import KEYS, bench_startup, prepare, run_once
+from hearthlm.bench.startup import KEYS, bench_startup, prepare, run_once
 from tiny_gguf import write_tiny
 
 

@@ -2,7 +2,8 @@
 /api/generate, /api/embed and the legacy /api/embeddings, /api/tags, /api/ps, /api/show,
 /api/version. The same Sessions underneath; sampling, tools, structured output and thinking
 go through the OpenAI route's ChatRequest (protocol.py), so they are checked once; errors go
-through the app's handlers and leave in Ollama's shape, {"error": "message"}."""
+through the app's handlers and leave in Ollama's shape, {"error": "message"} (OllamaErrors, which
+the app adds with this router, behind the same API key as /v1 but for /api/version)."""
 from __future__ import annotations
 
 import json
@@ -15,13 +16,13 @@ from typing import Any
 
 import gguf
 import numpy as np
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import Field
 
 from hearthlm.model_zoo import reasoning
 from hearthlm.core.errors import HearthError
-from hearthlm.serve.app import APIError, Host, _until_disconnect
+from hearthlm.serve.common import AUTH, APIError, host_of, until_disconnect
 from hearthlm.serve.protocol import ChatRequest, _Body, logprob_entries
 from hearthlm.session import Session
 
@@ -112,106 +113,118 @@ class ShowBody(_Body):
     verbose: bool = False
 
 
-def add_ollama_routes(app: FastAPI, host: Host, auth: list) -> None:
-    """The Ollama routes on `app`, behind the same `auth` dependencies as /v1 (but
-    /api/version, which like /health says nothing about the models)."""
-    app.add_middleware(OllamaErrors)
-    cards: dict[str, dict[str, Any]] = {}  # per served name: file facts read once
+router = APIRouter()
 
-    def find(name: str) -> tuple[str, Session]:
-        """A served name, or that name with Ollama's default tag ":latest"."""
-        if name not in host.sessions and name.endswith(":latest") and name[:-7] in host.sessions:
-            name = name[:-7]
-        if not name and len(host.sessions) != 1:
-            raise APIError(400, "model is required")
-        if name and name not in host.sessions and not host.closing:
-            raise APIError(404, f'model "{name}" not found; served: {", ".join(sorted(host.sessions))}',
-                           "model_not_found")
-        return name, host.get(name)
 
-    def card(name: str, s: Session) -> dict[str, Any]:
-        if name not in cards:
-            ident = s.model.file.identity()
-            cards[name] = dict(name=name, model=name, modified_at=_iso(ident["mtime_ns"] / 1e9), size=ident["size"],
-                               digest=ident["table"], details=_details(s))
-        return dict(cards[name])
+def _find(request: Request, name: str) -> tuple[str, Session]:
+    """A served name, or that name with Ollama's default tag ":latest"."""
+    host = host_of(request)
+    if name not in host.sessions and name.endswith(":latest") and name[:-7] in host.sessions:
+        name = name[:-7]
+    if not name and len(host.sessions) != 1:
+        raise APIError(400, "model is required")
+    if name and name not in host.sessions and not host.closing:
+        raise APIError(404, f'model "{name}" not found; served: {", ".join(sorted(host.sessions))}',
+                       "model_not_found")
+    return name, host.get(name)
 
-    @app.post("/api/chat", dependencies=auth)
-    async def chat(body: ChatBody, request: Request):
-        _, s = find(body.model)
-        if not body.messages:  # Ollama's "load the model" call
-            return _loaded(body.model, message=dict(role="assistant", content=""))
-        msgs = _messages(body.messages)
-        kw = _kwargs(s, body, msgs, tools=body.tools)
-        return await _answer(request, s, body, kw, dict(messages=msgs), _chat_shape)
 
-    @app.post("/api/generate", dependencies=auth)
-    async def generate(body: GenerateBody, request: Request):
-        _, s = find(body.model)
-        for field, why in REFUSED.items():
-            if getattr(body, field):
-                raise APIError(400, f"{field} is not supported: {why}")
-        if body.images:
-            raise APIError(400, "images are not supported: hearthlm serves text models")
-        if not body.prompt:  # Ollama's "load the model" call
-            return _loaded(body.model, response="")
-        raw = body.raw or not s.model.chat_template  # without a template Ollama's default is the prompt itself
-        if raw and body.system:
-            raise APIError(400, "system needs the chat template: with raw=true, write it into the prompt")
-        if raw:
-            return await _answer(request, s, body, _kwargs(s, body, None), dict(prompt=body.prompt), _gen_shape)
-        msgs = ([dict(role="system", content=body.system)] if body.system else []) + \
-            [dict(role="user", content=body.prompt)]
-        return await _answer(request, s, body, _kwargs(s, body, msgs), dict(messages=msgs), _gen_shape)
+def _card(request: Request, name: str, s: Session) -> dict[str, Any]:
+    """/api/tags' entry of a served model; its file facts read once per app."""
+    state = request.app.state
+    if not hasattr(state, "ollama_cards"):
+        state.ollama_cards = {}
+    cards = state.ollama_cards
+    if name not in cards:
+        ident = s.model.file.identity()
+        cards[name] = dict(name=name, model=name, modified_at=_iso(ident["mtime_ns"] / 1e9), size=ident["size"],
+                           digest=ident["table"], details=_details(s))
+    return dict(cards[name])
 
-    @app.post("/api/embed", dependencies=auth)
-    async def embed(body: EmbedBody, request: Request):
-        _, s = find(body.model)
-        if body.dimensions is not None:
-            raise APIError(400, "dimensions is not supported: the model's own size is returned")
-        texts = ([body.input] if body.input else []) if isinstance(body.input, str) else body.input
-        t0 = time.perf_counter_ns()
-        vecs = await _until_disconnect(request, s.embed(texts, truncate=body.truncate)) if texts else []
-        n = sum(min(len(s.tokenize(t, add_special=True)), s.n_ctx) for t in texts)
-        return dict(model=body.model, embeddings=[v.astype(np.float32).tolist() for v in vecs],
-                    total_duration=time.perf_counter_ns() - t0, load_duration=0, prompt_eval_count=n)
 
-    @app.post("/api/embeddings", dependencies=auth)
-    async def embeddings(body: EmbeddingsBody, request: Request):
-        """The legacy form: one prompt, its embedding not normalized (as Ollama's is not)."""
-        _, s = find(body.model)
-        if not body.prompt:
-            return dict(embedding=[])
-        vecs = await _until_disconnect(request, s.embed([body.prompt], normalize=False, truncate=True))
-        return dict(embedding=vecs[0].astype(np.float32).tolist())
+@router.post("/api/chat", dependencies=AUTH)
+async def chat(body: ChatBody, request: Request):
+    _, s = _find(request, body.model)
+    if not body.messages:  # Ollama's "load the model" call
+        return _loaded(body.model, message=dict(role="assistant", content=""))
+    msgs = _messages(body.messages)
+    kw = _kwargs(s, body, msgs, tools=body.tools)
+    return await _answer(request, s, body, kw, dict(messages=msgs), _chat_shape)
 
-    @app.get("/api/tags", dependencies=auth)
-    async def tags():
-        return dict(models=[card(n, s) for n, s in host.sessions.items()])
 
-    @app.get("/api/ps", dependencies=auth)
-    async def ps():
-        return dict(models=[dict(card(n, s), expires_at=NEVER, size_vram=0, context_length=s.n_ctx)
-                            for n, s in host.sessions.items()])
+@router.post("/api/generate", dependencies=AUTH)
+async def generate(body: GenerateBody, request: Request):
+    _, s = _find(request, body.model)
+    for field, why in REFUSED.items():
+        if getattr(body, field):
+            raise APIError(400, f"{field} is not supported: {why}")
+    if body.images:
+        raise APIError(400, "images are not supported: hearthlm serves text models")
+    if not body.prompt:  # Ollama's "load the model" call
+        return _loaded(body.model, response="")
+    raw = body.raw or not s.model.chat_template  # without a template Ollama's default is the prompt itself
+    if raw and body.system:
+        raise APIError(400, "system needs the chat template: with raw=true, write it into the prompt")
+    if raw:
+        return await _answer(request, s, body, _kwargs(s, body, None), dict(prompt=body.prompt), _gen_shape)
+    msgs = ([dict(role="system", content=body.system)] if body.system else []) + \
+        [dict(role="user", content=body.prompt)]
+    return await _answer(request, s, body, _kwargs(s, body, msgs), dict(messages=msgs), _gen_shape)
 
-    @app.post("/api/show", dependencies=auth)
-    async def show(body: ShowBody):
-        name, s = find(body.model or body.name)
-        m, c = s.model, card(name, s)
-        info = {k: _plain(v, body.verbose) for k, v in m.metadata.items()
-                if not k.startswith("tokenizer.chat_template")}  # that one is `template`
-        info["general.parameter_count"] = _n_params(s)
-        return dict(modelfile=f"# Modelfile generated by hearthlm\nFROM {m.path}\nPARAMETER num_ctx {s.n_ctx}\n",
-                    parameters=f"num_ctx {s.n_ctx}", template=m.chat_template or "", details=c["details"],
-                    model_info=info, capabilities=_capabilities(s), modified_at=c["modified_at"],
-                    license=str(m.metadata.get("general.license", "")))
 
-    @app.get("/api/version")
-    async def version():
-        try:
-            return dict(version=pkg_metadata.version("hearthlm"))
-        except pkg_metadata.PackageNotFoundError:  # run from a source tree
-            return dict(version="0.0.0")
+@router.post("/api/embed", dependencies=AUTH)
+async def embed(body: EmbedBody, request: Request):
+    _, s = _find(request, body.model)
+    if body.dimensions is not None:
+        raise APIError(400, "dimensions is not supported: the model's own size is returned")
+    texts = ([body.input] if body.input else []) if isinstance(body.input, str) else body.input
+    t0 = time.perf_counter_ns()
+    vecs = await until_disconnect(request, s.embed(texts, truncate=body.truncate)) if texts else []
+    n = sum(min(len(s.tokenize(t, add_special=True)), s.n_ctx) for t in texts)
+    return dict(model=body.model, embeddings=[v.astype(np.float32).tolist() for v in vecs],
+                total_duration=time.perf_counter_ns() - t0, load_duration=0, prompt_eval_count=n)
+
+
+@router.post("/api/embeddings", dependencies=AUTH)
+async def embeddings(body: EmbeddingsBody, request: Request):
+    """The legacy form: one prompt, its embedding not normalized (as Ollama's is not)."""
+    _, s = _find(request, body.model)
+    if not body.prompt:
+        return dict(embedding=[])
+    vecs = await until_disconnect(request, s.embed([body.prompt], normalize=False, truncate=True))
+    return dict(embedding=vecs[0].astype(np.float32).tolist())
+
+
+@router.get("/api/tags", dependencies=AUTH)
+async def tags(request: Request):
+    return dict(models=[_card(request, n, s) for n, s in host_of(request).sessions.items()])
+
+
+@router.get("/api/ps", dependencies=AUTH)
+async def ps(request: Request):
+    return dict(models=[dict(_card(request, n, s), expires_at=NEVER, size_vram=0, context_length=s.n_ctx)
+                        for n, s in host_of(request).sessions.items()])
+
+
+@router.post("/api/show", dependencies=AUTH)
+async def show(body: ShowBody, request: Request):
+    name, s = _find(request, body.model or body.name)
+    m, c = s.model, _card(request, name, s)
+    info = {k: _plain(v, body.verbose) for k, v in m.metadata.items()
+            if not k.startswith("tokenizer.chat_template")}  # that one is `template`
+    info["general.parameter_count"] = _n_params(s)
+    return dict(modelfile=f"# Modelfile generated by hearthlm\nFROM {m.path}\nPARAMETER num_ctx {s.n_ctx}\n",
+                parameters=f"num_ctx {s.n_ctx}", template=m.chat_template or "", details=c["details"],
+                model_info=info, capabilities=_capabilities(s), modified_at=c["modified_at"],
+                license=str(m.metadata.get("general.license", "")))
+
+
+@router.get("/api/version")  # no API key: like /health it says nothing about the models
+async def version():
+    try:
+        return dict(version=pkg_metadata.version("hearthlm"))
+    except pkg_metadata.PackageNotFoundError:  # run from a source tree
+        return dict(version="0.0.0")
 
 
 # ---- requests ---------------------------------------------------------------------------
@@ -313,12 +326,12 @@ async def _answer(request: Request, s: Session, body: _GenBody, kw: dict, inputs
                 t_first = t_first or time.perf_counter_ns()
                 chunks.append(c)
             return chunks, t_first
-        chunks, t_first = await _until_disconnect(request, collect())
+        chunks, t_first = await until_disconnect(request, collect())
         text, thinking = "".join(c.text for c in chunks), "".join(c.reasoning for c in chunks)
         n_out = sum(len(c.token_ids) for c in chunks)
         return {**head(), **shape(text, thinking, chunks[-1].tool_calls), **done(chunks[-1], n_out, t_first),
                 **lps(chunks)}
-    first = await _until_disconnect(request, anext(stream))  # a refused request gets its own status code
+    first = await until_disconnect(request, anext(stream))  # a refused request gets its own status code
     t_first = time.perf_counter_ns()
 
     async def lines():

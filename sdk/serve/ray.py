@@ -15,19 +15,22 @@ from typing import Any
 
 from ray import serve
 
+from hearthlm.options import NAMES, SessionOptions, takes_options
 from hearthlm.serve.app import build_app as build_asgi_app
 
 
+@takes_options
 def build_app(model: str, *, name: str | None = None, api_key: str | None = None,
               num_replicas: int | str | None = None, autoscaling_config: dict | None = None,
               max_ongoing_requests: int | None = None, ray_actor_options: dict | None = None,
-              **session_options: Any) -> serve.Application:
+              options: SessionOptions | None = None, **session_options: Any) -> serve.Application:
     """A Ray Serve application serving `model` (as `name`, default the model string) with
-    Session.open(model, **session_options) in each replica. max_ongoing_requests defaults to
-    the engine's batch (max_seqs, 64): Ray's default of 5 would leave the batcher starved."""
+    Session.open(model, options=options, **session_options) in each replica. max_ongoing_requests
+    defaults to the engine's batch (max_seqs): Ray's default of 5 would leave the batcher starved."""
     served = name or model
-    asgi = build_asgi_app({served: model}, api_key=api_key, **session_options)
-    ongoing = max_ongoing_requests or session_options.get("max_seqs", 64)
+    opts = SessionOptions.of(options, session_options)
+    asgi = build_asgi_app({served: model}, api_key=api_key, options=opts)
+    ongoing = max_ongoing_requests or opts.max_seqs
 
     @serve.deployment(name="hearthlm", max_ongoing_requests=ongoing, health_check_period_s=10,
                       health_check_timeout_s=30, ray_actor_options=ray_actor_options or {"num_cpus": 1})
@@ -49,14 +52,15 @@ def build_app(model: str, *, name: str | None = None, api_key: str | None = None
     return (HearthLM.options(**opts) if opts else HearthLM).bind()
 
 
-_INTS = {"n_ctx", "max_seqs", "max_batch_tokens", "max_queued_requests", "kv_cache_tokens", "n_gpu_layers",
-         "num_replicas", "max_ongoing_requests"}
+_INTS = {"num_replicas", "max_ongoing_requests"}  # the deployment's own; the session options by their fields
 
 
 def app(args: dict[str, str]) -> serve.Application:
     """The builder `serve run hearthlm.serve.ray:app model=... [n_ctx=...]` calls with its
-    key=value arguments (strings; the numeric ones are converted)."""
+    key=value arguments (strings, each session option read as its SessionOptions field says)."""
     if "model" not in args:
         raise ValueError("serve run hearthlm.serve.ray:app model=NAME_OR_PATH [n_ctx=N max_seqs=N ...]")
-    kw: dict[str, Any] = {k: int(v) if k in _INTS and str(v).isdigit() else v for k, v in args.items()}
-    return build_app(kw.pop("model"), **kw)
+    kw: dict[str, Any] = {k: int(v) if k in _INTS and str(v).isdigit() else v
+                          for k, v in args.items() if k not in NAMES}
+    opts = SessionOptions.from_strings({k: v for k, v in args.items() if k in NAMES})
+    return build_app(kw.pop("model"), options=opts, **kw)

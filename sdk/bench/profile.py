@@ -9,6 +9,7 @@ from collections import defaultdict
 
 import anyio
 
+from hearthlm.bench import session_options
 from hearthlm.runtime import dispatch, engine as engine_mod
 from hearthlm.runtime.graph_cache import bucket
 from hearthlm.session import Session
@@ -57,8 +58,7 @@ def _wrap(fn, acc: _Acc, name: str):
 async def _run(a, levels: list[int], decode: int) -> list[dict]:
     acc = _Acc()
     rows = []
-    async with Session.open(a.model, backend=a.backend, n_ctx=a.n_ctx, filename=a.filename,
-                            max_batch_tokens=512, max_seqs=max(levels)) as s:
+    async with Session.open(a.model, options=session_options(a, max_batch_tokens=512, max_seqs=max(levels))) as s:
         eng = s.engine
         step0 = eng.step
         step_t: dict[int, float] = defaultdict(float)

@@ -12,6 +12,7 @@ from concurrent.futures import ProcessPoolExecutor
 import anyio
 import numpy as np
 
+from hearthlm.bench import session_options
 from hearthlm.session import Session
 
 N_TEXTS = 64  # per round: 64 single calls, or 2 calls of 32
@@ -73,7 +74,7 @@ async def _rate_async(s: Session, inputs: list[list[int]], batch: int) -> float:
 
 async def _bench(path: str, a, llama_ex) -> list[dict]:
     rows = []
-    async with Session.open(path, n_ctx=a.n_ctx) as s:
+    async with Session.open(path, options=session_options(a)) as s:
         inputs = texts(s.model.n_vocab)
         for batch in (1, 32):
             ours, theirs = [], []

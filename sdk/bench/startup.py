@@ -29,7 +29,7 @@ with SyncSession(sys.argv[1], n_ctx=int(sys.argv[2])) as s:
     t3 = time.time()
     stats = s.stats()
 print(json.dumps(dict(t_token=t3, import_s=t1 - t0, open_s=t2 - t1, first_token_s=t3 - t2,
-                      peak_rss_mb=__import__("hearthlm.startup_bench").startup_bench.peak_rss_mb(),
+                      peak_rss_mb=__import__("hearthlm.bench.startup").bench.startup.peak_rss_mb(),
                       weight_cache=stats.get("weight_cache"))))
 """
 

@@ -1,14 +1,15 @@
-"""`hearthlm bench`: prefill tokens/s (a 512-token prompt), decode tokens/s, load time,
+"""`hearthlm bench`'s throughput: prefill tokens/s (a 512-token prompt), decode tokens/s, load time,
 time to first token and peak RSS, single stream, and decode as a fraction of the memory
-roofline (hearthlm.roofline: bytes read per token over the host's measured read bandwidth); `--compare-llama-cpp` runs the same work
+roofline (hearthlm.bench.roofline: bytes read per token over the host's measured read bandwidth); `--compare-llama-cpp` runs the same work
 through llama-cpp-python when it is importable (never a dependency), in rounds taken in turn
 with hearthlm's, each figure the median of --repeat rounds. Each engine first runs
 a prompt of the same length with other tokens, as llama-bench warms up: the figures are steady
 state (hearthlm's first prompt of a new length also builds that shape's graph and loads its
-kernels from numba's cache, about 0.3 s once per process)."""
+kernels from numba's cache, about 0.3 s once per process). Also: concurrent streams
+(--concurrency), constrained against free decoding (--json-schema), and each beside N
+CPU-bound processes (--competing-load)."""
 from __future__ import annotations
 
-import argparse
 import multiprocessing
 import json
 import resource
@@ -20,43 +21,10 @@ from contextlib import AsyncExitStack
 import anyio
 import numpy as np
 
+from hearthlm.bench import kv_types, session_options
+from hearthlm.bench.roofline import gguf_bytes_per_token, hearthlm_bytes_per_token
 from hearthlm.model_zoo.resolve import resolve_model
-from hearthlm.roofline import gguf_bytes_per_token, hearthlm_bytes_per_token
 from hearthlm.session import Session
-
-
-def add_bench_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--prompt-tokens", type=int, default=512)
-    p.add_argument("--decode-tokens", type=int, default=128)
-    p.add_argument("--context", type=int, default=8, metavar="N",
-                   help="prompt tokens before the decode measurement (decode after a long prompt: e.g. 1500)")
-    p.add_argument("--threads", type=int, default=None, help="numba threads (default: all cores)")
-    p.add_argument("--compare-llama-cpp", action="store_true")
-    p.add_argument("--concurrency", default=None,
-                   help="comma-separated levels, e.g. 1,4,16: aggregate tokens/s, p50/p99 time to first "
-                        "token and inter-token latency with that many concurrent generations")
-    p.add_argument("--repeat", type=int, default=3, help="rounds of the single-stream measurements (median)")
-    p.add_argument("--json", action="store_true")
-    p.add_argument("--competing-load", type=int, default=0, metavar="N",
-                   help="measure twice: quiet, then beside N CPU-bound processes (as other work in an app), "
-                        "and report the fraction of the quiet rate each engine kept")
-    p.add_argument("--competing-nice", type=int, default=0, metavar="K", help="the competitors' nice level")
-    p.add_argument("--profile", action="store_true",
-                   help="time per op kind, kernels vs Python, per decode step at --concurrency levels "
-                        "(default 1,4,16,64)")
-    p.add_argument("--startup", action="store_true",
-                   help="fresh processes that open the model and generate 1 token: start to first token and "
-                        "peak RSS (paired with llama-cpp-python when importable); --repeat runs each")
-    p.add_argument("--embed", action="store_true",
-                   help="embedding texts/s at batch 1 and 32 (an encoder, or a decoder's embeddings)")
-    p.add_argument("--first-run", action="store_true",
-                   help="with --startup: also one start with empty kernel and weight caches (as after install)")
-    p.add_argument("--speculative", default=None, choices=["ngram", "draft"],
-                   help="decode tok/s with and without speculation, on a code rewrite and on free text "
-                        "(draft: with --draft-model)")
-    p.add_argument("--json-schema", default=None, metavar="FILE",
-                   help="aggregate tokens/s constrained by this JSON schema vs unconstrained, same prompts, at the "
-                        "--concurrency levels (default 1,16); pick a schema whose outputs outrun --decode-tokens")
 
 
 def _peak_rss_mb() -> float:
@@ -106,7 +74,7 @@ def _llama_cpp_round(a, path: str, rep: int) -> dict | None:
     if _llm is None:
         threads = a.threads or len(__import__("os").sched_getaffinity(0))
         t0 = time.perf_counter()
-        _llm = Llama(model_path=path, n_ctx=a.n_ctx, n_threads=threads, n_batch=512, verbose=False)
+        _llm = Llama(model_path=path, n_ctx=session_options(a).n_ctx, n_threads=threads, n_batch=512, verbose=False)
         out["load_s"] = time.perf_counter() - t0
         _llm.eval(_prompt(_llm.n_vocab(), a.prompt_tokens, seed=1))  # warm-up
     llm = _llm
@@ -133,22 +101,18 @@ def _median_row(engine: str, backend: str, load_s: float, rounds: list[dict]) ->
                 peak_rss_mb=rounds[-1].get("peak_rss_mb", 0.0))
 
 
-def _kv_types(a) -> list[str]:
-    return [t.strip() for t in getattr(a, "kv_cache_type", "f16").split(",") if t.strip()] or ["f16"]
-
-
 async def _bench_single(a, ex, path: str) -> list[dict]:
     """Rounds of (hearthlm, llama.cpp) in turn, so that a noisy spell of a shared machine hits
     both; each figure is the median over the rounds. Several --kv-cache-type: a session each,
     open side by side, their rounds taken in turn too (the first of them also paired with llama.cpp)."""
-    kvs = _kv_types(a)
+    kvs = kv_types(a)
+    backend = session_options(a).backend
     async with AsyncExitStack() as stack:
         sessions, loads = [], []
         for kv in kvs:
             t0 = time.perf_counter()
             sessions.append(await stack.enter_async_context(Session.open(
-                a.model, backend=a.backend, n_ctx=a.n_ctx, filename=a.filename,
-                max_batch_tokens=max(512, a.prompt_tokens), kv_cache_type=kv)))
+                a.model, options=session_options(a, kv, max_batch_tokens=max(512, a.prompt_tokens)))))
             loads.append(time.perf_counter() - t0)
         s = sessions[0]
         for x in sessions:
@@ -156,7 +120,7 @@ async def _bench_single(a, ex, path: str) -> list[dict]:
         ours, ref = [[] for _ in kvs], []
         bws = []  # read bandwidth, measured each round: a shared machine's load varies
         for rep in range(a.repeat):
-            if a.backend == "cpu":
+            if backend == "cpu":
                 from hearthlm.backends.cpu.bandwidth import read_bandwidth_apart
                 bws.append(read_bandwidth_apart(a.threads))
             for i in range(len(kvs)):  # which type goes first turns with the rounds
@@ -174,7 +138,7 @@ async def _bench_single(a, ex, path: str) -> list[dict]:
         bpt.insert(1, gguf_bytes_per_token(s, ctx))
         kv_bytes = [x.stats()["kv_bytes_per_token"] for x in sessions]
     bw = float(np.median(bws)) if bws else None
-    rows = [_median_row("hearthlm", a.backend, load_s, r) for load_s, r in zip(loads, ours)]
+    rows = [_median_row("hearthlm", backend, load_s, r) for load_s, r in zip(loads, ours)]
     for r in rows:
         r["peak_rss_mb"] = _peak_rss_mb()
     if ref:
@@ -220,7 +184,7 @@ def _concurrency_llama_cpp(a, path: str, levels: list[int]) -> list[dict] | None
         from llama_cpp import Llama
     except ImportError:
         return None
-    llm = Llama(model_path=path, n_ctx=a.n_ctx, n_threads=len(__import__("os").sched_getaffinity(0)),
+    llm = Llama(model_path=path, n_ctx=session_options(a).n_ctx, n_threads=len(__import__("os").sched_getaffinity(0)),
                 n_batch=512, verbose=False)
     rows = []
     for n in levels:
@@ -248,9 +212,9 @@ async def _bench_concurrency(a) -> list[dict]:
     rows = []
     # KV for every stream's prompt and output at once (the default, 4 x n_ctx, would preempt at 64)
     kv = max(levels) * (64 + max(levels) + a.decode_tokens + 16)
-    async with Session.open(a.model, backend=a.backend, n_ctx=a.n_ctx, filename=a.filename,
-                            max_batch_tokens=512, max_seqs=max(levels), kv_cache_tokens=max(kv, 4 * a.n_ctx),
-                            kv_cache_type=_kv_types(a)[0]) as s:
+    o = session_options(a, max_batch_tokens=512, max_seqs=max(levels))
+    async with Session.open(a.model, options=session_options(a, max_batch_tokens=512, max_seqs=max(levels),
+                                                             kv_cache_tokens=max(kv, 4 * o.n_ctx))) as s:
         await s.generate([1000, 1001, 1002], max_tokens=2, temperature=0)  # warm the JIT caches
         for n in levels:
             ttft, itl, counts = [], [], []
@@ -278,7 +242,7 @@ async def _bench_concurrency(a) -> list[dict]:
     return rows
 
 
-async def _bench_json_schema(a) -> list[dict]:
+async def bench_json_schema(a) -> list[dict]:
     """Rounds of unconstrained and constrained runs in turn (alternating which goes first) at
     each level; each figure the median. Both generate from the same kind of chat prompt with
     the same max_tokens; the constrained tokens include those the grammar forced."""
@@ -286,8 +250,7 @@ async def _bench_json_schema(a) -> list[dict]:
         rf = {"type": "json_schema", "json_schema": {"name": "bench", "schema": json.load(f)}}
     levels = [int(x) for x in (a.concurrency or "1,16").split(",")]
     rows = []
-    async with Session.open(a.model, backend=a.backend, n_ctx=a.n_ctx, filename=a.filename,
-                            max_batch_tokens=512, max_seqs=max(levels)) as s:
+    async with Session.open(a.model, options=session_options(a, max_batch_tokens=512, max_seqs=max(levels))) as s:
 
         async def run(n: int, constrained: bool, tag: str, max_tokens: int) -> tuple[float, int]:
             counts = []
@@ -353,7 +316,7 @@ class competitors:
 _RATE_KEYS = ("prefill_tok_s", "decode_tok_s", "aggregate_tok_s")
 
 
-def _with_load(a, measure) -> list[dict]:
+def with_load(a, measure) -> list[dict]:
     """measure() quiet, then beside the competitors; the loaded rows, and per engine a "kept"
     row: loaded rate / quiet rate."""
     quiet = [r for r in measure() if r["engine"] != "ratio"]
@@ -367,12 +330,12 @@ def _with_load(a, measure) -> list[dict]:
             + [dict(r, engine=f"{r['engine']} {tag}") if r["engine"] != "ratio" else r for r in loaded] + kept)
 
 
-def _concurrency_rows(a) -> list[dict]:
+def concurrency_rows(a) -> list[dict]:
     rows = anyio.run(_bench_concurrency, a)
     if a.compare_llama_cpp:
         levels = [int(x) for x in a.concurrency.split(",")]
         with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as ex:
-            ref = ex.submit(_concurrency_llama_cpp, a, str(resolve_model(a.model, filename=a.filename)),
+            ref = ex.submit(_concurrency_llama_cpp, a, str(resolve_model(a.model, filename=session_options(a).filename)),
                             levels).result()
         if ref is None:
             print("llama-cpp-python is not importable; skipping the comparison")
@@ -384,84 +347,9 @@ def _concurrency_rows(a) -> list[dict]:
     return rows
 
 
-def _single_rows(a) -> list[dict]:
+def single_rows(a) -> list[dict]:
     if a.compare_llama_cpp:
         # llama.cpp in its own process: its own peak RSS, and no numba threads beside it
         with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as ex:
-            return anyio.run(_bench_single, a, ex, str(resolve_model(a.model, filename=a.filename)))
+            return anyio.run(_bench_single, a, ex, str(resolve_model(a.model, filename=session_options(a).filename)))
     return anyio.run(_bench_single, a, None, "")
-
-
-def _print_pairs(header: str, rows: list[dict], fmt: str) -> None:
-    print(header)
-    for r in rows:
-        print("  ".join(f"{k}={v:{fmt}}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()))
-
-
-def run_bench(a) -> None:
-    if a.embed:
-        from hearthlm.embed_bench import bench_embed
-        rows = bench_embed(a, str(resolve_model(a.model, filename=a.filename)))
-        if a.json:
-            print(json.dumps(rows, indent=2))
-            return
-        _print_pairs(f"model: {a.model}  embeddings: texts of 16-128 tokens, texts/s (median of {a.repeat} rounds)",
-                     rows, ".2f")
-        return
-    if a.profile:
-        from hearthlm.profile_bench import print_profile, run_profile
-        rows = run_profile(a)
-        print(json.dumps(rows, indent=2)) if a.json else print_profile(rows, a.model)
-        return
-    if a.startup:
-        from hearthlm.startup_bench import bench_startup, first_run, print_rows
-        path = str(resolve_model(a.model, filename=a.filename))
-        rows = bench_startup(path, repeat=a.repeat, n_ctx=a.n_ctx)
-        if a.first_run:
-            rows.append(dict(engine="first run", **first_run(path, a.n_ctx)))
-        if a.json:
-            print(json.dumps(rows, indent=2))
-        else:
-            print_rows(rows, f"model: {a.model}  startup: medians of {a.repeat} fresh processes, 1 token each")
-        return
-    if a.speculative:
-        from hearthlm.spec_bench import run as run_spec
-        rows = run_spec(a)
-        if a.json:
-            print(json.dumps(rows, indent=2))
-            return
-        _print_pairs(f"model: {a.model}  speculative: {a.speculative}  {a.decode_tokens} tokens", rows, ".3f")
-        return
-    if a.json_schema:
-        rows = anyio.run(_bench_json_schema, a)
-        if a.json:
-            print(json.dumps(rows, indent=2))
-            return
-        _print_pairs(f"model: {a.model}  schema: {a.json_schema}  max_tokens: {a.decode_tokens}", rows, ".3f")
-        return
-    if a.concurrency:
-        rows = (_with_load(a, lambda: _concurrency_rows(a)) if a.competing_load else _concurrency_rows(a))
-        if a.json:
-            print(json.dumps(rows, indent=2))
-            return
-        cols = list(dict.fromkeys(c for r in rows for c in r))
-        print(f"model: {a.model}  decode: {a.decode_tokens} tokens per request")
-        print("  ".join(f"{c:>15}" for c in cols))
-        for r in rows:
-            print("  ".join(f"{r[c]:>15.3f}" if isinstance(r.get(c), float) else f"{str(r.get(c, '')):>15}"
-                            for c in cols))
-        return
-    if a.threads:
-        import numba
-        numba.set_num_threads(a.threads)
-    rows = _with_load(a, lambda: _single_rows(a)) if a.competing_load else _single_rows(a)
-    if a.json:
-        print(json.dumps(rows, indent=2))
-        return
-    cols = ["engine", "backend", "load_s", "ttft_s", "prefill_tok_s", "decode_tok_s", "peak_rss_mb", "mb_per_token",
-            "roofline"] + (["kv_bytes_per_token"] if len(_kv_types(a)) > 1 else [])
-    print(f"model: {a.model}  prompt: {a.prompt_tokens} tokens  decode: {a.decode_tokens} tokens")
-    print("  ".join(f"{c:>13}" for c in cols))
-    for r in rows:
-        print("  ".join(f"{r.get(c, ''):>13.2f}" if isinstance(r.get(c), float) else f"{str(r.get(c, '')):>13}"
-                        for c in cols))

@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import sys
 import time
+from dataclasses import replace
 
 import anyio
 import numpy as np
 
+from hearthlm.bench import session_options
 from hearthlm.core.errors import HearthError
 from hearthlm.session import Session
 
@@ -95,11 +97,10 @@ async def _round(s: Session, task: tuple[str, float], spec: str | None, n: int) 
 
 async def bench_speculative(a) -> list[dict]:
     rows = []
-    from hearthlm.cli import draft_args
-    if a.speculative == "draft" and not a.draft_model:
+    o = session_options(a)
+    if a.speculative == "draft" and not o.draft_model:
         raise HearthError("--speculative draft needs --draft-model")
-    async with Session.open(a.model, backend=a.backend, n_ctx=max(a.n_ctx, 2048), filename=a.filename,
-                            **draft_args(a)) as s:
+    async with Session.open(a.model, options=replace(o, n_ctx=max(o.n_ctx, 2048))) as s:
         for name, prompt in TASKS.items():  # prompt: (text, temperature)
             await _round(s, prompt, a.speculative, 8)  # warm-up: graph shapes of both
             await _round(s, prompt, "off", 8)

@@ -1,0 +1,100 @@
+"""What the routers of every API family share: the served sessions (`Host`, on the app's
+state), the API key check, errors and their HTTP status, and awaiting a Session's work
+unless the client goes away first. Each router reads the app's state from the request, so
+that the routers are plain modules and several apps in one process do not mix."""
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+
+from fastapi import Depends, Request
+
+from hearthlm.core.errors import ContextLengthError, HearthError, InvalidRequestError, QueueFull, SessionClosedError
+from hearthlm.session import Session
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.code = status, code
+
+
+class ClientGone(Exception):
+    """The client disconnected: its request was aborted."""
+
+
+def status_of(e: HearthError) -> tuple[int, str | None]:
+    """The HTTP status and OpenAI error code of an SDK error."""
+    if isinstance(e, QueueFull):
+        return 429, "queue_full"
+    if isinstance(e, SessionClosedError):
+        return 503, "unavailable"
+    if isinstance(e, ContextLengthError):
+        return 400, "context_length_exceeded"
+    if isinstance(e, InvalidRequestError):
+        return 400, None
+    return 500, None
+
+
+class Host:
+    """The served sessions by model name, and whether the app is shutting down."""
+
+    def __init__(self) -> None:
+        self.sessions: dict[str, Session] = {}
+        self.closing = False
+
+    def get(self, name: str | None) -> Session:
+        if self.closing:
+            raise APIError(503, "the server is shutting down")
+        if not name and len(self.sessions) == 1:  # TEI-style clients name no model
+            return next(iter(self.sessions.values()))
+        s = self.sessions.get(name)
+        if s is None:
+            raise APIError(404, f"the model {name!r} does not exist; served: {sorted(self.sessions)}", "model_not_found")
+        return s
+
+
+def host_of(request: Request) -> Host:
+    return request.app.state.host
+
+
+def key_digest(api_key: str | None) -> bytes | None:
+    """What the app keeps of its API key (app.state.key_digest): a digest, None for no key."""
+    return hashlib.sha256(api_key.encode()).digest() if api_key is not None else None
+
+
+def check_key(request: Request) -> None:
+    digest = request.app.state.key_digest
+    if digest is None:
+        return
+    got = request.headers.get("authorization", "")
+    token = got[7:] if got.lower().startswith("bearer ") else ""
+    # constant time, and over digests so that not even the key's length shows
+    if not hmac.compare_digest(hashlib.sha256(token.encode()).digest(), digest):
+        raise APIError(401, "missing or wrong API key (Authorization: Bearer ...)", "invalid_api_key")
+
+
+AUTH = [Depends(check_key)]  # the dependencies of every route that touches a model
+
+
+async def until_disconnect(request: Request, coro):
+    """Await `coro` unless the client goes away first: then it is cancelled (the Session
+    aborts its request and frees its KV blocks)."""
+    work = asyncio.ensure_future(coro)
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for t in (work, gone):
+            if not t.done():
+                t.cancel()
+        await asyncio.gather(work, gone, return_exceptions=True)
+    if work.cancelled():
+        raise ClientGone()
+    return work.result()
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
