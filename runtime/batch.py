@@ -1,7 +1,15 @@
-"""The shape of one engine step's batch: what a graph is built for (and cached by)."""
+"""The shape of one engine step's batch (what a graph is built for, and cached by), and the
+output rows each scheduled request brings to it: the model runner lays them out, the output
+processor reads them back in the same order."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from hearthlm.runtime.request import Kind
+
+if TYPE_CHECKING:
+    from hearthlm.runtime.batcher import Scheduled
 
 
 @dataclass(frozen=True)
@@ -20,3 +28,29 @@ def one_token(block_size: int = 16, n_state: int = 0) -> BatchShape:
     """The smallest step: what load-time checks and weight packing build a graph for."""
     return BatchShape(n_tokens=1, n_seqs=1, max_blocks=1, n_out=1, n_slots=block_size, block_size=block_size,
                       n_state=n_state)
+
+
+# A request's output rows in a step, in this order: one per scored prompt position
+# (`scored`), then its last token's (`has_out_row`) and one per draft token.
+
+def has_out_row(s: Scheduled) -> bool:
+    """Whether this step computes the request's output row: at the chunk that ends its tokens, a
+    generation (with room to generate), a reranker's scored token, a draft model's next token.
+    Embeddings pool hidden states and need none (no LM head for them), nor do scored or
+    prefilled prompts."""
+    k = s.req.kind
+    return s.wants_logits and (k in (Kind.RANK, Kind.DRAFT) or k is Kind.GENERATE and s.req.max_tokens > 0)
+
+
+def n_out(s: Scheduled) -> int:
+    """Output rows this step computes for the request: its last token's, and one per draft token."""
+    return (1 + len(s.req.draft)) if has_out_row(s) else 0
+
+
+def scored(s: Scheduled) -> range:
+    """Positions of this chunk whose logits score the next prompt token (prompt_logprobs)."""
+    r = s.req
+    if r.prompt_logprobs is None:
+        return range(0)
+    lo = max(r.n_computed, len(r.prompt_lps))  # a recomputation (after preemption) scores nothing twice
+    return range(lo, max(lo, min(r.n_computed + s.n_tokens, len(r.prompt) - 1)))

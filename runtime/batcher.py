@@ -54,7 +54,7 @@ class Batcher:
     def _take(self, req: Request, budget: int) -> int:
         if self.whole:
             return req.n_wanted if req.n_wanted <= budget else 0
-        if req.pooling:
+        if req.kind.pools:
             budget = min(budget, self._pool_left)
         if req.prompt_logprobs is not None and req.n_computed < len(req.prompt) - 1:
             budget = min(budget, SCORED_TOKENS_PER_STEP)
@@ -65,7 +65,7 @@ class Batcher:
     def plan(self, running: list[Request], waiting: deque[Request]) -> StepPlan:
         mem = self.memory
         budget = self.max_batch_tokens
-        generating = any(not r.pooling for r in running)
+        generating = any(not r.kind.pools for r in running)
         self._pool_left = POOL_TOKENS_BESIDE_GENERATION if generating and not self.whole else budget
         seqs: list[Scheduled] = []
         preempted: list[Request] = []
@@ -89,7 +89,7 @@ class Batcher:
                 continue
             seqs.append(Scheduled(req, take, req.n_computed + take == req.n_total))
             budget -= take
-            self._pool_left -= take if req.pooling else 0
+            self._pool_left -= take if req.kind.pools else 0
         for req in preempted:
             running.remove(req)
         for req in reversed(preempted):  # oldest first back at the head of the queue
@@ -108,5 +108,5 @@ class Batcher:
             running.append(req)
             seqs.append(Scheduled(req, take, req.n_computed + take == req.n_total))
             budget -= take
-            self._pool_left -= take if req.pooling else 0
+            self._pool_left -= take if req.kind.pools else 0
         return StepPlan(seqs, preempted)

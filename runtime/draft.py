@@ -1,10 +1,10 @@
 """Draft-model speculation (Session.open(draft_model=...)): a smaller model of the target's
 vocabulary proposes each speculating request's next tokens, greedily; the target verifies them
 as extra rows of its own step (as for prompt lookup, runtime.speculative) and rolls back what it
-rejects. The draft model has an engine of its own that is never started: its sequence memory
-(a KV block table per request, released with the request) and graph cache are run from the
-target engine's thread, all speculating requests batched: one catch-up step (the tokens the
-target kept since the last draft, or the whole prompt the first time), then one-token steps.
+rejects. The draft model has a model runner of its own (runtime.runner) and its own sequence
+memory (a KV block table per request, released with the request), run from the target
+engine's thread, all speculating requests batched: one catch-up step (the tokens the target
+kept since the last draft, or the whole prompt the first time), then one-token steps.
 Drafting stops at the draft's first token below p_min confidence (llama.cpp's --draft-p-min)."""
 from __future__ import annotations
 
@@ -13,7 +13,9 @@ from typing import Any
 import numpy as np
 
 from hearthlm.runtime.batcher import Scheduled, StepPlan
-from hearthlm.runtime.request import Request
+from hearthlm.runtime.placement import Placement
+from hearthlm.runtime.request import Kind, Request
+from hearthlm.runtime.runner import ModelRunner, open_memory
 from hearthlm.runtime.sampling import SamplingParams
 from hearthlm.runtime.speculative import K_MAX, DraftLength
 
@@ -21,26 +23,34 @@ P_MIN = 0.75  # a draft token the draft model itself gives less than this is not
 
 
 class DraftSeq(DraftLength):
-    """One request's side of the draft model: the draft engine's view of its tokens (a Request
-    of that engine, whose K/V is valid for its first n_computed tokens) and the draft length,
-    adapted as for n-gram drafts."""
+    """One request's side of the draft model: the draft model's view of its tokens (a
+    Kind.DRAFT request of the draft's memory, whose K/V is valid for its first n_computed
+    tokens) and the draft length, adapted as for n-gram drafts."""
 
     def __init__(self, k_max: int) -> None:
         super().__init__(k_max)
-        self.seq = Request(prompt=[], params=SamplingParams(temperature=0.0), max_tokens=1,
+        self.seq = Request(prompt=[], params=SamplingParams(temperature=0.0), max_tokens=0, kind=Kind.DRAFT,
                            on_token=lambda t, lp: None, on_finish=lambda reason, err: None)
         self.admitted = False
 
 
 class DraftModel:
-    """Drafts for the speculating requests of one target engine; `engine` is the draft
-    model's own (runtime.engine.Engine, not started)."""
+    """Drafts for the speculating requests of one target engine, with the draft model's own
+    runner and memory (of the target's context, or the draft's own where shorter)."""
 
-    def __init__(self, engine: Any, *, k_max: int = K_MAX, p_min: float = P_MIN, n_vocab: int | None = None) -> None:
-        self.engine = engine
+    def __init__(self, model: Any, placement: Placement, *, n_ctx: int, kv_blocks: int | None = None,
+                 max_batch_tokens: int = 512, max_seqs: int = 64, fusion: bool | None = None, weight_cache=None,
+                 kv_cache_type: str = "f16", k_max: int = K_MAX, p_min: float = P_MIN,
+                 n_vocab: int | None = None) -> None:
+        """`n_vocab`: the target's vocabulary (drafts beyond it are not proposed)."""
+        self.n_ctx, self.max_batch_tokens = n_ctx, max_batch_tokens
+        self.memory = open_memory(model, placement, n_ctx=n_ctx, kv_blocks=kv_blocks, max_seqs=max_seqs,
+                                  kv_cache_type=kv_cache_type)
+        self.runner = ModelRunner(model, placement, self.memory, n_ctx=n_ctx, max_batch_tokens=max_batch_tokens,
+                                  max_seqs=max_seqs, fusion=fusion, weight_cache=weight_cache, tune_threads=False)
         self.k_max, self.p_min = k_max, p_min
-        self.n_vocab = min(n_vocab or engine.model.n_vocab, engine.model.n_vocab)  # drafts the target can take
-        self.eog = frozenset(engine.model.eog_ids)
+        self.n_vocab = min(n_vocab or model.n_vocab, model.n_vocab)  # drafts the target can take
+        self.eog = frozenset(model.eog_ids)
         self.steps = 0
 
     def new_seq(self) -> DraftSeq:
@@ -48,11 +58,11 @@ class DraftModel:
 
     def release(self, spec: DraftSeq) -> None:
         """The request is done: its draft blocks go back (the prefix cache may keep them)."""
-        self.engine.memory.release(spec.seq)
+        self.memory.release(spec.seq)
         spec.admitted = False
 
     def stats(self) -> dict[str, Any]:
-        mem = self.engine.memory.stats()
+        mem = self.memory.stats()
         return dict(draft_steps=self.steps, draft_kv_blocks_used=mem["kv_blocks_used"],
                     draft_kv_blocks_total=mem["kv_blocks_total"])
 
@@ -61,10 +71,10 @@ class DraftModel:
         """Set r.draft for each (request, room): at most min(its k, room) tokens."""
         pending = []
         for r, room in items:
-            limit = min(r.spec.k, room, self.engine.n_ctx - len(r.tokens))  # the draft's context may be shorter
+            limit = min(r.spec.k, room, self.n_ctx - len(r.tokens))  # the draft's context may be shorter
             if limit > 0 and self._sync(r, r.spec, limit):
                 pending.append((r, r.spec.seq, limit))
-        budget = self.engine.max_batch_tokens
+        budget = self.max_batch_tokens
         while pending:  # catch-up chunks (a long prompt over several steps), then one token a step
             batch, later, used = [], [], 0
             for item in pending:
@@ -94,7 +104,7 @@ class DraftModel:
         """Roll the draft's view back to the longest prefix it shares with the request's tokens
         (what it computed beyond is overwritten later), take its blocks: False if they are not
         to be had (no draft this step)."""
-        s, mem = spec.seq, self.engine.memory
+        s, mem = spec.seq, self.memory
         n = 0
         upto = min(s.n_computed, len(r.tokens) - 1)  # the last token is fed again: its logits draft
         while n < upto and s.tokens[n] == r.tokens[n]:
@@ -111,7 +121,7 @@ class DraftModel:
         return mem.grow(s, len(s.tokens) + limit - 1)
 
     def _forward(self, batch: list[Scheduled]) -> np.ndarray:
-        out = self.engine.forward(StepPlan(batch, []))
+        out = self.runner.run(StepPlan(batch, [])).logits
         for sch in batch:
             sch.req.n_computed += sch.n_tokens
         self.steps += 1

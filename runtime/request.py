@@ -1,12 +1,14 @@
-"""A generation request as the engine sees it."""
+"""A request as the engine sees it, and its kind (what the engine does with it)."""
 from __future__ import annotations
 
+import enum
 import itertools
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 import numpy as np
 
+from hearthlm.core.errors import InvalidRequestError
 from hearthlm.runtime.sampling import SamplingParams, TokenCounts, penalized
 from hearthlm.runtime.speculative import NgramDrafter
 
@@ -15,6 +17,24 @@ _ids = itertools.count(1)
 # on_token(token_id, top_logprobs | None); on_finish(reason, error | None); called on the engine thread
 OnToken = Callable[[int, Optional[list[tuple[int, float]]]], None]
 OnFinish = Callable[[str, Optional[BaseException]], None]
+
+
+class Kind(str, enum.Enum):
+    """What a request wants from the engine, set where the request is made."""
+    GENERATE = "generate"  # tokens sampled after the prompt (and the prompt's log-probs, if asked)
+    SCORE = "score"        # the prompt's log-probs (prompt_logprobs), nothing generated
+    PREFILL = "prefill"    # the prompt's KV computed and persisted (Session.cache_prefix), nothing generated
+    EMBED = "embed"        # the final hidden states pooled (`pooling`: mean, cls or last); no KV kept
+    RANK = "rank"          # a reranker's classification head at its scored token; no KV kept
+    DRAFT = "draft"        # a draft model's view of a target's request: its last row's logits, unsampled
+
+    @property
+    def pools(self) -> bool:
+        """Embeds or ranks: no output after the prompt, none of its KV kept for later prompts."""
+        return self in (Kind.EMBED, Kind.RANK)
+
+
+EMBED_POOLINGS = ("mean", "cls", "last")
 
 
 @dataclass
@@ -58,6 +78,7 @@ class Request:
     max_tokens: int
     on_token: OnToken
     on_finish: OnFinish
+    kind: Kind = field(kw_only=True)
     id: int = field(default_factory=lambda: next(_ids))
     arrival: float = 0.0
     tokens: list[int] = field(default_factory=list)   # prompt + generated so far
@@ -69,8 +90,8 @@ class Request:
     n_preempted: int = 0
     first_token_at: float | None = None
     rng: np.random.Generator | None = None
-    # an embedding request ("mean", "cls" or "last"): no sampling, no KV kept; when it finishes,
-    # `pooled` holds the pooled final hidden state
+    # Kind.EMBED's pooling ("mean", "cls" or "last"; Kind.RANK's is "rank"); when it finishes,
+    # `pooled` holds the pooled final hidden state (or the rank head's output)
     pooling: str | None = None
     pooled: np.ndarray | None = None  # while running: the sum of rows (mean), the first (cls) or the last
     matcher: Any = None  # runtime.constraint.Matcher: the grammar the output must follow
@@ -82,10 +103,19 @@ class Request:
     think: ThinkBudget | None = None  # reasoning_budget, where one is set
     spec: Any = None  # runtime.speculative.NgramDrafter, where the request speculates
     draft: list[int] = field(default_factory=list)  # this step's draft tokens, computed after `tokens`
-    persist: bool = False  # a prefix to write to the prompt cache once computed (Session.cache_prefix)
-    persisted: int = 0     # the tokens it wrote
+    persisted: int = 0  # Kind.PREFILL: the tokens it wrote to the prompt cache
 
     def __post_init__(self) -> None:
+        self.kind = Kind(self.kind)
+        if self.kind is Kind.RANK:
+            self.pooling = "rank"
+        elif not (self.pooling in EMBED_POOLINGS if self.kind is Kind.EMBED else self.pooling is None):
+            raise InvalidRequestError(f"a {self.kind.value} request with pooling={self.pooling!r}: an embedding "
+                                      f"pools by one of {', '.join(EMBED_POOLINGS)}, other kinds by none")
+        if self.kind is Kind.SCORE and self.prompt_logprobs is None:
+            raise InvalidRequestError("a score request needs prompt_logprobs")
+        if self.kind is not Kind.GENERATE and self.max_tokens:
+            raise InvalidRequestError(f"a {self.kind.value} request generates nothing: max_tokens must be 0")
         self.tokens = list(self.prompt)
         self.rng = np.random.default_rng(self.params.seed)
         if penalized(self.params):

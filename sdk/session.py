@@ -29,7 +29,7 @@ from hearthlm.core.errors import (ContextLengthError, HearthError, InvalidReques
                                      SessionClosedError)
 from hearthlm.runtime.devices import open_device
 from hearthlm.runtime.placement import offload
-from hearthlm.runtime.request import Request, ThinkBudget
+from hearthlm.runtime.request import Kind, Request, ThinkBudget
 from hearthlm.runtime.sampling import SamplingParams
 from hearthlm.runtime.weight_cache import WeightCache, cache_dir
 from hearthlm.options import SessionOptions, check_names, takes_options
@@ -140,7 +140,7 @@ class Session:
     @staticmethod
     def _draft(m: Model, dm: Model, placement, *, n_ctx: int, kv_blocks: int, wdir, kv_cache_type: str,
                p_min: float, **engine_opts):
-        """The draft model's engine (never started: the target's thread runs its steps)."""
+        """The draft model (its own runner and KV memory; the target's thread runs its steps)."""
         from hearthlm.runtime.draft import DraftModel
         if why := vocab_mismatch(m.tokenizer, dm.tokenizer):
             raise InvalidRequestError(f"the draft model cannot draft for this model: {why}")
@@ -149,10 +149,9 @@ class Session:
                                       "(its drafts are rolled back where the model rejects them)")
         dm.set_context(min(n_ctx, dm.config.n_ctx_train))
         opts = {k: v for k, v in engine_opts.items() if k in ("max_batch_tokens", "max_seqs", "fusion")}
-        engine = Engine(dm, placement, n_ctx=min(n_ctx, dm.config.n_ctx_train), kv_blocks=kv_blocks,
-                        weight_cache=WeightCache(wdir, dm.file.identity()) if wdir else None,
-                        kv_cache_type=kv_cache_type, **opts)
-        return DraftModel(engine, p_min=p_min, n_vocab=m.n_vocab)
+        return DraftModel(dm, placement, n_ctx=min(n_ctx, dm.config.n_ctx_train), kv_blocks=kv_blocks,
+                          weight_cache=WeightCache(wdir, dm.file.identity()) if wdir else None,
+                          kv_cache_type=kv_cache_type, p_min=p_min, n_vocab=m.n_vocab, **opts)
 
     async def aclose(self, *, abort: bool = True) -> None:
         """Stop the engine: in-flight requests are aborted (abort=True) or run to the end."""
@@ -241,7 +240,7 @@ class Session:
         texts = [texts] if isinstance(texts, str) else list(texts)
         if not texts:
             raise InvalidRequestError("no texts to embed")
-        out = await self._pooled([await self._input_ids(t, truncate) for t in texts], pooling)
+        out = await self._pooled([await self._input_ids(t, truncate) for t in texts], Kind.EMBED, pooling)
         if normalize:
             out /= np.maximum(np.linalg.norm(out, axis=1, keepdims=True), 1e-12)
         return out
@@ -259,10 +258,10 @@ class Session:
                                       "cls.weight): it does not rerank")
         ids = [await self._input_ids(self.rerank_ids(query, d), truncate) for d in documents]
         if not self.model.causal:
-            return [float(v[0]) for v in await self._pooled(ids, "rank")]
+            return [float(v[0]) for v in await self._pooled(ids, Kind.RANK)]
         # a decoder reranker (Qwen3-Reranker): its head's rows on the last token's normed state,
         # softmaxed; the score is the first label's probability ("yes"), as llama.cpp has it
-        logits = (await self._pooled(ids, "last")).astype(np.float64) @ self._rank_head().T
+        logits = (await self._pooled(ids, Kind.EMBED, "last")).astype(np.float64) @ self._rank_head().T
         p = np.exp(logits - logits.max(axis=1, keepdims=True))
         return [float(x) for x in p[:, 0] / p.sum(axis=1)]
 
@@ -299,12 +298,13 @@ class Session:
             ids = ids[:limit - 1] + [ids[-1]] if sep else ids[:limit]
         return ids
 
-    async def _pooled(self, ids: list[list[int]], pooling: str) -> np.ndarray:
-        """Run each input as a pooling request; (len(ids), width) float32 in their order."""
+    async def _pooled(self, ids: list[list[int]], kind: Kind, pooling: str | None = None) -> np.ndarray:
+        """Run each input as an embedding (by `pooling`) or ranking request; (len(ids), width)
+        float32 in their order."""
         if self._closed:
             raise SessionClosedError("the session is closed")
         chan = Channel(loop_waker())
-        reqs = [Request(prompt=p, params=SamplingParams(), max_tokens=0, on_token=_no_token, pooling=pooling,
+        reqs = [Request(prompt=p, params=SamplingParams(), max_tokens=0, on_token=_no_token, kind=kind, pooling=pooling,
                         on_finish=lambda reason, err, i=i: chan.put((i, reason, err))) for i, p in enumerate(ids)]
         pending: set[int] = set()
         window = self.engine.max_seqs  # submitted a batch at a time: a long list does not fill the queue
@@ -409,7 +409,7 @@ class Session:
         ids = await self._prompt_ids_off_loop(prompt, None)
         if len(ids) < 2:
             raise InvalidRequestError("scoring needs a prompt of at least two tokens")
-        req = await self._run_prompt_only(ids, prompt_logprobs=0)
+        req = await self._run_prompt_only(ids, kind=Kind.SCORE, prompt_logprobs=0)
         return np.array([lp for lp, _ in req.prompt_lps], np.float64)
 
     async def cache_prefix(self, prompt: str | Sequence[int] | None = None, *,
@@ -425,7 +425,7 @@ class Session:
         if not self.model.causal:
             raise InvalidRequestError("this model is an encoder: it keeps no KV to cache")
         ids = await self._prompt_ids_off_loop(prompt, messages, generation_prompt=False)
-        req = await self._run_prompt_only(ids, persist=True)
+        req = await self._run_prompt_only(ids, kind=Kind.PREFILL)
         return req.persisted
 
     async def _run_prompt_only(self, ids: list[int], **fields) -> Request:
@@ -482,7 +482,7 @@ class Session:
                     for _ in range(n)]
         chan = Channel(loop_waker())
         limit = max_tokens if max_tokens is not None else max(self.n_ctx - len(ids), 0)
-        reqs = [Request(prompt=ids, matcher=matchers[i], max_tokens=limit,
+        reqs = [Request(prompt=ids, matcher=matchers[i], max_tokens=limit, kind=Kind.SCORE if score_only else Kind.GENERATE,
                         params=replace(params, seed=params.seed + i) if i and params.seed is not None else params,
                         on_token=lambda t, lp, i=i: chan.put((i, t, lp)),
                         on_finish=lambda reason, err, i=i: chan.put((i, reason, err)),

@@ -430,10 +430,10 @@ def fail_after(n: int, fn):
 
 
 def inject_sampler_fault(monkeypatch):
-    import hearthlm.runtime.engine as engine
-    real = engine.sample
+    import hearthlm.runtime.output as output
+    real = output.sample
     faulty = fail_after(3, real)
-    monkeypatch.setattr(engine, "sample", lambda lg, p, rng, hist: (faulty if p.seed == FAULTY_SEED else real)(
+    monkeypatch.setattr(output, "sample", lambda lg, p, rng, hist: (faulty if p.seed == FAULTY_SEED else real)(
         lg, p, rng, hist))
 
 

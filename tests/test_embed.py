@@ -111,13 +111,14 @@ def test_embedding_tokens_capped_beside_generation():
     from hearthlm.backends.reference import ReferenceBackend
     from hearthlm.runtime.batcher import POOL_TOKENS_BESIDE_GENERATION as CAP, Batcher
     from hearthlm.runtime.kv_cache import KVCache
-    from hearthlm.runtime.request import Request
+    from hearthlm.runtime.request import Kind, Request
     from hearthlm.runtime.sampling import SamplingParams
     from hearthlm.runtime.seq_memory import SequenceMemory
 
     def req(n, pooling=None):
         return Request(prompt=list(range(1, n + 1)), params=SamplingParams(), max_tokens=0 if pooling else 8,
-                       on_token=lambda *a: None, on_finish=lambda *a: None, pooling=pooling)
+                       on_token=lambda *a: None, on_finish=lambda *a: None, pooling=pooling,
+                       kind=Kind.EMBED if pooling else Kind.GENERATE)
 
     def batcher(whole=False):
         return Batcher(SequenceMemory(KVCache([(1, 4)], 64, 16, [ReferenceBackend()])), max_batch_tokens=512,

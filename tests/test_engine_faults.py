@@ -8,7 +8,7 @@ import pytest
 from tiny_gguf import write_tiny
 
 from hearthlm import EngineFailedError, HearthError, Session
-from hearthlm.runtime import engine as engine_mod
+from hearthlm.runtime import runner as runner_mod
 
 PROMPTS = ["one two", "three four five", "six"]
 
@@ -53,9 +53,9 @@ async def test_a_failed_step_fails_its_requests_and_the_engine_serves_on(tiny, m
         if stage == "planning":
             monkeypatch.setattr(e.batcher, "plan", once(e.batcher.plan))
         elif stage == "assembly":
-            monkeypatch.setattr(e, "_assemble", once(e._assemble))
+            monkeypatch.setattr(e.runner, "inputs", once(e.runner.inputs))
         else:
-            monkeypatch.setattr(engine_mod, "execute", once(engine_mod.execute))
+            monkeypatch.setattr(runner_mod, "execute", once(runner_mod.execute))
         hit = await run_all(s, PROMPTS)
         assert any(isinstance(r, HearthError) for r in hit), hit
         assert all(isinstance(r, HearthError) or r.token_ids == c for r, c in zip(hit, clean)), hit

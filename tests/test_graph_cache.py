@@ -10,14 +10,14 @@ from synth import FakeModel
 from hearthlm.backends import get_backend
 from hearthlm.runtime.engine import Engine
 from hearthlm.runtime.graph_cache import bucket
-from hearthlm.runtime.request import Request
+from hearthlm.runtime.request import Kind, Request
 from hearthlm.runtime.sampling import SamplingParams
 
 
 def generate(engine: Engine, prompts, max_tokens: int) -> list[list[int]]:
     outs = [[] for _ in prompts]
     done = threading.Semaphore(0)
-    reqs = [Request(prompt=list(p), params=SamplingParams(temperature=0.0), max_tokens=max_tokens,
+    reqs = [Request(prompt=list(p), params=SamplingParams(temperature=0.0), max_tokens=max_tokens, kind=Kind.GENERATE,
                     on_token=lambda t, lp, o=o: o.append(t), on_finish=lambda reason, err: done.release())
             for p, o in zip(prompts, outs)]
     for r in reqs:

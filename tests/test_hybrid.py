@@ -9,7 +9,7 @@ import anyio
 import pytest
 
 from hearthlm import HearthError, Session
-from hearthlm.runtime import engine as engine_mod
+from hearthlm.runtime import runner as runner_mod
 from hearthlm.core.errors import ModelLoadError
 
 sys.path.insert(0, str(Path(__file__).parent / "parity"))
@@ -93,14 +93,14 @@ async def test_state_slots_taken_and_given_back(models):
 async def test_a_faulted_step_gives_its_slots_back(models, monkeypatch):
     async with Session.open(models["lfm2"], n_ctx=128) as s:
         want = await greedy(s, prompt(2, 12))
-        real, state = engine_mod.execute, {"n": 0}
+        real, state = runner_mod.execute, {"n": 0}
 
         def failing(*a, **k):
             state["n"] += 1
             if state["n"] == 1:
                 raise RuntimeError("injected")
             return real(*a, **k)
-        monkeypatch.setattr(engine_mod, "execute", failing)
+        monkeypatch.setattr(runner_mod, "execute", failing)
         with pytest.raises(HearthError):
             await greedy(s, prompt(2, 12))
         assert s.stats()["state_slots_used"] == 0

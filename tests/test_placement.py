@@ -26,7 +26,7 @@ from hearthlm.runtime.engine import Engine
 from hearthlm.core.graph import Op
 from hearthlm.runtime.placement import Placement, offload, place
 from hearthlm.runtime.weights import WeightStore
-from hearthlm.runtime.request import Request
+from hearthlm.runtime.request import Kind, Request
 from hearthlm.runtime.sampling import SamplingParams
 
 N_LAYER = {"llama": 2, "gemma3": 6}  # gemma3: five sliding-window layers and one global
@@ -233,6 +233,7 @@ def generate(engine: Engine, prompts, max_tokens: int) -> list[list[int]]:
     done = threading.Semaphore(0)
     for p, o in zip(prompts, outs):
         engine.submit(Request(prompt=list(p), params=SamplingParams(temperature=0.0), max_tokens=max_tokens,
+                              kind=Kind.GENERATE,
                               on_token=lambda t, lp, o=o: o.append(t), on_finish=lambda r, e: done.release()))
     for _ in prompts:
         assert done.acquire(timeout=300)

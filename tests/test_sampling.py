@@ -114,10 +114,10 @@ def test_penalties(rep, freq, pres):
 def test_token_counts_kept_as_tokens_come():
     """The request's counts grow with each generated token (past the first array size) and
     give what counting the whole history gives."""
-    from hearthlm.runtime.request import Request
+    from hearthlm.runtime.request import Kind, Request
     rng = np.random.default_rng(3)
     p = SamplingParams(repetition_penalty=1.2, frequency_penalty=0.3)
-    r = Request(prompt=HISTORY, params=p, max_tokens=64, on_token=None, on_finish=None)
+    r = Request(prompt=HISTORY, params=p, max_tokens=64, on_token=None, on_finish=None, kind=Kind.GENERATE)
     for t in rng.integers(0, V, 50):
         r.append(int(t))
     ids, counts = np.unique(r.tokens, return_counts=True)
@@ -125,7 +125,8 @@ def test_token_counts_kept_as_tokens_come():
     assert n == len(ids) > 16
     assert dict(zip(r.counts.ids[:n].tolist(), r.counts.counts[:n].tolist())) == dict(zip(ids.tolist(), counts.tolist()))
     assert np.array_equal(apply_penalties(LOGITS, p, r.counts), apply_penalties(LOGITS, p, r.tokens))
-    assert Request(prompt=[1, 2], params=SamplingParams(), max_tokens=1, on_token=None, on_finish=None).counts is None
+    assert Request(prompt=[1, 2], params=SamplingParams(), max_tokens=1, on_token=None, on_finish=None,
+                   kind=Kind.GENERATE).counts is None
 
 
 def test_penalties_steer_the_greedy_choice():

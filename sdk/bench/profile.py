@@ -10,7 +10,7 @@ from collections import defaultdict
 import anyio
 
 from hearthlm.bench import session_options
-from hearthlm.runtime import dispatch, engine as engine_mod
+from hearthlm.runtime import dispatch, runner as runner_mod
 from hearthlm.runtime.graph_cache import bucket
 from hearthlm.session import Session
 
@@ -71,7 +71,7 @@ async def _run(a, levels: list[int], decode: int) -> list[dict]:
             if n:
                 step_t[bucket(n, eng.max_batch_tokens)] += time.perf_counter() - t
         eng.step = step
-        engine_mod.execute = _timed_execute(acc)
+        runner_mod.execute = _timed_execute(acc)
         n_prompt = getattr(a, "context", None) or 8
         vocab = s.model.n_vocab
         try:
@@ -86,7 +86,7 @@ async def _run(a, levels: list[int], decode: int) -> list[dict]:
                     acc.reset()
                     step_t.clear()
         finally:
-            engine_mod.execute = dispatch.execute
+            runner_mod.execute = dispatch.execute
         for n in levels:
             k = acc.steps[n]
             if not k:

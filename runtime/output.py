@@ -1,0 +1,188 @@
+"""The output processor: what a step's output rows come to, per request. Generations sample
+their next token (or verify their draft along its rows) under their grammar's mask, which a
+worker thread fills while the forward pass runs, and meet their stops; scored prompts take
+their tokens' log-probs; embeddings pool hidden rows, rerankers take their head's output.
+Generated tokens are appended to the request (the next row's sampling reads them) and
+returned with what finished, for the engine to deliver and release. Detokenization and stop
+strings stay with the caller (sdk's ChoiceOutput): the engine holds no tokenizer."""
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from hearthlm.core.errors import HearthError
+from hearthlm.runtime.batch import scored
+from hearthlm.runtime.batcher import StepPlan
+from hearthlm.runtime.constraint import GrammarError, MaskWorker
+from hearthlm.runtime.request import Kind, Request
+from hearthlm.runtime.runner import StepOutput
+from hearthlm.runtime.sampling import log_softmax_rows, sample, steer, top_logprobs, verify
+
+TopLogprobs = list[tuple[int, float]] | None
+
+
+@dataclass
+class Outcome:
+    """What one scheduled request's step came to."""
+    req: Request
+    tokens: list[tuple[int, TopLogprobs]] = field(default_factory=list)  # appended this step, to deliver in order
+    kept: int = 0  # draft tokens kept whose K/V this step computed (the rest are rolled back)
+    finish: str | None = None  # "stop", "length" or "error": the request is done
+    error: BaseException | None = None
+
+
+class OutputProcessor:
+    def __init__(self, n_vocab: int, eog_ids, n_ctx: int) -> None:
+        self.n_vocab, self.eog, self.n_ctx = n_vocab, eog_ids, n_ctx
+        self._masks: MaskWorker | None = None  # started with the first constrained request
+        self.ttft: deque[float] = deque(maxlen=1000)  # time to first token of recent requests
+        self.counters = dict(tokens_generated=0, spec_drafted_tokens=0, spec_accepted_tokens=0)
+
+    # ---- grammar masks, filled while the forward pass runs ------------------------------
+    def start_masks(self, plan: StepPlan):
+        """Start filling the masks of the plan's constrained rows; None where it has none."""
+        constrained = [s.req for s in plan.seqs if s.wants_logits and s.req.matcher is not None]
+        if not constrained:
+            return None
+        if self._masks is None:
+            self._masks = MaskWorker(self.n_vocab)
+        return constrained, self._masks.start([r.matcher for r in constrained], [r.draft for r in constrained])
+
+    def join_masks(self, job) -> dict[int, np.ndarray]:
+        """Each constrained request's mask rows (one, and one per draft token), by id(request).
+        The matchers are not touched again before this returns."""
+        if job is None:
+            return {}
+        constrained, future = job
+        masks = self._masks.join(future)
+        at = np.cumsum([0] + [1 + len(r.draft) for r in constrained])  # each one's mask rows
+        return {id(r): masks[at[i]:at[i + 1]] for i, r in enumerate(constrained)}
+
+    # ---- the step's outputs ---------------------------------------------------------------
+    def process(self, plan: StepPlan, out: StepOutput, masks: dict[int, np.ndarray]) -> list[Outcome]:
+        """One Outcome per scheduled request, in plan order. Reads the output rows in the order
+        the runner laid them out (runtime.batch): scored prompt positions, then the last row
+        and one per draft token."""
+        outcomes, row, off, now = [], 0, 0, time.perf_counter()
+        for s in plan.seqs:
+            r, o, first = s.req, Outcome(s.req), off
+            off += s.n_tokens
+            outcomes.append(o)
+            positions = scored(s)
+            if positions:
+                self.score_prompt(r, positions, out.logits[row:row + len(positions)])
+                row += len(positions)
+            if r.kind is Kind.EMBED:  # pools this chunk's rows (no output row)
+                o.finish = self.pool(r, out.hidden[first:off], last=s.wants_logits)
+            elif not s.wants_logits:  # a prompt chunk: more of it next step
+                continue
+            elif r.kind is Kind.RANK:  # a reranker's score: the head's output at the scored row
+                r.pooled = np.array(out.logits[row], np.float64)
+                row, o.finish = row + 1, "stop"
+            elif r.kind is not Kind.GENERATE or r.max_tokens == 0:  # a prompt scored or cached, nothing generated
+                o.finish = "stop"
+            else:
+                n = 1 + len(r.draft)
+                self.counters["spec_drafted_tokens"] += n - 1
+                self.emit(o, out.logits[row:row + n], masks.get(id(r)), now)
+                row += n
+        return outcomes
+
+    def emit(self, o: Outcome, rows: np.ndarray, masks: np.ndarray | None, now: float) -> None:
+        """Sample the request's next token from rows[0], or, where it drafted, verify its draft
+        along the rows (row j follows draft token j-1): the tokens kept, then the one the target
+        chose after them, and what the grammar or a reasoning budget forces after that."""
+        r = o.req
+        for j in range(len(rows)):
+            try:
+                tok, tlp, ok, forced = self._pick(r, rows[j], None if masks is None else masks[j], j)
+            except GrammarError as e:  # this request's grammar, not its neighbours'
+                o.finish, o.error = "error", e
+                return
+            except Exception as e:  # this request's sampling, not its neighbours'
+                o.finish, o.error = "error", HearthError(f"sampling failed: {type(e).__name__}: {e}")
+                return
+            if r.first_token_at is None:
+                r.first_token_at = now
+                self.ttft.append(now - r.arrival)
+            if (tok in self.eog and not r.params.ignore_eos) or tok in r.params.stop_token_ids:
+                o.finish = "stop"
+                return
+            for t, lp in [(tok, tlp), *((t, None) for t in forced)]:
+                r.append(t)
+                r.n_generated += 1
+                self.counters["tokens_generated"] += 1
+                o.tokens.append((t, lp))
+            if r.matcher is not None and r.matcher.done:  # only end-of-generation could follow
+                o.finish = "stop"
+                return
+            if r.n_generated >= r.max_tokens or len(r.tokens) >= self.n_ctx:
+                o.finish = "length"
+                return
+            if not ok or forced:  # the target chose otherwise (or forced tokens come next): the rest is dropped
+                return
+            o.kept += 1  # the kept draft token's K/V were computed in this step
+
+    def _pick(self, r: Request, logits: np.ndarray, mask: np.ndarray | None, j: int):
+        """Row j's token: (token, its top log-probs or None, whether it is draft token j, the
+        tokens forced after it). The grammar takes the token in."""
+        p = r.params
+        lg = steer(logits, p, r.n_generated, self.eog)
+        if r.matcher is not None:
+            lg = r.matcher.apply(lg, mask)
+        history = r.counts if r.counts is not None else ()
+        if j < len(r.draft):
+            tok, ok = verify(lg, p, r.rng, history, r.draft[j])
+            self.counters["spec_accepted_tokens"] += ok
+        else:
+            tok, ok = sample(lg, p, r.rng, history), False
+        tlp = top_logprobs(lg, p.top_logprobs, tok) if p.top_logprobs else None
+        forced = []  # fed next step, unsampled
+        room = min(r.max_tokens - r.n_generated, self.n_ctx - len(r.tokens)) - 1
+        if r.matcher is not None and tok not in self.eog:
+            r.matcher.consume(tok)
+            if not p.top_logprobs:
+                forced = r.matcher.forced(room)
+        elif r.think is not None and tok not in self.eog:
+            forced = r.think.after(tok)[:room]
+        return tok, tlp, ok, forced
+
+    @staticmethod
+    def score_prompt(r: Request, positions: range, logits: np.ndarray) -> None:
+        """Row j predicts the prompt token after position positions[j]: its log-prob (and the k
+        most likely alternatives) goes to r.prompt_lps."""
+        lp = log_softmax_rows(logits)
+        nxt = np.asarray(r.prompt[positions.start + 1:positions.stop + 1])
+        own = lp[np.arange(len(nxt)), nxt]
+        k = r.prompt_logprobs
+        for j, t in enumerate(nxt):
+            r.prompt_lps.append((float(own[j]), top_logprobs(logits[j], k, int(t)) if k else None))
+
+    @staticmethod
+    def pool(r: Request, h: np.ndarray, *, last: bool) -> str | None:
+        """Fold a chunk's hidden states (n, n_embd) into the request's pooled vector; "stop" at
+        its last chunk."""
+        h = np.asarray(h, np.float64)
+        if r.pooling == "mean":
+            r.pooled = h.sum(0) + (r.pooled if r.pooled is not None else 0.0)
+        elif r.pooling == "cls":
+            r.pooled = h[0].copy() if r.pooled is None else r.pooled
+        else:  # last
+            r.pooled = h[-1].copy()
+        if not last:
+            return None
+        if r.pooling == "mean":
+            r.pooled = r.pooled / len(r.tokens)
+        return "stop"
+
+    def stats(self) -> dict[str, float]:
+        m = self._masks
+        return dict(mask_ms_per_token=1e3 * m.compute_s / m.n_masks if m and m.n_masks else 0.0,
+                    mask_wait_ms_per_token=1e3 * m.wait_s / m.n_masks if m and m.n_masks else 0.0)
+
+    def close(self) -> None:
+        if self._masks is not None:
+            self._masks.close()

@@ -1,0 +1,185 @@
+"""The model runner (vLLM v1's model runner): a planned batch's inputs (token ids, positions,
+KV slots, block tables, recurrent-state slots, output rows), padded to the bucketed shape its
+graph is cached by; the forward pass through the graph cache and dispatch; the output rows'
+logits, and every token's hidden state where embeddings pool them. It also picks the host
+backend's worker threads per step shape, by measuring (runtime.threads). The engine has one
+runner; a draft model has its own (runtime.draft). `open_memory` allocates the KV cache (and
+recurrent state) that a runner's graphs read and write."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from hearthlm.core import kv_types
+from hearthlm.core.errors import InvalidRequestError
+from hearthlm.runtime.batch import BatchShape, has_out_row, n_out, scored
+from hearthlm.runtime.batcher import StepPlan
+from hearthlm.runtime.dispatch import execute
+from hearthlm.runtime.graph_cache import FINE_UP_TO, GraphCache, bucket
+from hearthlm.runtime.kv_cache import KVCache, kv_layout
+from hearthlm.runtime.placement import Placement
+from hearthlm.runtime.prompt_cache import PromptCache
+from hearthlm.runtime.request import Kind
+from hearthlm.runtime.seq_memory import SequenceMemory, StateCache
+from hearthlm.runtime.threads import ThreadTuner
+
+ENCODER_STEP = 16  # an encoder step's token bucket (its inputs are whole: coarser padding would be all waste)
+MIN_KV_BLOCKS = 16  # smallest KV-length bucket of unfused graphs (256 tokens at block size 16)
+
+
+def _check_kv_fits(kv_dims: list[tuple[int, int]], n_slots: int, placement: Placement,
+                   state_dims: list[dict] | None = None, n_state: int = 0, kv_type: str = "f16") -> None:
+    """Refuse at open a KV cache (and recurrent state) that its backends cannot hold (a host's
+    zeroed pages are only taken when written: it would fail much later, mid-generation, out of memory)."""
+    need: dict[str, int] = {}
+    layout = kv_layout(kv_type, kv_dims, [placement.backends[name] for name in placement.layers])
+    for il, ((row, dt), name) in enumerate(zip(layout, placement.layers)):
+        need[name] = need.get(name, 0) + 2 * n_slots * int(np.prod(row)) * dt.itemsize
+        if state_dims:
+            need[name] += n_state * StateCache.bytes_per_slot([state_dims[il]])
+    for name, n in need.items():
+        avail = placement.backends[name].memory_available()
+        if avail is not None and n > avail:
+            what = f"{n_slots} token slots" + (f", {n_state} recurrent-state slots" if state_dims else "")
+            raise InvalidRequestError(
+                f"the KV cache ({what}) needs {n / 2**30:.2f} GiB on {name}, where "
+                f"{avail / 2**30:.2f} GiB is available: lower n_ctx, kv_cache_tokens or max_seqs")
+
+
+def open_memory(model: Any, placement: Placement, *, n_ctx: int, kv_blocks: int | None = None,
+                block_size: int = 16, max_seqs: int = 64, state_snapshots: int = 8, prompt_cache_dir=None,
+                prompt_cache_bytes: int = 1 << 30, kv_cache_type: str = "f16") -> SequenceMemory:
+    """The model's sequence memory: a paged KV cache of at least one context (each layer's K/V
+    on the backend that runs its attention), and for a hybrid model (`model.state_dims`) a state
+    slot per running sequence plus `state_snapshots` slots of prefix states and a scratch slot.
+    With `prompt_cache_dir`, prompt prefixes persist there, keyed by the model file and this
+    cache's layout."""
+    n_blocks = max(kv_blocks or 0, -(-n_ctx // block_size)) + 1  # + the scratch block
+    state_dims = getattr(model, "state_dims", None)
+    state_dims = state_dims if state_dims and any(state_dims) else None
+    n_state = max_seqs + 1 + state_snapshots if state_dims else 0  # + the scratch slot
+    _check_kv_fits(model.kv_dims, n_blocks * block_size, placement, state_dims, n_state, kv_cache_type)
+    kv = KVCache(model.kv_dims, n_blocks, block_size, placement.layer_backends(), kv_cache_type)
+    state = StateCache(state_dims, n_state, placement.layer_backends()) if state_dims else None
+    prompts = None
+    if prompt_cache_dir is not None:
+        key = dict(model=model.file.identity(), block_size=block_size, state=state_dims,
+                   kv=[[be.name, kv_types.name_of(k), h, d]  # q8_0 and f16 files never mix
+                       for be, k, (h, d) in zip(placement.layer_backends(), kv.k, model.kv_dims)])
+        prompts = PromptCache(prompt_cache_dir, key, block_size=block_size, hybrid=state is not None,
+                              max_bytes=prompt_cache_bytes)
+    return SequenceMemory(kv, state, n_snapshots=state_snapshots if state_dims else 0, prompts=prompts)
+
+
+@dataclass
+class StepOutput:
+    logits: np.ndarray         # (shape.n_out, n_vocab): the output rows (runtime.batch's order), then padding
+    hidden: np.ndarray | None  # (shape.n_tokens, n_embd): every token's final hidden state, where embeddings pool
+
+
+class ModelRunner:
+    def __init__(self, model: Any, placement: Placement, memory: SequenceMemory, *, n_ctx: int,
+                 max_batch_tokens: int, max_seqs: int, fusion: bool | None = None, graph_cache: bool = True,
+                 weight_cache=None, tune_threads: bool = True) -> None:
+        """`model` provides build_graph(shape) -> Graph, weights, kv_dims and `causal` (False:
+        an encoder, each input whole in one step). `fusion`: None follows HEARTHLM_NO_FUSION;
+        `graph_cache=False` rebuilds every step. `weight_cache`: a runtime.weight_cache.WeightCache
+        of the model's file, or None. `tune_threads`: pick the host's worker threads per shape
+        (a draft model's runner runs on whatever its target's last picked)."""
+        self.placement, self.memory = placement, memory
+        self.causal = getattr(model, "causal", True)
+        self.max_blocks = -(-n_ctx // memory.block_size)  # block-table width at most; bucketed per step
+        self.max_batch_tokens, self.max_seqs = max_batch_tokens, max_seqs
+        self.graphs = GraphCache(model.build_graph, placement, fusion_on=fusion, enabled=graph_cache,
+                                 weight_cache=weight_cache)
+        # weights packed at load, not at the first step: compiling the single-stream decode graph
+        # binds what it reads (a later graph that reads more prepares it on first use)
+        self.graphs.prepare(self.shape(n_tokens=1, n_seqs=1, n_out=1, need_blocks=1))
+        self.graphs.persist_weights()
+        for b in placement.backends.values():
+            b.loaded()
+        # the host backend's worker threads, chosen per step shape by measuring (runtime.threads)
+        self._host = next((b for b in placement.backends.values() if b.thread_counts()), None) \
+            if tune_threads else None
+        self.threads = ThreadTuner(self._host.thread_counts() if self._host else ())
+        # what the backend runs on now (the tuner's last measured count lags it when a step fails)
+        self.threads_now = self.threads.current()
+        self.worker_moves = 0  # workers moved off a shared core (backends/cpu/affinity.py)
+
+    def run(self, plan: StepPlan) -> StepOutput:
+        """The forward pass of a planned batch: its output rows' logits (and hidden rows)."""
+        feed, shape = self.inputs(plan)
+        cg = self.graphs.get(shape)
+        n_threads = self.threads.pick(shape)
+        if n_threads is not None:
+            self._host.use_threads(n_threads)
+            self.threads_now = n_threads
+        t_run = time.perf_counter()
+        outs = execute(cg, feed, self.memory.cache_of)
+        slow = self.threads.done(shape, n_threads, time.perf_counter() - t_run)
+        if self._host is not None and self._host.after_step(n_threads, slow):
+            self.threads.moved()
+            self.worker_moves += 1
+        return StepOutput(outs[0], outs[1] if shape.embd else None)
+
+    def inputs(self, plan: StepPlan) -> tuple[dict[str, np.ndarray], BatchShape]:
+        """The step's inputs, padded to the bucketed shape the graph is cached by. Padding
+        tokens (id 0, position 0) write K/V into the scratch block and attend from a padding
+        sequence row (the scratch block), or row 0 when the rows are full: harmless reads;
+        padding output rows repeat row 0 and are ignored."""
+        bs, scratch = self.memory.block_size, self.memory.scratch_block
+        need = max(-(-(s.req.n_computed + s.n_tokens) // bs) for s in plan.seqs)
+        shape = self.shape(n_tokens=plan.n_tokens, n_seqs=len(plan.seqs), need_blocks=need,
+                           n_out=sum(len(scored(s)) + n_out(s) for s in plan.seqs),
+                           embd=any(s.req.kind is Kind.EMBED for s in plan.seqs))
+        n_pad, n_seqs, width = shape.n_tokens, shape.n_seqs, shape.max_blocks
+        tokens, pos = np.zeros(n_pad, np.int32), np.zeros(n_pad, np.int32)  # (n_pad,)
+        tok_seq = np.full(n_pad, len(plan.seqs) if n_seqs > len(plan.seqs) else 0, np.int32)
+        slots = scratch * bs + np.arange(n_pad, dtype=np.int32) % bs
+        block_table = np.full((n_seqs, width), scratch, np.int32)
+        # recurrent layers: each row's token range, and its state slot (padding rows: empty, scratch slot 0)
+        seq_off, state_slot = np.full(n_seqs + 1, plan.n_tokens, np.int32), np.zeros(n_seqs, np.int32)
+        seq_len = np.ones(n_pad, np.int32)  # encoders: each token sees its sequence's first seq_len positions
+        out_rows, off = [], 0
+        for i, s in enumerate(plan.seqs):
+            r, k = s.req, s.n_tokens
+            p = np.arange(r.n_computed, r.n_computed + k, dtype=np.int32)
+            blocks = np.asarray(r.blocks[:width], np.int32)
+            tokens[off:off + k] = (r.tokens + r.draft if r.draft else r.tokens)[r.n_computed:r.n_computed + k]
+            pos[off:off + k] = p
+            tok_seq[off:off + k] = i
+            slots[off:off + k] = blocks[p // bs] * bs + p % bs
+            block_table[i, :len(blocks)] = blocks
+            seq_off[i], state_slot[i] = off, r.state_slot or 0
+            seq_len[off:off + k] = r.n_computed + k
+            out_rows.extend(off + q - r.n_computed for q in scored(s))
+            if has_out_row(s):  # a reranking encoder scores its first ([CLS]) token, a decoder its last (and drafts')
+                out_rows.extend([off] if r.kind is Kind.RANK and not self.causal
+                                else range(off + k - 1 - len(r.draft), off + k))
+            off += k
+        feed = dict(tokens=tokens, pos=pos, tok_seq=tok_seq, slots=slots, block_table=block_table,
+                    seq_off=seq_off, state_slot=state_slot, seq_len=seq_len,
+                    out_rows=np.asarray(out_rows + [0] * (shape.n_out - len(out_rows)), np.int32))
+        return feed, shape
+
+    def shape(self, *, n_tokens: int, n_seqs: int, n_out: int, need_blocks: int, embd: bool = False) -> BatchShape:
+        """The bucketed shape a step's graph is cached by. KV-length bucket: the fused attention
+        reads only up to each token's position, so its graph takes the full width (one bucket);
+        the unfused one gathers the whole width."""
+        n_seqs_pad = bucket(n_seqs, self.max_seqs)
+        width = (self.max_blocks if self.graphs.fused
+                 else min(bucket(max(need_blocks, MIN_KV_BLOCKS)), self.max_blocks))
+        n_tokens_pad = bucket(n_tokens, self.max_batch_tokens, step=FINE_UP_TO if self.causal else ENCODER_STEP)
+        kv = self.memory.kv
+        return BatchShape(n_tokens=n_tokens_pad, n_seqs=n_seqs_pad, max_blocks=width,
+                          n_out=bucket(n_out, n_seqs_pad if n_out <= n_seqs_pad else n_tokens_pad) if n_out else 0,
+                          n_slots=kv.n_slots, block_size=kv.block_size, embd=embd,
+                          n_state=self.memory.state.n_slots if self.memory.hybrid else 0)
+
+    def stats(self) -> dict[str, Any]:
+        """The graph cache's counters, and the worker threads."""
+        return dict(self.graphs.stats(), threads=self.threads_now, thread_switches=self.threads.switches,
+                    worker_moves=self.worker_moves)
