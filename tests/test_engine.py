@@ -33,8 +33,17 @@ async def wait_idle(s: Session) -> dict:
     return s.stats()
 
 
-@pytest.mark.parametrize("anyio_backend", ["asyncio", "trio"])
-async def test_100_concurrent_with_10_cancelled(tiny, anyio_backend):
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_100_concurrent_with_10_cancelled(tiny, backend):
+    """Run by anyio.run on each event loop (pytest-asyncio would run an async test on asyncio
+    whatever it is parametrized by). Mutation: the body awaited directly by pytest-asyncio, as
+    it was: the trio case runs on asyncio and the sniffio check fails."""
+    anyio.run(_100_concurrent_with_10_cancelled, tiny, backend, backend=backend)
+
+
+async def _100_concurrent_with_10_cancelled(tiny, backend):
+    import sniffio
+    assert sniffio.current_async_library() == backend
     singles = {i: await alone(tiny, prompt(i), max_tokens=6 + i % 5, ignore_eos=True) for i in range(0, 100, 7) if i % 10 != 3}
     results: dict[int, list[int]] = {}
     async with Session.open(tiny, n_ctx=256, max_seqs=64, max_batch_tokens=256) as s:
