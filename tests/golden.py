@@ -1,63 +1,98 @@
-"""Real models against llama.cpp's outputs, recorded once with llama-cpp-python 0.3.36 (CPU,
-2 threads, n_ctx 1024) into tests/data/<model>.visible.json: per case the prompt's ids,
-32 greedy steps and each step's top 5 (ids, log-probs). The comparison is vLLM's criterion
-against a reference: walk both greedy sequences; at the first difference each side's token
-must be in the other side's top 5 at that step; then stop. The first step's top-1 log-prob
-must also agree."""
+"""Real models against llama.cpp's outputs, recorded with llama-cpp-python 0.3.36 (CPU, 2 threads,
+n_ctx 1024) twice: on the quantized files as they are (tests/data/<model>.visible.json) and on
+copies with the weights dequantized to F32 (tests/data/golden_dequantized.json,
+tests/parity/record_dequantized.py): per case the prompt's ids, 32 greedy steps and each step's
+top 5 (ids, log-probs). Against each record: vLLM's criterion (walk both greedy sequences; at
+the first difference each side's token must be in the other side's top 5 at that step; then
+stop) and, at every step before that difference, the log-probs within a tolerance.
+
+The tolerances, from the largest deviations measured (nats, the six cases of each model;
+SmolLM2 / Gemma 3 / Qwen2.5, cpu on AVX-512):
+- the quantized record: llama.cpp rounds the activations to 8 bits for its quantized matmuls,
+  which moves its own log-probs from its F32 run's by up to 0.22 (top token) and 0.96 (top 5);
+  so only the top token is held, at every step, within 0.25 (reference 0.215 / 0.180 / 0.074,
+  cpu 0.179 / 0.178 / 0.087);
+- the F32 record: the numpy reference computes in float32 as llama.cpp then does: top 5 within
+  0.05 (measured 0.016 / 0.032 / 0.021; a 2% error in the attention scale moves them by up to
+  0.6). The cpu and cuda backends round activations to 8 bits as llama.cpp does (their own
+  rounding, not its): top token within 0.25, top 5 within 1.0 (cpu 0.153 / 0.191 / 0.081 and
+  0.42 / 0.73 / 0.18).
+"""
 import anyio
 
 from hearthlm import Session
 
-# llama.cpp quantizes activations to 8 bits inside its matmuls; our kernels keep them
-# (near) exact, so first-step log-probs differ by up to ~0.16 nats on SmolLM2's cases
-TOP1_LOGPROB_TOL = 0.2
+# the quantized record's top token, every step (the F32 parity tests set it to 0.05)
+TOP1_LOGPROB_TOL = 0.25
+# the F32 record: (top token, top 5) per backend; backends that round activations to int8 by default
+F32_TOL = {"reference": (0.05, 0.05)}
+F32_TOL_INT8 = (0.25, 1.0)
 
 
 def compare(case: dict, token_ids: list[int], top: list[list[tuple[int, float]]], finish: str,
-            top1_tol: float = TOP1_LOGPROB_TOL, tie_tol: float = 0.0) -> str | None:
+            top1_tol: float | None = None, tie_tol: float = 0.0, topk_tol: float | None = None,
+            every_step: bool = True) -> str | None:
     """None when the case passes, else what went wrong. llama.cpp's list ends with the EOS
     token when one came; ours stops before it (finish_reason "stop"), unless it ran with
-    ignore_eos (check_golden does: an EOS is then a step like any other). tie_tol: at the first
-    difference it is also enough that llama.cpp put our token within tie_tol nats of its own
-    (a near-tie in its run, which a coarse KV cache's rounding may turn either way)."""
+    ignore_eos (check_golden does: an EOS is then a step like any other, and ours may run past
+    the record's end). tie_tol: at the first difference it is also enough that llama.cpp put our
+    token within tie_tol nats of its own (a near-tie in its run, which a coarse KV cache's
+    rounding may turn either way). Log-probs: llama.cpp's top token within top1_tol at the first
+    step and at every step while the tokens agree (at the first step only, every_step False); with
+    topk_tol, each of its top 5 that is in ours within topk_tol too. Not at the first difference:
+    a flip is where the two sides' rounding differs most (SmolLM2's cpu: 0.41 there, 0.15 before).
+    top1_tol None: TOP1_LOGPROB_TOL as it is at the call (the F32 parity tests set it to 0.05)."""
+    top1_tol = TOP1_LOGPROB_TOL if top1_tol is None else top1_tol
     want = case["greedy_ids"]
+    n = min(len(token_ids), len(want))  # the steps on which both greedy sequences agree
     for i, (a, b) in enumerate(zip(token_ids, want)):
         if a != b:
             ours = [t for t, _ in top[i]]
             step = case["steps"][i]
             theirs = step["top_ids"]
             if a in theirs and (b in ours or step["top_logprobs"][theirs.index(a)] >= step["top_logprobs"][0] - tie_tol):
+                n = i
                 break
             return f"step {i}: ours {a} (top {ours}) vs llama.cpp {b} (top {theirs})"
     else:
         eos_end = finish == "stop" and len(want) == len(token_ids) + 1
-        if len(token_ids) != len(want) and not eos_end:
+        if len(token_ids) < len(want) and not eos_end:
             return f"length {len(token_ids)} vs llama.cpp {len(want)}"
-    # llama.cpp's top token at the first step, looked up in our top 5
-    ref_id, ref_lp = case["steps"][0]["top_ids"][0], case["steps"][0]["top_logprobs"][0]
-    ours = dict(top[0])
-    if ref_id not in ours or abs(ours[ref_id] - ref_lp) > top1_tol:
-        return f"first step: llama.cpp's top token {ref_id} ({ref_lp:.3f}) vs ours {ours}"
+    for i in range(max(n, 1) if every_step else 1):  # the first step whatever follows
+        step, ours = case["steps"][i], dict(top[i])
+        for k, (t, lp) in enumerate(zip(step["top_ids"], step["top_logprobs"])):
+            tol = top1_tol if k == 0 else topk_tol
+            if tol is None:
+                break
+            if (k == 0 and t not in ours) or (t in ours and abs(ours[t] - lp) > tol):
+                return f"step {i}: llama.cpp's top-{k + 1} token {t} ({lp:.3f}) vs ours {ours} (tolerance {tol})"
     return None
 
 
-async def check_golden(path, backend: str, cases: list[dict], top1_tol: float = TOP1_LOGPROB_TOL,
-                       tie_tol: float = 0.0, allowed: int = 0, **open_kw) -> None:
+async def check_golden(path, backend: str, cases: list[dict], top1_tol: float | None = None,
+                       tie_tol: float = 0.0, dequantized: list[dict] | None = None,
+                       every_step: bool = True, **open_kw) -> None:
     """The cases run concurrently: one batch a step (a greedy sequence does not depend on its
     neighbours: tests/test_engine.py), which the numpy reference backend computes in about the
-    time of one sequence. `allowed`: cases that may fail (a coarse KV cache's chaotic paths).
+    time of one sequence. `dequantized`: the same cases' F32 record, compared too (F32_TOL).
     `open_kw`: more Session.open options (kv_cache_type, say)."""
     failures = []
+    f32_top1, f32_topk = F32_TOL.get(backend, F32_TOL_INT8)
     async with Session.open(str(path), backend=backend, n_ctx=1024, **open_kw) as s:
         async def one(i: int, case: dict) -> None:
             # past an EOS too: where ours and llama.cpp's differ on ending (a near-tie with EOS),
             # the criterion needs our top 5 at that step, which a stopped request does not give
-            c = await s.generate(case["prompt_ids"], max_tokens=len(case["greedy_ids"]), temperature=0,
-                                 top_logprobs=5, ignore_eos=True)
-            why = compare(case, c.token_ids, c.top_logprobs, c.finish_reason, top1_tol, tie_tol)
+            n = max(len(case["greedy_ids"]), len(dequantized[i]["greedy_ids"]) if dequantized else 0)
+            c = await s.generate(case["prompt_ids"], max_tokens=n, temperature=0, top_logprobs=5, ignore_eos=True)
+            why = compare(case, c.token_ids, c.top_logprobs, c.finish_reason, top1_tol, tie_tol, every_step=every_step)
             if why:
                 failures.append(f"case {i} ({case['prompt'][:30]!r}): {why}")
+            if dequantized:
+                assert dequantized[i]["prompt_ids"] == case["prompt_ids"]
+                why = compare(dequantized[i], c.token_ids, c.top_logprobs, c.finish_reason, f32_top1, topk_tol=f32_topk)
+                if why:
+                    failures.append(f"case {i} ({case['prompt'][:30]!r}) against the F32 record: {why}")
         async with anyio.create_task_group() as tg:
             for i, case in enumerate(cases):
                 tg.start_soon(one, i, case)
-    assert len(failures) <= allowed, "\n".join(sorted(failures))
+    assert not failures, "\n".join(sorted(failures))

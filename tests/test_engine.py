@@ -3,6 +3,7 @@ queue bound, preemption, prefix reuse, determinism; under asyncio and trio."""
 import time
 
 import anyio
+import numpy as np
 import pytest
 
 from hearthlm import ContextLengthError, QueueFull, Session, SessionClosedError
@@ -32,8 +33,17 @@ async def wait_idle(s: Session) -> dict:
     return s.stats()
 
 
-@pytest.mark.parametrize("anyio_backend", ["asyncio", "trio"])
-async def test_100_concurrent_with_10_cancelled(tiny, anyio_backend):
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_100_concurrent_with_10_cancelled(tiny, backend):
+    """Run by anyio.run on each event loop (pytest-asyncio would run an async test on asyncio
+    whatever it is parametrized by). Mutation: the body awaited directly by pytest-asyncio, as
+    it was: the trio case runs on asyncio and the sniffio check fails."""
+    anyio.run(_100_concurrent_with_10_cancelled, tiny, backend, backend=backend)
+
+
+async def _100_concurrent_with_10_cancelled(tiny, backend):
+    import sniffio
+    assert sniffio.current_async_library() == backend
     singles = {i: await alone(tiny, prompt(i), max_tokens=6 + i % 5, ignore_eos=True) for i in range(0, 100, 7) if i % 10 != 3}
     results: dict[int, list[int]] = {}
     async with Session.open(tiny, n_ctx=256, max_seqs=64, max_batch_tokens=256) as s:
@@ -225,3 +235,60 @@ async def test_blas_limit_held_while_any_session_runs(tiny, main_thread_engine_f
         assert all(n == 1 for n in blas())  # the other session still runs
         await a.generate(prompt(1, 4), max_tokens=2)
     assert blas() == before
+
+
+async def test_steps_stay_within_the_token_budget(tiny, monkeypatch):
+    """Six 100-token prompts under max_batch_tokens=64: every planned step holds at most 64
+    tokens, some hold exactly 64 (the budget is filled, not just respected by idling), and the
+    outputs equal each request's run alone. Mutation: `budget -= take` in runtime/batcher.py
+    made a no-op plans steps of 600 tokens."""
+    from hearthlm.runtime.batcher import Batcher
+    sizes: list[int] = []
+    plan = Batcher.plan
+
+    def recording(self, running, waiting):
+        p = plan(self, running, waiting)
+        sizes.append(p.n_tokens)
+        return p
+
+    monkeypatch.setattr(Batcher, "plan", recording)
+    got = {}
+    async with Session.open(tiny, n_ctx=256, max_batch_tokens=64) as s:
+        async def run(i):
+            got[i] = (await s.generate(prompt(i, 100), max_tokens=5, temperature=0, ignore_eos=True)).token_ids
+        async with anyio.create_task_group() as tg:
+            for i in range(6):
+                tg.start_soon(run, i)
+        assert s.stats()["tokens_computed"] == sum(sizes)
+    assert max(sizes) <= 64, sizes
+    assert sizes.count(64) >= 6 * 100 // 64 - 1, sizes  # the prompts are chunked to fill the budget
+    monkeypatch.setattr(Batcher, "plan", plan)
+    for i in range(6):
+        assert got[i] == await alone(tiny, prompt(i, 100), max_tokens=5, ignore_eos=True), i
+
+
+async def test_prefix_cache_keys_blocks_by_everything_before_them(tiny):
+    """A block's K/V depend on its position and all tokens before it, so the prefix cache keys a
+    block by its tokens chained to its parent's hash. Here prompt B's first block holds the same
+    tokens as prompt A's second block (and B's second the same as A's second): none of B's
+    blocks may be taken from A's, and B's log-probs equal a cold run's (the tiny model's greedy
+    tokens are one token repeated: its runner-up log-probs show the K/V). Mutation: the parent's
+    hash dropped from runtime/kv_cache.py's block_hash makes B's blocks hit A's second block (K/V
+    rotated for positions 16-31 read at 0-15): 32 hit tokens, runner-ups ~3 nats off."""
+    x, y = prompt(11, 16), prompt(12, 16)
+    a, b = x + y + prompt(13, 5), y + y + prompt(14, 5)
+    kw = dict(max_tokens=4, temperature=0, ignore_eos=True, top_logprobs=3)
+
+    def same(c1, c2) -> bool:
+        return all([t for t, _ in s1] == [t for t, _ in s2] and np.allclose([v for _, v in s1], [v for _, v in s2], atol=1e-3)
+                   for s1, s2 in zip(c1.top_logprobs, c2.top_logprobs, strict=True))
+    async with Session.open(tiny, n_ctx=256) as s:
+        cold = await s.generate(b, **kw)
+    async with Session.open(tiny, n_ctx=256) as s:
+        await s.generate(a, max_tokens=1, temperature=0)
+        got = await s.generate(b, **kw)
+        assert s.stats()["prefix_cache_hit_tokens"] == 0
+        assert same(got, cold)
+        again = await s.generate(b, **kw)  # its own two blocks are reused: the cache does work here
+        assert s.stats()["prefix_cache_hit_tokens"] == 32
+        assert same(again, cold)

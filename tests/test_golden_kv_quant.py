@@ -28,33 +28,52 @@ TOP1_TOL = {"q8_0": 0.5, "q4_0": 1.0}  # q4_0: Gemma 3's case 5 came out 0.92 na
 # (0.75 and under alone; a near-tie of 0.08 nat between its two top tokens), llama.cpp's own q4_0 moves 2.34
 # Qwen2.5's q8_0 case 1: ours -1.22 (AVX-512 host) for llama.cpp's -1.85, whose own q8_0 run moved it by 1.26
 TOP1_TOL_MODEL = {("qwen2.5-coder-0.5b-instruct", "q8_0"): 0.75}
-# q4_0's greedy path turns on the rounding of 4-bit K/V codes: llama.cpp's own q4_0 run leaves its
-# f16 path in all six of SmolLM2's cases, at steps 0 to 12 (case 1 at step 0), and llama.cpp rounds Q
-# to 8 bits for its products with quantized K where ours keeps it float. One case per model may
-# fail the criterion, the perplexity below being the measure of the cache. Seen: SmolLM2's case 1
-# at step 19 (llama.cpp 104 at -1.35, 33 at -1.52; ours 33 on one Intel host, 94 on an AMD Zen 4);
-# Gemma 3's case 4 at step 2 in a full-suite run on the Zen 4 (alone: a near-tie at step 0)
+# q4_0's greedy path turns on the rounding of 4-bit K/V codes: a perturbation as small as rounding
+# the activations to 8 bits or not moves other K/V codes and then log-probs by nats. llama.cpp's
+# own q4_0 runs on the quantized weights and on the same weights dequantized to F32 (its activations
+# then float; "f32_weights_ids", tests/parity/record_kv_quant_f32.py) part at steps 8, 17, 2, 3, 1, 1
+# (SmolLM2) and 3, 3, 6, 1, 10, 8 (Gemma 3), their log-probs up to 1.8 nats apart before that; and
+# llama.cpp rounds Q to 8 bits for its products with quantized K where ours keeps it float (the
+# numpy reference with and without that rounding: 4.6 nats apart within agreeing steps). So a
+# q4_0 case is held to llama.cpp's path only as far as llama.cpp's own path is determined: up to
+# the step where its two runs part. (Once "one case per model may fail": SmolLM2's case 1 left
+# llama.cpp's top 5 at step 19, past llama.cpp's own parting at 17.) TIE_TOL: at the first
+# difference, llama.cpp's own near-tie within 0.25 nat is enough (seen: Gemma 3's case 4 at
+# step 2 on an AMD Zen 4)
 TIE_TOL = {"q8_0": 0.0, "q4_0": 0.25}
-ALLOWED = {"q8_0": 0, "q4_0": 1}
+
+
+def determined(case: dict) -> dict:
+    """The case up to the step where llama.cpp's q4_0 runs on quantized and on F32 weights part
+    (at least its first step)."""
+    want, other = case["greedy_ids"], case["f32_weights_ids"]
+    n = max(1, next((i for i, (a, b) in enumerate(zip(want, other)) if a != b), len(want)))
+    return dict(case, greedy_ids=want[:n], steps=case["steps"][:n])
 
 
 @pytest.mark.parametrize("model,kv", CASES)
 async def test_golden_generation(model, kv, request):
+    """Every case passes (q4_0: as far as llama.cpp's own path is determined). Mutation: q4_0's
+    cases whole and none allowed to fail, SmolLM2's case 1 fails at step 19."""
     path = request.getfixturevalue(FIXTURE[model])
-    await check_golden(path, "cpu", REF[model][kv]["cases"], top1_tol=TOP1_TOL_MODEL.get((model, kv), TOP1_TOL[kv]),
-                       tie_tol=TIE_TOL[kv], allowed=ALLOWED[kv], kv_cache_type=kv)
+    cases = REF[model][kv]["cases"]
+    if kv == "q4_0":
+        cases = [determined(c) for c in cases]
+    await check_golden(path, "cpu", cases, top1_tol=TOP1_TOL_MODEL.get((model, kv), TOP1_TOL[kv]),
+                       tie_tol=TIE_TOL[kv], every_step=False, kv_cache_type=kv)
 
 
-# the suite's share of the time: Gemma 3's perplexity (10.13 q8_0, 11.73 q4_0 against llama.cpp's
-# 10.14, 11.83) is left to a manual run; its goldens run above
+# the suite's share of the time: Gemma 3's perplexity (10.12 q8_0, 11.88 q4_0 against llama.cpp's
+# 10.14, 11.83, measured here) is left to a manual run; its goldens run above
 PPL_CASES = [("smollm2-135m-instruct", "q8_0"), ("smollm2-135m-instruct", "q4_0"), ("qwen2.5-coder-0.5b-instruct", "q8_0")]
 
 
 @pytest.mark.parametrize("model,kv", PPL_CASES)
 async def test_perplexity(model, kv):
-    """q8_0: within 1% of llama.cpp's with the same cache (Gemma 3: 2%, its fused graph's known
-    ~0.8% drift on top), and costing no more than 1% over what q8_0 costs llama.cpp against its
-    f16 cache (0.2% SmolLM2, 0.4% Gemma 3, 5% Qwen2.5). q4_0 is a coarse rounding, each model's
+    """q8_0: within 1% of llama.cpp's with the same cache (Gemma 3 too, run by hand: -0.26%; it had
+    2% once, for a ~0.8% drift of its fused graph that does not reproduce), and costing no more
+    than 1% over what q8_0 costs llama.cpp against its f16 cache (0.2% SmolLM2, 0.4% Gemma 3, 5%
+    Qwen2.5). q4_0 is a coarse rounding, each model's
     perplexity moving by several % with the rounding of single blocks, so its bound says "the same
     damage", not "the same value"; Qwen2.5's keys have outlier channels that q4_0 cannot hold (7.8x
     its f16 perplexity in llama.cpp, 9x in ours): not measured here, a ruin either way."""
@@ -63,7 +82,7 @@ async def test_perplexity(model, kv):
         assert s.stats()["kv_cache_type"] == kv
         ppl = summary(await chunk_nlls(s, TEXT, 512), 512)["ppl"]
     if kv == "q8_0":
-        assert abs(ppl / want - 1) < (0.02 if model == "gemma-3-270m" else 0.01), (model, kv, ppl, want)
+        assert abs(ppl / want - 1) < 0.01, (model, kv, ppl, want)
         f16 = F16[model]["ppl"]
         assert ppl / f16 - 1 < want / f16 - 1 + 0.01, (model, ppl, want, f16)
     else:

@@ -63,6 +63,29 @@ def test_limits_are_configurable_and_named():
         render_chat("{{ 'ab' * 60 }}", HI, limits=TemplateLimits(value_len=100))
 
 
+# long loops within every limit but time: tens of seconds each without the clock. In template
+# code (lines traced; the inner range made once, so no call reaches the calls' check) and in a
+# filter's Python loop (calls traced; few lines): the two places the deadline is checked, one each
+SLOW = {"template lines": ("{% set r = range(100000) %}{% for i in range(100) %}{% for j in r %}{% set x = j %}"
+                           "{% endfor %}{% endfor %}", TemplateLimits(steps=10**9)),
+        "filter calls": ("{% for i in range(50) %}{{ range(100000)|select('odd')|list|length }}{% endfor %}",
+                         TemplateLimits())}
+
+
+@pytest.mark.parametrize("name", list(SLOW))
+def test_render_stops_at_its_time_limit(name):
+    """A template that would loop for tens of seconds within every other limit fails with the
+    time limit's error after about its 1 s. Mutations (model_zoo/template_limits.py): Budget._line's
+    deadline check removed renders "template lines" to the end (10-60 s here) without an error,
+    Budget.trace's the same for "filter calls"."""
+    template, limits = SLOW[name]
+    t0 = time.perf_counter()
+    with pytest.raises(TemplateLimitError, match=r"longer than 1\.0 s"):
+        render_chat(template, HI, limits=limits)
+    took = time.perf_counter() - t0
+    assert 0.9 < took < 2.5, f"{name}: {took:.2f} s"  # slack for a loaded machine
+
+
 def test_real_templates_render_unchanged_within_the_limits():
     """A 2,000-message chat under the shipped templates stays far below every default."""
     from conftest import DATA

@@ -119,20 +119,39 @@ def test_stale_file_is_rebuilt(model, tmp_path, monkeypatch):
 
 
 def test_unwritable_directory_means_no_cache(model, tmp_path):
+    """A cache path under a regular file, and a directory nothing can be written to (a child
+    process under a file-size limit of 0: RLIMIT_FSIZE binds root, whom permission bits do
+    not, and CI runs as root): a good file there is still mapped ("hit"); without one the
+    session runs uncached ("unwritable") and the failed write leaves no temporary file.
+    Mutations: array_file.write no longer unlinking its temporary file on failure leaves a
+    .tmp-* behind; WeightCache.save letting its OSError out fails the open (both as root too)."""
     ref, _ = run(model, False)
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")
     assert run(model, blocker / "cache") == (ref, "unwritable")
-    if os.geteuid() == 0:
-        return  # root writes through permission bits
-    ro = tmp_path / "ro"
-    run(model, ro)  # a good file, then the directory goes read-only
-    (ro / "weights").chmod(0o555)
-    try:
-        assert run(model, ro) == (ref, "hit")
-        cache_file(model, ro).unlink(missing_ok=True) if os.access(ro / "weights", os.W_OK) else None
-    finally:
-        (ro / "weights").chmod(0o755)
+    d = tmp_path / "ro"
+    assert run(model, d) == (ref, "written")
+    assert _no_writes_child(model, d) == [ref, "hit"]
+    cache_file(model, d).unlink()
+    assert _no_writes_child(model, d) == [ref, "unwritable"]
+    assert not list((d / "weights").iterdir())
+    if os.geteuid() != 0:  # permission bits too, where they bind
+        (d / "weights").chmod(0o555)
+        try:
+            assert run(model, d) == (ref, "unwritable")
+        finally:
+            (d / "weights").chmod(0o755)
+
+
+def _no_writes_child(model, d: Path) -> list:
+    """_CHILD's [ids, weight-cache state], run where no file can grow past 0 bytes: a write
+    fails with EFBIG (SIGXFSZ ignored, as it would otherwise kill the process)."""
+    limit = ("import resource, signal\nsignal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
+             "resource.setrlimit(resource.RLIMIT_FSIZE, (0, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))\n")
+    r = subprocess.run([sys.executable, "-c", limit + _CHILD, str(model), str(d)], capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
 
 
 def test_cache_dir_option_and_environment(monkeypatch, tmp_path):
