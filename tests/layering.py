@@ -31,8 +31,8 @@ class Scan:
     upward: list[tuple[str, str, int]] = field(default_factory=list)  # (module, imported, line)
 
 
-def module_of(path: Path) -> str:
-    rel = path.relative_to(ROOT)
+def module_of(path: Path, root: Path = ROOT) -> str:
+    rel = path.relative_to(root)
     prefix = FOLDERS[rel.parts[0]]
     parts = list(rel.parts[1:])
     parts[-1] = parts[-1][:-3]
@@ -56,11 +56,11 @@ def _resolve(module: str, is_pkg: bool, node: ast.ImportFrom) -> str:
     return ".".join(base + ([node.module] if node.module else []))
 
 
-def scan() -> Scan:
+def scan(root: Path = ROOT) -> Scan:
     s = Scan()
     for folder in FOLDERS:
-        for path in sorted((ROOT / folder).rglob("*.py")):
-            s.modules[module_of(path)] = path
+        for path in sorted((root / folder).rglob("*.py")):
+            s.modules[module_of(path, root)] = path
     for mod, path in s.modules.items():
         tree = ast.parse(path.read_text(), str(path))
         is_pkg = path.name == "__init__.py"
@@ -124,16 +124,17 @@ def cycles(s: Scan) -> list[list[str]]:
     return out
 
 
-def long_functions(folders: tuple[str, ...] = ("runtime", "sdk"), limit: int = 100) -> list[tuple[str, str, int]]:
+def long_functions(folders: tuple[str, ...] = ("runtime", "sdk"), limit: int = 100,
+                   root: Path = ROOT) -> list[tuple[str, str, int]]:
     """(file, function, lines) for each function longer than `limit` lines."""
     out = []
     for folder in folders:
-        for path in sorted((ROOT / folder).rglob("*.py")):
+        for path in sorted((root / folder).rglob("*.py")):
             for node in ast.walk(ast.parse(path.read_text())):
                 if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                     n = node.end_lineno - node.lineno + 1
                     if n > limit:
-                        out.append((str(path.relative_to(ROOT)), node.name, n))
+                        out.append((str(path.relative_to(root)), node.name, n))
     return out
 
 
