@@ -1,7 +1,8 @@
 """The Backend protocol, as a base class every backend derives from: what runtime calls,
 and the optional capabilities with their defaults, so runtime never probes with getattr.
 A backend runs one graph node at a time (`kernels[op](node, *srcs, out=None)`, bound to
-its node once per compiled graph by `bind`) on values it owns; `runtime.dispatch` walks the graph. Backends import nothing of ours but core."""
+its node once per compiled graph by `bind`) on values it owns; `runtime.dispatch` walks the
+graph. Backends import nothing of ours but core."""
 from __future__ import annotations
 
 import functools

@@ -100,7 +100,8 @@ class Op(enum.Enum):
     TAKE = "take"            # (x (n, E), ids (n, k)) -> (n, k): x[i, ids[i, j]]
     SUM_ROWS = "sum_rows"    # (x (..., n),) -> (..., 1)
     DIV = "div"              # (a, b) broadcast
-    MUL_MAT_ID = "mul_mat_id"  # (w (E, rows, cols), x (n, cols) or (n, k, cols), ids (n, k)) -> (n, k, rows): x @ w[ids].T (ggml's MUL_MAT_ID)
+    # (w (E, rows, cols), x (n, cols) or (n, k, cols), ids (n, k)) -> (n, k, rows): x @ w[ids].T (ggml's MUL_MAT_ID)
+    MUL_MAT_ID = "mul_mat_id"
     # recurrent state (hybrid models). Source 0 is a layer's state cache (n_state_slots, ...): for
     # each sequence row i, the tokens [seq_off[i], seq_off[i+1]) run in order from the state in slot
     # state_slot[i], which is left holding the state after them; tokens in no range (padding) give 0

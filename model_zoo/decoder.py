@@ -69,14 +69,15 @@ def build_decoder(c: HParams, g: Graph, w, shape: BatchShape, d: Decoder = Decod
         return g.get_rows(h, inp.out_rows, "inp_out_ids")
     head = (w("token_embd.weight", (w.n_vocab, e)) if d.tied else
             w("output.weight", (w.n_vocab, e), fallback="token_embd.weight"))
-    logits = build_output(g, x, inp, norm=w(d.out_norm[0], (e,), fallback=d.out_norm[1] if len(d.out_norm) > 1 else None), output=head, eps=eps,
+    norm = w(d.out_norm[0], (e,), fallback=d.out_norm[1] if len(d.out_norm) > 1 else None)
+    logits = build_output(g, x, inp, norm=norm, output=head, eps=eps,
                           softcap=d.final_softcap)
     return logits if d.logit_scale == 1.0 else g.scale(logits, 1.0 / d.logit_scale, "result_scaled")
 
 
 def build_self_attn(c: HParams, g: Graph, L, inp: Inputs, h: Tensor, il: int, d: Decoder) -> Tensor:
     """Q/K/V (biases where the file has them), Q/K norms, RoPE, the attention core, the output projection."""
-    e, hd, n = c.n_embd, c.head_dim, h.shape[0]
+    e, hd = c.n_embd, c.head_dim
     nq, nkv = c.n_head * hd, c.n_head_kv * hd
     bias = lambda p, size: L(f"attn_{p}.bias", (size,), optional=True) if p[0] in d.biases else None  # noqa: E731
     q, k, v = build_qkv(g, h, il=il, n_head=c.n_head, n_head_kv=c.n_head_kv, head_dim=hd,

@@ -282,7 +282,6 @@ async def speed(d: Path, backend: str) -> int:
     """A Qwen2.5-0.5B-shaped model (24 layers, 151936 tokens) in Q4_K where rows allow, Q8_0
     elsewhere (as llama.cpp falls back on 896-wide rows): decode of 1 stream, of 16 streams
     together, and a 512-token prefill, on `backend` alone."""
-    s = SHAPES["qwen2.5"]
     path = d / "qwen2.5-full-q4_k.gguf"
     if not path.exists():
         t = time.perf_counter()

@@ -193,7 +193,7 @@ def test_sync_session(tiny):
         c = s.generate(prompt(1), max_tokens=5, temperature=0, ignore_eos=True)
         chunks = list(s.stream(prompt(1), max_tokens=5, temperature=0, ignore_eos=True))
         assert [t for ch in chunks for t in ch.token_ids] == c.token_ids
-        for ch in s.stream(prompt(1), max_tokens=100, temperature=0, ignore_eos=True):
+        for _ch in s.stream(prompt(1), max_tokens=100, temperature=0, ignore_eos=True):
             break  # leaving early aborts the request
         # three requests, one after another, one token per step each: 5 + 5 + at least 1
         st = s.stats()

@@ -165,7 +165,7 @@ def test_close_keeps_taken_views_valid(sample):
 def test_architecture_missing(tmp_path):
     with GGUFFile.open(make(tmp_path, [kv_str("general.name", "x")])) as f:
         with pytest.raises(GGUFError, match="general.architecture"):
-            f.architecture
+            f.architecture  # noqa: B018 (reading it raises)
 
 
 # --- not files, not GGUF -------------------------------------------------------------
@@ -246,7 +246,7 @@ def test_absurd_counts(tmp_path):
     quick_failure(make(tmp_path, n_tensors=2**60), r"tensor count 1152921504606846976 impossible for a \d+-byte file")
     quick_failure(make(tmp_path, n_kv=2**64 - 1), "metadata count .* impossible")
     quick_failure(make(tmp_path, [s("k") + struct.pack("<I", 8) + struct.pack("<Q", 2**63)]), "cut short")
-    for etype, item in [(4, 4), (8, 8), (9, 12), (12, 8)]:
+    for etype, _item in [(4, 4), (8, 8), (9, 12), (12, 8)]:
         arr = s("k") + struct.pack("<IIQ", 9, etype, 2**62)
         quick_failure(make(tmp_path, [arr]), "array length .* impossible")
     quick_failure(make(tmp_path, [], [s("t") + struct.pack("<I", 2**31)]), "dims")

@@ -24,13 +24,13 @@ _gettid = types.ExternalFunction("gettid", types.int32())  # by name, so the ker
 
 @numba.njit(parallel=True, cache=True)
 def _team_tids(out):
-    for i in numba.prange(out.shape[0]):  # an iteration a thread (a static schedule)
+    for _i in numba.prange(out.shape[0]):  # an iteration a thread (a static schedule)
         out[numba.get_thread_id()] = _gettid()
 
 
 def supported() -> bool:
     try:
-        ctypes.CDLL(None).gettid  # glibc >= 2.30
+        ctypes.CDLL(None).gettid  # noqa: B018 (glibc >= 2.30 has it)
     except (AttributeError, OSError):
         return False
     return hasattr(os, "sched_setaffinity") and os.path.isdir("/proc/self/task")

@@ -1,7 +1,8 @@
 """Gemma 4 (text; E2B, E4B and the dense larger ones): Gemma 3's layer (embeddings scaled by
 sqrt(n_embd), per-head Q/K RMSNorm, norms before and after attention and FFN, GeGLU) with
 - sliding and full layers by the file's per-layer pattern, each kind with its own head size, K/V head
-  count (the file's per-layer attention.head_count_kv) and RoPE (full layers: rope_freqs' proportional factors; sliding ones: rope.freq_base_swa, unscaled);
+  count (the file's per-layer attention.head_count_kv) and RoPE (full layers: rope_freqs'
+  proportional factors; sliding ones: rope.freq_base_swa, unscaled);
 - V RMS-normed (no weight), attention scale 1 (Q and K are normed);
 - the last attention.shared_kv_layers layers keep no K/V: each reads the cache of the last earlier
   layer of its kind (llama.cpp's reuse rule);

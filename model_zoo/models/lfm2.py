@@ -49,4 +49,5 @@ def build_shortconv(c: Config, g, w, inp, h, il: int):
 def build(c: Config, g, w, shape, ffn=None):
     """`ffn(g, w, h, il)`: the FFN (lfm2moe's experts in later layers); attention layers may slide (LFM2.5)."""
     return build_decoder(c, g, w, shape, Decoder(
-        mixer=lambda g, w, inp, h, il: build_shortconv(c, g, w, inp, h, il), ffn=ffn, qk_norm="head", out_norm=("token_embd_norm.weight", "output_norm.weight")))
+        mixer=lambda g, w, inp, h, il: build_shortconv(c, g, w, inp, h, il), ffn=ffn, qk_norm="head",
+        out_norm=("token_embd_norm.weight", "output_norm.weight")))

@@ -80,10 +80,12 @@ def _llama_cpp_round(a, path: str, rep: int) -> dict | None:
     llm = _llm
     prompt = _prompt(llm.n_vocab(), a.prompt_tokens, seed=10 + rep)
     llm.reset()
-    t = time.perf_counter(); llm.eval(prompt); prefill_s = time.perf_counter() - t
+    t = time.perf_counter()
+    llm.eval(prompt)
+    prefill_s = time.perf_counter() - t
     llm.reset()
     t, first, n = time.perf_counter(), None, 0
-    for tok in llm.generate(_decode_prompt(llm.n_vocab(), a, rep), temp=0.0, top_k=1):
+    for _tok in llm.generate(_decode_prompt(llm.n_vocab(), a, rep), temp=0.0, top_k=1):
         if first is None:
             first = time.perf_counter() - t
         n += 1
@@ -323,8 +325,8 @@ def with_load(a, measure) -> list[dict]:
     with competitors(a.competing_load, a.competing_nice):
         loaded = measure()
     kept = []
-    for q, l in zip(quiet, [r for r in loaded if r["engine"] != "ratio"]):
-        kept.append(dict(l, engine=f"{l['engine']} kept", **{k: l[k] / q[k] for k in _RATE_KEYS if k in l and q.get(k)}))
+    for q, ld in zip(quiet, [r for r in loaded if r["engine"] != "ratio"]):
+        kept.append(dict(ld, engine=f"{ld['engine']} kept", **{k: ld[k] / q[k] for k in _RATE_KEYS if k in ld and q.get(k)}))
     tag = f"+{a.competing_load}@nice{a.competing_nice}"
     return ([dict(r, engine=f"{r['engine']} quiet") for r in quiet]
             + [dict(r, engine=f"{r['engine']} {tag}") if r["engine"] != "ratio" else r for r in loaded] + kept)

@@ -24,7 +24,8 @@ warnings.filterwarnings("ignore", category=SyntaxWarning)  # Python compiling a 
 
 _INTS = [0, 1, 2, -1, 3, 7, 10, 100, 1000, 100000, 10**6, 2**31, 2**63, 10**9, 10**20]
 _STRS = ["", "a", "user", "assistant", "system", "content", "role", "<|im_start|>", "<|im_end|>", "\n",
-         "%s", "{0}", "{0:>99999999}", "%099999999d", "%*d", "%.*f", "{:{}}", "{0:{1}}", "\x00hearthlm-msg-0\x00", "\u00e9\U0001F642", "\ud800",
+         "%s", "{0}", "{0:>99999999}", "%099999999d", "%*d", "%.*f", "{:{}}", "{0:{1}}",
+         "\x00hearthlm-msg-0\x00", "\u00e9\U0001F642", "\ud800",
          "'", '"', "\\", "{{", "{%", "__class__", "os", "mro", "x" * 100]
 _VARS = ["messages", "m", "message", "x", "y", "ns", "loop", "bos_token", "eos_token", "add_generation_prompt",
          "tools", "nothing", "range", "lipsum", "dict", "cycler", "joiner", "namespace", "raise_exception",

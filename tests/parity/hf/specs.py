@@ -1,4 +1,5 @@
-"""One entry a converted test model (this file's SPECS, then each specs_<group>.py's): the transformers classes, a tiny config, the tokenizer kind
+"""One entry a converted test model (this file's SPECS, then each specs_<group>.py's): the
+transformers classes, a tiny config, the tokenizer kind
 (make.py's bpe / spm / wpm) and, for BPE, the pre-tokenizer name of the real family (convert.py).
 Shapes: 2+ layers, width 64, 4 heads of 16 over 2 K/V heads, unless the family needs more."""
 SMALL = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
