@@ -20,7 +20,6 @@ from hearthlm.runtime.dispatch import CompiledGraph, execute
 from hearthlm.core.errors import (ContextLengthError, EngineFailedError, HearthError, InvalidRequestError,
                                      QueueFull, SessionClosedError)
 from hearthlm.runtime.graph_cache import FINE_UP_TO, GraphCache, bucket
-from hearthlm.core import kv_types
 from hearthlm.runtime.kv_cache import KVCache, kv_layout
 from hearthlm.core.log import get_logger
 from hearthlm.runtime.placement import Placement
@@ -136,8 +135,7 @@ class Engine:
         prompts = None
         if prompt_cache_dir is not None:
             key = dict(model=model.file.identity(), block_size=block_size, state=state_dims,
-                       kv=[[be.name, kv_types.name_of(k), h, d]  # q8_0 and f16 files never mix
-                           for be, k, (h, d) in zip(self.placement.layer_backends(), self.kv.k, model.kv_dims)])
+                       kv=self.kv.key())  # q8_0 and f16 files never mix
             prompts = PromptCache(prompt_cache_dir, key, block_size=block_size, hybrid=state is not None,
                                   max_bytes=prompt_cache_bytes)
         self.memory = SequenceMemory(self.kv, state, n_snapshots=state_snapshots if state_dims else 0,
@@ -155,7 +153,7 @@ class Engine:
         self.max_batch_tokens, self.max_seqs = max_batch_tokens, max_seqs
         self.running: list[Request] = []
         self.waiting: deque[Request] = deque()
-        self.graphs = GraphCache(model.build_graph, self.placement, fusion_on=fusion, enabled=graph_cache,
+        self.graphs = GraphCache(self.kv.typed(model.build_graph), self.placement, fusion_on=fusion, enabled=graph_cache,
                                  weight_cache=weight_cache)
         # weights packed at load, not at the first step: compiling the single-stream decode graph
         # binds what it reads (a later graph that reads more prepares it on first use)
