@@ -107,10 +107,10 @@ class Session:
         `prompt_cache`: prefixes written by `cache_prefix()` are kept in `prompt_cache_dir`
         (default: `prompts/` beside the packed weights), at most `prompt_cache_bytes` of them,
         and any prompt that begins with one takes its KV from there; False for none.
-        `kv_cache_type`: the K/V cache's element type, as llama.cpp's -ctk/-ctv: "f16" (the
-        backend's own: float16 on the CPU, float32 on the reference and cuda backends), "q8_0"
-        (about half the bytes of f16) or "q4_0"; the quantized ones need a head_dim that is a
-        multiple of 32.
+        `kv_cache_type`: the K/V cache's type by name, as llama.cpp's -ctk/-ctv (core.kv_types):
+        "f16" (float16), "f32", or ggml's blocks "q8_0" (about half the bytes of f16), "q4_0",
+        "q5_0", "q5_1", "iq4_nl" (head_dim a multiple of 32; cuda: q8_0 and q4_0), each with
+        "+rot" for llama.cpp's Hadamard rotation of K/V (head_dim a multiple of 64; not on cuda).
         `draft_model` (a path, Hub repo id with `draft_filename`, or zoo name, as `model`): a
         smaller model of the same vocabulary (checked here) that drafts tokens for speculative
         decoding; every request then uses it unless it passes speculative="off" or "ngram".
