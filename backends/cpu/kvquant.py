@@ -201,8 +201,7 @@ def _load_q8_0(row, out):
     for b in range(out.shape[0] // 32):
         d = _half_at(row, 34 * b)
         for j in range(32):
-            q = np.int32(row[34 * b + 2 + j]) & 0xFF
-            out[32 * b + j] = d * np.float32((q ^ 0x80) - 0x80)  # the byte as int8
+            out[32 * b + j] = d * np.float32(np.int8(row[34 * b + 2 + j]))  # the byte as int8
 
 
 @numba.njit(inline="always", **_JIT)
