@@ -183,7 +183,8 @@ def _float(dt):
 
 
 def _quant(name, ggml_type, nbytes, q, dq):
-    return KVType(name, ggml_type, 32, nbytes, np.dtype(np.uint8), _blockwise(q, 32, nbytes), _unblockwise(dq, 32, nbytes))
+    return KVType(name, ggml_type, 32, nbytes, np.dtype(np.uint8), _blockwise(q, 32, nbytes),
+                  _unblockwise(dq, 32, nbytes))
 
 
 # name -> record; the order is the one messages list them in

@@ -153,8 +153,8 @@ class Engine:
         self.max_batch_tokens, self.max_seqs = max_batch_tokens, max_seqs
         self.running: list[Request] = []
         self.waiting: deque[Request] = deque()
-        self.graphs = GraphCache(self.kv.typed(model.build_graph), self.placement, fusion_on=fusion, enabled=graph_cache,
-                                 weight_cache=weight_cache)
+        self.graphs = GraphCache(self.kv.typed(model.build_graph), self.placement, fusion_on=fusion,
+                                 enabled=graph_cache, weight_cache=weight_cache)
         # weights packed at load, not at the first step: compiling the single-stream decode graph
         # binds what it reads (a later graph that reads more prepares it on first use)
         self.graphs.prepare(self._shape(n_tokens=1, n_seqs=1, n_out=1, need_blocks=1))

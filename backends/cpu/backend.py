@@ -520,8 +520,8 @@ class CPUBackend(Backend):
     name = "cpu"
     weight_types = SUPPORTED_TYPES
     plans_memory = True  # kernels accept out=: runtime.memory places intermediates in one arena
-    # float16 as llama.cpp's default (half the memory and the bytes attention reads), where the
-    # CPU converts natively (halfs.NATIVE_HALF)
+    # what op tests feed an untagged cache; the runtime stores core.kv_types' ("f16": float16
+    # everywhere, narrowed by bit arithmetic where the CPU has no conversion)
     kv_dtype = np.dtype(np.float16 if NATIVE_HALF else np.float32)
     weight_layout = f"cpu-qtypes-{LAYOUT_VERSION}"
 
