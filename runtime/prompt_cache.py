@@ -105,7 +105,9 @@ class PromptCache:
         except OSError:
             pass
         self.counters["prompt_cache_loaded_tokens"] += n_blocks * self.block_size
-        return arrays
+        # q8_0 blocks were int8 arrays before core.kv_types (all blocks are bytes now): the key
+        # says which type they are, the bytes are the same
+        return {k: a.view(np.uint8) if a.dtype == np.int8 else a for k, a in arrays.items()}
 
     # ---- saving ---------------------------------------------------------------------------
     def save(self, tokens: Sequence[int], arrays: dict[str, np.ndarray]) -> bool:

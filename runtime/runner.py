@@ -13,7 +13,6 @@ from typing import Any
 
 import numpy as np
 
-from hearthlm.core import kv_types
 from hearthlm.core.errors import InvalidRequestError
 from hearthlm.runtime.batch import BatchShape, has_out_row, n_out, scored
 from hearthlm.runtime.batcher import StepPlan
@@ -67,8 +66,7 @@ def open_memory(model: Any, placement: Placement, *, n_ctx: int, kv_blocks: int 
     prompts = None
     if prompt_cache_dir is not None:
         key = dict(model=model.file.identity(), block_size=block_size, state=state_dims,
-                   kv=[[be.name, kv_types.name_of(k), h, d]  # q8_0 and f16 files never mix
-                       for be, k, (h, d) in zip(placement.layer_backends(), kv.k, model.kv_dims)])
+                   kv=kv.key())  # q8_0 and f16 files never mix
         prompts = PromptCache(prompt_cache_dir, key, block_size=block_size, hybrid=state is not None,
                               max_bytes=prompt_cache_bytes)
     return SequenceMemory(kv, state, n_snapshots=state_snapshots if state_dims else 0, prompts=prompts)
@@ -93,7 +91,7 @@ class ModelRunner:
         self.causal = getattr(model, "causal", True)
         self.max_blocks = -(-n_ctx // memory.block_size)  # block-table width at most; bucketed per step
         self.max_batch_tokens, self.max_seqs = max_batch_tokens, max_seqs
-        self.graphs = GraphCache(model.build_graph, placement, fusion_on=fusion, enabled=graph_cache,
+        self.graphs = GraphCache(memory.kv.typed(model.build_graph), placement, fusion_on=fusion, enabled=graph_cache,
                                  weight_cache=weight_cache)
         # weights packed at load, not at the first step: compiling the single-stream decode graph
         # binds what it reads (a later graph that reads more prepares it on first use)

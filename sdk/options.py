@@ -140,8 +140,10 @@ class SessionOptions:
     prompt_cache_bytes: int = option(1 << 30, INT0, "the prompt cache's size at most, in bytes", metavar="N")
     kv_cache_type: str = option(
         "f16", _KVKind(lambda v: True, "a KV cache type"),
-        "the K/V cache's element type, as llama.cpp's -ctk/-ctv: " + ", ".join(kv_types.KV_TYPES)
-        + " (f16 is the backend's own float; the quantized ones need a head_dim that is a multiple of 32)",
+        "the K/V cache's type by name, as llama.cpp's -ctk/-ctv: " + ", ".join(kv_types.KV_TYPES)
+        + " (f16 stores float16; the quantized ones need a head_dim that is a multiple of 32, and take "
+        "+rot for llama.cpp's Hadamard rotation of K/V where head_dim is a multiple of 64; cuda: f16, f32, "
+        "q8_0, q4_0)",
         metavar="TYPE")
     draft_model: str | os.PathLike | None = option(
         None, OPT_PATH, "a smaller model of the same vocabulary that drafts tokens for speculative decoding "

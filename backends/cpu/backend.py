@@ -102,21 +102,41 @@ def _bits(cache: np.ndarray) -> np.ndarray:
     return cache.view(np.uint16) if cache.dtype == np.float16 else cache
 
 
-def _set_rows(node, cache, src, slots):
-    kern = ops.set_rows if len(slots) >= ops.PAR_MIN_ROWS else ops.set_rows_1
-    rows = np.ascontiguousarray(src, np.float32).reshape(len(slots), cache.shape[1], kv_types.head_dim(cache))
-    kern(_bits(cache), rows, slots)
-    return cache
+def _kv_kind(src) -> tuple[int, int, bool]:
+    """What the kernels take of the cache a node reads (core.kv_types, from its CACHE node): the
+    type's kind (its ggml id; kvquant), its Hadamard size, and whether it is blocks. An untagged
+    cache (op tests) is a float one: its kernels follow the array's float type."""
+    t, rot = kv_types.of(src)
+    return (0, 0, False) if t is None else (t.ggml_type, rot, t.quantized)
 
 
-def _kv_rows(cache, slots, out=None) -> np.ndarray:
+def _check_cache(node, cache, blocks: bool) -> None:
+    if (cache.dtype == np.uint8) != blocks:
+        raise BackendError(f"{node.label}: a {'quantized' if blocks else 'float'} KV cache type over a "
+                           f"{cache.dtype} array")
+
+
+def _bind_set_rows(node):
+    kind, rot, blocks = _kv_kind(node.srcs[0])
+    d = node.shape[2]  # the cache node's values per row, quantized or not
+
+    def k(cache, src, slots):
+        _check_cache(node, cache, blocks)
+        kern = ops.set_rows if len(slots) >= ops.PAR_MIN_ROWS else ops.set_rows_1
+        kern(_bits(cache), np.ascontiguousarray(src, np.float32).reshape(len(slots), cache.shape[1], d), slots,
+             kind, rot)
+        return cache
+    return k
+
+
+def _kv_rows(cache, slots, kind: int, rot: int, d: int, out=None) -> np.ndarray:
     """Rows `slots` of a KV cache, (n, h, d): a quantized cache's dequantized into float32 (into
-    `out` where given, contiguous), a float cache's as they are."""
-    if kv_types.quant_of(cache) is None:
+    `out` where given, contiguous) and rotated back where it is stored rotated, a float cache's as they are."""
+    if cache.dtype != np.uint8:
         return cache[slots]
     if out is None:
-        out = np.empty((len(slots), cache.shape[1], kv_types.head_dim(cache)), np.float32)
-    kvquant.dequant_rows(cache, np.ascontiguousarray(slots, np.int64), out)
+        out = np.empty((len(slots), cache.shape[1], d), np.float32)
+    kvquant.dequant_rows(cache, np.ascontiguousarray(slots, np.int64), kind, rot, out)
     return out
 
 
@@ -132,13 +152,18 @@ def _bind_attn(node):
     slopes = alibi_slopes(node.srcs[0].shape[1], p["alibi"]) if p.get("alibi", 0.0) > 0 else _NO_SLOPES
     whole = not causal and not window and not softcap and not has_sinks
     zeros: dict[int, np.ndarray] = {}  # lo of a causal attention without a window, by token count
+    (kind_k, rot_k, blocks_k), (kind_v, rot_v, blocks_v) = _kv_kind(node.srcs[1]), _kv_kind(node.srcs[2])
+    dk, dv = node.srcs[1].shape[2], node.srcs[2].shape[2]
 
     def k(q, kc, vc, seq, pos, bt, *extra, out=None):
+        _check_cache(node, kc, blocks_k)
+        _check_cache(node, vc, blocks_v)
         sinks = np.ascontiguousarray(extra[-1], np.float32).reshape(-1) if has_sinks else _NO_SLOPES
         seq_len = extra[0] if len(extra) > has_sinks else None
         out = _buf(node, out)
         if whole:
-            return _attn_whole(q, kc, vc, seq, pos, bt, seq_len, scale, bs, slopes, out)
+            return _attn_whole(q, kc, vc, seq, pos, bt, seq_len, scale, bs, slopes, out,
+                               (kind_k, rot_k, dk), (kind_v, rot_v, dv))
         pos = np.ascontiguousarray(pos, np.int32)
         if causal and window <= 0:
             lo = zeros.get(len(pos))
@@ -148,8 +173,8 @@ def _bind_attn(node):
         else:
             lo, hi = (np.ascontiguousarray(a, np.int32) for a in attn_bounds(pos, seq_len, window, causal))
         ops.attention(np.ascontiguousarray(q, np.float32), _bits(kc), _bits(vc), seq, pos, lo, hi, bt, scale, bs,
-                      softcap, slopes, sinks, out.reshape(q.shape[0], q.shape[1], kv_types.head_dim(vc)),
-                      numba.get_num_threads())
+                      softcap, slopes, sinks, out.reshape(q.shape[0], q.shape[1], dv), numba.get_num_threads(),
+                      kind_k, kind_v, rot_k, rot_v)
         return out
     return k
 
@@ -180,18 +205,18 @@ def _bind_rope(node):
 
 def _bind_rope_set_rows(node):
     args = _rope_args(node.params)
-    kerns = {}  # by (cache dtype, parallel)
+    kind, rot, blocks = _kv_kind(node.srcs[0])
 
     def k(cache, x, pos, slots):
+        _check_cache(node, cache, blocks)
         par = x.shape[0] >= ops.PAR_MIN_ROWS
-        kern = kerns.get((cache.dtype, par))
-        if kern is None:
-            if kv_types.quant_of(cache):  # rotated into a float row, then quantized
-                kern = ops.rope_set_rows_q if par else ops.rope_set_rows_q_1
-            else:
-                kern = ops.rope_set_rows if par else ops.rope_set_rows_1
-            kerns[(cache.dtype, par)] = kern
-        kern(np.ascontiguousarray(x, np.float32), pos, slots, *args, _bits(cache))
+        x = np.ascontiguousarray(x, np.float32)
+        # RoPE-rotated into a float row, then stored (quantized, Hadamard-rotated, or narrowed to
+        # float16 by bit arithmetic where the CPU has no conversion); else written in place
+        if blocks or rot or (cache.dtype == np.float16 and not NATIVE_HALF):
+            (ops.rope_set_rows_q if par else ops.rope_set_rows_q_1)(x, pos, slots, *args, _bits(cache), kind, rot)
+        else:
+            (ops.rope_set_rows if par else ops.rope_set_rows_1)(x, pos, slots, *args, _bits(cache))
         return cache
     return k
 
@@ -226,18 +251,20 @@ def _unbound(binder):
 
 
 _BINDERS = {Op.ATTN: _bind_attn, Op.RMS_NORM: _bind_rms_norm, Op.RMS_NORM_MUL: _bind_rms_norm,
+            Op.SET_ROWS: _bind_set_rows, Op.GATHER_KV: lambda node: _bind_gather_kv(node),  # defined below
             Op.ROPE: _bind_rope, Op.ROPE_SET_ROWS: _bind_rope_set_rows, Op.FFN_GLU: _bind_ffn_glu,
             Op.MUL_MAT_ADD: _bind_mul_mat_add,
             Op.MUL_MAT: lambda node: functools.partial(_mul_mat, node)}
 
 
-def _attn_whole(q, k, v, seq, pos, bt, seq_len, scale, bs, slopes, out):
+def _attn_whole(q, k, v, seq, pos, bt, seq_len, scale, bs, slopes, out, kk_args, vv_args):
     """An encoder's attention: each run of tokens of one sequence (and length) against all of that
     sequence's keys, as batched matrix products per KV head (BLAS), where the flash kernel's job per
     token and head would re-read the keys for every token (~15x slower per FLOP at 80 tokens).
-    slopes not empty: ALiBi, each score less slopes[h] * |p - pos|."""
+    slopes not empty: ALiBi, each score less slopes[h] * |p - pos|. kk_args, vv_args: each cache's
+    (kind, Hadamard size, head dim), read as values (_kv_rows)."""
     n, n_head, d = q.shape
-    h_kv, dv = k.shape[1], kv_types.head_dim(v)
+    h_kv, dv = k.shape[1], vv_args[2]
     g = n_head // h_kv
     o = out.reshape(n, n_head, dv)
     cuts = np.flatnonzero((np.diff(seq) != 0) | (np.diff(seq_len) != 0)) + 1
@@ -248,8 +275,8 @@ def _attn_whole(q, k, v, seq, pos, bt, seq_len, scale, bs, slopes, out):
         p = np.arange(m)
         slots = bt[seq[lo], p // bs] * bs + p % bs
         # contiguous: numpy's stacked matmul goes to BLAS only for dense operands
-        kk = np.ascontiguousarray(_kv_rows(k, slots).transpose(1, 2, 0), np.float32)  # (h_kv, d, m)
-        vv = np.ascontiguousarray(_kv_rows(v, slots).transpose(1, 0, 2), np.float32)  # (h_kv, m, dv)
+        kk = np.ascontiguousarray(_kv_rows(k, slots, *kk_args).transpose(1, 2, 0), np.float32)  # (h_kv, d, m)
+        vv = np.ascontiguousarray(_kv_rows(v, slots, *vv_args).transpose(1, 0, 2), np.float32)  # (h_kv, m, dv)
         qq = np.ascontiguousarray(q[lo:hi].reshape(hi - lo, h_kv, g, d).transpose(1, 0, 2, 3)).reshape(
             h_kv, (hi - lo) * g, d)
         s = np.matmul(qq, kk) * np.float32(scale)  # (h_kv, tokens * g, m)
@@ -264,16 +291,22 @@ def _attn_whole(q, k, v, seq, pos, bt, seq_len, scale, bs, slopes, out):
     return out
 
 
-def _gather_kv(node, cache, bt, out=None):
+def _bind_gather_kv(node):
     bs = node.params["block_size"]
-    slots = (bt[:, :, None] * bs + np.arange(bs, dtype=np.int32)).reshape(-1)
-    out = _buf(node, out)
-    rows = out.reshape(len(slots), *node.shape[2:])
-    if kv_types.quant_of(cache) is not None and rows.flags.c_contiguous:
-        _kv_rows(cache, slots, rows)  # dequantized in place
-    else:
-        rows[...] = _kv_rows(cache, slots)  # float16 caches widen here
-    return out
+    kind, rot, blocks = _kv_kind(node.srcs[0])
+    d = node.shape[3]
+
+    def k(cache, bt, out=None):
+        _check_cache(node, cache, blocks)
+        slots = (bt[:, :, None] * bs + np.arange(bs, dtype=np.int32)).reshape(-1)
+        out = _buf(node, out)
+        rows = out.reshape(len(slots), *node.shape[2:])
+        if blocks and rows.flags.c_contiguous:
+            _kv_rows(cache, slots, kind, rot, d, rows)  # dequantized in place
+        else:
+            rows[...] = _kv_rows(cache, slots, kind, rot, d)  # float16 caches widen here
+        return out
+    return k
 
 
 def _attn_temp(node, pos, out=None):
@@ -487,8 +520,8 @@ class CPUBackend(Backend):
     name = "cpu"
     weight_types = SUPPORTED_TYPES
     plans_memory = True  # kernels accept out=: runtime.memory places intermediates in one arena
-    # float16 as llama.cpp's default (half the memory and the bytes attention reads), where the
-    # CPU converts natively (halfs.NATIVE_HALF)
+    # what op tests feed an untagged cache; the runtime stores core.kv_types' ("f16": float16
+    # everywhere, narrowed by bit arithmetic where the CPU has no conversion)
     kv_dtype = np.dtype(np.float16 if NATIVE_HALF else np.float32)
     weight_layout = f"cpu-qtypes-{LAYOUT_VERSION}"
 
@@ -513,9 +546,9 @@ class CPUBackend(Backend):
             Op.RESHAPE: lambda n, x: x.reshape(n.params["new_shape"]),
             Op.SLICE: lambda n, x: x[..., n.params["start"]:n.params["stop"]],
             Op.ROPE: _unbound(_bind_rope),
-            Op.SET_ROWS: _set_rows,
+            Op.SET_ROWS: _unbound(_bind_set_rows),
             Op.ROPE_SET_ROWS: _unbound(_bind_rope_set_rows),
-            Op.GATHER_KV: _gather_kv,
+            Op.GATHER_KV: _unbound(_bind_gather_kv),
             Op.KQ: _kq,
             Op.KQ_MASK: _kq_mask,
             Op.ATTN_TEMP: _attn_temp,

@@ -13,7 +13,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from .halfs import VW, _call, _ptr, _splat, _vec_ptr, bits_as_f32, f32, like
-from .kvquant import load_row, store_row
+from .kvquant import fwht, load_row, put_row
 
 # error_model="numpy": a float division by zero gives inf/NaN, as in numpy and ggml, not a
 # ZeroDivisionError out of a norm of garbage weights
@@ -178,23 +178,25 @@ def rope_set_rows_1(x, pos, slots, n_rot, base, freq_scale, neox, freqs, mscale,
 
 
 @numba.njit(parallel=True, **_JIT)
-def rope_set_rows_q(x, pos, slots, n_rot, base, freq_scale, neox, freqs, mscale, cache):
-    """rope_set_rows into a quantized cache (kvquant): each token rotated into a float row, then
-    quantized into its slot."""
+def rope_set_rows_q(x, pos, slots, n_rot, base, freq_scale, neox, freqs, mscale, cache, kind, rot):
+    """rope_set_rows into a cache of blocks of type `kind`, or one that is Hadamard-rotated by H_rot
+    (kvquant): each token RoPE-rotated into a float row, then stored into its slot."""
     for t in prange(x.shape[0]):
-        rot = np.empty(x.shape[1:], np.float32)
-        _rope_token(x[t], pos[t], n_rot, base, freq_scale, neox, freqs, mscale, rot)
+        r = np.empty(x.shape[1:], np.float32)
+        tmp = np.empty(x.shape[2], np.float32)
+        _rope_token(x[t], pos[t], n_rot, base, freq_scale, neox, freqs, mscale, r)
         for h in range(x.shape[1]):
-            store_row(rot[h], cache[slots[t], h])
+            put_row(r[h], cache[slots[t], h], kind, rot, tmp)
 
 
 @numba.njit(**_JIT)
-def rope_set_rows_q_1(x, pos, slots, n_rot, base, freq_scale, neox, freqs, mscale, cache):
-    rot = np.empty(x.shape[1:], np.float32)
+def rope_set_rows_q_1(x, pos, slots, n_rot, base, freq_scale, neox, freqs, mscale, cache, kind, rot):
+    r = np.empty(x.shape[1:], np.float32)
+    tmp = np.empty(x.shape[2], np.float32)
     for t in range(x.shape[0]):
-        _rope_token(x[t], pos[t], n_rot, base, freq_scale, neox, freqs, mscale, rot)
+        _rope_token(x[t], pos[t], n_rot, base, freq_scale, neox, freqs, mscale, r)
         for h in range(x.shape[1]):
-            store_row(rot[h], cache[slots[t], h])
+            put_row(r[h], cache[slots[t], h], kind, rot, tmp)
 
 
 @numba.njit(parallel=True, **_JIT)
@@ -243,23 +245,24 @@ def kqv(probs, v, tok_seq, out):
 
 
 @numba.njit(inline="always", **_JIT)
-def _set_row(cache, src, slots, t):
+def _set_row(cache, src, slots, t, kind, rot, tmp):
     for h in range(cache.shape[1]):
-        store_row(src[t, h], cache[slots[t], h])
+        put_row(src[t, h], cache[slots[t], h], kind, rot, tmp)
 
 
 @numba.njit(parallel=True, **_JIT)
-def set_rows(cache, src, slots):
-    """cache (n_slots, h, d)[slots[t]] = src[t] (float32, or float16 bits: see halfs; or a
-    quantized cache's blocks: kvquant)."""
+def set_rows(cache, src, slots, kind=0, rot=0):
+    """cache (n_slots, h, d)[slots[t]] = src[t] (float32, or float16 bits: see halfs; or blocks of
+    type `kind`, Hadamard-rotated by H_rot where rot > 0: kvquant)."""
     for t in prange(slots.shape[0]):
-        _set_row(cache, src, slots, t)
+        _set_row(cache, src, slots, t, kind, rot, np.empty(src.shape[2], np.float32))
 
 
 @numba.njit(**_JIT)
-def set_rows_1(cache, src, slots):
+def set_rows_1(cache, src, slots, kind=0, rot=0):
+    tmp = np.empty(src.shape[2], np.float32)
     for t in range(slots.shape[0]):
-        _set_row(cache, src, slots, t)
+        _set_row(cache, src, slots, t, kind, rot, tmp)
 
 
 @intrinsic
@@ -378,7 +381,7 @@ def _dot_rows(typingctx, out, q, kb, nb, scale):
 
 @numba.njit(**_JIT)
 def _attend(q, k_cache, v_cache, t, kh0, kh1, group, seq, p_lo, p_hi, block_table, scale, softcap, block_size,
-            pos, slopes, m, l, acc):
+            pos, slopes, m, l, acc, kind_k, kind_v, rot_k):
     """Online softmax of the query heads of token t (at position pos) of KV heads kh0..kh1-1 over
     positions p_lo..p_hi-1, less slopes[h] * |p - pos| where slopes is not empty (ALiBi):
     m (n_kv, group) running maxima, l (n_kv, group) sums of exp, acc (n_kv, group, dv)
@@ -386,7 +389,8 @@ def _attend(q, k_cache, v_cache, t, kh0, kh1, group, seq, p_lo, p_hi, block_tabl
     max and rescale per block, then V); each K and V row read (a quantized one dequantized once)
     serves the head's whole GQA group, and a slot's heads are read together (its bytes are
     contiguous: per-head passes strode through memory at half the rate; a software prefetch
-    of the next KV block measured no gain)."""
+    of the next KV block measured no gain). rot_k > 0: K is stored rotated by H_rot_k, and so is
+    each query row here (q.k unchanged: kvquant.fwht)."""
     d = q.shape[2]
     dv = acc.shape[2]
     nh = kh1 - kh0
@@ -400,6 +404,8 @@ def _attend(q, k_cache, v_cache, t, kh0, kh1, group, seq, p_lo, p_hi, block_tabl
         for g in range(group):
             for j in range(d):
                 qs[a, g, j] = q[t, (kh0 + a) * group + g, j]
+            if rot_k > 0:
+                fwht(qs[a, g], rot_k)
     blk = p_lo // block_size  # the slot walks the block table: no division per position
     off = p_lo - blk * block_size
     base = block_table[seq, blk] * block_size
@@ -413,7 +419,7 @@ def _attend(q, k_cache, v_cache, t, kh0, kh1, group, seq, p_lo, p_hi, block_tabl
             slots[i] = base + off
             off += 1
             for a in range(nh):
-                load_row(k_cache[slots[i], kh0 + a], kb[a, i])
+                load_row(k_cache[slots[i], kh0 + a], kb[a, i], kind_k)
         for a in range(nh):
             for g in range(group):
                 if d % VW == 0:
@@ -456,7 +462,7 @@ def _attend(q, k_cache, v_cache, t, kh0, kh1, group, seq, p_lo, p_hi, block_tabl
                 l[kh, g] += ls
         for i in range(nb):
             for a in range(nh):
-                load_row(v_cache[slots[i], kh0 + a], vb[a, i])
+                load_row(v_cache[slots[i], kh0 + a], vb[a, i], kind_v)
         for a in range(nh):
             for g in range(group):
                 _axpy_rows(acc[kh0 + a, g], sc[a, g], vb[a], nb)
@@ -466,8 +472,9 @@ def _attend(q, k_cache, v_cache, t, kh0, kh1, group, seq, p_lo, p_hi, block_tabl
 
 
 @numba.njit(inline="always", **_JIT)
-def _merge(job, n_head, group, first, pm, pl, pacc, sinks, out):
-    """Token t's head h from its parts' (max, sum, weighted V), in part order."""
+def _merge(job, n_head, group, first, pm, pl, pacc, sinks, out, rot_v):
+    """Token t's head h from its parts' (max, sum, weighted V), in part order; rotated back by
+    H_rot_v where V is stored rotated (rot_v > 0)."""
     t, h = job // n_head, job % n_head
     kh, g = h // group, h % group
     dv = out.shape[2]
@@ -486,14 +493,17 @@ def _merge(job, n_head, group, first, pm, pl, pacc, sinks, out):
             out[t, h, j] += w * pacc[part, kh, g, j]
     for j in range(dv):
         out[t, h, j] /= ls
+    if rot_v > 0:
+        fwht(out[t, h], rot_v)
 
 
 @numba.njit(parallel=True, **_JIT)
 def attention(q, k_cache, v_cache, tok_seq, tok_pos, tok_lo, tok_hi, block_table, scale, block_size, softcap, slopes,
-              sinks, out, n_threads):
+              sinks, out, n_threads, kind_k=0, kind_v=0, rot_k=0, rot_v=0):
     """Flash-style attention with an online softmax: never holds a score matrix.
     q (n_tokens, n_head, d); caches (n_slots, n_head_kv, d_v), float32 or float16 bits (halfs),
-    or quantized blocks (kvquant); out (n_tokens, n_head, d_v).
+    or blocks of types kind_k / kind_v (kvquant); out (n_tokens, n_head, d_v). rot_k, rot_v > 0:
+    K and V stored rotated by Hadamard matrices of those sizes (core.kv_types' "+rot").
     Token t attends to positions tok_lo[t]..tok_hi[t] of its sequence (graph.attn_bounds); slopes
     (n_head,) float32: ALiBi's per-head slopes (graph.alibi_slopes), or empty for none; sinks
     (n_head,) float32: a logit per head in the softmax's denominator with no value (gpt-oss), or empty.
@@ -523,10 +533,11 @@ def attention(q, k_cache, v_cache, tok_seq, tok_pos, tok_lo, tok_hi, block_table
         pl[part, kh0:kh1] = 0.0
         pacc[part, kh0:kh1] = 0.0
         _attend(q, k_cache, v_cache, t, kh0, kh1, group, tok_seq[t], p_lo, min(p_lo + ATT_SPLIT, tok_hi[t] + 1),
-                block_table, scale, softcap, block_size, tok_pos[t], slopes, pm[part], pl[part], pacc[part])
+                block_table, scale, softcap, block_size, tok_pos[t], slopes, pm[part], pl[part], pacc[part],
+                kind_k, kind_v, rot_k)
     if n_parts * n_head * dv < MERGE_PAR_MIN:  # decode: a second parallel region costs more than the merge
         for job in range(n_tokens * n_head):
-            _merge(job, n_head, group, first, pm, pl, pacc, sinks, out)
+            _merge(job, n_head, group, first, pm, pl, pacc, sinks, out, rot_v)
     else:
         for job in prange(n_tokens * n_head):
-            _merge(job, n_head, group, first, pm, pl, pacc, sinks, out)
+            _merge(job, n_head, group, first, pm, pl, pacc, sinks, out, rot_v)

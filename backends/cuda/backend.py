@@ -42,7 +42,7 @@ class CUDABackend(Backend):
     name = "cuda"
     weight_types = SUPPORTED_TYPES
     plans_memory = False  # kernels allocate from CuPy's memory pool; the planner's arena is host memory
-    kv_dtype = np.dtype(np.float32)  # the attention and rope_set_rows kernels read and write float32
+    kv_dtype = np.dtype(np.float32)  # what op tests feed an untagged cache; the runtime stores core.kv_types
 
     def __init__(self, device: int = 0) -> None:
         self.cp = load_cupy()

@@ -239,35 +239,53 @@ def rope(node, x, pos, out=None):
     return _into(y, out)
 
 
-def _kv_store(node, cache, rows, slots):
-    """rows (n, h, d) float32 quantized into a quantized cache's rows slots (attention.cu's kv_store)."""
+# the KV types attention.cu reads (core.kv_types' names -> its kernels' suffix; f32 the plain ones).
+# q5_0, q5_1, iq4_nl and the "+rot" Hadamard rotation are not written for cuda: refused at bind.
+_KV_KERNELS = {"f32": "", "f16": "_f16", "q8_0": "_q8_0", "q4_0": "_q4_0"}
+
+
+def _kv(node, src):
+    """(record or None for an untagged float32 cache, kernel suffix) of the cache a node's source
+    `src` reads: its type is on its CACHE node (core.kv_types), as ggml's type_k / type_v."""
+    t, rot = kv_types.of(src)
+    if t is None:
+        return None, ""
+    if rot or t.name not in _KV_KERNELS:
+        raise BackendError(f"{node.label}: KV cache type {t.name}{kv_types.ROT if rot else ''} has no cuda "
+                           f"kernels (these do: {', '.join(_KV_KERNELS)}); use the cpu backend for it")
+    return t, _KV_KERNELS[t.name]
+
+
+def _kv_store(node, cache, rows, slots, suffix):
+    """rows (n, h, d) float32 into a cache's rows slots: quantized (attention.cu's kv_store_*) or
+    narrowed to the cache's float type."""
     if not cache.flags.c_contiguous:
         raise BackendError(f"{node.label}: the KV cache must be a contiguous device array")
     n, h, d = rows.shape
-    _launch("attention.cu", "kv_store_" + kv_types.quant_of(cache), (_cdiv(n * h * (d // 32), 128),), (128,),
-            (rows, _i(slots), cache.view(cp.uint8), i32(n), i32(h), i32(d)))
+    if cache.dtype != cp.uint8:
+        cache[_i(slots)] = rows.astype(cache.dtype)
+        return
+    _launch("attention.cu", "kv_store" + suffix, (_cdiv(n * h * (d // 32), 128),), (128,),
+            (rows, _i(slots), cache, i32(n), i32(h), i32(d)))
 
 
 def set_rows(node, cache, src, slots):
+    _, suffix = _kv(node, node.srcs[0])
     if slots.shape[0] == 0:
         return cache
-    rows = _f(src).reshape(int(slots.shape[0]), cache.shape[1], kv_types.head_dim(cache))
-    if kv_types.quant_of(cache):
-        _kv_store(node, cache, rows, slots)
-    else:
-        cache[_i(slots)] = rows
+    _kv_store(node, cache, _f(src).reshape(int(slots.shape[0]), cache.shape[1], node.shape[2]), slots, suffix)
     return cache
 
 
 def rope_set_rows(node, cache, x, pos, slots):
-    quant = kv_types.quant_of(cache)
-    if (cache.dtype != cp.float32 and not quant) or not cache.flags.c_contiguous:
-        raise BackendError(f"{node.label}: the KV cache must be a contiguous float32 or quantized device array")
-    x = _f(x).reshape(int(slots.shape[0]), cache.shape[1], kv_types.head_dim(cache))
-    if quant:  # rotated into a float buffer, then quantized into the slots
+    t, suffix = _kv(node, node.srcs[0])
+    if (cache.dtype not in (cp.float32, cp.float16, cp.uint8)) or not cache.flags.c_contiguous:
+        raise BackendError(f"{node.label}: the KV cache must be a contiguous float or quantized device array")
+    x = _f(x).reshape(int(slots.shape[0]), cache.shape[1], node.shape[2])
+    if cache.dtype != cp.float32:  # rotated into a float buffer, then quantized or narrowed into the slots
         y = cp.empty(x.shape, cp.float32)
         _rope_launch(node, x, pos, y)
-        _kv_store(node, cache, y, slots)
+        _kv_store(node, cache, y, slots, suffix)
     else:
         _rope_launch(node, x, pos, cache, slots)
     return cache
@@ -280,9 +298,9 @@ def attn(node, q, k_cache, v_cache, tok_seq, tok_pos, block_table, *extra, out=N
     sinks = extra[-1] if p.get("sinks") else None
     seq_len = extra[0] if len(extra) > (sinks is not None) else None
     n_tokens, n_head, d = q.shape
-    n_head_kv, dv = k_cache.shape[1], kv_types.head_dim(v_cache)
-    quant = kv_types.quant_of(k_cache)
-    if quant != kv_types.quant_of(v_cache):
+    n_head_kv, dv = k_cache.shape[1], node.srcs[2].shape[2]
+    (tk, suffix), (tv, suffix_v) = _kv(node, node.srcs[1]), _kv(node, node.srcs[2])
+    if suffix != suffix_v:
         raise BackendError(f"{node.label}: K and V caches of different types")
     if max(d, dv) > MAX_HEAD_DIM:
         raise BackendError(f"{node.label}: head dim {max(d, dv)} > {MAX_HEAD_DIM} in the cuda attention kernel")
@@ -290,9 +308,9 @@ def attn(node, q, k_cache, v_cache, tok_seq, tok_pos, block_table, *extra, out=N
     lo, hi = attn_bounds(_i(tok_pos), None if seq_len is None else _i(seq_len), p["window"], p["causal"])
     y = cp.empty((n_tokens, n_head * dv), cp.float32)
     heads = min(n_head, 8)
-    # a quantized cache is read in place (attn_paged_q8_0 / _q4_0), its blocks as bytes
-    kc, vc = (_f(k_cache), _f(v_cache)) if quant is None else (k_cache.view(cp.uint8), v_cache.view(cp.uint8))
-    _launch("attention.cu", "attn_paged" + (f"_{quant}" if quant else ""), (n_tokens, _cdiv(n_head, heads)),
+    # a float16 or quantized cache is read in place (attn_paged_f16 / _q8_0 / _q4_0), as bytes
+    kc, vc = (_f(k_cache), _f(v_cache)) if not suffix else (k_cache.view(cp.uint8), v_cache.view(cp.uint8))
+    _launch("attention.cu", "attn_paged" + suffix, (n_tokens, _cdiv(n_head, heads)),
             (32, heads), (_f(q), kc, vc, _i(tok_seq), _i(tok_pos), _i(lo), _i(hi), bt, i32(bt.shape[1]),
                           i32(n_head), i32(n_head_kv), i32(d), i32(dv), f32(p["scale"]), f32(p.get("softcap", 0.0)),
                           f32(p.get("alibi", 0.0)), i32(p["block_size"]),
@@ -301,17 +319,17 @@ def attn(node, q, k_cache, v_cache, tok_seq, tok_pos, block_table, *extra, out=N
 
 
 def gather_kv(node, cache, block_table, out=None):
+    t, suffix = _kv(node, node.srcs[0])
     bs = node.params["block_size"]
     bt = _i(block_table)
     slots = (bt[:, :, None] * bs + cp.arange(bs, dtype=cp.int32)).reshape(bt.shape[0], bt.shape[1] * bs)
-    quant = kv_types.quant_of(cache)
-    if quant is None:
-        return _into(cache[slots], out)
-    h, d = cache.shape[1], kv_types.head_dim(cache)  # dequantized: the unfused path's float copy
+    if cache.dtype != cp.uint8:
+        return _into(cache[slots].astype(cp.float32, copy=False), out)
+    h, d = cache.shape[1], node.shape[3]  # dequantized: the unfused path's float copy
     y = cp.empty((*slots.shape, h, d), cp.float32)
     n = int(slots.size)
-    _launch("attention.cu", "kv_dequant_" + quant, (_cdiv(n * h * (d // 32), 128),), (128,),
-            (cache.view(cp.uint8), slots.reshape(-1), y, i64(n), i32(h), i32(d)))
+    _launch("attention.cu", "kv_dequant" + suffix, (_cdiv(n * h * (d // 32), 128),), (128,),
+            (cache, slots.reshape(-1), y, i64(n), i32(h), i32(d)))
     return _into(y, out)
 
 

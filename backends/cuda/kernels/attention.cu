@@ -1,19 +1,22 @@
 // Attention over the paged KV cache, fused (Op.ATTN): each query token attends to its own
 // sequence's positions [pos - window + 1 (or 0), pos], read through the block table, with
 // an online softmax (flash attention's running max and sum), so no score matrix is stored.
-// The cache is float32, or quantized blocks (kv_quants.cuh) read in place: 32 lanes, 32 values
-// of a block.
+// The cache is float32, float16, or quantized blocks (kv_quants.cuh) read in place: 32 lanes, 32
+// values of a block.
 #include "common.cuh"
 #include "kv_quants.cuh"
 
 #define MAX_D 256            // head dims up to 256 (gemma3): 8 per lane in registers
 #define PER_LANE (MAX_D / 32)
 
-// value j of row `row` ((slot, head) of a cache of d values a row): KV 0 float32, else a type id
+// value j of row `row` ((slot, head) of a cache of d values a row): KV 0 float32, KV_F16 float16
+// (any d), else a block type's id
 template <int KV>
 __device__ __forceinline__ float kv_load(const void* __restrict__ c, long long row, int d, int j) {
     if constexpr (KV == 0) {
         return ((const float*)c)[row * d + j];
+    } else if constexpr (KV == KV_F16) {
+        return ld_f16((const u8*)c + (row * d + j) * 2);
     } else {
         const int bytes = KVBlock<KV>::bytes;
         return kv_value<KV>((const u8*)c + row * (d / 32 * bytes) + (j >> 5) * bytes, j & 31);
@@ -98,6 +101,18 @@ extern "C" __global__ void attn_paged(const float* __restrict__ q, const float* 
                                       float* __restrict__ out) {
     attn<0>(q, k_cache, v_cache, tok_seq, tok_pos, tok_lo, tok_hi, block_table, mb, n_head, n_head_kv, d, dv, scale,
             softcap, max_bias, block_size, sinks, has_sinks, out);
+}
+
+// a float16 cache (core.kv_types' "f16"), its halves as bytes: written by cupy's casts (ops.py)
+extern "C" __global__ void attn_paged_f16(const float* __restrict__ q, const u8* __restrict__ k_cache,
+                                          const u8* __restrict__ v_cache, const int* __restrict__ tok_seq,
+                                          const int* __restrict__ tok_pos, const int* __restrict__ tok_lo,
+                                          const int* __restrict__ tok_hi, const int* __restrict__ block_table,
+                                          int mb, int n_head, int n_head_kv, int d, int dv, float scale,
+                                          float softcap, float max_bias, int block_size,
+                                          const float* __restrict__ sinks, int has_sinks, float* __restrict__ out) {
+    attn<KV_F16>(q, k_cache, v_cache, tok_seq, tok_pos, tok_lo, tok_hi, block_table, mb, n_head, n_head_kv, d, dv,
+                 scale, softcap, max_bias, block_size, sinks, has_sinks, out);
 }
 
 // src (n_rows, n_head_kv, d) float32 -> its blocks at cache rows slots[t]; one thread per block

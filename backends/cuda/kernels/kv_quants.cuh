@@ -1,4 +1,4 @@
-// The quantized KV cache's blocks (runtime/kv_types.py): ggml's block_q8_0 {half d; i8 qs[32]}
+// The quantized KV cache's blocks (core/kv_types.py): ggml's block_q8_0 {half d; i8 qs[32]}
 // and block_q4_0 {half d; u8 qs[16]} of 32 values along head_dim, a (slot, head) row being its
 // blocks. Quantized as ggml-quants.c's quantize_row_q8_0_ref / quantize_row_q4_0_ref (one
 // thread per block: writes are a few rows a step); read one value per lane inside attention.
@@ -6,7 +6,7 @@
 #pragma once
 #include "common.cuh"
 
-enum { KV_Q4_0 = 2, KV_Q8_0 = 8 };  // ggml's type ids
+enum { KV_F16 = 1, KV_Q4_0 = 2, KV_Q8_0 = 8 };  // ggml's type ids (core.kv_types); F16 is no block type
 template <int T> struct KVBlock;
 template <> struct KVBlock<KV_Q8_0> { enum { bytes = 34 }; };
 template <> struct KVBlock<KV_Q4_0> { enum { bytes = 18 }; };
