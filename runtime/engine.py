@@ -59,7 +59,7 @@ class Engine:
                  max_queued_requests: int = 1024, fusion: bool | None = None, graph_cache: bool = True,
                  weight_cache=None, state_snapshots: int = 8, prompt_cache_dir=None,
                  prompt_cache_bytes: int = 1 << 30, kv_cache_type: str = "f16", draft=None) -> None:
-        """`model` provides build_graph(shape) -> Graph, weights, kv_dims, n_vocab, eog_ids.
+        """`model` provides build_graph(shape) -> Graph, weights, layer_memory, n_vocab, eog_ids.
         `placement`: a runtime.placement.Placement of layers over backends, or one backend
         (the trivial placement). `fusion`: None follows HEARTHLM_NO_FUSION; `graph_cache=False`
         rebuilds every step. `weight_cache`: a runtime.weight_cache.WeightCache of the model's file
@@ -75,7 +75,7 @@ class Engine:
         self.n_ctx = n_ctx
         self.max_queued_requests = max_queued_requests
         self.placement = (placement if isinstance(placement, Placement)
-                          else Placement.single(placement, len(model.kv_dims)))
+                          else Placement.single(placement, len(model.layer_memory)))
         self.memory = open_memory(model, self.placement, n_ctx=n_ctx, kv_blocks=kv_blocks, block_size=block_size,
                                   max_seqs=max_seqs, state_snapshots=state_snapshots,
                                   prompt_cache_dir=prompt_cache_dir, prompt_cache_bytes=prompt_cache_bytes,

@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from hearthlm.core import layer_memory
 from hearthlm.core.errors import InvalidRequestError
 from hearthlm.runtime.batch import BatchShape, has_out_row, n_out, scored
 from hearthlm.runtime.batcher import StepPlan
@@ -52,16 +53,18 @@ def open_memory(model: Any, placement: Placement, *, n_ctx: int, kv_blocks: int 
                 block_size: int = 16, max_seqs: int = 64, state_snapshots: int = 8, prompt_cache_dir=None,
                 prompt_cache_bytes: int = 1 << 30, kv_cache_type: str = "f16") -> SequenceMemory:
     """The model's sequence memory: a paged KV cache of at least one context (each layer's K/V
-    on the backend that runs its attention), and for a hybrid model (`model.state_dims`) a state
+    on the backend that runs its attention), and for a hybrid model (recurrent layers in
+    `model.layer_memory`) a state
     slot per running sequence plus `state_snapshots` slots of prefix states and a scratch slot.
     With `prompt_cache_dir`, prompt prefixes persist there, keyed by the model file and this
     cache's layout."""
     n_blocks = max(kv_blocks or 0, -(-n_ctx // block_size)) + 1  # + the scratch block
-    state_dims = getattr(model, "state_dims", None)
-    state_dims = state_dims if state_dims and any(state_dims) else None
+    layers = model.layer_memory  # core.layer_memory: what each layer keeps, as its architecture declares
+    kv_dims = layer_memory.kv_dims(layers)
+    state_dims = layer_memory.state_dims(layers) if any(m.state for m in layers) else None
     n_state = max_seqs + 1 + state_snapshots if state_dims else 0  # + the scratch slot
-    _check_kv_fits(model.kv_dims, n_blocks * block_size, placement, state_dims, n_state, kv_cache_type)
-    kv = KVCache(model.kv_dims, n_blocks, block_size, placement.layer_backends(), kv_cache_type)
+    _check_kv_fits(kv_dims, n_blocks * block_size, placement, state_dims, n_state, kv_cache_type)
+    kv = KVCache(kv_dims, n_blocks, block_size, placement.layer_backends(), kv_cache_type)
     state = StateCache(state_dims, n_state, placement.layer_backends()) if state_dims else None
     prompts = None
     if prompt_cache_dir is not None:
@@ -82,7 +85,7 @@ class ModelRunner:
     def __init__(self, model: Any, placement: Placement, memory: SequenceMemory, *, n_ctx: int,
                  max_batch_tokens: int, max_seqs: int, fusion: bool | None = None, graph_cache: bool = True,
                  weight_cache=None, tune_threads: bool = True) -> None:
-        """`model` provides build_graph(shape) -> Graph, weights, kv_dims and `causal` (False:
+        """`model` provides build_graph(shape) -> Graph, weights, layer_memory and `causal` (False:
         an encoder, each input whole in one step). `fusion`: None follows HEARTHLM_NO_FUSION;
         `graph_cache=False` rebuilds every step. `weight_cache`: a runtime.weight_cache.WeightCache
         of the model's file, or None. `tune_threads`: pick the host's worker threads per shape

@@ -64,7 +64,8 @@ class FakeModel:
         self.arch, self.n_layer = arch, n_layer
         self.weights = weights(arch, n_layer, seed)
         self.config = config(arch, n_layer)[1]
-        self.kv_dims = [(DIMS["n_head_kv"], DIMS["head_dim"])] * n_layer
+        self.layer_memory = self.config.layer_memory()
+        self.kv_dims = [m.kv_dims for m in self.layer_memory]
         self.n_vocab = DIMS["n_vocab"]
         self.eog_ids = frozenset()
 
