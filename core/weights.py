@@ -8,7 +8,6 @@ import ctypes
 import mmap
 import weakref
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from hearthlm.core.graph import Graph, Tensor
 from hearthlm.model_zoo.rope import Rope
 from hearthlm.runtime.batch import BatchShape
-from hearthlm.core.graph import Graph, Tensor
 
 
 @dataclass

@@ -10,8 +10,8 @@ from __future__ import annotations
 import functools
 import json
 import re
-from datetime import datetime
 from collections.abc import Mapping
+from datetime import datetime
 from typing import Any
 
 import jinja2
@@ -19,8 +19,8 @@ from jinja2 import nodes
 from jinja2.ext import Extension
 from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
 
-from hearthlm.model_zoo.template_limits import DEFAULT_LIMITS, BoundedOps, TemplateLimitError, TemplateLimits, bounded
 from hearthlm.core.errors import ContextLengthError, InvalidRequestError
+from hearthlm.model_zoo.template_limits import DEFAULT_LIMITS, BoundedOps, TemplateLimitError, TemplateLimits, bounded
 
 
 class _Sandbox(ImmutableSandboxedEnvironment):

@@ -5,14 +5,14 @@ names the key."""
 from __future__ import annotations
 
 import math
-
-import numpy as np
 from dataclasses import dataclass
 from typing import Any, ClassVar, Mapping
 
-from hearthlm.model_zoo.rope import Rope
+import numpy as np
+
 from hearthlm.core.errors import ModelLoadError
 from hearthlm.core.layer_memory import LayerMemory
+from hearthlm.model_zoo.rope import Rope
 
 
 class Reader:

@@ -8,12 +8,22 @@ import math
 from dataclasses import dataclass
 from typing import Callable
 
-from hearthlm.model_zoo.blocks import (Inputs, build_attn, build_ffn, build_inp_embd, build_inputs, build_norm,
-                                       build_output, build_qk_norm_rope, build_qkv, build_residual)
+from hearthlm.core.graph import Graph, Tensor
+from hearthlm.model_zoo.blocks import (
+    Inputs,
+    build_attn,
+    build_ffn,
+    build_inp_embd,
+    build_inputs,
+    build_norm,
+    build_output,
+    build_qk_norm_rope,
+    build_qkv,
+    build_residual,
+)
 from hearthlm.model_zoo.config import HParams
 from hearthlm.model_zoo.rope import Rope
 from hearthlm.runtime.batch import BatchShape
-from hearthlm.core.graph import Graph, Tensor
 
 
 @dataclass(frozen=True)

@@ -11,11 +11,10 @@ import math
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
-from hearthlm.model_zoo.blocks import (build_attn, build_ffn, build_inputs, build_layer_norm, build_qk_norm_rope,
-                                       build_qkv)
+from hearthlm.core.graph import Graph, Tensor
+from hearthlm.model_zoo.blocks import build_attn, build_ffn, build_inputs, build_layer_norm, build_qk_norm_rope, build_qkv
 from hearthlm.model_zoo.config import HParams, Reader
 from hearthlm.runtime.batch import BatchShape
-from hearthlm.core.graph import Graph, Tensor
 
 
 @dataclass(frozen=True)

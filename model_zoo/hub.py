@@ -8,7 +8,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-
 # progress(filename, bytes done, total bytes or None)
 Progress = Callable[[str, int, "int | None"], None]
 

@@ -9,17 +9,16 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-
+from hearthlm.core import layer_memory
+from hearthlm.core.errors import HearthError, ModelLoadError
+from hearthlm.core.graph import Graph
+from hearthlm.core.layer_memory import LayerMemory
+from hearthlm.core.weights import QWeight
 from hearthlm.model_zoo.gguf_file import GGUFFile
 from hearthlm.model_zoo.models import get_architecture
 from hearthlm.model_zoo.tensors import Weights
 from hearthlm.model_zoo.tokenizer import Tokenizer
 from hearthlm.runtime.batch import BatchShape, one_token
-from hearthlm.core import layer_memory
-from hearthlm.core.errors import HearthError, ModelLoadError
-from hearthlm.core.layer_memory import LayerMemory
-from hearthlm.core.graph import Graph
-from hearthlm.core.weights import QWeight
 
 TEMPLATES = Path(__file__).parent / "templates"
 

@@ -10,10 +10,10 @@ from typing import Mapping
 import gguf
 import numpy as np
 
-from hearthlm.runtime.batch import one_token
 from hearthlm.core.errors import ModelLoadError
 from hearthlm.core.graph import Graph, Tensor
 from hearthlm.core.weights import QWeight
+from hearthlm.runtime.batch import one_token
 
 _NO_BYTES = np.zeros(0, np.uint8)
 

@@ -9,17 +9,30 @@ before either, BOS/EOS, the end-of-generation set, and detokenization.
 
 from __future__ import annotations
 
-from contextlib import contextmanager
-
 import codecs
 from collections.abc import Iterable, Mapping, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 from hearthlm.core.errors import InvalidRequestError, ModelLoadError, UnsupportedModelError
 
 from .tokenizer_bpe import bpe_piece_bytes, build_bpe, build_spm_bpe, pre_type, spm_bpe_encode
-from .tokenizer_rules import (AUTO_DETECT, EOG_TEXTS, LSTRIP, RSTRIP, SPECIAL, TYPE_TO_ATTR, BYTE, CONTROL, NORMAL,
-                              UNDEFINED, UNKNOWN, UNUSED, USER_DEFINED, clean_spaces)
+from .tokenizer_rules import (
+    AUTO_DETECT,
+    BYTE,
+    CONTROL,
+    EOG_TEXTS,
+    LSTRIP,
+    NORMAL,
+    RSTRIP,
+    SPECIAL,
+    TYPE_TO_ATTR,
+    UNDEFINED,
+    UNKNOWN,
+    UNUSED,
+    USER_DEFINED,
+    clean_spaces,
+)
 from .tokenizer_spm import score_ranks, spm_encode
 from .tokenizer_wpm import build_wpm, wpm_encode
 

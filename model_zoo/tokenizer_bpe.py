@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import re
 
-from tokenizers import Regex, Tokenizer as HFTokenizer
-from tokenizers import models, pre_tokenizers
+from tokenizers import Regex, models, pre_tokenizers
+from tokenizers import Tokenizer as HFTokenizer
 
 from hearthlm.core.errors import ModelLoadError, UnsupportedModelError
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from hearthlm.runtime.seq_memory import SequenceMemory
 from hearthlm.runtime.request import Request
+from hearthlm.runtime.seq_memory import SequenceMemory
 
 # embedding tokens a step takes while generations run: an embedding's prompt is prefill work that
 # would otherwise stretch every decode step it joins (a 72-token text cost SmolLM2's 8 streams

@@ -23,6 +23,7 @@ from hearthlm.runtime.memory import Arena, ExecPlan, plan
 from hearthlm.runtime.placement import Placement, place
 from hearthlm.runtime.weights import WeightStore
 
+
 @dataclass(slots=True, eq=False)
 class Step:
     kind: str               # one of core.backend's step kinds

@@ -15,8 +15,7 @@ from typing import Any
 import threadpoolctl
 from threadpoolctl import threadpool_limits
 
-from hearthlm.core.errors import (ContextLengthError, EngineFailedError, HearthError, InvalidRequestError,
-                                  QueueFull, SessionClosedError)
+from hearthlm.core.errors import ContextLengthError, EngineFailedError, HearthError, InvalidRequestError, QueueFull, SessionClosedError
 from hearthlm.core.log import get_logger
 from hearthlm.runtime.batcher import Batcher, StepPlan
 from hearthlm.runtime.output import Outcome, OutputProcessor

@@ -13,7 +13,6 @@ from hearthlm.core.graph import Graph, Op, Tensor
 from hearthlm.core.weights import stacked_weight
 
 
-
 @dataclass(frozen=True)
 class Pat:
     """A node of op `op` (one of, if a tuple) with sources matching `srcs`; `srcs=None`

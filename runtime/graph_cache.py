@@ -10,12 +10,11 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from hearthlm.runtime import fusion
-from hearthlm.runtime.batch import BatchShape
-from hearthlm.runtime import memory
-from hearthlm.runtime.dispatch import KERNEL, STATIC, VIEW, CompiledGraph, compile_graph
 from hearthlm.core.graph import Graph
 from hearthlm.core.log import get_logger
+from hearthlm.runtime import fusion, memory
+from hearthlm.runtime.batch import BatchShape
+from hearthlm.runtime.dispatch import KERNEL, STATIC, VIEW, CompiledGraph, compile_graph
 from hearthlm.runtime.placement import Placement
 from hearthlm.runtime.weights import WeightStore
 

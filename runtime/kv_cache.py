@@ -8,8 +8,8 @@ from typing import Callable
 
 import numpy as np
 
-from hearthlm.core.backend import Backend
 from hearthlm.core import kv_types
+from hearthlm.core.backend import Backend
 from hearthlm.core.errors import InvalidRequestError
 from hearthlm.core.graph import Graph, Op, Tensor
 

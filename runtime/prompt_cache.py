@@ -19,8 +19,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from hearthlm.runtime import array_file
 from hearthlm.core.log import get_logger
+from hearthlm.runtime import array_file
 
 log = get_logger("hearthlm.prompt_cache")
 MAGIC = b"HLPCACHE"

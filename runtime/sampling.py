@@ -1,14 +1,12 @@
 """Per-request sampling over the logits of output rows. Greedy when temperature is 0."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import math
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from hearthlm.core.errors import InvalidRequestError
-
 
 SPECULATIVE = (None, "ngram", "draft", "off")
 

@@ -3,10 +3,21 @@
     async with Session.open("smollm2-135m-instruct") as s:
         print((await s.generate("The capital of France is", max_tokens=16)).text)
 """
+from hearthlm.core.errors import (
+                                     BackendError,
+                                     ContextLengthError,
+                                     EngineFailedError,
+                                     GGUFError,
+                                     HearthError,
+                                     InvalidRequestError,
+                                     ModelLoadError,
+                                     ModelNotFoundError,
+                                     QueueFull,
+                                     RequestTimeoutError,
+                                     SessionClosedError,
+                                     UnsupportedModelError,
+)
 from hearthlm.model_zoo.template_limits import TemplateLimits
-from hearthlm.core.errors import (BackendError, ContextLengthError, EngineFailedError, GGUFError, HearthError,
-                                     InvalidRequestError, ModelLoadError, ModelNotFoundError, QueueFull,
-                                     RequestTimeoutError, SessionClosedError, UnsupportedModelError)
 from hearthlm.options import SessionOptions
 from hearthlm.runtime.sampling import SamplingParams
 from hearthlm.session import Session

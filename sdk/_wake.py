@@ -11,7 +11,6 @@ from typing import Any, Callable
 import anyio
 import sniffio
 
-
 _wakers: "weakref.WeakKeyDictionary[Any, _Waker]" = weakref.WeakKeyDictionary()
 
 

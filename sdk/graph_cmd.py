@@ -6,12 +6,12 @@ from __future__ import annotations
 import argparse
 
 from hearthlm.backends import get_backend
+from hearthlm.core.graph import Graph
 from hearthlm.model_zoo.model import load_model
 from hearthlm.model_zoo.resolve import resolve_model
 from hearthlm.options import from_args
 from hearthlm.runtime import fusion
 from hearthlm.runtime.batch import BatchShape
-from hearthlm.core.graph import Graph
 from hearthlm.runtime.memory import plan
 
 

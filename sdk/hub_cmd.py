@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from hearthlm.core.errors import ModelNotFoundError
 from hearthlm.model_zoo.hub import cached_ggufs
 from hearthlm.model_zoo.resolve import ZOO, hub_files, resolve_model
-from hearthlm.core.errors import ModelNotFoundError
 
 
 def add_pull_args(p: argparse.ArgumentParser) -> None:

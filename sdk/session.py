@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import math
 import threading
-from pathlib import Path
 from contextlib import asynccontextmanager
 from dataclasses import replace
 from functools import partial
+from pathlib import Path
 from typing import Any, AsyncIterator, Sequence
 
 import anyio
@@ -16,27 +16,25 @@ import numpy as np
 
 from hearthlm._wake import Channel, loop_waker
 from hearthlm.backends import get_backend
+from hearthlm.core.errors import ContextLengthError, HearthError, InvalidRequestError, RequestTimeoutError, SessionClosedError
+from hearthlm.core.log import get_logger
+from hearthlm.model_zoo import reasoning
 from hearthlm.model_zoo.hub import log_progress
-from hearthlm.model_zoo.template_limits import DEFAULT_LIMITS, TemplateLimits
 from hearthlm.model_zoo.model import Model, load_model
 from hearthlm.model_zoo.resolve import DEFAULT_MODEL, resolve_model
+from hearthlm.model_zoo.template_limits import DEFAULT_LIMITS, TemplateLimits
 from hearthlm.model_zoo.tokenizer import vocab_mismatch
-from hearthlm.model_zoo import reasoning
+from hearthlm.options import SessionOptions, check_names, takes_options
+from hearthlm.output import ChoiceOutput, with_prompt
 from hearthlm.runtime import constraint
-from hearthlm.runtime.engine import Engine
-from hearthlm.core.log import get_logger
-from hearthlm.core.errors import (ContextLengthError, HearthError, InvalidRequestError, RequestTimeoutError,
-                                     SessionClosedError)
 from hearthlm.runtime.devices import open_device
+from hearthlm.runtime.engine import Engine
 from hearthlm.runtime.placement import offload
 from hearthlm.runtime.request import Kind, Request, ThinkBudget
 from hearthlm.runtime.sampling import SamplingParams
 from hearthlm.runtime.weight_cache import WeightCache, cache_dir
-from hearthlm.options import SessionOptions, check_names, takes_options
-from hearthlm.output import ChoiceOutput, with_prompt
 from hearthlm.tools import ToolOutput, ToolPlan
 from hearthlm.types import Chunk, Completion
-
 
 log = get_logger("hearthlm.session")
 

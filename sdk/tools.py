@@ -7,9 +7,9 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
+from hearthlm.core.errors import InvalidRequestError
 from hearthlm.model_zoo import tool_calls as tc
 from hearthlm.model_zoo.chat_template import normalize_messages
-from hearthlm.core.errors import InvalidRequestError
 from hearthlm.types import Chunk
 
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 import numpy as np
 from gguf import GGMLQuantizationType as T
 
+from hearthlm.core.graph import Graph
+from hearthlm.core.weights import QWeight
 from hearthlm.model_zoo.models import gemma3, llama
 from hearthlm.model_zoo.tensors import Weights, specs
 from hearthlm.runtime.batch import BatchShape
-from hearthlm.core.graph import Graph
-from hearthlm.core.weights import QWeight
 
 DIMS = dict(n_embd=64, n_head=4, n_head_kv=2, head_dim=16, n_ff=96, n_vocab=50)
 

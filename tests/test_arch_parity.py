@@ -12,9 +12,8 @@ import pytest
 from hearthlm import Session
 
 sys.path.insert(0, str(Path(__file__).parent / "parity"))
-from models import VARIANTS, write  # noqa: E402
-
 import golden  # noqa: E402
+from models import VARIANTS, write  # noqa: E402
 
 RECORDED = json.loads((Path(__file__).parent / "data" / "arch_parity.json").read_text())
 
@@ -63,10 +62,10 @@ def test_fusion_rules_fire(tmp_path, variant):
     """The fused graph of every architecture: flash attention (but under Gemma 2's logit
     soft-capping), K's RoPE into the cache, and the gated FFN as one op (Phi-3's halves of
     ffn_up included)."""
+    from hearthlm.core.graph import Op
     from hearthlm.model_zoo.model import load_model
     from hearthlm.runtime import fusion
     from hearthlm.runtime.batch import BatchShape
-    from hearthlm.core.graph import Op
 
     m = load_model(write(tmp_path / "m.gguf", variant))
     try:

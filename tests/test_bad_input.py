@@ -14,12 +14,21 @@ import anyio
 import gguf
 import numpy as np
 import pytest
-
-from hearthlm import (BackendError, ContextLengthError, GGUFError, HearthError, InvalidRequestError,
-                      ModelLoadError, ModelNotFoundError, Session, SessionClosedError,
-                      UnsupportedModelError)
-from hearthlm.model_zoo.gguf_file import GGUFFile
 from tiny_gguf import write_tiny as write_tiny_model
+
+from hearthlm import (
+    BackendError,
+    ContextLengthError,
+    GGUFError,
+    HearthError,
+    InvalidRequestError,
+    ModelLoadError,
+    ModelNotFoundError,
+    Session,
+    SessionClosedError,
+    UnsupportedModelError,
+)
+from hearthlm.model_zoo.gguf_file import GGUFFile
 
 N_CTX = 256
 

@@ -13,7 +13,6 @@ from urllib.parse import urlsplit
 
 import httpx
 import pytest
-
 from serve_util import live_server, metrics, wait_for
 from tiny_gguf import write_tiny
 

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from hearthlm.model_zoo.chat_template import compile_template, render_chat
 from hearthlm.core.errors import HearthError, InvalidRequestError
+from hearthlm.model_zoo.chat_template import compile_template, render_chat
 
 DATA = Path(__file__).parent / "data"
 SMOL = (DATA / "smollm2_chat_template.jinja").read_text()

@@ -11,10 +11,10 @@ import sys
 import numpy as np
 import pytest
 from gguf import quants
+from test_backend_ops import KQUANTS, LEGACY, make_raw, nmse
 
 from hearthlm.backends.cuda.modules import CU_FILES, KERNEL_DIR, source
 from hearthlm.core.errors import BackendError
-from test_backend_ops import KQUANTS, LEGACY, make_raw, nmse
 
 QTYPES = LEGACY + KQUANTS
 

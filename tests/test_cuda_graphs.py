@@ -4,12 +4,11 @@ declines, on the engine's real path; and which compiled graphs the cuda backend 
 On a GPU, `tests/gpu_parity.py graphs` compares replayed decoding with eager decoding (exact
 tokens) and counts the replays; tests/gpu_check.sh runs it."""
 import numpy as np
+from gguf import GGMLQuantizationType as T
 from synth import FakeModel
 from test_graph_cache import generate
 
 from hearthlm.backends import get_backend
-from gguf import GGMLQuantizationType as T
-
 from hearthlm.backends.cuda import graphs
 from hearthlm.backends.cuda.weights import CudaWeight
 from hearthlm.runtime import dispatch

@@ -16,9 +16,9 @@ import os
 import sys
 
 import pytest
+from test_cuda_launch import SIGS
 
 from hearthlm.backends.cuda.modules import CU_FILES, OPTIONS, source
-from test_cuda_launch import SIGS
 
 ARCHS = (90, 75)  # the lent GPU (H100 / H200), and the oldest that CUDA 13 compiles for
 

@@ -11,11 +11,11 @@ from pathlib import Path
 
 import anyio
 import pytest
+from tiny_gguf import write_tiny
 
 from hearthlm import Session
-from hearthlm.runtime.draft import DraftModel
 from hearthlm.core.errors import InvalidRequestError
-from tiny_gguf import write_tiny
+from hearthlm.runtime.draft import DraftModel
 
 sys.path.insert(0, str(Path(__file__).parent / "parity"))
 from models import write as write_parity  # noqa: E402

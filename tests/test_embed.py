@@ -7,11 +7,11 @@ import asyncio
 
 import numpy as np
 import pytest
-
 from conftest import DATA, load_json
+from tiny_gguf import write_tiny
+
 from hearthlm import InvalidRequestError, Session
 from hearthlm.core.errors import ModelNotFoundError
-from tiny_gguf import write_tiny
 
 TEXTS = ["hello world", "the quick brown fox jumps over the lazy dog " * 4, "a"]
 
@@ -109,7 +109,8 @@ def test_embedding_tokens_capped_beside_generation():
     from collections import deque
 
     from hearthlm.backends.reference import ReferenceBackend
-    from hearthlm.runtime.batcher import POOL_TOKENS_BESIDE_GENERATION as CAP, Batcher
+    from hearthlm.runtime.batcher import POOL_TOKENS_BESIDE_GENERATION as CAP
+    from hearthlm.runtime.batcher import Batcher
     from hearthlm.runtime.kv_cache import KVCache
     from hearthlm.runtime.request import Kind, Request
     from hearthlm.runtime.sampling import SamplingParams

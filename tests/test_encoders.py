@@ -11,8 +11,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from conftest import DATA, load_json
+
 from hearthlm import ContextLengthError, InvalidRequestError, Session
 
 sys.path.insert(0, str(Path(__file__).parent / "parity"))
@@ -61,10 +61,10 @@ async def test_matches_llama_cpp(files, variant):
 def test_encoder_graph_fuses(files, variant):
     """Flash attention on the non-causal mask in every layer (jina-bert-v2's with ALiBi's max_bias
     8); nomic-bert's K RoPE into the cache and its SwiGLU as one op."""
+    from hearthlm.core.graph import Op
     from hearthlm.model_zoo.model import load_model
     from hearthlm.runtime import fusion
     from hearthlm.runtime.batch import BatchShape
-    from hearthlm.core.graph import Op
 
     m = load_model(files[variant])
     try:

@@ -5,9 +5,9 @@ import time
 import anyio
 import numpy as np
 import pytest
+from tiny_gguf import write_tiny
 
 from hearthlm import ContextLengthError, QueueFull, Session, SessionClosedError
-from tiny_gguf import write_tiny
 
 
 @pytest.fixture(scope="module")

@@ -6,13 +6,13 @@ from collections import Counter
 import numpy as np
 import pytest
 from synth import build, step_feed, weights
+from test_backend_ops import nmse
 
 from hearthlm.backends.cpu.backend import CPUBackend
 from hearthlm.backends.reference import ReferenceBackend
+from hearthlm.core.graph import Op
 from hearthlm.runtime import fusion
 from hearthlm.runtime.dispatch import run as run_graph
-from hearthlm.core.graph import Op
-from test_backend_ops import nmse
 
 RULES = {r.name: r for r in fusion.RULES}
 # rule -> (fused op, per layer in llama, per layer in gemma3, outside the layers); counted

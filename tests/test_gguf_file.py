@@ -15,9 +15,8 @@ import numpy as np
 import pytest
 from gguf.constants import GGMLQuantizationType as T
 
+from hearthlm.core.errors import GGUFError, HearthError, ModelLoadError, ModelNotFoundError, UnsupportedModelError
 from hearthlm.model_zoo.gguf_file import GGUFFile
-from hearthlm.core.errors import (GGUFError, HearthError, ModelLoadError, ModelNotFoundError,
-                                     UnsupportedModelError)
 
 RNG = np.random.default_rng(0)
 EMB = RNG.standard_normal((8, 64)).astype(np.float32)

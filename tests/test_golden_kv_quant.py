@@ -8,9 +8,9 @@ type_v and rotation (tests/parity/record_kv_types.py -> tests/data/kv_types_ppl.
 the suite, the table on the three models `make test-kv-types` (pytest -m long)."""
 
 import pytest
-
 from conftest import DATA, _model, load_json
 from golden import check_golden
+
 from hearthlm import Session
 from hearthlm.core import kv_types
 from hearthlm.perplexity import chunk_nlls, summary

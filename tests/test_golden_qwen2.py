@@ -3,11 +3,10 @@ greedy outputs, on both CPU backends."""
 import os
 
 import pytest
-
-from hearthlm import Session
-
 from conftest import load_json
 from golden import check_golden
+
+from hearthlm import Session
 
 # gpu_check.sh runs these with HEARTHLM_TEST_BACKENDS=cuda
 # the numpy reference takes a minute or two here: `make test-long` (SmolLM2's runs in the suite)

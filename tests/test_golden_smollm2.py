@@ -2,7 +2,6 @@
 import os
 
 import pytest
-
 from conftest import load_json
 from golden import check_golden
 

@@ -9,8 +9,8 @@ import anyio
 import pytest
 
 from hearthlm import HearthError, Session
-from hearthlm.runtime import runner as runner_mod
 from hearthlm.core.errors import ModelLoadError
+from hearthlm.runtime import runner as runner_mod
 
 sys.path.insert(0, str(Path(__file__).parent / "parity"))
 from models import write  # noqa: E402

@@ -7,8 +7,8 @@ from gguf.constants import GGML_QUANT_SIZES
 from gguf.constants import GGMLQuantizationType as T
 
 from hearthlm.backends.cpu.iquants import IQUANT_UNPACKERS, LUTS
-from hearthlm.backends.random_blocks import F16_FIELDS, IQUANTS
 from hearthlm.backends.cpu.qtypes import KINDS, _pack_codes
+from hearthlm.backends.random_blocks import F16_FIELDS, IQUANTS
 
 # type -> (sub, byte offsets of its float16 scales within a block: the shared table)
 SUBS = {T.IQ2_XS: 16, T.IQ2_S: 16, T.IQ1_M: 16}

@@ -23,18 +23,18 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import DATA
 from gguf import quants
 from gguf.constants import GGMLQuantizationType as T
+from test_backend_ops import BS, BT, GQA, N_BLOCKS, REF, backend, f32, inputs, nmse, rng_for, scenario  # noqa: F401
+from test_cuda_launch import fake_ops  # noqa: F401
+from tiny_gguf import write_tiny
 
-from conftest import DATA
 from hearthlm import Session
 from hearthlm.backends.cuda.modules import KERNEL_DIR
 from hearthlm.core import kv_types
 from hearthlm.core.errors import BackendError, InvalidRequestError
 from hearthlm.core.graph import Graph, Op
-from test_backend_ops import BS, BT, GQA, N_BLOCKS, REF, backend, f32, inputs, nmse, rng_for, scenario  # noqa: F401
-from test_cuda_launch import fake_ops  # noqa: F401
-from tiny_gguf import write_tiny
 
 GGUF = {"q8_0": T.Q8_0, "q4_0": T.Q4_0, "q5_0": T.Q5_0, "q5_1": T.Q5_1, "iq4_nl": T.IQ4_NL}
 KVS = list(kv_types.QUANTIZED)

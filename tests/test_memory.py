@@ -4,16 +4,16 @@ CPU backend computes the same into planned buffers as into fresh arrays."""
 import numpy as np
 import pytest
 from synth import build, step_feed, weights
+from test_backend_ops import nmse
 
 from hearthlm.backends.cpu.backend import CPUBackend
+from hearthlm.core.graph import Op
 from hearthlm.runtime import fusion
 from hearthlm.runtime.batch import BatchShape
 from hearthlm.runtime.dispatch import compile_graph, execute
+from hearthlm.runtime.memory import _align, last_uses, nbytes, plan
 from hearthlm.runtime.placement import Placement
 from hearthlm.runtime.weights import WeightStore
-from hearthlm.core.graph import Op
-from hearthlm.runtime.memory import _align, last_uses, nbytes, plan
-from test_backend_ops import nmse
 
 SMOLLM2 = dict(n_embd=576, n_head=9, n_head_kv=3, head_dim=64, n_ff=1536, n_vocab=49152)
 

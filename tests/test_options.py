@@ -10,11 +10,10 @@ from dataclasses import fields, replace
 
 import anyio
 import pytest
-
-from hearthlm import HearthError, InvalidRequestError, Session, SessionOptions, SyncSession, TemplateLimits
-from hearthlm import cli, options
-from hearthlm.session import Session as _Session
 from tiny_gguf import write_tiny
+
+from hearthlm import HearthError, InvalidRequestError, Session, SessionOptions, SyncSession, TemplateLimits, cli, options
+from hearthlm.session import Session as _Session
 
 MODEL_COMMANDS = ("generate", "chat", "serve", "bench", "perplexity")
 CLI_FIELDS = [f for f in fields(SessionOptions) if f.metadata["cli"]]

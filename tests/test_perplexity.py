@@ -8,12 +8,11 @@ import subprocess
 import sys
 
 import pytest
+from conftest import DATA, _model, load_json
 
 from hearthlm import Session
-from hearthlm.perplexity import chunk_nlls, summary
 from hearthlm.core.errors import InvalidRequestError
-
-from conftest import DATA, _model, load_json
+from hearthlm.perplexity import chunk_nlls, summary
 
 REF = load_json("perplexity.json")["models"]
 TEXT = (DATA / "ppl_text.txt").read_text(encoding="utf-8")

@@ -20,14 +20,14 @@ from tiny_gguf import write_tiny
 from hearthlm import BackendError, InvalidRequestError, Session
 from hearthlm.backends.cpu.backend import CPUBackend
 from hearthlm.backends.reference import ReferenceBackend
+from hearthlm.core.graph import Op
 from hearthlm.runtime import fusion
 from hearthlm.runtime.dispatch import compile_graph, execute
 from hearthlm.runtime.engine import Engine
-from hearthlm.core.graph import Op
 from hearthlm.runtime.placement import Placement, offload, place
-from hearthlm.runtime.weights import WeightStore
 from hearthlm.runtime.request import Kind, Request
 from hearthlm.runtime.sampling import SamplingParams
+from hearthlm.runtime.weights import WeightStore
 
 N_LAYER = {"llama": 2, "gemma3": 6}  # gemma3: five sliding-window layers and one global
 HAS_CUPY = importlib.util.find_spec("cupy") is not None

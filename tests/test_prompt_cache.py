@@ -11,11 +11,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from tiny_gguf import write_tiny
 
 from hearthlm import Session
 from hearthlm.core.errors import InvalidRequestError
 from hearthlm.runtime.prompt_cache import SUFFIX
-from tiny_gguf import write_tiny
 
 sys.path.insert(0, str(Path(__file__).parent / "parity"))
 from models import write as write_parity  # noqa: E402

@@ -12,7 +12,6 @@ import textwrap
 from pathlib import Path
 
 import pytest
-
 from fake_hub import COMMIT, FakeHub
 from tiny_gguf import write_tiny
 

@@ -7,14 +7,13 @@ from __future__ import annotations
 import random
 
 import pytest
+from tiny_gguf import CHATML, write_tiny
 
 from hearthlm import Session
+from hearthlm.core.errors import InvalidRequestError
 from hearthlm.model_zoo import reasoning
 from hearthlm.model_zoo.reasoning import GEMMA4, HARMONY, THINK, ReasoningSplitter
-from hearthlm.core.errors import InvalidRequestError
 from hearthlm.runtime.request import ThinkBudget
-
-from tiny_gguf import CHATML, write_tiny
 
 # outputs in each format, as the models write them (opened: the prompt opened the thinking)
 OUTPUTS = [
@@ -166,7 +165,6 @@ def test_server_reasoning_content(thinker):
 async def test_qwen25_with_a_template_that_thinks(qwen2_path, tmp_path):
     """The real model, its own template made to open <think> in the generation prompt."""
     import gguf
-
     from gguf_edit import copy_with_string
     r = gguf.GGUFReader(str(qwen2_path))
     tpl = r.fields["tokenizer.chat_template"].contents()

@@ -7,12 +7,13 @@ import sys
 from pathlib import Path
 
 import huggingface_hub
-from huggingface_hub import errors as hf_errors
 import pytest
+from huggingface_hub import errors as hf_errors
 
-from hearthlm.model_zoo import hub as hub_mod, resolve
-from hearthlm.model_zoo.resolve import DEFAULT_MODEL, ZOO, resolve_model
 from hearthlm.core.errors import ModelNotFoundError
+from hearthlm.model_zoo import hub as hub_mod
+from hearthlm.model_zoo import resolve
+from hearthlm.model_zoo.resolve import DEFAULT_MODEL, ZOO, resolve_model
 
 REV = "0123456789abcdef0123456789abcdef01234567"
 

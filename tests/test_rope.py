@@ -5,10 +5,10 @@ import math
 import numpy as np
 import pytest
 
-from hearthlm.model_zoo.config import Reader
-from hearthlm.model_zoo.rope import FREQS, LONG, SHORT, Rope
 from hearthlm.core.errors import ModelLoadError
 from hearthlm.core.weights import QWeight
+from hearthlm.model_zoo.config import Reader
+from hearthlm.model_zoo.rope import FREQS, LONG, SHORT, Rope
 
 
 def ggml_theta(pos, n_dims, base, fs, ext, attn, n_ctx_orig, ff=None, beta_fast=32.0, beta_slow=1.0):

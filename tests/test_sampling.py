@@ -6,7 +6,7 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from hearthlm.runtime.sampling import SamplingParams, TokenCounts, apply_penalties, sample
+from hearthlm.runtime.sampling import SamplingParams, apply_penalties, sample
 
 V = 64
 LOGITS = (np.random.default_rng(0).standard_normal(V) * 2.0).astype(np.float32)  # distinct values

@@ -7,12 +7,11 @@ import math
 
 import numpy as np
 import pytest
+from tiny_gguf import write_tiny
 
 from hearthlm import Session
 from hearthlm.core.errors import ContextLengthError, InvalidRequestError
 from hearthlm.runtime.sampling import SamplingParams
-
-from tiny_gguf import write_tiny
 
 PROMPT = "hello there, how are you today? " * 3  # > 2 KV blocks of 16 tokens
 

@@ -235,10 +235,10 @@ def test_queue_full_is_429(tiny):
 async def test_closed_session_is_503(tiny):
     """create_app over sessions the application owns; once closed, requests get 503."""
     import uvicorn
+    from serve_util import free_port
 
     from hearthlm import Session
     from hearthlm.serve import create_app
-    from serve_util import free_port
     async with Session.open(tiny, n_ctx=256) as s:
         port = free_port()
         srv = uvicorn.Server(uvicorn.Config(create_app({"tiny": s}), host="127.0.0.1", port=port, log_level="warning"))

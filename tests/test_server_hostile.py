@@ -5,9 +5,8 @@ import time
 
 import httpx
 import pytest
-from serve_util import live_server
-
 from fuzz.gguf_target import STRING
+from serve_util import live_server
 from test_fuzz_regressions import tiny_with
 
 TEMPLATES = {

@@ -11,9 +11,9 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
+from serve_util import live_server
 
 from hearthlm import Session
-from serve_util import live_server
 
 openai = pytest.importorskip("openai")
 sys.path.insert(0, str(Path(__file__).parent / "parity"))

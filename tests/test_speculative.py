@@ -12,12 +12,12 @@ from pathlib import Path
 import anyio
 import numpy as np
 import pytest
+from tiny_gguf import write_tiny
 
 from hearthlm import Session
 from hearthlm.core.errors import InvalidRequestError
 from hearthlm.runtime.sampling import SamplingParams, verify
 from hearthlm.runtime.speculative import NgramDrafter
-from tiny_gguf import write_tiny
 
 sys.path.insert(0, str(Path(__file__).parent / "parity"))
 from models import write as write_parity  # noqa: E402

@@ -1,8 +1,8 @@
 """`hearthlm bench --startup`'s runs (fresh processes) and `hearthlm prepare`, on a tiny model."""
 from gguf import GGMLQuantizationType as T
+from tiny_gguf import write_tiny
 
 from hearthlm.bench.startup import KEYS, bench_startup, prepare, run_once
-from tiny_gguf import write_tiny
 
 
 def test_startup_run_reports_its_figures(tmp_path):

@@ -16,9 +16,10 @@ import pytest
 
 pytest.importorskip("llguidance")
 
+from json_schemas import SCHEMAS  # noqa: E402
+
 from hearthlm import HearthError, InvalidRequestError, Session  # noqa: E402
 from hearthlm.runtime import constraint  # noqa: E402
-from json_schemas import SCHEMAS  # noqa: E402
 
 N_CTX = 1024
 SYSTEM = {"role": "system", "content": "You reply with JSON only."}

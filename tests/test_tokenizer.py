@@ -11,11 +11,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from hearthlm.core.errors import UnsupportedModelError
 from hearthlm.model_zoo.gguf_file import GGUFFile
 from hearthlm.model_zoo.tokenizer import StreamDecoder, Tokenizer
-from hearthlm.model_zoo.tokenizer_rules import clean_spaces
 from hearthlm.model_zoo.tokenizer_bpe import _byte_to_unicode
-from hearthlm.core.errors import UnsupportedModelError
+from hearthlm.model_zoo.tokenizer_rules import clean_spaces
 
 DATA = Path(__file__).parent / "data"
 SMOL = "SmolLM2-135M-Instruct.Q4_1"
@@ -261,7 +261,6 @@ def test_bpe_pre_types_match_llama_cpp(pre, tmp_path):
     """Token ids as llama.cpp's (tests/parity/record_bpe_pre.py) on a tiny vocabulary whose merges
     a wrong split would keep from applying: case changes inside words, contractions, digit groups."""
     import gguf
-
     from tiny_gguf import write_tiny
     data = json.loads((Path(__file__).parent / "data" / "bpe_pre_parity.json").read_text())
     path = write_tiny(tmp_path / "t.gguf", pre=pre, merges=tuple(data["merges"]))

@@ -8,15 +8,14 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as T
+from tiny_gguf import write_tiny
 
 from hearthlm import SyncSession
 from hearthlm.backends.cpu.backend import CPUBackend
 from hearthlm.model_zoo.gguf_file import GGUFFile
 from hearthlm.runtime.weight_cache import CACHE_FORMAT, WeightCache, cache_dir, default_cache_dir
-from tiny_gguf import write_tiny
 
 PROMPT = [5, 40, 77, 120, 9]
 

@@ -13,14 +13,13 @@ import numba
 import numpy as np
 from gguf.constants import GGMLQuantizationType as T
 
-from hearthlm.core.backend import Backend
-from hearthlm.backends.cpu import delta_net, kvquant, ops, ssm
+from hearthlm.backends.cpu import affinity, delta_net, dot, kvquant, ops, ssm
 from hearthlm.backends.cpu.ffn import ffn_glu
 from hearthlm.backends.cpu.halfs import NATIVE_HALF
-from hearthlm.backends.cpu import affinity, dot
 from hearthlm.backends.cpu.matmul import expert_matvecs, get_rows, matmul, matmul_add, start_pool
 from hearthlm.backends.cpu.qtypes import LAYOUT_VERSION, SUPPORTED_TYPES, PackedWeight, pack_weight
 from hearthlm.core import kv_types
+from hearthlm.core.backend import Backend
 from hearthlm.core.errors import BackendError, UnsupportedModelError
 from hearthlm.core.graph import Op, alibi_slopes, attn_bounds
 from hearthlm.core.log import get_logger

@@ -39,9 +39,9 @@ from numba import prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
-from .halfs import TARGET_FEATURES, _call, _ptr, _vec_ptr, f32, widen
-from .quantize import nib_code, sub_scale
+from .halfs import TARGET_FEATURES, _call, _ptr, _vec_ptr, widen
 from .qtypes import LUTS, ROWS  # ROWS: rows per vector (one zmm of int32 or float32 lanes) and per block
+from .quantize import nib_code, sub_scale
 
 _I8, _I16, _I32, _F32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.FloatType()
 _HAS_BW = "+avx512bw" in TARGET_FEATURES  # the target numba compiles for (halfs)

@@ -12,7 +12,7 @@ from numba import prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .halfs import VW, _call, _ptr, _splat, _vec_ptr, bits_as_f32, f32, like
+from .halfs import VW, _call, _ptr, _splat, _vec_ptr, bits_as_f32, like
 from .kvquant import fwht, load_row, put_row
 
 # error_model="numpy": a float division by zero gives inf/NaN, as in numpy and ggml, not a
@@ -381,7 +381,7 @@ def _dot_rows(typingctx, out, q, kb, nb, scale):
 
 @numba.njit(**_JIT)
 def _attend(q, k_cache, v_cache, t, kh0, kh1, group, seq, p_lo, p_hi, block_table, scale, softcap, block_size,
-            pos, slopes, m, l, acc, kind_k, kind_v, rot_k):
+            pos, slopes, m, l, acc, kind_k, kind_v, rot_k):  # noqa: E741 (l: the sums, as the paper names them)
     """Online softmax of the query heads of token t (at position pos) of KV heads kh0..kh1-1 over
     positions p_lo..p_hi-1, less slopes[h] * |p - pos| where slopes is not empty (ALiBi):
     m (n_kv, group) running maxima, l (n_kv, group) sums of exp, acc (n_kv, group, dv)

@@ -15,7 +15,6 @@ from numba import prange
 from .ops import _JIT, fexp
 
 
-
 @numba.njit(inline="always", **_JIT)
 def _conv_task(state, x, w_t, seq_off, state_slot, y, i, c0, c1):
     """Row i's tokens over channels c0..c1. xx = [state[slot] (K-1 rows); x[t0:t1]] is read in

@@ -11,8 +11,8 @@ from typing import Any
 
 import numpy as np
 
-from hearthlm.core.backend import Backend
 from hearthlm.backends.cuda.weights import SUPPORTED_TYPES
+from hearthlm.core.backend import Backend
 from hearthlm.core.errors import BackendError
 from hearthlm.core.graph import Op, Tensor
 from hearthlm.core.weights import QWeight

@@ -299,7 +299,7 @@ def attn(node, q, k_cache, v_cache, tok_seq, tok_pos, block_table, *extra, out=N
     seq_len = extra[0] if len(extra) > (sinks is not None) else None
     n_tokens, n_head, d = q.shape
     n_head_kv, dv = k_cache.shape[1], node.srcs[2].shape[2]
-    (tk, suffix), (tv, suffix_v) = _kv(node, node.srcs[1]), _kv(node, node.srcs[2])
+    (_tk, suffix), (_tv, suffix_v) = _kv(node, node.srcs[1]), _kv(node, node.srcs[2])
     if suffix != suffix_v:
         raise BackendError(f"{node.label}: K and V caches of different types")
     if max(d, dv) > MAX_HEAD_DIM:

@@ -16,10 +16,9 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from hearthlm.model_zoo.blocks import (build_ffn, build_inp_embd, build_inputs, build_kqv, build_norm,
-                                       build_output, build_residual)
-from hearthlm.model_zoo.config import HParams, Reader
 from hearthlm.core.errors import ModelLoadError, UnsupportedModelError
+from hearthlm.model_zoo.blocks import build_ffn, build_inp_embd, build_inputs, build_kqv, build_norm, build_output, build_residual
+from hearthlm.model_zoo.config import HParams, Reader
 
 
 @dataclass(frozen=True)

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from hearthlm.core.errors import ModelLoadError
 from hearthlm.model_zoo.blocks import build_conv, build_ffn, build_moe_ffn, build_norm, build_state, moe_weights
 from hearthlm.model_zoo.config import HParams, Reader
 from hearthlm.model_zoo.decoder import Decoder, build_decoder
-from hearthlm.core.errors import ModelLoadError
 
 
 @dataclass(frozen=True)

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hearthlm.model_zoo.encoder import Encoder, EncoderParams, build_encoder
 from hearthlm.core.errors import ModelLoadError
+from hearthlm.model_zoo.encoder import Encoder, EncoderParams, build_encoder
 
 MAX_ALIBI_BIAS = 8.0  # llama.cpp sets it for this architecture; no GGUF key holds it
 

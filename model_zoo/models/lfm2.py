@@ -6,10 +6,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from hearthlm.core.errors import ModelLoadError
 from hearthlm.model_zoo.blocks import build_conv
 from hearthlm.model_zoo.config import HParams, Reader
 from hearthlm.model_zoo.decoder import Decoder, build_decoder
-from hearthlm.core.errors import ModelLoadError
 
 
 @dataclass(frozen=True)

@@ -7,10 +7,10 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from hearthlm.core.errors import ModelLoadError
 from hearthlm.model_zoo.blocks import build_ffn, build_moe_ffn, moe_weights
 from hearthlm.model_zoo.config import Reader
 from hearthlm.model_zoo.models import lfm2
-from hearthlm.core.errors import ModelLoadError
 
 GATING = {1: "softmax", 2: "sigmoid"}  # llama.cpp's expert_gating_func values
 

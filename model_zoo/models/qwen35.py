@@ -9,10 +9,10 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
+from hearthlm.core.errors import ModelLoadError
 from hearthlm.model_zoo.blocks import build_attn, build_conv, build_norm, build_qk_norm_rope, build_state
 from hearthlm.model_zoo.config import HParams, Reader
 from hearthlm.model_zoo.decoder import Decoder, build_decoder
-from hearthlm.core.errors import ModelLoadError
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,8 @@ from collections import defaultdict
 import anyio
 
 from hearthlm.bench import session_options
-from hearthlm.runtime import dispatch, runner as runner_mod
+from hearthlm.runtime import dispatch
+from hearthlm.runtime import runner as runner_mod
 from hearthlm.runtime.graph_cache import bucket
 from hearthlm.session import Session
 

@@ -21,8 +21,8 @@ def kv_bytes_per_token(session, context: float, itemsize: int) -> float:
 def hearthlm_bytes_per_token(session, context: float) -> float:
     """The prepared weights the one-token graph reads whole (each once; an embedding table that
     is only looked up reads one row), plus the K/V it reads."""
-    from hearthlm.runtime.dispatch import STATIC
     from hearthlm.core.graph import Op
+    from hearthlm.runtime.dispatch import STATIC
     graphs = session.engine.graphs._graphs
     sig = min(graphs, key=lambda s: s.shape.n_tokens)  # the decode graph, compiled at open
     steps = graphs[sig].compiled.steps

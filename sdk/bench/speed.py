@@ -10,8 +10,8 @@ kernels from numba's cache, about 0.3 s once per process). Also: concurrent stre
 CPU-bound processes (--competing-load)."""
 from __future__ import annotations
 
-import multiprocessing
 import json
+import multiprocessing
 import resource
 import sys
 import time

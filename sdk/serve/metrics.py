@@ -2,7 +2,7 @@
 server's own counters. One registry per app (several apps in a process do not collide)."""
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, generate_latest, CONTENT_TYPE_LATEST
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 # engine stats key -> (metric name, help, counter?)

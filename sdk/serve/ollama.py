@@ -20,8 +20,8 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import Field
 
-from hearthlm.model_zoo import reasoning
 from hearthlm.core.errors import HearthError
+from hearthlm.model_zoo import reasoning
 from hearthlm.serve.common import AUTH, APIError, host_of, until_disconnect
 from hearthlm.serve.protocol import ChatRequest, _Body, logprob_entries
 from hearthlm.session import Session

@@ -13,8 +13,19 @@ from sse_starlette.sse import EventSourceResponse
 
 from hearthlm.core.errors import HearthError
 from hearthlm.serve.common import host_of, status_of, until_disconnect
-from hearthlm.serve.protocol import (ChatRequest, CompletionRequest, EmbeddingRequest, echo_logprobs, error_json,
-                                     join_logprobs, legacy_logprobs, logprob_entries, new_id, now, usage)
+from hearthlm.serve.protocol import (
+    ChatRequest,
+    CompletionRequest,
+    EmbeddingRequest,
+    echo_logprobs,
+    error_json,
+    join_logprobs,
+    legacy_logprobs,
+    logprob_entries,
+    new_id,
+    now,
+    usage,
+)
 
 router = APIRouter()
 

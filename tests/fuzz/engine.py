@@ -253,7 +253,8 @@ def main(argv: list[str] | None = None) -> None:
                       runner.one)
         atheris.Fuzz()
     else:
-        from hypothesis import HealthCheck, given, seed, settings, strategies as st
+        from hypothesis import HealthCheck, given, seed, settings
+        from hypothesis import strategies as st
         for s in seeds:  # libFuzzer runs its corpus first; here the seeds go first by hand
             runner.one(s)
 

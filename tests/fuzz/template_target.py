@@ -215,8 +215,9 @@ def warm() -> None:
 def case(data: bytes) -> tuple[str, Callable[[], None]]:
     """One input decoded: what it does (for a finding's report) and a thunk that does it, so
     that describing a hang does not run it again."""
-    from fuzz.tokenizer_target import tokenizers
     from tiny_gguf import CHATML
+
+    from fuzz.tokenizer_target import tokenizers
     d = Draw(data)
     op = d.int(3)
     if op == 2:  # ChatML: contents must not add or close turns, whatever they hold

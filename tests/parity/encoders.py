@@ -8,9 +8,9 @@ import dataclasses
 from pathlib import Path
 
 import gguf
+import models
 import numpy as np
 
-import models
 from hearthlm.model_zoo.models import get_architecture
 from hearthlm.model_zoo.tensors import specs as tensor_specs
 

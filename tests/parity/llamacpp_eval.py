@@ -4,8 +4,8 @@ steps and top-5 log-probs of llama.cpp on the given GGUFs. argv: a JSON list of
 import json
 import sys
 
-import numpy as np
 import llama_cpp
+import numpy as np
 from llama_cpp import Llama
 
 POOL = {"mean": llama_cpp.LLAMA_POOLING_TYPE_MEAN, "cls": llama_cpp.LLAMA_POOLING_TYPE_CLS,

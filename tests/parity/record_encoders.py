@@ -17,7 +17,9 @@ import llama_cpp
 
 sys.path.insert(0, str(Path(__file__).parent))
 from encoders import DOCS, QUERY, TEXTS, VARIANTS, write  # noqa: E402
-from llamacpp_eval import embedder as _llm, pair as _pair, pooled as _pooled  # noqa: E402
+from llamacpp_eval import embedder as _llm  # noqa: E402
+from llamacpp_eval import pair as _pair
+from llamacpp_eval import pooled as _pooled
 
 OUT = Path(__file__).parents[1] / "data" / "encoder_parity.json"
 
