@@ -76,10 +76,15 @@ async def _untuned_threads():
     """Every step on all of numba's threads, as the tolerances were measured: the CPU's results
     depend on the thread count (measured: on 1 thread Gemma 3's top token at case 0 step 6 is
     0.29 off llama.cpp's, 0.18 on 2; its q4_0 case 4 parts at step 2, not at all on 2), and the
-    engine's thread tuner picks 1 for a shape whenever that measured faster (a loaded machine)."""
+    engine's thread tuner picks 1 for a shape whenever that measured faster (a loaded machine).
+    Mutation: thread_counts () (no tuner, nothing set) fails both in the full suite, where the
+    engine's thread was left at 1 before."""
+    import numba
+
     from hearthlm.backends.cpu.backend import CPUBackend
     tuned = CPUBackend.thread_counts
-    CPUBackend.thread_counts = lambda self: ()  # nothing to choose from: the tuner stays off
+    # one count to choose from, set on every step: a thread an earlier session left at 1 is reset
+    CPUBackend.thread_counts = lambda self: (numba.config.NUMBA_NUM_THREADS,)
     try:
         yield
     finally:
