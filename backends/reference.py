@@ -8,7 +8,7 @@ import numpy as np
 from gguf import GGMLQuantizationType as T
 from gguf import quants
 
-from hearthlm.core import kv_types
+from hearthlm.core import array_ops, kv_types
 from hearthlm.core.backend import Backend
 from hearthlm.core.errors import UnsupportedModelError
 from hearthlm.core.graph import Op, alibi_slopes, attn_bounds
@@ -359,6 +359,12 @@ class ReferenceBackend(Backend):
             Op.SIGMOID: lambda n, x: sigmoid(x),
             Op.SOFTPLUS: lambda n, x: softplus(x),
             Op.L2_NORM: lambda n, x: l2_norm(x, n.params["eps"]),
+            # vision towers: in float64 where they multiply
+            Op.PATCHIFY: lambda n, img: np.ascontiguousarray(array_ops.patchify(img, n.params["p"]), np.float32),
+            Op.ATTN_FULL: lambda n, q, k, v, *seg: array_ops.attn_full(q, k, v, seg[0] if seg else None, np,
+                                                                       scale=n.params["scale"], dtype=np.float64),
+            Op.POOL_2D: lambda n, x: array_ops.pool_avg_2d(x.astype(np.float64), np, nx=n.params["nx"],
+                                                           ny=n.params["ny"], k=n.params["k"]),
             # recurrent state: source 0 (the state cache) is updated in place
             Op.SSM_CONV: lambda n, state, x, w, off, slot: ssm_conv(state, x, w, off, slot),
             Op.SSM_SCAN: lambda n, state, x, dt, a, b, c, off, slot: ssm_scan(state, x, dt, a, b, c, off, slot),

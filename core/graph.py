@@ -114,6 +114,12 @@ class Op(enum.Enum):
     # (state (S, H, P, N), x (n, H, P), dt (n, H), A (H,), B (n, G, N), C (n, G, N), seq_off, state_slot)
     # -> (n, H, P): Mamba-2's selective scan (ggml's SSM_SCAN; softplus of dt inside, no D skip)
     SSM_SCAN = "ssm_scan", OpProps(updates_state=True)
+    # vision towers (core.array_ops)
+    PATCHIFY = "patchify"    # (img (B, C, H, W),) -> (B*ny*nx, C*p*p): each p x p patch a row; params: p
+    # (q (n, H, d), k (n, H_kv, d), v (n, H_kv, dv)[, seg (n,)]) -> (n, H*dv): attention with no mask,
+    # each token over the tokens of its run of equal seg (one image, one window); params: scale
+    ATTN_FULL = "attn_full"
+    POOL_2D = "pool_2d"      # (x (B*ny*nx, E),) -> (B*(ny/k)*(nx/k), E): k x k average; params: nx, ny, k
     # fused ops (runtime.fusion rewrites into these)
     # (q, k_cache, v_cache, tok_seq, tok_pos, block_table[, seq_len]) -> (n_tokens, n_head*head_dim);
     # params: scale, block_size, window, causal, softcap, alibi (as KQ_MASK's)
@@ -317,6 +323,23 @@ class Graph:
         assert dt.shape == (n, h) and a.shape[-1] == h and c.shape == b.shape and h % g == 0, f"{name}"
         assert state.shape[1:] == (h, p, d_state), f"{name}: state {state.shape}"
         return self._add(Op.SSM_SCAN, (state, x, dt, a, b, c, seq_off, state_slot), x.shape, name, il)
+
+    # vision towers
+    def patchify(self, img: Tensor, p: int, name: str) -> Tensor:
+        b, c, h, w = img.shape
+        return self._add(Op.PATCHIFY, (img,), (b * (h // p) * (w // p), c * p * p), name, p=int(p))
+
+    def attn_full(self, q: Tensor, k: Tensor, v: Tensor, *, scale: float, seg: Tensor | None = None, name: str,
+                  il: int = -1) -> Tensor:
+        assert q.shape[0] == k.shape[0] == v.shape[0] and q.shape[1] % k.shape[1] == 0, f"{name}: {q.shape} {k.shape}"
+        srcs = (q, k, v) if seg is None else (q, k, v, seg)
+        return self._add(Op.ATTN_FULL, srcs, (q.shape[0], q.shape[1] * v.shape[2]), name, il, scale=float(scale))
+
+    def pool_2d(self, x: Tensor, *, nx: int, ny: int, k: int, name: str) -> Tensor:
+        b = x.shape[0] // (nx * ny)
+        assert b * nx * ny == x.shape[0], f"{name}: {x.shape[0]} rows are not images of {ny}x{nx} patches"
+        return self._add(Op.POOL_2D, (x,), (b * (ny // k) * (nx // k), x.shape[1]), name, nx=int(nx), ny=int(ny),
+                         k=int(k))
 
     # fused ops: created by runtime.fusion, or directly by tests
     def attn(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, tok_seq: Tensor, tok_pos: Tensor,

@@ -29,7 +29,8 @@ from hearthlm.core.graph import Graph, Op
 from hearthlm.core.weights import QWeight
 
 # NMSE < 5e-4; else 1e-7
-PRODUCTS = {Op.MUL_MAT, Op.MUL_MAT_ADD, Op.FFN_GLU, Op.MUL_MAT_ID, Op.ATTN, Op.KQ, Op.KQV, Op.GATED_DELTA_NET}
+PRODUCTS = {Op.MUL_MAT, Op.MUL_MAT_ADD, Op.FFN_GLU, Op.MUL_MAT_ID, Op.ATTN, Op.KQ, Op.KQV, Op.GATED_DELTA_NET,
+            Op.ATTN_FULL}
 NOT_KERNELS = {Op.INPUT, Op.WEIGHT, Op.CACHE, Op.COPY}  # bound leaves, and dispatch's copies
 FLOATS = [T.F32, T.F16, T.BF16]
 LEGACY = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0]
@@ -529,6 +530,44 @@ def delta_net(shape, batch):
                        f32(rng, N_STATE_SLOTS, h_v, d_v, d_k, scale=0.5), d_k ** -0.5)
 
 
+# ---- vision towers ----
+
+def patchify(batch, h, w, p):
+    """Patches of B images (rows past a whole patch dropped, as ggml_conv_2d's stride drops them).
+    Mutation: flattening each patch (dy, dx, c) instead of (c, dy, dx) fails the cpu/cuda cases
+    against a reference that is the conv itself (checked below in test_patchify_is_the_conv)."""
+    g = Graph()
+    img = f32(rng_for("patch", batch, h, w, p), batch, 3, h, w)
+    (x,) = inputs(g, img=img)
+    g.outputs.append(g.patchify(x, p, "patches"))
+    return g, {"img": img}
+
+
+def attn_full(n, shape, segs):
+    """Attention with no mask, over runs of equal segment ids (images, windows).
+    Mutation: letting a token see the next run's keys fails every case with two or more runs."""
+    n_head, h_kv, d = shape
+    rng = rng_for("attn_full", n, shape, segs)
+    q, k, v = f32(rng, n, n_head, d), f32(rng, n, h_kv, d), f32(rng, n, h_kv, d)
+    g = Graph()
+    srcs = inputs(g, q=q, k=k, v=v)
+    feed = dict(q=q, k=k, v=v)
+    seg = None
+    if segs > 1:
+        feed["seg"] = np.sort(rng.integers(0, segs, n)).astype(np.int32)
+        seg = g.input("seg", (n,))
+    g.outputs.append(g.attn_full(*srcs, scale=1 / math.sqrt(d), seg=seg, name="attn"))
+    return g, feed
+
+
+def pool_2d(batch, ny, nx, k):
+    g = Graph()
+    a = f32(rng_for("pool", batch, ny, nx, k), batch * ny * nx, 24)
+    (x,) = inputs(g, x=a)
+    g.outputs.append(g.pool_2d(x, nx=nx, ny=ny, k=k, name="pool"))
+    return g, {"x": a}
+
+
 def case(fn, **kw):
     label = "-".join(v.name if isinstance(v, T) else "x".join(map(str, v)) if isinstance(v, tuple) else f"{k}{v}"
                      for k, v in kw.items())
@@ -598,7 +637,38 @@ CASES = [
     *[case(ssm_scan, h=48, p=64, n_state=128, n_group=1, batch=b) for b in BATCHES],
     *[case(ssm_scan, h=32, p=64, n_state=128, n_group=2, batch=b, a_input=True) for b in ("decode", "uneven")],
     *[case(delta_net, shape=s, batch=b) for s in DELTA_SHAPES for b in DELTA_BATCHES],
+    *[case(patchify, batch=b, h=h, w=w, p=p) for b, h, w, p in ((1, 8, 8, 4), (2, 12, 20, 4), (1, 30, 17, 7))],
+    *[case(attn_full, n=n, shape=sh, segs=sg) for n in (1, 37) for sh in ((4, 4, 16), (6, 2, 32)) for sg in (1, 3)],
+    *[case(pool_2d, batch=b, ny=ny, nx=nx, k=k) for b, ny, nx, k in ((1, 8, 8, 4), (2, 4, 6, 2), (1, 6, 6, 4))],
 ]
+
+
+def test_patchify_is_the_conv():
+    """PATCHIFY times a flattened (n_embd, C, p, p) kernel is a stride-p conv (ggml_conv_2d),
+    computed here directly. Mutation: transposing the patch grid (x-major) fails it."""
+    rng = rng_for("conv")
+    img, ker = f32(rng, 1, 3, 12, 8), f32(rng, 5, 3, 4, 4)
+    g, feed = Graph(), {"img": img}
+    (x,) = inputs(g, img=img)
+    g.outputs.append(g.patchify(x, 4, "patches"))
+    got = run_graph(REF, g, feed, {}, "alloc")[0] @ ker.reshape(5, -1).T
+    want = np.array([[(img[0, :, y * 4:y * 4 + 4, x * 4:x * 4 + 4] * ker[e]).sum() for e in range(5)]
+                     for y in range(3) for x in range(2)])
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_attn_full_is_softmax_attention():
+    """The reference's ATTN_FULL against softmax(q k^T / sqrt(d)) v written out per run.
+    Mutation: a missing scale fails it."""
+    g, feed = attn_full(9, (2, 1, 8), 2)
+    got = run_graph(REF, g, feed, {}, "alloc")[0].reshape(9, 2, 8)
+    q, k, v, seg = feed["q"], feed["k"], feed["v"], feed["seg"]
+    for i in range(9):
+        same = seg == seg[i]
+        for h in range(2):
+            s = k[same, 0] @ q[i, h] / math.sqrt(8)
+            p = np.exp(s - s.max())
+            np.testing.assert_allclose(got[i, h], (p / p.sum()) @ v[same, 0], rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("build,kw", CASES)

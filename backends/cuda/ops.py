@@ -17,7 +17,7 @@ import numpy as np
 from hearthlm.backends.cuda.modules import kernel
 from hearthlm.backends.cuda.weights import MMVQ_MAX_TOKENS, CudaWeight
 from hearthlm.backends.cuda.weights import quantized as _quantized
-from hearthlm.core import kv_types
+from hearthlm.core import array_ops, kv_types
 from hearthlm.core.errors import BackendError
 from hearthlm.core.graph import Op, alibi_slopes, attn_bounds
 
@@ -241,7 +241,21 @@ def rope(node, x, pos, out=None):
 
 # the KV types attention.cu reads (core.kv_types' names -> its kernels' suffix; f32 the plain ones).
 # q5_0, q5_1, iq4_nl and the "+rot" Hadamard rotation are not written for cuda: refused at bind.
-_KV_KERNELS = {"f32": "", "f16": "_f16", "q8_0": "_q8_0", "q4_0": "_q4_0"}
+_KV_def patchify(node, img, out=None):
+    return _into(cp.ascontiguousarray(array_ops.patchify(_f(img), node.params["p"])), out)
+
+
+def attn_full(node, q, k, v, *seg, out=None):
+    return _into(array_ops.attn_full(_f(q), _f(k), _f(v), _i(seg[0]) if seg else None, cp,
+                                     scale=node.params["scale"]), out)
+
+
+def pool_2d(node, x, out=None):
+    p = node.params
+    return _into(array_ops.pool_avg_2d(_f(x), cp, nx=p["nx"], ny=p["ny"], k=p["k"]), out)
+
+
+KERNELS = {"f32": "", "f16": "_f16", "q8_0": "_q8_0", "q4_0": "_q4_0"}
 
 
 def _kv(node, src):
@@ -538,5 +552,5 @@ KERNELS = {
     Op.ATTN: attn, Op.GATHER_KV: gather_kv, Op.KQ: kq, Op.KQ_MASK: kq_mask, Op.ATTN_TEMP: attn_temp, Op.SOFT_MAX: soft_max, Op.KQV: kqv,
     Op.TANH: tanh, Op.TOP_K: top_k, Op.TAKE: take, Op.SUM_ROWS: sum_rows, Op.DIV: div, Op.MUL_MAT_ID: mul_mat_id,
     Op.SIGMOID: sigmoid, Op.SOFTPLUS: softplus, Op.L2_NORM: l2_norm, Op.SSM_CONV: ssm_conv, Op.SSM_SCAN: ssm_scan,
-    Op.GATED_DELTA_NET: gated_delta_net,
+    Op.GATED_DELTA_NET: gated_delta_net, Op.PATCHIFY: patchify, Op.ATTN_FULL: attn_full, Op.POOL_2D: pool_2d,
 }

@@ -1,0 +1,52 @@
+"""Kernels that numpy and cupy run alike (each backend passes its array module): the vision
+towers' ops, whose work is a reshape or a few large matrix products (BLAS / cuBLAS)."""
+from __future__ import annotations
+
+# one head's score matrix at most this many floats at once (SigLIP at 896 px: 4096^2 = 64 MB)
+ATTN_CHUNK_FLOATS = 1 << 24
+
+
+def patchify(img, p: int):
+    """(B, C, H, W) -> (B * ny * nx, C * p * p): each p x p patch as one row, patches row-major
+    and each flattened (c, dy, dx), as a (n_embd, C, p, p) conv kernel flattens: ggml_conv_2d
+    with stride p is this times the kernel."""
+    b, c, h, w = img.shape
+    ny, nx = h // p, w // p
+    x = img[:, :, :ny * p, :nx * p].reshape(b, c, ny, p, nx, p)
+    return x.transpose(0, 2, 4, 1, 3, 5).reshape(b * ny * nx, c * p * p)
+
+
+def pool_avg_2d(x, xp, *, nx: int, ny: int, k: int):
+    """(B * ny * nx, E) -> (B * (ny/k) * (nx/k), E): the mean of each k x k cell of a row-major
+    patch grid (ggml_pool_2d AVG, kernel = stride = k, no padding; the remainder is dropped)."""
+    e = x.shape[-1]
+    b = x.shape[0] // (ny * nx)
+    oy, ox = ny // k, nx // k
+    g = x.reshape(b, ny, nx, e)[:, :oy * k, :ox * k].reshape(b, oy, k, ox, k, e)
+    return (g.sum(axis=(2, 4), dtype=xp.float32) / xp.float32(k * k)).reshape(b * oy * ox, e).astype(xp.float32)
+
+
+def attn_full(q, k, v, seg, xp, *, scale: float, dtype=None):
+    """softmax(q k^T * scale) v with no causal mask: each token sees every token of its run of
+    equal `seg` values (an image; a window of one) and no other. q (n, H, d), k (n, H_kv, d),
+    v (n, H_kv, dv) -> (n, H * dv). `dtype`: the precision of the products (the reference's float64)."""
+    n, n_head, d = q.shape
+    h_kv, dv = k.shape[1], v.shape[2]
+    group = n_head // h_kv
+    dt = dtype or xp.float32
+    out = xp.empty((n, n_head, dv), xp.float32)
+    cuts = [0] + [int(i) + 1 for i in xp.flatnonzero(seg[1:] != seg[:-1])] + [n] if seg is not None else [0, n]
+    for lo, hi in zip(cuts[:-1], cuts[1:]):
+        m = hi - lo
+        step = max(1, ATTN_CHUNK_FLOATS // max(m * m, 1))
+        for h0 in range(0, n_head, step):
+            hs = range(h0, min(h0 + step, n_head))
+            qq = q[lo:hi, h0:hs.stop].transpose(1, 0, 2).astype(dt)                     # (h, m, d)
+            kk = k[lo:hi, [h // group for h in hs]].transpose(1, 2, 0).astype(dt)        # (h, d, m)
+            vv = v[lo:hi, [h // group for h in hs]].transpose(1, 0, 2).astype(dt)        # (h, m, dv)
+            s = xp.matmul(qq, kk) * dt(scale)
+            s -= s.max(axis=-1, keepdims=True)
+            xp.exp(s, out=s)
+            s /= s.sum(axis=-1, keepdims=True)
+            out[lo:hi, h0:hs.stop] = xp.matmul(s, vv).transpose(1, 0, 2)
+    return out.reshape(n, n_head * dv)
