@@ -98,7 +98,8 @@ def attention(q, k_cache, v_cache, tok_seq, tok_pos, block_table, seq_len=None, 
     group = n_head // k_cache.shape[1]
     dv = v_values(v_cache[:0]).shape[-1]
     out = np.zeros((n_tokens, n_head, dv), np.float32)
-    los, his = attn_bounds(tok_pos.astype(np.int64), None if causal else seq_len.astype(np.int64), window, causal)
+    los, his = attn_bounds(tok_pos.astype(np.int64), None if seq_len is None else seq_len.astype(np.int64), window,
+                           causal)
     for t in range(n_tokens):
         p = np.arange(los[t], his[t] + 1)
         slots = block_table[tok_seq[t], p // block_size] * block_size + p % block_size
@@ -136,10 +137,10 @@ def attn_temp(pos, floor, beta):
     return t.astype(np.float32)[:, None, None]
 
 
-def kq_mask(pos, n_kv, window, seq_len=None, alibi=0.0, n_head=1):
+def kq_mask(pos, n_kv, window, seq_len=None, alibi=0.0, n_head=1, causal=None):
     p = np.arange(n_kv)[None, :]
     lo, hi = attn_bounds(pos.astype(np.int64), None if seq_len is None else seq_len.astype(np.int64), window,
-                         seq_len is None)
+                         seq_len is None if causal is None else causal)
     ok = (p <= hi[:, None]) & (p >= lo[:, None])
     if alibi > 0:  # (n_tokens, n_head, n_kv): -slope[h] * |p - pos| where attended
         dist = np.abs(p - pos.astype(np.int64)[:, None]).astype(np.float64)
@@ -346,7 +347,8 @@ class ReferenceBackend(Backend):
                                                          lambda r: kv_values(n.srcs[0], r)),
             Op.KQ: lambda n, q, k, seq: kq(q, k, seq),
             Op.KQ_MASK: lambda n, pos, *sl: kq_mask(pos, n.shape[2], n.params["window"], *(sl or (None,)),
-                                                    alibi=n.params.get("alibi", 0.0), n_head=n.shape[1]),
+                                                    alibi=n.params.get("alibi", 0.0), n_head=n.shape[1],
+                                                    causal=n.params["causal"]),
             Op.ATTN_TEMP: lambda n, pos: attn_temp(pos, n.params["floor"], n.params["beta"]),
             Op.SOFT_MAX: lambda n, x, *sinks: soft_max(x, *sinks),
             Op.KQV: lambda n, p, v, seq: kqv(p, v, seq),

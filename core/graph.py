@@ -32,10 +32,11 @@ _LEAF = OpProps(bound=True, per_backend=True)
 
 def attn_bounds(pos, seq_len, window: int, causal: bool):
     """Each token's attend range [lo, hi] (inclusive) in its sequence, numpy or cupy arrays alike.
-    Causal: [pos - window + 1 (or 0), pos]. Non-causal (an encoder's whole sequence, seq_len
+    Causal: [pos - window + 1 (or 0), pos], or up to seq_len - 1 where given. Non-causal (an encoder's whole sequence, seq_len
     tokens): everything, or with a window llama.cpp's symmetric one, |p - pos| <= window // 2."""
-    if causal:
-        return (pos - window + 1).clip(0) if window > 0 else pos * 0, pos
+    if causal:  # seq_len with causal: each token's horizon (an image's tokens see all of it, llama.cpp's
+        hi = pos if seq_len is None else seq_len - 1  # non-causal image batch over a causal text)
+        return (pos - window + 1).clip(0) if window > 0 else pos * 0, hi
     hi = seq_len - 1
     if window <= 0:
         return pos * 0, hi
@@ -258,12 +259,13 @@ class Graph:
         return self._add(Op.ATTN_TEMP, (pos,), (pos.shape[0], 1, 1), name, il, floor=int(floor), beta=float(beta))
 
     def kq_mask(self, pos: Tensor, *, n_kv: int, window: int = 0, seq_len: Tensor | None = None,
-                alibi: float = 0.0, n_head: int = 1, name: str, il: int = -1) -> Tensor:
-        """seq_len given: non-causal (an encoder), each token sees its whole sequence (attn_bounds).
+                alibi: float = 0.0, n_head: int = 1, causal: bool | None = None, name: str, il: int = -1) -> Tensor:
+        """seq_len given: non-causal (an encoder), each token sees its whole sequence (attn_bounds);
+        with causal=True too, each token's horizon (tokens of an image that attend both ways).
         alibi > 0 (ggml's max_bias): ALiBi's per-head distance bias on the range, so one row per head."""
         srcs = (pos,) if seq_len is None else (pos, seq_len)
         return self._add(Op.KQ_MASK, srcs, (pos.shape[0], n_head if alibi > 0 else 1, n_kv), name, il,
-                         window=int(window), causal=seq_len is None, alibi=float(alibi))
+                         window=int(window), causal=seq_len is None if causal is None else causal, alibi=float(alibi))
 
     def soft_max(self, x: Tensor, name: str, il: int = -1, sinks: Tensor | None = None) -> Tensor:
         """Over the last axis; sinks (n_head,) for scores (n_tokens, n_head, n_kv): one more logit per
@@ -344,8 +346,8 @@ class Graph:
     # fused ops: created by runtime.fusion, or directly by tests
     def attn(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, tok_seq: Tensor, tok_pos: Tensor,
              block_table: Tensor, *, scale: float, block_size: int, window: int = 0, softcap: float = 0.0,
-             alibi: float = 0.0, seq_len: Tensor | None = None, sinks: Tensor | None = None, name: str,
-             il: int = -1) -> Tensor:
+             alibi: float = 0.0, seq_len: Tensor | None = None, sinks: Tensor | None = None,
+             causal: bool | None = None, name: str, il: int = -1) -> Tensor:
         """Attention of each query token over its own sequence's cached positions in its range
         (attn_bounds: causal, or with seq_len the whole sequence), read through the block table
         (paged KV). Scores are q.k * scale, then softcap * tanh(score / softcap) when softcap > 0,
@@ -356,7 +358,8 @@ class Graph:
                 + (() if sinks is None else (sinks,)))
         return self._add(Op.ATTN, srcs, (n_tokens, n_head * v_cache.shape[2]), name, il, scale=float(scale),
                          block_size=int(block_size), window=int(window), softcap=float(softcap),
-                         alibi=float(alibi), causal=seq_len is None, sinks=sinks is not None)
+                         alibi=float(alibi), causal=seq_len is None if causal is None else causal,
+                         sinks=sinks is not None)
 
     def rms_norm_mul(self, x: Tensor, w: Tensor, eps: float, name: str, il: int = -1) -> Tensor:
         return self._add(Op.RMS_NORM_MUL, (x, w), x.shape, name, il, eps=float(eps))

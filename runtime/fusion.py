@@ -63,6 +63,7 @@ def _attn(g, root, m, softcap: float):
     return g.attn(m["q"], m["kc"], m["vc"], m["seq"], mask.srcs[0], m["bt"], scale=m["scale"].params["s"],
                   block_size=m["gk"].params["block_size"], window=mask.params["window"], softcap=softcap,
                   alibi=alibi, seq_len=mask.srcs[1] if len(mask.srcs) > 1 else None, sinks=m.get("sinks"),
+                  causal=mask.params["causal"],
                   name=root.name, il=root.layer)
 
 

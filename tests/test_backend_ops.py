@@ -387,6 +387,8 @@ def kv_write(fused, n_kv, d, scen, neox=True):
 def attention(part, shape, scen, window, softcap=0.0, causal=True, alibi=0.0, sinks=False):
     """The fused ATTN, or one unfused part, over a scenario's tokens and random cached K/V;
     causal=False: an encoder's mask, each token over its whole sequence (its last position + 1);
+    causal="image": causal, but tokens 3..8 (an image that attends both ways) see up to its last
+    (a horizon per token: mutation, the cpu flash kernel's causal fast path ignoring it, fails);
     alibi: ALiBi's max_bias (the mask then per head); sinks: a logit per head in each softmax (gpt-oss)."""
     n_head, n_kv, d = shape
     seq, pos, _ = scenario(scen)
@@ -398,17 +400,21 @@ def attention(part, shape, scen, window, softcap=0.0, causal=True, alibi=0.0, si
     feed = {"q": f32(rng, n, n_head, d), "seq": seq, "pos": pos, "bt": BT,
             "k": f32(rng, len(BT), width, n_kv, d), "v": f32(rng, len(BT), width, n_kv, d),
             "x": f32(rng, n, n_head, width, scale=3), "p": rng.dirichlet(np.ones(width), (n, n_head)).astype(np.float32)}
-    if not causal:
+    if causal == "image":  # each token's horizon: its own position, an image's tokens its last
+        seq_len = pos + 1
+        seq_len[3:9] = pos[3:9].max(initial=0) + 1
+    if causal is not True:
         feed["sl"] = seq_len
     if sinks:  # about the scores' size, some above them all (then most of a row's weight goes nowhere)
         feed["sk"] = f32(rng, n_head, scale=2)
     g = Graph()
     q, sq, ps, bt, k, v, x, p, *rest = inputs(g, **feed)
-    sl = rest[0] if not causal else None
+    sl = rest[0] if causal is not True else None
+    causal_mask = causal is not False
     sk = rest[-1] if sinks else None
     kci, vci = g.cache("cache_k", kc.shape, 0), g.cache("cache_v", vc.shape, 0)
     mask = lambda: g.kq_mask(ps, n_kv=width, window=window, seq_len=sl, alibi=alibi, n_head=n_head,  # noqa: E731
-                             name="mask")
+                             causal=causal_mask, name="mask")
 
     def unfused():
         kk = g.gather_kv(kci, bt, block_size=BS, name="k")
@@ -419,7 +425,7 @@ def attention(part, shape, scen, window, softcap=0.0, causal=True, alibi=0.0, si
         return g.kqv(probs, g.gather_kv(vci, bt, block_size=BS, name="v"), sq, "kqv")
     g.outputs.append({
         "attn": lambda: g.attn(q, kci, vci, sq, ps, bt, scale=d ** -0.5, block_size=BS, window=window,
-                               softcap=softcap, alibi=alibi, seq_len=sl, sinks=sk, name="a"),
+                               softcap=softcap, alibi=alibi, seq_len=sl, sinks=sk, causal=causal_mask, name="a"),
         "unfused": unfused,
         "gather_kv": lambda: g.gather_kv(kci, bt, block_size=BS, name="k"),
         "kq": lambda: g.kq(q, k, sq, "kq"),
@@ -626,6 +632,9 @@ CASES = [
       for sh in GQA[:2] for s in ("empty", "encode", "prefill") for w in (0, 8)],
     *[case(attention, part=p, shape=GQA[0], scen=s, window=0, alibi=8.0) for p in ("attn", "unfused", "kq_mask")
       for s in ("decode", "chunk", "prefill")],
+    # an image that attends both ways inside a causal prompt (gemma3's): a horizon per token
+    *[case(attention, part=p, shape=sh, scen=s, window=w, causal="image") for p in ("attn", "unfused", "kq_mask")
+      for sh in GQA[:2] for s in ("prefill", "chunk") for w in (0, 8)],
     # gpt-oss's sinks: fused (sliding and full layers), unfused, and the softmax alone
     *[case(attention, part=p, shape=sh, scen=s, window=w, sinks=True) for p in ("attn", "unfused", "soft_max_masked")
       for sh in GQA[:2] for s in SCENARIOS for w in (0, 8)],

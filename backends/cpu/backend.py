@@ -164,7 +164,7 @@ def _bind_attn(node):
             return _attn_whole(q, kc, vc, seq, pos, bt, seq_len, scale, bs, slopes, out,
                                (kind_k, rot_k, dk), (kind_v, rot_v, dv))
         pos = np.ascontiguousarray(pos, np.int32)
-        if causal and window <= 0:
+        if causal and window <= 0 and seq_len is None:
             lo = zeros.get(len(pos))
             if lo is None:
                 lo = zeros[len(pos)] = np.zeros(len(pos), np.int32)
