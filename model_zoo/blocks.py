@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hearthlm.core.graph import Graph, Tensor
+from hearthlm.core.graph import F32, Graph, Tensor
 from hearthlm.model_zoo.rope import Rope
 from hearthlm.runtime.batch import BatchShape
 
@@ -20,7 +20,9 @@ class Inputs:
     shape: BatchShape
     seq_off: Tensor | None = None     # (n_seqs + 1,) each sequence row's token range (hybrid models)
     state_slot: Tensor | None = None  # (n_seqs,) each row's recurrent-state slot (hybrid models)
-    seq_len: Tensor | None = None     # (n_tokens,) the length of each token's sequence (encoders: non-causal)
+    seq_len: Tensor | None = None     # (n_tokens,) the length of each token's sequence (encoders: non-causal);
+                                      # causal with images: each token's horizon, its last visible position + 1
+    causal: bool = True
 
 
 def build_inputs(g: Graph, shape: BatchShape, *, causal: bool = True) -> Inputs:
@@ -37,8 +39,9 @@ def build_inputs(g: Graph, shape: BatchShape, *, causal: bool = True) -> Inputs:
     if shape.n_state:
         inp.seq_off = g.input("seq_off", (shape.n_seqs + 1,))
         inp.state_slot = g.input("state_slot", (shape.n_seqs,))
-    if not causal:
+    if not causal or shape.n_media:
         inp.seq_len = g.input("seq_len", (shape.n_tokens,))
+    inp.causal = causal
     return inp
 
 
@@ -61,8 +64,17 @@ def build_conv(g: Graph, inp: Inputs, x: Tensor, w: Tensor, *, il: int, bias: Te
 
 
 def build_inp_embd(g: Graph, tok_embd: Tensor, inp: Inputs, *, scale: float | None = None) -> Tensor:
+    """Token embeddings (times `scale`); where the step has images, their rows in place of the
+    placeholder tokens' (unscaled, as llama.cpp takes embeddings input): "media_rows" holds them
+    after a zero row, "media_at" each token's row there (0: a token), "text_mask" 1 for a token."""
     x = g.get_rows(tok_embd, inp.tokens, "inp_embd")  # (n_tokens, n_embd)
-    return g.scale(x, scale, "inp_scaled") if scale is not None else x
+    x = g.scale(x, scale, "inp_scaled") if scale is not None else x
+    n, m = inp.shape.n_tokens, inp.shape.n_media
+    if not m:
+        return x
+    rows = g.input("media_rows", (m, tok_embd.shape[1]), F32)
+    text = g.mul(x, g.input("text_mask", (n, 1), F32), "inp_text")
+    return g.add(text, g.get_rows(rows, g.input("media_at", (n,)), "inp_media"), "inp_spliced")
 
 
 def build_norm(g: Graph, x: Tensor, weight: Tensor, *, eps: float, name: str, il: int = -1) -> Tensor:
@@ -155,7 +167,7 @@ def build_kqv(g: Graph, q: Tensor, k_cache: Tensor, v_cache: Tensor, inp: Inputs
     if softcap:  # softcap * tanh(kq / softcap) (Gemma 2); the chain stays unfused
         kq = g.scale(g.tanh(g.scale(kq, 1.0 / softcap, "kq_scaled_1", il), "kq_tanh", il), softcap, "kq_scaled_2", il)
     mask = g.kq_mask(inp.pos, n_kv=k.shape[1], window=window, seq_len=inp.seq_len, alibi=alibi, n_head=q.shape[1],
-                     name="kq_mask", il=il)  # (n_tokens, 1, n_kv); with ALiBi (n_tokens, n_head, n_kv)
+                     causal=inp.causal, name="kq_mask", il=il)  # (n_tokens, 1, n_kv); with ALiBi (n_tokens, n_head, n_kv)
     probs = g.soft_max(g.add(kq, mask, "kq_masked", il), "kq_soft_max", il, sinks=sinks)
     out = g.kqv(probs, v, inp.tok_seq, "kqv", il)  # (n_tokens, n_head, dv)
     return g.reshape(out, (out.shape[0], out.shape[1] * out.shape[2]), "kqv_out", il)

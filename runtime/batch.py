@@ -22,6 +22,7 @@ class BatchShape:
     block_size: int  # tokens per KV block
     embd: bool = False  # also output every token's final hidden state (embedding requests pool them)
     n_state: int = 0    # recurrent-state slots (hybrid models; 0: none)
+    n_media: int = 0    # rows of the image-row input (a zero row, then the step's image rows; 0: no images)
 
 
 def one_token(block_size: int = 16, n_state: int = 0) -> BatchShape:

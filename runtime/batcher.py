@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from hearthlm.runtime.request import Request
+from hearthlm.runtime.request import Request, chunk_past_media
 from hearthlm.runtime.seq_memory import SequenceMemory
 
 # embedding tokens a step takes while generations run: an embedding's prompt is prefill work that
@@ -60,7 +60,9 @@ class Batcher:
             budget = min(budget, SCORED_TOKENS_PER_STEP)
         if req.draft and req.n_wanted > budget:  # a draft is cut to the budget (verified whole or not at all)
             del req.draft[max(budget - 1, 0):]
-        return min(req.n_wanted, budget, self.memory.chunk_end(req) - req.n_computed)
+        take = min(req.n_wanted, budget, self.memory.chunk_end(req) - req.n_computed)
+        # an image that attends both ways is computed in one chunk, past the budget if it must be
+        return chunk_past_media(req.media, req.n_computed, take) if req.media else take
 
     def plan(self, running: list[Request], waiting: deque[Request]) -> StepPlan:
         mem = self.memory
@@ -71,7 +73,7 @@ class Batcher:
         preempted: list[Request] = []
         # decode first (wanting one token), then prompt chunks already under way
         for req in sorted(running, key=lambda r: (r.n_wanted > 1 + len(r.draft), r.arrival)):
-            if req in preempted or budget == 0:
+            if req in preempted or budget <= 0:
                 continue
             take = self._take(req, budget)
             if take == 0:  # a whole input waits for a step with room for all of it

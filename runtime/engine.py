@@ -23,6 +23,7 @@ from hearthlm.runtime.placement import Placement
 from hearthlm.runtime.request import Kind, Request
 from hearthlm.runtime.runner import ModelRunner, open_memory
 from hearthlm.runtime.speculative import NgramDrafter
+from hearthlm.runtime.vision import VisionEncoder
 
 log = get_logger("hearthlm.engine")
 _blas = {"engines": 0, "limit": None}
@@ -57,7 +58,8 @@ class Engine:
                  block_size: int = 16, max_batch_tokens: int = 512, max_seqs: int = 64,
                  max_queued_requests: int = 1024, fusion: bool | None = None, graph_cache: bool = True,
                  weight_cache=None, state_snapshots: int = 8, prompt_cache_dir=None,
-                 prompt_cache_bytes: int = 1 << 30, kv_cache_type: str = "f16", draft=None) -> None:
+                 prompt_cache_bytes: int = 1 << 30, kv_cache_type: str = "f16", draft=None, vision=None,
+                 image_cache_bytes: int = 256 << 20) -> None:
         """`model` provides build_graph(shape) -> Graph, weights, layer_memory, n_vocab, eog_ids.
         `placement`: a runtime.placement.Placement of layers over backends, or one backend
         (the trivial placement). `fusion`: None follows HEARTHLM_NO_FUSION; `graph_cache=False`
@@ -69,7 +71,9 @@ class Engine:
         most prompt_cache_bytes of them, keyed by the model file (`model.file.identity()`) and
         this cache's layout; None for none. `kv_cache_type`: the K/V element type (core.kv_types).
         `draft`: a runtime.draft.DraftModel, which then drafts for every request that does not
-        ask otherwise (SamplingParams.speculative None; "off" opts out)."""
+        ask otherwise (SamplingParams.speculative None; "off" opts out). `vision`: a vision tower
+        (runtime.vision.VisionEncoder's `tower`) for requests with images, run where the output head
+        is; its rows are kept in an LRU of image_cache_bytes."""
         self.model = model
         self.n_ctx = n_ctx
         self.max_queued_requests = max_queued_requests
@@ -91,9 +95,14 @@ class Engine:
         self.max_batch_tokens, self.max_seqs = max_batch_tokens, max_seqs
         self.running: list[Request] = []
         self.waiting: deque[Request] = deque()
+        encoder = None
+        if vision is not None:
+            out = self.placement.backends[self.placement.output]
+            encoder = VisionEncoder(vision, Placement.single(out, vision.config.n_layer), cache_bytes=image_cache_bytes,
+                                    fusion=fusion)
         self.runner = ModelRunner(model, self.placement, self.memory, n_ctx=n_ctx, max_batch_tokens=max_batch_tokens,
                                   max_seqs=max_seqs, fusion=fusion, graph_cache=graph_cache,
-                                  weight_cache=weight_cache)
+                                  weight_cache=weight_cache, vision=encoder)
         self.graphs = self.runner.graphs
         self.output = OutputProcessor(model.n_vocab, model.eog_ids, n_ctx)
         self._cv = threading.Condition()
@@ -139,7 +148,10 @@ class Engine:
         if req.spec is not None and (self.memory.hybrid or not self.causal):
             raise InvalidRequestError("speculative decoding needs a model whose layers all keep a KV cache: "
                                       "a recurrent state cannot be rolled back past rejected drafts")
-        bad = [t for t in req.prompt if not 0 <= t < self.model.n_vocab]
+        if req.media:
+            self._check_media(req)
+        in_media = {i for m in req.media for i in range(m.start, m.end)}
+        bad = [t for i, t in enumerate(req.prompt) if not 0 <= t < self.model.n_vocab and i not in in_media]
         if bad:
             raise InvalidRequestError(f"token id {bad[0]} is outside the vocabulary (0..{self.model.n_vocab - 1})")
         with self._cv:
@@ -152,6 +164,20 @@ class Engine:
             req.arrival = time.perf_counter()
             self._incoming.append(req)
             self._cv.notify()
+
+    def _check_media(self, req: Request) -> None:
+        if self.runner.vision is None:
+            raise InvalidRequestError("this session has no vision tower (mmproj): it cannot take images")
+        if req.kind is not Kind.GENERATE and req.kind is not Kind.SCORE and req.kind is not Kind.PREFILL:
+            raise InvalidRequestError(f"a {req.kind.value} request cannot take images")
+        if req.spec is not None and not isinstance(req.spec, NgramDrafter):
+            raise InvalidRequestError("a draft model cannot see images: pass speculative='off' (or 'ngram') "
+                                      "with images")
+        end = 0
+        for m in req.media:
+            if m.start < end or m.end > len(req.prompt) or m.n <= 0 or m.pixels is None and m.rows is None:
+                raise InvalidRequestError(f"an image's rows {m.start}..{m.end} overlap another's or leave the prompt")
+            end = m.end
 
     def abort(self, req_id: int) -> None:
         with self._cv:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import enum
+import hashlib
 import itertools
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
@@ -35,6 +36,40 @@ class Kind(str, enum.Enum):
 
 
 EMBED_POOLINGS = ("mean", "cls", "last")
+
+
+@dataclass(eq=False)
+class Media:
+    """An image in a request's prompt: its rows (the vision tower's output, runtime.vision) take
+    the places of prompt tokens start .. start + n, whose ids are placeholders (placeholder_ids)."""
+    start: int
+    n: int
+    key: bytes                    # the image's identity: decoded pixels, preprocessing, mmproj
+    pixels: np.ndarray | None     # preprocessed (3, H, W) float32, what the tower takes
+    bidirectional: bool = False   # its rows attend to each other both ways (computed in one chunk)
+    rows: np.ndarray | None = None  # (n, n_embd), once encoded
+
+    @property
+    def end(self) -> int:
+        return self.start + self.n
+
+
+def placeholder_ids(key: bytes, n: int) -> list[int]:
+    """Prompt ids for an image's n rows: negative (no token has them), one per offset, derived
+    from the image's identity, so prefix-cache block hashes (and persisted prompts) carry the
+    image and its offset, as vLLM's extra keys do."""
+    return [-1 - (int.from_bytes(hashlib.blake2b(key + i.to_bytes(4, "little"), digest_size=4).digest(), "little")
+                  & 0x3FFFFFFF) for i in range(n)]
+
+
+def chunk_past_media(media: list[Media], lo: int, take: int) -> int:
+    """A chunk of `take` tokens from lo, cut or stretched so that it never ends inside an image
+    that attends both ways: ended before it where it starts later, else carried to its end."""
+    hi = lo + take
+    for m in media:
+        if m.bidirectional and m.start < hi < m.end:
+            return m.start - lo if m.start > lo else m.end - lo
+    return take
 
 
 @dataclass
@@ -104,6 +139,7 @@ class Request:
     spec: Any = None  # runtime.speculative.NgramDrafter, where the request speculates
     draft: list[int] = field(default_factory=list)  # this step's draft tokens, computed after `tokens`
     persisted: int = 0  # Kind.PREFILL: the tokens it wrote to the prompt cache
+    media: list[Media] = field(default_factory=list)  # images in the prompt, in order
 
     def __post_init__(self) -> None:
         self.kind = Kind(self.kind)

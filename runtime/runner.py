@@ -84,13 +84,15 @@ class StepOutput:
 class ModelRunner:
     def __init__(self, model: Any, placement: Placement, memory: SequenceMemory, *, n_ctx: int,
                  max_batch_tokens: int, max_seqs: int, fusion: bool | None = None, graph_cache: bool = True,
-                 weight_cache=None, tune_threads: bool = True) -> None:
+                 weight_cache=None, tune_threads: bool = True, vision=None) -> None:
         """`model` provides build_graph(shape) -> Graph, weights, layer_memory and `causal` (False:
         an encoder, each input whole in one step). `fusion`: None follows HEARTHLM_NO_FUSION;
         `graph_cache=False` rebuilds every step. `weight_cache`: a runtime.weight_cache.WeightCache
         of the model's file, or None. `tune_threads`: pick the host's worker threads per shape
-        (a draft model's runner runs on whatever its target's last picked)."""
-        self.placement, self.memory = placement, memory
+        (a draft model's runner runs on whatever its target's last picked). `vision`: a
+        runtime.vision.VisionEncoder, where requests bring images."""
+        self.placement, self.memory, self.vision = placement, memory, vision
+        self.n_embd = model.config.n_embd if vision is not None else 0
         self.causal = getattr(model, "causal", True)
         self.max_blocks = -(-n_ctx // memory.block_size)  # block-table width at most; bucketed per step
         self.max_batch_tokens, self.max_seqs = max_batch_tokens, max_seqs
@@ -112,6 +114,9 @@ class ModelRunner:
 
     def run(self, plan: StepPlan) -> StepOutput:
         """The forward pass of a planned batch: its output rows' logits (and hidden rows)."""
+        if self.vision is not None:  # the images whose rows this step computes, encoded first
+            self.vision.fill([m for s in plan.seqs for m in s.req.media if m.rows is None
+                              and m.start < s.req.n_computed + s.n_tokens and m.end > s.req.n_computed])
         feed, shape = self.inputs(plan)
         cg = self.graphs.get(shape)
         n_threads = self.threads.pick(shape)
@@ -133,9 +138,12 @@ class ModelRunner:
         padding output rows repeat row 0 and are ignored."""
         bs, scratch = self.memory.block_size, self.memory.scratch_block
         need = max(-(-(s.req.n_computed + s.n_tokens) // bs) for s in plan.seqs)
+        media = [(off, s, m) for off, s in zip(np.cumsum([0] + [s.n_tokens for s in plan.seqs]), plan.seqs)
+                 for m in s.req.media if m.start < s.req.n_computed + s.n_tokens and m.end > s.req.n_computed]
+        n_media = sum(min(m.end, s.req.n_computed + s.n_tokens) - max(m.start, s.req.n_computed) for _, s, m in media)
         shape = self.shape(n_tokens=plan.n_tokens, n_seqs=len(plan.seqs), need_blocks=need,
                            n_out=sum(len(scored(s)) + n_out(s) for s in plan.seqs),
-                           embd=any(s.req.kind is Kind.EMBED for s in plan.seqs))
+                           embd=any(s.req.kind is Kind.EMBED for s in plan.seqs), n_media=n_media)
         n_pad, n_seqs, width = shape.n_tokens, shape.n_seqs, shape.max_blocks
         tokens, pos = np.zeros(n_pad, np.int32), np.zeros(n_pad, np.int32)  # (n_pad,)
         tok_seq = np.full(n_pad, len(plan.seqs) if n_seqs > len(plan.seqs) else 0, np.int32)
@@ -150,6 +158,8 @@ class ModelRunner:
             p = np.arange(r.n_computed, r.n_computed + k, dtype=np.int32)
             blocks = np.asarray(r.blocks[:width], np.int32)
             tokens[off:off + k] = (r.tokens + r.draft if r.draft else r.tokens)[r.n_computed:r.n_computed + k]
+            if r.media:  # an image's placeholder ids (negative) read token 0's row, then replaced
+                np.maximum(tokens[off:off + k], 0, out=tokens[off:off + k])
             pos[off:off + k] = p
             tok_seq[off:off + k] = i
             slots[off:off + k] = blocks[p // bs] * bs + p % bs
@@ -164,9 +174,30 @@ class ModelRunner:
         feed = dict(tokens=tokens, pos=pos, tok_seq=tok_seq, slots=slots, block_table=block_table,
                     seq_off=seq_off, state_slot=state_slot, seq_len=seq_len,
                     out_rows=np.asarray(out_rows + [0] * (shape.n_out - len(out_rows)), np.int32))
+        if shape.n_media:
+            self._media_inputs(feed, shape, media)
         return feed, shape
 
-    def shape(self, *, n_tokens: int, n_seqs: int, n_out: int, need_blocks: int, embd: bool = False) -> BatchShape:
+    def _media_inputs(self, feed: dict, shape: BatchShape, media: list) -> None:
+        """Image rows in place of their placeholder tokens (blocks.build_inp_embd), and each
+        token's horizon: itself, or for a token of an image attending both ways, its last."""
+        rows = np.zeros((shape.n_media, self.n_embd), np.float32)  # row 0 stays zero: the tokens'
+        at, text = np.zeros(shape.n_tokens, np.int32), np.ones((shape.n_tokens, 1), np.float32)
+        horizon = feed["pos"] + 1
+        k = 1
+        for off, s, m in media:
+            lo, hi = max(m.start, s.req.n_computed), min(m.end, s.req.n_computed + s.n_tokens)
+            t = off + lo - s.req.n_computed  # the first of these tokens in the batch
+            rows[k:k + hi - lo] = m.rows[lo - m.start:hi - m.start]
+            at[t:t + hi - lo] = np.arange(k, k + hi - lo)
+            text[t:t + hi - lo] = 0
+            if m.bidirectional:
+                horizon[t:t + hi - lo] = m.end
+            k += hi - lo
+        feed.update(media_rows=rows, media_at=at, text_mask=text, seq_len=horizon.astype(np.int32))
+
+    def shape(self, *, n_tokens: int, n_seqs: int, n_out: int, need_blocks: int, embd: bool = False,
+              n_media: int = 0) -> BatchShape:
         """The bucketed shape a step's graph is cached by. KV-length bucket: the fused attention
         reads only up to each token's position, so its graph takes the full width (one bucket);
         the unfused one gathers the whole width."""
@@ -178,9 +209,10 @@ class ModelRunner:
         return BatchShape(n_tokens=n_tokens_pad, n_seqs=n_seqs_pad, max_blocks=width,
                           n_out=bucket(n_out, n_seqs_pad if n_out <= n_seqs_pad else n_tokens_pad) if n_out else 0,
                           n_slots=kv.n_slots, block_size=kv.block_size, embd=embd,
-                          n_state=self.memory.state.n_slots if self.memory.hybrid else 0)
+                          n_state=self.memory.state.n_slots if self.memory.hybrid else 0,
+                          n_media=bucket(n_media + 1) if n_media else 0)
 
     def stats(self) -> dict[str, Any]:
         """The graph cache's counters, and the worker threads."""
         return dict(self.graphs.stats(), threads=self.threads_now, thread_switches=self.threads.switches,
-                    worker_moves=self.worker_moves)
+                    worker_moves=self.worker_moves, **(self.vision.stats() if self.vision is not None else {}))

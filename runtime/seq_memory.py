@@ -198,6 +198,10 @@ class SequenceMemory:
                 self.state.copy(snap, req.state_slot)
         if self.prompts is not None:
             self._load_persisted(req)
+        cut = next((m.start for m in req.media if m.bidirectional and m.start < len(req.blocks) * bs < m.end), None)
+        if cut is not None and self.state is None:  # an image attending both ways is reused only whole
+            alloc.free(req.blocks[cut // bs:])
+            del req.blocks[cut // bs:], req.block_hashes[cut // bs:]
         req.n_computed = len(req.blocks) * bs
         return req.n_computed
 

@@ -46,6 +46,7 @@ class NgramDrafter(DraftLength):
             return []
         for n in range(min(N_MAX, n_tok), N_MIN - 1, -1):
             e = self._index.get(tuple(tokens[n_tok - n:]))
-            if e is not None:
-                return tokens[e:e + limit]
+            if e is not None:  # up to an image's placeholder ids (negative): never drafted
+                d = tokens[e:e + limit]
+                return next((d[:i] for i, t in enumerate(d) if t < 0), d)
         return []

@@ -241,21 +241,7 @@ def rope(node, x, pos, out=None):
 
 # the KV types attention.cu reads (core.kv_types' names -> its kernels' suffix; f32 the plain ones).
 # q5_0, q5_1, iq4_nl and the "+rot" Hadamard rotation are not written for cuda: refused at bind.
-_KV_def patchify(node, img, out=None):
-    return _into(cp.ascontiguousarray(array_ops.patchify(_f(img), node.params["p"])), out)
-
-
-def attn_full(node, q, k, v, *seg, out=None):
-    return _into(array_ops.attn_full(_f(q), _f(k), _f(v), _i(seg[0]) if seg else None, cp,
-                                     scale=node.params["scale"]), out)
-
-
-def pool_2d(node, x, out=None):
-    p = node.params
-    return _into(array_ops.pool_avg_2d(_f(x), cp, nx=p["nx"], ny=p["ny"], k=p["k"]), out)
-
-
-KERNELS = {"f32": "", "f16": "_f16", "q8_0": "_q8_0", "q4_0": "_q4_0"}
+_KV_KERNELS = {"f32": "", "f16": "_f16", "q8_0": "_q8_0", "q4_0": "_q4_0"}
 
 
 def _kv(node, src):
@@ -540,6 +526,20 @@ def gated_delta_net(node, state, q, k, v, g, beta, seq_off, state_slot, out=None
             (_state(node, state), _f(q), _f(k), _f(v), _f(g), _f(beta), _i(seq_off), _i(state_slot), y,
              i32(h_k), i32(h_v), i32(d_k), i32(d_v), f32(node.params["scale"])))
     return _into(y, out)
+
+
+def patchify(node, img, out=None):
+    return _into(cp.ascontiguousarray(array_ops.patchify(_f(img), node.params["p"])), out)
+
+
+def attn_full(node, q, k, v, *seg, out=None):
+    return _into(array_ops.attn_full(_f(q), _f(k), _f(v), _i(seg[0]) if seg else None, cp,
+                                     scale=node.params["scale"]), out)
+
+
+def pool_2d(node, x, out=None):
+    p = node.params
+    return _into(array_ops.pool_avg_2d(_f(x), cp, nx=p["nx"], ny=p["ny"], k=p["k"]), out)
 
 
 KERNELS = {

@@ -1,0 +1,203 @@
+"""mmproj files: the clip.* hyperparameters (llama.cpp tools/mtmd/clip.cpp's clip_model_loader),
+the tensors, and the projector module that builds the tower. A file whose projector this
+project does not run, an audio tower, or a projection that does not fit the text model is a
+ModelLoadError naming it."""
+from __future__ import annotations
+
+import hashlib
+import importlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import gguf
+import numpy as np
+
+from hearthlm.core.errors import GGUFError, ModelLoadError
+from hearthlm.core.graph import Graph
+from hearthlm.core.weights import QWeight
+from hearthlm.model_zoo.gguf_file import GGUFFile
+from hearthlm.model_zoo.tensors import Weights
+from hearthlm.runtime.vision import ImageBatch
+
+# projector type (clip.projector_type / clip.vision.projector_type) -> the module in this package
+PROJECTORS = {"gemma3": "gemma3"}
+AUDIO = ("whisper", "ultravox", "qwen2a", "qwen3a", "voxtral", "glma", "lfm2a", "gemma4a", "conformer", "musicflamingo")
+
+
+@dataclass(frozen=True)
+class ClipConfig:
+    projector: str
+    n_embd: int
+    n_ff: int
+    n_layer: int
+    n_head: int
+    n_head_kv: int
+    head_dim: int
+    eps: float
+    image_size: int
+    patch_size: int
+    mean: tuple[float, float, float]
+    std: tuple[float, float, float]
+    act: str                  # the FFN's: "gelu" (tanh), "silu" or "gelu_quick" (clip.use_gelu / use_silu)
+    scale_factor: int = 0     # clip.vision.projector.scale_factor where the file has it (0: the projector's default)
+    extra: dict = field(default_factory=dict)
+
+
+def read_config(md: dict[str, Any], where: str) -> ClipConfig:
+    def get(key: str, default=None, kind=int):
+        v = md.get(key, default)
+        if v is None:
+            raise ModelLoadError(f"{where}: the mmproj has no {key}")
+        try:
+            return kind(v) if not isinstance(v, (list, tuple)) else tuple(kind(x) for x in v)
+        except (TypeError, ValueError) as e:
+            raise ModelLoadError(f"{where}: {key} = {v!r} is not a {kind.__name__}") from e
+
+    if md.get("clip.has_vision_encoder") is False or "clip.vision.embedding_length" not in md:
+        if md.get("clip.has_audio_encoder"):
+            raise ModelLoadError(f"{where}: an audio mmproj (projector {_proj_type(md)!r}): audio input is not "
+                                 "supported yet, only images")
+        raise ModelLoadError(f"{where}: the mmproj has no vision encoder (clip.vision.* keys)")
+    proj = _proj_type(md)
+    if proj in AUDIO:
+        raise ModelLoadError(f"{where}: projector {proj!r} is an audio tower: audio input is not supported yet")
+    if proj not in PROJECTORS:
+        raise ModelLoadError(f"{where}: unknown vision projector type {proj!r}; this version runs "
+                             f"{', '.join(sorted(PROJECTORS))}")
+    n_embd, n_head = get("clip.vision.embedding_length"), get("clip.vision.attention.head_count")
+    if n_head <= 0 or n_embd % n_head:
+        raise ModelLoadError(f"{where}: clip.vision.attention.head_count {n_head} does not divide {n_embd}")
+    if md.get("clip.use_gelu") and md.get("clip.use_silu"):
+        raise ModelLoadError(f"{where}: both clip.use_gelu and clip.use_silu are set")
+    mean, std = get("clip.vision.image_mean", kind=float), get("clip.vision.image_std", kind=float)
+    if len(mean) < 3 or len(std) < 3 or min(abs(s) for s in std[:3]) == 0:
+        raise ModelLoadError(f"{where}: clip.vision.image_mean/image_std need 3 values, std non-zero")
+    c = ClipConfig(
+        projector=proj, n_embd=n_embd, n_ff=get("clip.vision.feed_forward_length"),
+        n_layer=get("clip.vision.block_count"), n_head=n_head,
+        n_head_kv=get("clip.vision.attention.head_count_kv", n_head),
+        head_dim=get("clip.vision.attention.head_dim", n_embd // n_head),
+        eps=get("clip.vision.attention.layer_norm_epsilon", 1e-6, float),
+        image_size=get("clip.vision.image_size"), patch_size=get("clip.vision.patch_size"),
+        mean=mean[:3], std=std[:3],
+        act="gelu" if md.get("clip.use_gelu") else "silu" if md.get("clip.use_silu") else "gelu_quick",
+        scale_factor=get("clip.vision.projector.scale_factor", 0))
+    if c.patch_size <= 0 or c.image_size < c.patch_size or c.n_layer <= 0:
+        raise ModelLoadError(f"{where}: image_size {c.image_size}, patch_size {c.patch_size}, block_count "
+                             f"{c.n_layer}: not a vision tower")
+    return c
+
+
+def _proj_type(md) -> str:
+    p = md.get("clip.vision.projector_type") or md.get("clip.projector_type")
+    return p if isinstance(p, str) else "(none)"
+
+
+@dataclass(eq=False)
+class VisionModel:
+    path: str
+    file: GGUFFile
+    config: ClipConfig
+    proj: ModuleType          # model_zoo.vision.<projector>: build, preprocess, tokens, markers
+    pconfig: Any              # the projector's own config (proj.Config)
+    weights: dict[str, QWeight]
+    n_embd_out: int           # rows' width: the text model's n_embd
+    digest: str               # the file's identity (image cache keys carry it)
+    _views: dict = field(default_factory=dict, repr=False)
+
+    def build_graph(self, shape: ImageBatch) -> Graph:
+        """The tower for `shape`: input "pixels" (B, 3, H, W); output 0 the image rows, (B * n, n_embd_out)."""
+        g = Graph()
+        w = Weights(g, self.weights, 0, where=self.path, arch=f"{self.config.projector} projector", views=self._views)
+        g.outputs.append(self.proj.build(self.config, self.pconfig, g, w, shape))
+        return g
+
+    def inputs(self, pixels: np.ndarray) -> dict[str, np.ndarray]:
+        """The tower's inputs besides the pixels (B, 3, H, W): each patch's position row and image."""
+        p = self.config.patch_size
+        b, n = pixels.shape[0], (pixels.shape[2] // p) * (pixels.shape[3] // p)
+        return dict(patch_pos=np.tile(np.arange(n, dtype=np.int32), b), seg=np.repeat(np.arange(b, dtype=np.int32), n))
+
+    def close(self) -> None:
+        self.file.close()
+
+
+def load_mmproj(path, *, n_embd_text: int | None = None) -> VisionModel:
+    """Open an mmproj file; `n_embd_text`: the text model's width, which the projection must give."""
+    try:
+        f = GGUFFile.open(path)
+    except GGUFError:
+        raise
+    except OSError as e:
+        raise ModelLoadError(f"{path}: cannot read the mmproj file: {e}") from e
+    try:
+        if f.metadata.get("general.architecture") != "clip":
+            raise ModelLoadError(f"{path}: not an mmproj file (general.architecture is "
+                                 f"{f.metadata.get('general.architecture')!r}, not 'clip')")
+        cfg = read_config(f.metadata, str(path))
+        proj = importlib.import_module(f"hearthlm.model_zoo.vision.{PROJECTORS[cfg.projector]}")
+        weights = {t.name: _as_weight(t, str(path)) for t in f.tensors.values()}
+        pcfg = proj.Config.read(cfg, f.metadata, weights, str(path))
+        out = proj.n_embd_out(cfg, pcfg, weights)
+        if n_embd_text is not None and out != n_embd_text:
+            raise ModelLoadError(f"{path}: the {cfg.projector} projector gives rows of {out}, the text model's "
+                                 f"embeddings are {n_embd_text} wide: this mmproj belongs to another model")
+        ident = json.dumps(f.identity(), sort_keys=True, default=str).encode()
+        vm = VisionModel(str(path), f, cfg, proj, pcfg, weights, out, hashlib.blake2b(ident, digest_size=16).hexdigest())
+        _check_graph(vm)
+        return vm
+    except BaseException:
+        f.close()
+        raise
+
+
+def _as_weight(t, where: str) -> QWeight:
+    """The file's tensor as a weight; a conv kernel (n_embd, C, p, p) as the matrix (n_embd, C*p*p)
+    that multiplies PATCHIFY's rows."""
+    qw = QWeight(t.name, int(t.ggml_type), tuple(t.shape), t.raw())
+    if len(qw.shape) == 4:
+        if qw.ggml_type not in (0, 1, 30):  # F32, F16, BF16: a row of the kernel is p values, no blocks
+            raise ModelLoadError(f"{where}: tensor {t.name!r} is a conv kernel of ggml type {qw.ggml_type}; "
+                                 "only float kernels are read")
+        n = qw.shape[0]
+        qw = QWeight(t.name, qw.ggml_type, (n, int(np.prod(qw.shape[1:]))), qw.raw.reshape(n, -1))
+    return qw
+
+
+def transposed(qw: QWeight) -> QWeight:
+    """A matrix stored (in, out) that ggml multiplies transposed (gemma3's mm.input_projection):
+    as an F32 (out, in) weight."""
+    a = qw.raw if qw.ggml_type == 0 else None
+    a = (gguf.quants.dequantize(qw.raw, qw.ggml_type) if a is None else a.view(np.float32)).reshape(qw.shape)
+    t = np.ascontiguousarray(a.T, np.float32)
+    return QWeight(qw.name + ".T", 0, t.shape, t.view(np.uint8))
+
+
+def _check_graph(vm: VisionModel) -> None:
+    """Build the tower once: every tensor it reads exists with the shape it declares."""
+    from hearthlm.core.errors import HearthError
+    try:
+        s = vm.config.image_size
+        vm.build_graph(ImageBatch(1, s, s))
+    except HearthError:
+        raise
+    except (AssertionError, ValueError, TypeError, KeyError) as e:
+        raise ModelLoadError(f"{vm.path}: tensor shapes do not fit the {vm.config.projector} projector: {e}") from e
+
+
+def find_mmproj(model_path: str | Path) -> Path | None:
+    """An mmproj beside the model, by the names llama-server and LM Studio pair: <model>.mmproj.gguf,
+    mmproj-<model>.gguf, then a single mmproj*.gguf in the folder."""
+    p = Path(model_path)
+    if not p.is_file():
+        return None
+    stem = p.name[:-5] if p.name.endswith(".gguf") else p.name
+    for name in (f"{stem}.mmproj.gguf", f"mmproj-{stem}.gguf"):
+        if (p.parent / name).is_file():
+            return p.parent / name
+    found = sorted(q for q in p.parent.glob("mmproj*.gguf") if q.is_file())
+    return found[0] if len(found) == 1 else None
+

@@ -1,0 +1,79 @@
+"""The shared ViT blocks of the towers (llama.cpp tools/mtmd/clip.cpp's build_inp and build_vit):
+patch embedding, learned positions, pre-norm layers of LayerNorm (with bias), attention with
+no mask within each image, and an MLP; a projector file composes them. Tensor names as the
+mmproj has them (v.blk.{il}.attn_q.weight, ...)."""
+from __future__ import annotations
+
+from hearthlm.core.graph import F32, Graph, Tensor
+from hearthlm.model_zoo.blocks import build_layer_norm
+
+
+def build_patches(c, g: Graph, w, *, n_images: int, height: int, width: int) -> tuple[Tensor, Tensor | None]:
+    """Pixels (B, 3, H, W) -> patch embeddings (B * n_patches, n_embd) plus the learned positions
+    (v.position_embd, one row per patch, read through the input "patch_pos"); and the image index
+    of each patch ("seg", attention stays within an image) when more than one is encoded."""
+    p, e = c.patch_size, c.n_embd
+    n_patches = (height // p) * (width // p)
+    pixels = g.input("pixels", (n_images, 3, height, width), F32)
+    x = g.mul_mat(w("v.patch_embd.weight", (e, 3 * p * p)), g.patchify(pixels, p, "inp_patches"), "inp_embd")
+    b = w("v.patch_embd.bias", (e,), optional=True)
+    if b is not None:
+        x = g.add(x, b, "patch_bias")
+    pos = w("v.position_embd.weight", (n_patches, e), optional=True)
+    if pos is not None:
+        x = g.add(x, g.get_rows(pos, g.input("patch_pos", (n_images * n_patches,)), "pos_embd"), "inp_pos")
+    seg = g.input("seg", (n_images * n_patches,)) if n_images > 1 else None
+    return x, seg
+
+
+def build_vit(c, g: Graph, w, x: Tensor, *, seg: Tensor | None, may_swap_ffn: bool = False) -> Tensor:
+    """The layers over patch embeddings x (n, n_embd), then the post-LayerNorm where the file has one.
+    may_swap_ffn: old mmproj files of some projectors (llama.cpp's is_ffn_swapped list) hold
+    ffn_up and ffn_down swapped, told by ffn_down's shape."""
+    e, eps = c.n_embd, c.eps
+    pre = w("v.pre_ln.weight", (e,), optional=True)
+    if pre is not None:
+        x = build_layer_norm(g, x, pre, w("v.pre_ln.bias", (e,), optional=True), eps=eps, name="pre_ln")
+    for il in range(c.n_layer):
+        L = lambda name, shape, **kw: w(f"v.blk.{il}.{name}", shape, **kw)  # noqa: E731
+        h = build_layer_norm(g, x, L("ln1.weight", (e,)), L("ln1.bias", (e,), optional=True), eps=eps,
+                             name="ln1", il=il)
+        x = g.add(x, build_attn_full(c, g, L, h, seg=seg, il=il), "ffn_inp", il)
+        h = build_layer_norm(g, x, L("ln2.weight", (e,)), L("ln2.bias", (e,), optional=True), eps=eps,
+                             name="ln2", il=il)
+        swapped = may_swap_ffn and w.shape_of(f"v.blk.{il}.ffn_down.weight") == (c.n_ff, e)
+        x = g.add(x, build_mlp(c, g, L, h, il=il, swapped=swapped), "layer_out", il)
+    post = w("v.post_ln.weight", (e,), optional=True)
+    if post is not None:
+        x = build_layer_norm(g, x, post, w("v.post_ln.bias", (e,), optional=True), eps=eps, name="post_ln")
+    return x
+
+
+def linear(g: Graph, L, name: str, x: Tensor, shape, il: int) -> Tensor:
+    """x @ W.T (+ b where the file has {name}.bias)."""
+    y = g.mul_mat(L(f"{name}.weight", shape), x, name, il)
+    b = L(f"{name}.bias", (shape[0],), optional=True)
+    return y if b is None else g.add(y, b, f"{name}_b", il)
+
+
+def build_attn_full(c, g: Graph, L, h: Tensor, *, seg: Tensor | None, il: int) -> Tensor:
+    e, hd, n = c.n_embd, c.head_dim, h.shape[0]
+    q = g.reshape(linear(g, L, "attn_q", h, (c.n_head * hd, e), il), (n, c.n_head, hd), "Qcur", il)
+    k = g.reshape(linear(g, L, "attn_k", h, (c.n_head_kv * hd, e), il), (n, c.n_head_kv, hd), "Kcur", il)
+    v = g.reshape(linear(g, L, "attn_v", h, (c.n_head_kv * hd, e), il), (n, c.n_head_kv, hd), "Vcur", il)
+    att = g.attn_full(q, k, v, scale=hd ** -0.5, seg=seg, name="kqv_out", il=il)
+    return linear(g, L, "attn_out", att, (e, c.n_head * hd), il)
+
+
+def build_mlp(c, g: Graph, L, h: Tensor, *, il: int, swapped: bool = False) -> Tensor:
+    """up, the activation, down (biases where present)."""
+    e, f = c.n_embd, c.n_ff
+    up, down = ("ffn_down", "ffn_up") if swapped else ("ffn_up", "ffn_down")
+    y = linear(g, L, up, h, (f, e), il)
+    if c.act == "gelu":
+        y = g.gelu(y, "ffn_gelu", il)
+    elif c.act == "silu":
+        y = g.silu(y, "ffn_silu", il)
+    else:  # gelu_quick: x * sigmoid(1.702 x)
+        y = g.mul(y, g.sigmoid(g.scale(y, 1.702, "ffn_quick_in", il), "ffn_quick_sig", il), "ffn_gelu_quick", il)
+    return linear(g, L, down, y, (e, f), il)
