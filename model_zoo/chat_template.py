@@ -21,6 +21,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
 
 from hearthlm.core.errors import ContextLengthError, InvalidRequestError
 from hearthlm.model_zoo.template_limits import DEFAULT_LIMITS, BoundedOps, TemplateLimitError, TemplateLimits, bounded
+from hearthlm.model_zoo.tokenizer import MEDIA
 
 
 class _Sandbox(ImmutableSandboxedEnvironment):
@@ -230,12 +231,14 @@ _MARK_RE = re.compile("\x00hearthlm-msg-(\\d+)\x00")
 
 
 def encode_chat(tokenizer, template: str, messages: list[dict], *, add_generation_prompt: bool = True,
-                limits: TemplateLimits = DEFAULT_LIMITS, max_chars: int | None = None, **extra: Any) -> list[int]:
+                limits: TemplateLimits = DEFAULT_LIMITS, max_chars: int | None = None, media: bool = False,
+                **extra: Any) -> list[int]:
     """Token ids of a chat prompt in which only the template's own text can produce special
     tokens: message contents are tokenized as plain text, so a user typing `<|im_end|>`
     cannot close a turn. Contents are located by rendering with markers in their place.
     `extra` (tools, ...) are template variables; rendered as template text, they may not
-    hold special-token text."""
+    hold special-token text. media: each MEDIA_MARKER in a content is an image's place
+    (tokenizer.MEDIA_ID in the result)."""
     messages = normalize_messages(messages)
     for what, v in [("tools", extra.get("tools")),
                     *((f"messages[{i}]['tool_calls']", m.get("tool_calls")) for i, m in enumerate(messages))]:
@@ -262,5 +265,54 @@ def encode_chat(tokenizer, template: str, messages: list[dict], *, add_generatio
                 raise InvalidRequestError("a message contains special-token text, which this chat template "
                                           "cannot keep apart from its own markers")
         parts = [(real, True)]
+    if media:
+        parts = [q for text, special in parts for q in split_media(text, special)]
     # a template that writes the BOS itself must not get a second one
     return tokenizer.encode_parts(parts, add_special=not (bos and real.startswith(bos)))
+
+
+MEDIA_MARKER = "<__media__>"  # llama.cpp's mtmd_default_marker: an image's place in a prompt
+
+
+def split_media(text: str, special: bool) -> list[tuple]:
+    """(text, special) as parts with (MEDIA, special) at each MEDIA_MARKER."""
+    pieces = text.split(MEDIA_MARKER)
+    out: list[tuple] = [(pieces[0], special)]
+    for p in pieces[1:]:
+        out += [(MEDIA, special), (p, special)]
+    return [q for q in out if q[0] != ""]
+
+
+IMAGE_PARTS = ("image_url", "image", "input_image")
+
+
+def chat_media(messages: Any) -> tuple[Any, list[Any]]:
+    """Messages whose content parts include images, with each image part replaced by
+    MEDIA_MARKER (llama.cpp's join: text parts joined by newlines, none around a marker), and
+    the images' sources in order. Parts: {"type": "image_url", "image_url": {"url": ...}}
+    (OpenAI; the url may be a plain string), {"type": "image", "image": ...} and
+    {"type": "input_image", "image_url": ...}. Messages without images are left as they are."""
+    if not isinstance(messages, list):
+        return messages, []
+    out, sources = [], []
+    for i, m in enumerate(messages):
+        c = m.get("content") if isinstance(m, dict) else None
+        if not (isinstance(c, list) and any(isinstance(p, dict) and p.get("type") in IMAGE_PARTS for p in c)):
+            out.append(m)
+            continue
+        text, after_media = "", False
+        for k, p in enumerate(c):
+            kind = p.get("type") if isinstance(p, dict) else None
+            if kind in IMAGE_PARTS:
+                src = p.get("image") if kind == "image" else p.get("image_url")
+                src = src.get("url") if isinstance(src, dict) else src
+                if src is None:
+                    raise InvalidRequestError(f"messages[{i}]['content'][{k}] is an image part with no image")
+                sources.append(src)
+                text, after_media = text + MEDIA_MARKER, True
+            else:
+                piece = _text_part(p, f"messages[{i}]['content'][{k}]")
+                text += ("\n" if text and not after_media else "") + piece
+                after_media = False
+        out.append(dict(m, content=text))
+    return out, sources

@@ -58,10 +58,11 @@ _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
 
 
 def resolve_model(model: str | os.PathLike, *, filename: str | None = None,
-                  offline: bool | None = None, progress=None) -> Path:
+                  offline: bool | None = None, progress=None, mmproj: bool = False) -> Path:
     """Path of the .gguf file for `model`: a path, a ZOO alias, or a Hub `owner/name`
     (then `filename` is an fnmatch pattern picking among the repo's .gguf files).
-    `progress(filename, done_bytes, total_bytes)` hears of a Hub download as it goes."""
+    `progress(filename, done_bytes, total_bytes)` hears of a Hub download as it goes.
+    mmproj: a Hub repo's vision projector (mmproj*.gguf) is fetched beside the model too."""
     if isinstance(model, os.PathLike):
         return _local(Path(model), filename)
     text = model.strip()
@@ -73,7 +74,7 @@ def resolve_model(model: str | os.PathLike, *, filename: str | None = None,
     if text.lower() in ZOO:
         return _from_zoo(text.lower(), ZOO[text.lower()], filename, offline, progress)
     if _HUB_ID.fullmatch(text) and not text.lower().endswith(".gguf"):
-        return from_hub(text, filename, offline=offline, progress=progress)
+        return from_hub(text, filename, offline=offline, progress=progress, mmproj=mmproj)
     if text.lower().endswith(".gguf") or os.sep in text or text.startswith((".", "~")) \
             or (os.altsep and os.altsep in text):
         raise ModelNotFoundError(f"model file {text!r} does not exist")
@@ -159,14 +160,16 @@ def _assemble(entry: ZooModel, assemble) -> Path:
 
 
 def from_hub(repo: str, pattern: str | None = None, *, offline: bool | None = None, revision: str | None = None,
-             progress=None) -> Path:
+             progress=None, mmproj: bool = False) -> Path:
     """Download (or find in the Hub cache) the .gguf file of Hub repo `repo`; an interrupted
-    download resumes where it stopped (model_zoo.hub.download)."""
-    return Path(hub_files(repo, pattern, offline=offline, revision=revision, progress=progress, pick_one=True)[0])
+    download resumes where it stopped (model_zoo.hub.download). mmproj: the repo's vision
+    projector too, into the same snapshot (model_zoo.vision finds it beside the model)."""
+    return Path(hub_files(repo, pattern, offline=offline, revision=revision, progress=progress, pick_one=True,
+                          mmproj=mmproj)[0])
 
 
 def hub_files(repo: str, pattern: str | None = None, *, offline: bool | None = None, revision: str | None = None,
-              progress=None, pick_one: bool = True) -> list[Path]:
+              progress=None, pick_one: bool = True, mmproj: bool = False) -> list[Path]:
     """The .gguf file(s) of `repo` matching `pattern` (one, as `_pick` chooses, or every match),
     downloaded (resuming a partial one) unless cached. progress None: a progress bar."""
     import huggingface_hub
@@ -195,6 +198,9 @@ def hub_files(repo: str, pattern: str | None = None, *, offline: bool | None = N
                     raise e from None
                 offline = True
         picked = [_pick(names, pattern, where)] if pick_one else _pick_all(names, pattern, where)
+        proj = _pick_mmproj(names) if mmproj and not is_mmproj(picked[0]) else None
+        if proj is not None and (not offline or proj in names):
+            picked.append(proj)
         if offline:
             return [Path(huggingface_hub.hf_hub_download(repo, name, revision=revision, cache_dir=cache,
                                                          local_files_only=True)) for name in picked]
@@ -237,8 +243,25 @@ def _cached_files(cache: Path, repo: str, revision: str | None = None) -> tuple[
     return snapshot.name, names
 
 
+def is_mmproj(name: str) -> bool:
+    """A vision projector's file, by the names llama.cpp's converter and the Hub's repos give them."""
+    return "mmproj" in name.rsplit("/", 1)[-1].lower()
+
+
+def _pick_mmproj(names: list[str]) -> str | None:
+    """The repo's vision projector: F16 first (what llama.cpp's docs pair), then BF16, F32, Q8_0."""
+    found = sorted(n for n in names if n.lower().endswith(".gguf") and is_mmproj(n))
+    for kind in ("f16", "bf16", "f32", "q8_0"):
+        hit = [n for n in found if re.search(rf"(?<![a-z0-9]){kind}(?![a-z0-9])", n.rsplit("/", 1)[-1].lower())]
+        if hit:
+            return hit[0]
+    return found[0] if found else None
+
+
 def _pick(names: list[str], pattern: str | None, where: str) -> str:
     ggufs = sorted(n for n in names if n.lower().endswith(".gguf"))
+    if not pattern:  # a repo's vision projector is never the model
+        ggufs = [n for n in ggufs if not is_mmproj(n)] or ggufs
     if not ggufs:
         raise ModelNotFoundError(f"{where} holds no .gguf file")
     if pattern:

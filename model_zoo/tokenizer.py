@@ -64,6 +64,9 @@ def _text(t: Any) -> str:
     return t.decode("utf-8", "replace") if isinstance(t, (bytes, bytearray)) else str(t)
 
 
+MEDIA = object()  # encode_parts: an image's place among the text parts
+MEDIA_ID = -1     # ... and its id in the result
+
 class Tokenizer:
     """Text <-> token ids for one GGUF vocabulary (see module docstring)."""
 
@@ -301,13 +304,18 @@ class Tokenizer:
 
     def encode_parts(self, parts, *, add_special: bool = False) -> list[int]:
         """Token ids of consecutive (text, parse_special) parts: a chat prompt whose template
-        text may hold special tokens while the messages' text may not."""
+        text may hold special tokens while the messages' text may not. A part (MEDIA, _) is an
+        image's place: MEDIA_ID there, for the caller to replace with the image's tokens."""
         out: list[int] = []
         wpm = self.kind == "wpm"  # llama.cpp's WordPiece: [CLS] text [SEP], whatever add_bos/add_eos say
         if add_special and (self.add_bos or wpm):
             out.append(self.bos_id)
         prev_special = True  # SPM prefixes a space to text at the start or after a special
         for text, parse_special in parts:
+            if text is MEDIA:  # an image's place: the text after it is tokenized afresh, as mtmd does
+                out.append(MEDIA_ID)
+                prev_special = True
+                continue
             if not isinstance(text, str):
                 raise InvalidRequestError(f"text to tokenize must be a str, not {type(text).__name__}")
             try:

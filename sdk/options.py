@@ -48,6 +48,11 @@ def _bool(text: str) -> bool:
     return low in ("1", "true", "yes", "on")
 
 
+def _mmproj(text: str) -> str | bool:
+    """--mmproj PATH, or 'off' for none."""
+    return False if text.strip().lower() in ("off", "none", "no", "false", "0") else text
+
+
 def _limits(text: str) -> TemplateLimits:
     """'seconds=2,steps=500000': TemplateLimits with those fields changed."""
     kw = {}
@@ -155,6 +160,22 @@ class SessionOptions:
         0.75, Kind(lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v <= 1,
                    "a number in [0, 1]", float),
         "drafting stops at the draft model's first token below this probability", metavar="P")
+
+    mmproj: str | os.PathLike | bool | None = option(
+        None, Kind(lambda v: v is None or isinstance(v, bool) or _path(v), "None, False or a path", _mmproj),
+        "the vision projector (an mmproj GGUF) that lets the model see images (default: one found beside "
+        "the model, <model>.mmproj.gguf or a single mmproj*.gguf, or fetched with a Hub repo's model; "
+        "'off' for none)", metavar="PATH")
+    allow_remote_media: bool = option(
+        False, BOOL, "fetch images given as http(s) URLs (off: a request can never make the process reach the "
+        "network; data: URLs, bytes and, from Python, paths are read)")
+    image_cache_bytes: int = option(
+        256 << 20, INT0, "encoded images kept for reuse (the same image asked about again is encoded once), "
+        "in bytes", metavar="N")
+    max_images: int = option(16, INT0, "images one request may bring", metavar="N")
+    max_image_bytes: int = option(20 << 20, INT1, "an image's encoded size at most, in bytes", metavar="N")
+    max_image_pixels: int = option(
+        50_000_000, INT1, "an image's decoded size at most, in pixels (checked before it is decoded)", metavar="N")
 
     def __post_init__(self) -> None:
         for f in fields(self):

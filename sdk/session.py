@@ -19,18 +19,20 @@ from hearthlm.backends import get_backend
 from hearthlm.core.errors import ContextLengthError, HearthError, InvalidRequestError, RequestTimeoutError, SessionClosedError
 from hearthlm.core.log import get_logger
 from hearthlm.model_zoo import reasoning
+from hearthlm.model_zoo.chat_template import MEDIA_MARKER, chat_media, split_media
 from hearthlm.model_zoo.hub import log_progress
 from hearthlm.model_zoo.model import Model, load_model
 from hearthlm.model_zoo.resolve import DEFAULT_MODEL, resolve_model
 from hearthlm.model_zoo.template_limits import DEFAULT_LIMITS, TemplateLimits
-from hearthlm.model_zoo.tokenizer import vocab_mismatch
+from hearthlm.model_zoo.tokenizer import MEDIA_ID, vocab_mismatch
+from hearthlm.model_zoo.vision.image import ImageLimits, load_image
 from hearthlm.options import SessionOptions, check_names, takes_options
 from hearthlm.output import ChoiceOutput, with_prompt
 from hearthlm.runtime import constraint
 from hearthlm.runtime.devices import open_device
 from hearthlm.runtime.engine import Engine
 from hearthlm.runtime.placement import offload
-from hearthlm.runtime.request import Kind, Request, ThinkBudget
+from hearthlm.runtime.request import Kind, Media, Request, ThinkBudget, placeholder_ids
 from hearthlm.runtime.sampling import SamplingParams
 from hearthlm.runtime.weight_cache import WeightCache, cache_dir
 from hearthlm.tools import ToolOutput, ToolPlan
@@ -73,6 +75,8 @@ class Session:
         self._vocab_lock = threading.Lock()
         self._head: np.ndarray | None = None  # a decoder reranker's head, dequantized on first use
         self._draft_file: Model | None = None  # the draft model's file, closed with the session
+        self.vision = None  # model_zoo.vision.clip.VisionModel: the mmproj, where the model sees images
+        self._media_opts = SessionOptions()  # image limits and remote fetching
 
     # ---- lifecycle -------------------------------------------------------------------
     @classmethod
@@ -105,9 +109,12 @@ class Session:
                            prompt_cache_bytes=o.prompt_cache_bytes)
         backends = ({o.backend: get_backend(o.backend)} if o.device is None
                     else open_device(o.device, n_gpu_layers, get_backend))
-        m = load_model(resolve_model(model, filename=o.filename, progress=progress or log_progress(log)))
-        dm = None
+        path = resolve_model(model, filename=o.filename, progress=progress or log_progress(log),
+                             mmproj=o.mmproj is None)
+        m = load_model(path)
+        dm = vision = None
         try:  # the layers over the backends, once their count is known
+            vision = _open_vision(m, path, o.mmproj)
             placement = offload(backends, m.config.n_layer, n_gpu_layers)
             n_ctx = min(n_ctx, m.config.n_ctx_train)
             m.set_context(n_ctx)
@@ -124,15 +131,16 @@ class Session:
                                    p_min=float(o.draft_p_min), **engine_opts)
             engine = Engine(m, placement, n_ctx=n_ctx, kv_blocks=math.ceil(kv_tokens / 16),
                             weight_cache=WeightCache(wdir, m.file.identity()) if wdir else None,
-                            kv_cache_type=kv_cache_type, draft=draft, **engine_opts)
+                            kv_cache_type=kv_cache_type, draft=draft, vision=vision,
+                            image_cache_bytes=o.image_cache_bytes, **engine_opts)
         except BaseException:
-            m.close()
-            if dm is not None:
-                dm.close()
+            for f in (m, dm, vision):
+                if f is not None:
+                    f.close()
             raise
         engine.start()
         s = cls(m, engine)
-        s._draft_file = dm
+        s._draft_file, s.vision, s._media_opts = dm, vision, o
         return s
 
     @staticmethod
@@ -158,8 +166,9 @@ class Session:
         self._closed = True
         await anyio.to_thread.run_sync(lambda: self.engine.close(abort=abort))
         self.model.close()
-        if self._draft_file is not None:
-            self._draft_file.close()
+        for f in (self._draft_file, self.vision):
+            if f is not None:
+                f.close()
 
     # ---- text ------------------------------------------------------------------------
     @property
@@ -180,18 +189,21 @@ class Session:
         return self.engine.health()
 
     async def _prompt_ids_off_loop(self, prompt, messages, tools: ToolPlan | None = None,
-                                   template_kwargs: dict | None = None, generation_prompt: bool = True) -> list[int]:
+                                   template_kwargs: dict | None = None, generation_prompt: bool = True,
+                                   media: bool = False) -> list[int]:
         """Chat templates (their rendering time is the file's, not ours) and long prompts are
         prepared in a worker thread, so the application's event loop keeps running."""
         big = messages is not None or (isinstance(prompt, str) and len(prompt) > OFF_LOOP_CHARS) or \
             (isinstance(prompt, (list, tuple, np.ndarray)) and len(prompt) > OFF_LOOP_CHARS)
         if big:
             return await anyio.to_thread.run_sync(self._prompt_ids, prompt, messages, tools, template_kwargs,
-                                                  generation_prompt)
-        return self._prompt_ids(prompt, messages, tools, template_kwargs, generation_prompt)
+                                                  generation_prompt, media)
+        return self._prompt_ids(prompt, messages, tools, template_kwargs, generation_prompt, media)
 
     def _prompt_ids(self, prompt, messages, tools: ToolPlan | None = None,
-                    template_kwargs: dict | None = None, generation_prompt: bool = True) -> list[int]:
+                    template_kwargs: dict | None = None, generation_prompt: bool = True,
+                    media: bool = False) -> list[int]:
+        """The prompt's token ids; media: tokenizer.MEDIA_ID at each image's place (MEDIA_MARKER)."""
         tok = self.model.tokenizer
         if (prompt is None) == (messages is None):
             raise InvalidRequestError("pass exactly one of prompt or messages=")
@@ -210,12 +222,17 @@ class Session:
             messages, extra = tools.chat(messages, self.model.chat_template) if tools else (messages, {})
             extra = {**(template_kwargs or {}), **extra}
             return encode_chat(tok, self.model.chat_template, messages, limits=self.template_limits,
-                               max_chars=max_chars, add_generation_prompt=generation_prompt, **extra)
+                               max_chars=max_chars, add_generation_prompt=generation_prompt, media=media, **extra)
         if isinstance(prompt, str):
             if len(prompt) > max_chars:
                 raise ContextLengthError(f"the prompt has {len(prompt)} characters: more than a context of "
                                          f"{self.n_ctx} tokens can take")
+            if media:
+                return tok.encode_parts(split_media(prompt, True), add_special=True)
             return tok.encode(prompt, add_special=True, parse_special=True)
+        if media:
+            raise InvalidRequestError(f"images need a text prompt that marks each image's place with "
+                                      f"{MEDIA_MARKER}, or messages= with image parts, not token ids")
         if isinstance(prompt, (bytes, bytearray)) or not isinstance(prompt, (Sequence, np.ndarray)) \
                 or any(isinstance(t, bool) or not isinstance(t, (int, np.integer)) for t in prompt):
             raise InvalidRequestError("prompt must be a string or a list of int token ids")
@@ -448,7 +465,8 @@ class Session:
                       response_format: dict | None = None, tools: list[dict] | None = None,
                       tool_choice: str | dict | None = None, n: int = 1, prompt_logprobs: int | None = None,
                       chat_template_kwargs: dict | None = None, reasoning_budget: int | None = None,
-                      reasoning_format: str = "auto", **sampling) -> AsyncIterator[Chunk | int]:
+                      reasoning_format: str = "auto", images: Sequence[Any] | None = None,
+                      **sampling) -> AsyncIterator[Chunk | int]:
         if self._closed:
             raise SessionClosedError("the session is closed")
         try:
@@ -469,7 +487,11 @@ class Session:
             if forced is not None and grammar is not None:
                 raise InvalidRequestError("pass response_format or a forced tool_choice, not both")
             grammar = (constraint.lark_grammar(forced), "tool-call grammar") if forced is not None else grammar
-        ids = await self._prompt_ids_off_loop(prompt, messages, plan, template_kwargs)
+        messages, sources = self._media_sources(prompt, messages, images)
+        ids = await self._prompt_ids_off_loop(prompt, messages, plan, template_kwargs, media=bool(sources))
+        media: list[Media] = []
+        if sources:  # decoded, preprocessed and placed off the event loop
+            ids, media = await anyio.to_thread.run_sync(self._place_images, ids, sources)
         think = reasoning.detect(self.model.chat_template) if messages is not None else None
         tok = self.model.tokenizer
         opened = think is not None and reasoning.opened_by_prompt(think, self._tail_text(ids))
@@ -481,6 +503,7 @@ class Session:
         chan = Channel(loop_waker())
         limit = max_tokens if max_tokens is not None else max(self.n_ctx - len(ids), 0)
         reqs = [Request(prompt=ids, matcher=matchers[i], max_tokens=limit, kind=Kind.SCORE if score_only else Kind.GENERATE,
+                        media=media,
                         params=replace(params, seed=params.seed + i) if i and params.seed is not None else params,
                         on_token=lambda t, lp, i=i: chan.put((i, t, lp)),
                         on_finish=lambda reason, err, i=i: chan.put((i, reason, err)),
@@ -532,9 +555,75 @@ class Session:
                 if not o.done or o.stopped:
                     self.engine.abort(r.id)
 
+    # ---- images ----------------------------------------------------------------------
+    def _media_sources(self, prompt, messages, images) -> tuple[Any, list[Any]]:
+        """The images of a request, in order: `images=` (with a prompt) or messages' image parts;
+        the messages with each image part as MEDIA_MARKER."""
+        if images is not None and not isinstance(images, (list, tuple)):
+            raise InvalidRequestError(f"images must be a list, not {type(images).__name__}")
+        sources = list(images or ())
+        if messages is not None:
+            messages, in_parts = chat_media(messages)
+            if sources and in_parts:
+                raise InvalidRequestError("pass images as messages' image parts or as images=, not both")
+            if sources and MEDIA_MARKER not in str(messages):
+                raise InvalidRequestError(f"images= with messages needs {MEDIA_MARKER} in a message's content "
+                                          "for each image; or give them as image parts")
+            sources = sources or in_parts
+        if not sources:
+            return messages, []
+        if self.vision is None:
+            raise InvalidRequestError("this model has no vision projector (mmproj) loaded, so it cannot take "
+                                      "images: open the session with mmproj=PATH")
+        lim = self._media_opts
+        if len(sources) > lim.max_images:
+            raise InvalidRequestError(f"{len(sources)} images; a request may bring at most {lim.max_images}")
+        return messages, sources
+
+    def _place_images(self, ids: list[int], sources: list[Any]) -> tuple[list[int], list[Media]]:
+        """Each MEDIA_ID in ids becomes the projector's begin marker, the image's placeholder ids
+        and its end marker (mtmd_tokenize); the images decoded and preprocessed."""
+        vm, tok, lim = self.vision, self.model.tokenizer, self._media_opts
+        places = [i for i, t in enumerate(ids) if t == MEDIA_ID]
+        if len(places) != len(sources):
+            raise InvalidRequestError(f"the prompt marks {len(places)} image place(s) ({MEDIA_MARKER}) for "
+                                      f"{len(sources)} image(s)")
+        limits = ImageLimits(max_bytes=lim.max_image_bytes, max_pixels=lim.max_image_pixels)
+        begin = tok.encode(vm.proj.BEGIN, parse_special=True) if vm.proj.BEGIN else []
+        end = tok.encode(vm.proj.END, parse_special=True) if vm.proj.END else []
+        out: list[int] = []
+        media: list[Media] = []
+        last = 0
+        for k, (at, src) in enumerate(zip(places, sources)):
+            image = load_image(src, limits=limits, allow_remote=lim.allow_remote_media, name=f"image {k + 1}")
+            pixels, n, key = vm.prepare(image)
+            out += ids[last:at] + begin
+            media.append(Media(len(out), n, key, pixels, bidirectional=vm.bidirectional))
+            out += placeholder_ids(key, n) + end
+            last = at + 1
+        return out + ids[last:], media
+
     def _tail_text(self, ids: list[int]) -> str:
         """The end of a rendered prompt as text, special tokens spelled out."""
         return b"".join(self.model.tokenizer.token_bytes(t, special=True) for t in ids[-8:]).decode("utf-8", "replace")
+
+
+def _open_vision(m: Model, path, mmproj):
+    """The model's vision projector: `mmproj` (a path), one found beside the model, or none."""
+    if mmproj is False:
+        return None
+    from hearthlm.model_zoo.vision.clip import find_mmproj, load_mmproj
+    found = Path(mmproj) if mmproj else find_mmproj(path)
+    if found is None:
+        return None
+    vm = load_mmproj(found, n_embd_text=m.config.n_embd)
+    try:
+        vm.check_text_model(m)
+    except BaseException:
+        vm.close()
+        raise
+    log.info("vision_projector", path=str(found), projector=vm.config.projector)
+    return vm
 
 
 def _chars(content: Any) -> int:
