@@ -14,7 +14,7 @@ from hearthlm.runtime.batch import one_token
 
 DIR = Path(__file__).parent / "data" / "converted"
 DECODERS = [p.stem for p in sorted(DIR.glob("*.gguf"))
-            if not any(k in p.stem for k in ("bert", "embedding"))]
+            if not any(k in p.stem for k in ("bert", "embedding", ".mmproj"))]
 
 
 def _nodes(model, op, name=None):

@@ -4,9 +4,11 @@ users' files are made. Run under a venv with llama.cpp's conversion requirements
 
     python tests/parity/hf/convert.py --llama-cpp DIR/vendor/llama.cpp HF_DIR [name ...]
 
-writes tests/data/converted/<name>.gguf (F32). One shim: the converter names a BPE pre-tokenizer by
-hashing what a known model's tokenizer makes of a test string, and our tiny vocabularies match none;
-an unknown hash is given the name the spec says (the real family's), nothing else is touched."""
+writes tests/data/converted/<name>.gguf (F32), and for a vision model (a spec's convert_args_mmproj) its
+<name>.mmproj.gguf from a second pass (F32 but what the converter forces: Gemma 3's projector matrix is F16).
+One shim: the converter names a BPE pre-tokenizer by hashing what a known model's tokenizer makes of a test
+string, and our tiny vocabularies match none; an unknown hash is given the name the spec says (the real
+family's), nothing else is touched."""
 import argparse
 import json
 import runpy
@@ -40,11 +42,14 @@ if __name__ == "__main__":
         src = a.hf_dir / name
         spec = json.loads((src / "hearthlm_spec.json").read_text())
         pre_name["pre"] = spec.get("pre", "default")
-        sys.argv = ["convert_hf_to_gguf.py", str(src), "--outtype", "f32", "--outfile", str(OUT / f"{name}.gguf"),
-                    *spec.get("convert_args", [])]  # the options a family's users convert with
-        try:
-            runpy.run_path(str(a.llama_cpp / "convert_hf_to_gguf.py"), run_name="__main__")
-        except SystemExit as e:
-            if e.code:
-                raise
-        print("converted", name, (OUT / f"{name}.gguf").stat().st_size, "bytes")
+        passes = [(f"{name}.gguf", spec.get("convert_args", []))]  # the options a family's users convert with
+        if spec.get("convert_args_mmproj") is not None:  # a vision model: its mmproj file from a second pass
+            passes.append((f"{name}.mmproj.gguf", spec["convert_args_mmproj"]))
+        for fname, args in passes:
+            sys.argv = ["convert_hf_to_gguf.py", str(src), "--outtype", "f32", "--outfile", str(OUT / fname), *args]
+            try:
+                runpy.run_path(str(a.llama_cpp / "convert_hf_to_gguf.py"), run_name="__main__")
+            except SystemExit as e:
+                if e.code:
+                    raise
+            print("converted", fname, (OUT / fname).stat().st_size, "bytes")

@@ -139,9 +139,9 @@ def _randomize(model, seed: int) -> None:
             if name.endswith("layer_scalar"):  # a layer's output scale: positive, around 1
                 v = (0.5 * r).exp()
             if "norm" in name and getattr(model.config, "model_type", "").startswith(("gemma", "qwen3_5")) \
-                    and "linear_attn.norm" not in name \
+                    and "linear_attn.norm" not in name and "vision_tower" not in name \
                     and not model.config.model_type.startswith("gemma4"):  # Gemma 4's norms multiply by weight
-                v = 0.1 * r  # these RMSNorms multiply by (1 + weight)
+                v = 0.1 * r  # these RMSNorms multiply by (1 + weight); SigLIP's LayerNorms by weight
         elif "embed" in name and "lm_head" not in name:
             v = 0.2 * r if getattr(model.config, "tie_word_embeddings", False) else r
         else:
@@ -160,9 +160,10 @@ def make(name: str, out: Path, seed: int = 0) -> Path:
     if "writer" in spec:  # a remote-code family (no transformers class): the spec writes the checkpoint
         return spec["writer"](d, spec, n_vocab, seed)
     cfg_cls = getattr(transformers, spec["config_class"])
-    cfg = cfg_cls(**{**spec["config"], "vocab_size": n_vocab})
-    if "text_config" in spec:  # a multimodal wrapper's text half
-        cfg.text_config.vocab_size = n_vocab
+    if "text_config" in spec["config"]:  # a multimodal wrapper: the vocabulary is its text half's
+        cfg = cfg_cls(**{**spec["config"], "text_config": {**spec["config"]["text_config"], "vocab_size": n_vocab}})
+    else:
+        cfg = cfg_cls(**{**spec["config"], "vocab_size": n_vocab})
     torch.manual_seed(seed)
     model = getattr(transformers, spec["model_class"])(cfg).to(torch.float32)
     _randomize(model, seed)
@@ -174,6 +175,11 @@ def make(name: str, out: Path, seed: int = 0) -> Path:
         f = d / "model.safetensors"
         extra = spec["extra_tensors"](model, lambda m: _randomize(m, seed + 1))
         save_file({**load_file(f), **extra}, f, metadata={"format": "pt"})
+    if "saved_names" in spec:  # the released checkpoint's tensor names where transformers 5 saves others
+        from safetensors.torch import load_file, save_file
+        f = d / "model.safetensors"
+        rename = lambda k: next((new + k[len(old):] for old, new in spec["saved_names"] if k.startswith(old)), k)  # noqa: E731
+        save_file({rename(k): v for k, v in load_file(f).items()}, f, metadata={"format": "pt"})
     if "saved_config" in spec:  # the released config.json's spelling where transformers 5 renamed a value
         cfg_path = d / "config.json"
         cfg_path.write_text(json.dumps({**json.loads(cfg_path.read_text()), **spec["saved_config"]}, indent=2))
@@ -183,8 +189,10 @@ def make(name: str, out: Path, seed: int = 0) -> Path:
             (d / fname).write_bytes(text())
         else:
             (d / fname).write_text(text)
-    (d / "hearthlm_spec.json").write_text(json.dumps({"pre": spec.get("pre", "default"),
-                                                          "convert_args": spec.get("convert_args", [])}))
+    keep = {"pre": spec.get("pre", "default"), "convert_args": spec.get("convert_args", [])}
+    if "convert_args_mmproj" in spec:  # a vision model: convert.py's second pass writes its mmproj file
+        keep["convert_args_mmproj"] = spec["convert_args_mmproj"]
+    (d / "hearthlm_spec.json").write_text(json.dumps(keep))
     return d
 
 

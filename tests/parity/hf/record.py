@@ -56,7 +56,7 @@ def record(path: Path) -> dict:
     return rec
 
 if __name__ == "__main__":
-    names = sys.argv[1:] or sorted(p.stem for p in DIR.glob("*.gguf"))
+    names = sys.argv[1:] or sorted(p.stem for p in DIR.glob("*.gguf") if not p.stem.endswith(".mmproj"))
     for n in names:
         out = DIR / f"{n}.json"
         out.write_text(json.dumps({"llama_cpp_python": llama_cpp.__version__, **record(DIR / f"{n}.gguf")},

@@ -9,7 +9,7 @@ GEMMA_SPM = dict(pad_id=0, eos_id=1, bos_id=2, unk_id=3, dummy_prefix=False,
                  tokenizer_class="GemmaTokenizer")
 
 
-def _gemma_tokens(turns: tuple[str, str]) -> dict:
+def _gemma_tokens(turns: tuple[str, ...]) -> dict:
     """The tokenizer_config.json entries of a Gemma repo: the specials and turn markers as special added tokens
     (the converter makes them CONTROL), BOS added, EOS not."""
     names = ["<pad>", "<eos>", "<bos>", "<unk>", "<mask>", *turns]
@@ -30,6 +30,26 @@ GEMMA4_TOKENS = dict(GEMMA_SPM, **_gemma_tokens(("<|turn>", "<turn|>")),
                      chat_template=("{{ bos_token }}{% for m in messages %}<|turn>{{ m['role'] }}\n"
                                     "{{ m['content'] }}<turn|>\n{% endfor %}"
                                     "{% if add_generation_prompt %}<|turn>model\n{% endif %}"))
+
+# Gemma 3 4B's vision markers: in the SentencePiece model as user symbols (7, 8, 9 after the turn markers), special
+# added tokens as the released tokenizer has them; mtmd wraps an image in <start_of_image> ... <end_of_image>
+GEMMA3_VISION_TOKENS = dict(GEMMA_SPM, **_gemma_tokens(("<start_of_turn>", "<end_of_turn>", "<start_of_image>",
+                                                        "<end_of_image>", "<image_soft_token>")),
+                            chat_template=GEMMA3_TOKENS["chat_template"])
+GEMMA3_VISION_TOKENS["tokens"].update(boi_token="<start_of_image>", eoi_token="<end_of_image>",
+                                      image_token="<image_soft_token>")
+
+
+def _gemma3_processor(image_size: int, n_tokens: int) -> dict[str, str]:
+    """Gemma 3's image processor files (the converter reads image_mean/std, and image_seq_length for the pooling:
+    (image_size / patch_size) / sqrt(image_seq_length), written only when not llama.cpp's default 4)."""
+    pre = {"image_processor_type": "Gemma3ImageProcessor", "processor_class": "Gemma3Processor",
+           "do_normalize": True, "do_rescale": True, "do_resize": True, "image_mean": [0.5, 0.5, 0.5],
+           "image_std": [0.5, 0.5, 0.5], "image_seq_length": n_tokens, "resample": 2,
+           "rescale_factor": 1 / 255, "size": {"height": image_size, "width": image_size}}
+    return {"preprocessor_config.json": json.dumps(pre, indent=1),
+            "processor_config.json": json.dumps({"image_seq_length": n_tokens, "processor_class": "Gemma3Processor"})}
+
 
 GEMMA = dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
              max_position_embeddings=512, rms_norm_eps=1e-6, query_pre_attn_scalar=16, tie_word_embeddings=True,
@@ -99,6 +119,21 @@ SPECS = {
                                                     "full_attention": {"rope_type": "linear", "factor": 8.0,
                                                                        "rope_theta": 1e6}}),
                        **GEMMA3_TOKENS),
+    # Gemma 3 4B's vision-language shape (#39): the tiny gemma3 text model under Gemma3ForConditionalGeneration
+    # with a SigLIP tower (width 64, 2 layers, 4 heads, patch 4 on 64x64: 16x16 patches, average-pooled 4x4
+    # into 16 image tokens); convert_args_mmproj: a second converter pass writes the mmproj file
+    "gemma3-vision": dict(config_class="Gemma3Config", model_class="Gemma3ForConditionalGeneration", tokenizer="spm",
+                          config=dict(text_config=dict(GEMMA6, sliding_window=4, rope_parameters={
+                              "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                              "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6}}),
+                              vision_config=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                                 num_attention_heads=4, image_size=64, patch_size=4,
+                                                 layer_norm_eps=1e-6, vision_use_head=False),
+                              mm_tokens_per_image=16, boi_token_index=7, eoi_token_index=8, image_token_index=9,
+                              tie_word_embeddings=True),
+                          extra_files=_gemma3_processor(64, 16), convert_args_mmproj=["--mmproj"],
+                          saved_names=[("vision_tower.", "vision_tower.vision_model.")],  # google/gemma-3-4b-it's
+                          **GEMMA3_VISION_TOKENS),
     # EmbeddingGemma-300M: Gemma 3 attending both ways (use_bidirectional_attention), mean pooling and the
     # sentence-transformers Dense projections (converted with --sentence-transformers-dense-modules)
     "gemma-embedding": dict(config_class="Gemma3TextConfig", model_class="Gemma3TextModel", tokenizer="spm",

@@ -1,0 +1,157 @@
+"""Records llama.cpp's image path (libmtmd) on the tiny Gemma 3 vision model once, under llama-cpp-python
+0.3.36 (never in CI; the files come from tests/parity/hf/make.py + convert.py, spec "gemma3-vision"):
+
+    /tmp/lcp-venv/bin/python tests/parity/record_vision.py
+
+writes tests/data/vision_parity.json:
+- "images": each image's recipe (rgb() below regenerates its pixels with numpy; their sha256 is kept to check
+  that), and the rows mtmd_encode_chunk gives for it (n_tokens x n_embd, 6 significant digits);
+- "prompts": mtmd_tokenize's chunks (text ids, or an image's n_tokens, n_pos, grid and id), then greedy steps
+  as tests/data/arch_parity.json has them (greedy_ids; top-5 ids and log-probs per step) from
+  mtmd_helper_eval_chunks (n_past 0, seq 0, logits of the last token) and llama_decode one token at a time,
+  and the first step's full log-prob vector;
+- "settings": the context's (threads, n_ctx, n_batch, flash attention off, K/V in F32), and whether mtmd
+  decodes the image rows with non-causal attention.
+Bitmaps are made from raw RGB (mtmd_bitmap_init): no image decoder enters."""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import json
+from pathlib import Path
+
+import numpy as np
+
+DATA = Path(__file__).parents[1] / "data"
+MODEL, MMPROJ = DATA / "converted" / "gemma3-vision.gguf", DATA / "converted" / "gemma3-vision.mmproj.gguf"
+OUT = DATA / "vision_parity.json"
+IMAGES = {  # the image size is 64: one at it, one scaled up, one not square (resized keeping its aspect, padded)
+    "gradient": {"kind": "gradient", "nx": 64, "ny": 64},
+    "noise": {"kind": "noise", "nx": 32, "ny": 32, "seed": 0},
+    "wide": {"kind": "noise", "nx": 40, "ny": 24, "seed": 1},
+}
+M = "<__media__>"  # mtmd_default_marker(), checked below
+LONG = " ".join(["The hearth is the heart of the home; people gather around the fire to keep warm."] * 8)  # 335 tokens
+PROMPTS = {  # name -> (text, images in marker order)
+    "one_image": (f"<start_of_turn>user\n{M}What is in the image?<end_of_turn>\n<start_of_turn>model\n", ["gradient"]),
+    "two_images": (f"Compare {M} and {M} please.", ["gradient", "noise"]),
+    "image_between_text": (f"The hearth is warm. {M} Hello world!", ["wide"]),
+    "long_text_after_image": (f"{M}{LONG}", ["gradient"]),  # 300+ text tokens after it (noise: a 0.007 near-tie)
+}
+SETTINGS = {"n_threads": 2, "n_ctx": 512, "n_batch": 512, "n_ubatch": 512, "flash_attn": False,
+            "type_k": 0, "type_v": 0}  # GGML_TYPE_F32 = 0
+N_STEPS = 8
+
+
+def rgb(recipe: dict) -> np.ndarray:
+    """An image's pixels, (ny, nx, 3) uint8, from its recipe: a gradient (R along x, G along y, B along both,
+    each rounded from 0..255) or uniform noise from numpy's default_rng(seed)."""
+    nx, ny = recipe["nx"], recipe["ny"]
+    if recipe["kind"] == "gradient":
+        x, y = np.meshgrid(np.arange(nx), np.arange(ny))
+        ch = [x / (nx - 1), y / (ny - 1), (x + y) / (nx + ny - 2)]
+        return np.rint(np.stack(ch, axis=-1) * 255).astype(np.uint8)
+    return np.random.default_rng(recipe["seed"]).integers(0, 256, size=(ny, nx, 3), dtype=np.uint8)
+
+
+def _logprobs(logits) -> np.ndarray:
+    lp = np.asarray(logits, np.float64)
+    lp = lp - lp.max()
+    return lp - np.log(np.exp(lp).sum())
+
+
+def main() -> None:
+    import llama_cpp
+    from llama_cpp import mtmd_cpp as mtmd
+    assert mtmd.mtmd_default_marker().decode() == M
+    llm = llama_cpp.Llama(model_path=str(MODEL), n_ctx=SETTINGS["n_ctx"], n_batch=SETTINGS["n_batch"],
+                          n_ubatch=SETTINGS["n_ubatch"], n_threads=SETTINGS["n_threads"],
+                          n_threads_batch=SETTINGS["n_threads"], flash_attn=SETTINGS["flash_attn"],
+                          type_k=SETTINGS["type_k"], type_v=SETTINGS["type_v"], verbose=False)
+    p = mtmd.mtmd_context_params_default()
+    p.use_gpu, p.print_timings, p.n_threads, p.warmup = False, False, SETTINGS["n_threads"], False
+    p.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
+    ctx = mtmd.mtmd_init_from_file(str(MMPROJ).encode(), llm.model, p)
+    assert ctx, "mtmd_init_from_file failed"
+    vocab = llama_cpp.llama_model_get_vocab(llm.model)
+    n_vocab, n_embd = llama_cpp.llama_vocab_n_tokens(vocab), llama_cpp.llama_model_n_embd_inp(llm.model)
+
+    def tokenize(text: str, names: list[str]):
+        bitmaps = []
+        for n in names:
+            px = rgb(IMAGES[n])
+            b = mtmd.mtmd_bitmap_init(px.shape[1], px.shape[0], (ctypes.c_uint8 * px.size).from_buffer_copy(px.tobytes()))
+            mtmd.mtmd_bitmap_set_id(b, n.encode())  # the chunk carries it (a cache key, as llama-server's hash)
+            bitmaps.append(b)
+        chunks = mtmd.mtmd_input_chunks_init()
+        inp = mtmd.mtmd_input_text(text=text.encode(), text_len=len(text.encode()), add_special=True, parse_special=True)
+        arr = (mtmd.mtmd_bitmap_p_ctypes * max(len(bitmaps), 1))(*bitmaps)
+        assert mtmd.mtmd_tokenize(ctx, chunks, ctypes.byref(inp), arr, len(bitmaps)) == 0
+        for b in bitmaps:
+            mtmd.mtmd_bitmap_free(b)
+        return chunks, [mtmd.mtmd_input_chunks_get(chunks, i) for i in range(mtmd.mtmd_input_chunks_size(chunks))]
+
+    def describe(c) -> dict:
+        d = {"n_pos": mtmd.mtmd_input_chunk_get_n_pos(c)}
+        if mtmd.mtmd_input_chunk_get_type(c) == mtmd.MTMD_INPUT_CHUNK_TYPE_TEXT:
+            n = ctypes.c_size_t()
+            ids = mtmd.mtmd_input_chunk_get_tokens_text(c, ctypes.byref(n))
+            return {"type": "text", "tokens": [ids[i] for i in range(n.value)], **d}
+        img = mtmd.mtmd_input_chunk_get_tokens_image(c)
+        cid = mtmd.mtmd_input_chunk_get_id(c)
+        return {"type": "image", "n_tokens": mtmd.mtmd_input_chunk_get_n_tokens(c), **d,
+                "nx": mtmd.mtmd_image_tokens_get_nx(img), "ny": mtmd.mtmd_image_tokens_get_ny(img),
+                "id": cid.decode() if cid else None,
+                "non_causal": bool(mtmd.mtmd_decode_use_non_causal(ctx, c))}
+
+    images = {}
+    for name, recipe in IMAGES.items():
+        chunks, cs = tokenize(M, [name])
+        (img,) = [c for c in cs if mtmd.mtmd_input_chunk_get_type(c) == mtmd.MTMD_INPUT_CHUNK_TYPE_IMAGE]
+        assert mtmd.mtmd_encode_chunk(ctx, img) == 0
+        n = mtmd.mtmd_input_chunk_get_n_tokens(img)
+        rows = np.ctypeslib.as_array(mtmd.mtmd_get_output_embd(ctx), shape=(n * n_embd,)).reshape(n, n_embd)
+        images[name] = {"recipe": recipe, "sha256": hashlib.sha256(rgb(recipe).tobytes()).hexdigest(),
+                        "shape": [n, n_embd], "rows": [[float(f"{x:.6g}") for x in r] for r in rows.tolist()]}
+        mtmd.mtmd_input_chunks_free(chunks)
+
+    prompts = {}
+    for name, (text, names) in PROMPTS.items():
+        chunks, cs = tokenize(text, names)
+        rec = {"text": text, "images": names, "chunks": [describe(c) for c in cs]}
+        llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(llm.ctx), True)
+        n_past = llama_cpp.llama_pos(0)
+        assert mtmd.mtmd_helper_eval_chunks(ctx, llm.ctx, chunks, 0, 0, SETTINGS["n_batch"], True,
+                                            ctypes.byref(n_past)) == 0
+        rec["n_past"] = n_past.value
+        ids, steps = [], []
+        for step in range(N_STEPS):
+            lp = _logprobs(np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1), shape=(n_vocab,)))
+            top = np.argsort(-lp, kind="stable")[:5]
+            steps.append({"top_ids": [int(t) for t in top], "top_logprobs": [round(float(lp[t]), 5) for t in top]})
+            if step == 0:
+                rec["first_logprobs"] = [round(float(x), 5) for x in lp]
+            ids.append(int(top[0]))
+            if llama_cpp.llama_vocab_is_eog(vocab, int(top[0])):
+                break
+            tok = (llama_cpp.llama_token * 1)(int(top[0]))
+            assert llama_cpp.llama_decode(llm.ctx, llama_cpp.llama_batch_get_one(tok, 1)) == 0
+        rec.update(greedy_ids=ids, steps=steps)
+        prompts[name] = rec
+        mtmd.mtmd_input_chunks_free(chunks)
+
+    n_long = sum(len(c.get("tokens", [])) for c in prompts["long_text_after_image"]["chunks"][2:])
+    assert n_long >= 300, n_long
+    out = {"llama_cpp_python": llama_cpp.__version__, "model": MODEL.name, "mmproj": MMPROJ.name,
+           "settings": {**SETTINGS, "mtmd_flash_attn_type": int(p.flash_attn_type), "n_steps": N_STEPS},
+           "marker": M, "n_embd": n_embd, "n_vocab": n_vocab,
+           "non_causal": bool(mtmd.mtmd_decode_use_non_causal(ctx, None)),
+           "mrope": bool(mtmd.mtmd_decode_use_mrope(ctx)), "images": images, "prompts": prompts}
+    mtmd.mtmd_free(ctx)
+    llm.close()
+    OUT.write_text(json.dumps(out, indent=1) + "\n")
+    print("wrote", OUT)
+
+
+if __name__ == "__main__":
+    main()
