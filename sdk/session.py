@@ -25,7 +25,6 @@ from hearthlm.model_zoo.model import Model, load_model
 from hearthlm.model_zoo.resolve import DEFAULT_MODEL, resolve_model
 from hearthlm.model_zoo.template_limits import DEFAULT_LIMITS, TemplateLimits
 from hearthlm.model_zoo.tokenizer import MEDIA_ID, vocab_mismatch
-from hearthlm.model_zoo.vision.image import ImageLimits, load_image
 from hearthlm.options import SessionOptions, check_names, takes_options
 from hearthlm.output import ChoiceOutput, with_prompt
 from hearthlm.runtime import constraint
@@ -583,6 +582,7 @@ class Session:
     def _place_images(self, ids: list[int], sources: list[Any]) -> tuple[list[int], list[Media]]:
         """Each MEDIA_ID in ids becomes the projector's begin marker, the image's placeholder ids
         and its end marker (mtmd_tokenize); the images decoded and preprocessed."""
+        from hearthlm.model_zoo.vision.image import ImageLimits, load_image  # Pillow, loaded by the first image
         vm, tok, lim = self.vision, self.model.tokenizer, self._media_opts
         places = [i for i, t in enumerate(ids) if t == MEDIA_ID]
         if len(places) != len(sources):

@@ -52,7 +52,7 @@ def read_config(md: dict[str, Any], where: str) -> ClipConfig:
         if v is None:
             raise ModelLoadError(f"{where}: the mmproj has no {key}")
         try:
-            return kind(v) if not isinstance(v, (list, tuple)) else tuple(kind(x) for x in v)
+            return tuple(kind(x) for x in v) if isinstance(v, (list, tuple, np.ndarray)) else kind(v)
         except (TypeError, ValueError) as e:
             raise ModelLoadError(f"{where}: {key} = {v!r} is not a {kind.__name__}") from e
 
@@ -114,6 +114,29 @@ class VisionModel:
         w = Weights(g, self.weights, 0, where=self.path, arch=f"{self.config.projector} projector", views=self._views)
         g.outputs.append(self.proj.build(self.config, self.pconfig, g, w, shape))
         return g
+
+    @property
+    def bidirectional(self) -> bool:
+        """Whether an image's rows attend to each other both ways in the text model (llama.cpp's
+        mtmd_decode_use_non_causal)."""
+        return bool(self.proj.BIDIRECTIONAL)
+
+    def prepare(self, image) -> tuple[np.ndarray, int, bytes]:
+        """An image (vision.image.Image) as the tower takes it: (pixels (3, H, W) float32, its
+        number of rows, its identity: the decoded pixels' and this file's)."""
+        pixels = self.proj.preprocess(self.config, self.pconfig, image.pixels)
+        n = self.proj.n_tokens(self.config, self.pconfig, pixels.shape[1], pixels.shape[2])
+        key = hashlib.blake2b(image.digest + self.digest.encode(), digest_size=16).digest()
+        return pixels, n, key
+
+    def check_text_model(self, model) -> None:
+        """The projector's image markers must be tokens of the text model (an mmproj of another family fails)."""
+        tok = model.tokenizer
+        for text in (self.proj.BEGIN, self.proj.END):
+            if text and len(tok.encode(text, parse_special=True)) != 1:
+                raise ModelLoadError(f"{self.path}: the {self.config.projector} projector marks images with "
+                                     f"{text!r}, which {model.path}'s vocabulary has no token for: this mmproj "
+                                     "belongs to another model")
 
     def inputs(self, pixels: np.ndarray) -> dict[str, np.ndarray]:
         """The tower's inputs besides the pixels (B, 3, H, W): each patch's position row and image."""

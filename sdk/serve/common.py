@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import hmac
+from typing import Any
 
 from fastapi import Depends, Request
 
@@ -98,3 +99,19 @@ async def until_disconnect(request: Request, coro):
 async def _disconnected(request: Request) -> None:
     while (await request.receive())["type"] != "http.disconnect":
         pass
+
+
+def request_images(messages: Any) -> None:
+    """Image parts of a request's messages may be data: URLs or http(s) URLs only (fetched where
+    the server allows remote media): a request never names a file of the server's to read."""
+    from hearthlm.model_zoo.chat_template import IMAGE_PARTS
+    for i, m in enumerate(messages if isinstance(messages, list) else ()):
+        parts = m.get("content") if isinstance(m, dict) else None
+        for k, p in enumerate(parts if isinstance(parts, list) else ()):
+            if not (isinstance(p, dict) and p.get("type") in IMAGE_PARTS):
+                continue
+            src = p.get("image") if p.get("type") == "image" else p.get("image_url")
+            src = src.get("url") if isinstance(src, dict) else src
+            if not (isinstance(src, str) and src.split(":", 1)[0].lower() in ("data", "http", "https")):
+                raise APIError(400, f"messages[{i}]['content'][{k}]: an image must be a data: URL or an http(s) "
+                                    "URL (a server reads no local paths)")

@@ -6,6 +6,8 @@ through the app's handlers and leave in Ollama's shape, {"error": "message"} (Ol
 the app adds with this router, behind the same API key as /v1 but for /api/version)."""
 from __future__ import annotations
 
+import base64
+import binascii
 import json
 import time
 from collections import Counter
@@ -22,6 +24,7 @@ from pydantic import Field
 
 from hearthlm.core.errors import HearthError
 from hearthlm.model_zoo import reasoning
+from hearthlm.model_zoo.chat_template import MEDIA_MARKER
 from hearthlm.serve.common import AUTH, APIError, host_of, until_disconnect
 from hearthlm.serve.protocol import ChatRequest, _Body, logprob_entries
 from hearthlm.session import Session
@@ -158,17 +161,19 @@ async def generate(body: GenerateBody, request: Request):
     for field, why in REFUSED.items():
         if getattr(body, field):
             raise APIError(400, f"{field} is not supported: {why}")
-    if body.images:
-        raise APIError(400, "images are not supported: hearthlm serves text models")
     if not body.prompt:  # Ollama's "load the model" call
         return _loaded(body.model, response="")
     raw = body.raw or not s.model.chat_template  # without a template Ollama's default is the prompt itself
     if raw and body.system:
         raise APIError(400, "system needs the chat template: with raw=true, write it into the prompt")
     if raw:
-        return await _answer(request, s, body, _kwargs(s, body, None), dict(prompt=body.prompt), _gen_shape)
+        images = _images(body.images, "images") if body.images else None
+        if images and MEDIA_MARKER not in body.prompt:  # Ollama's raw prompts take the images first
+            body.prompt = MEDIA_MARKER * len(images) + body.prompt
+        return await _answer(request, s, body, _kwargs(s, body, None), dict(prompt=body.prompt, images=images),
+                             _gen_shape)
     msgs = ([dict(role="system", content=body.system)] if body.system else []) + \
-        [dict(role="user", content=body.prompt)]
+        [_with_images(dict(role="user", content=body.prompt), body.images, "images")]
     return await _answer(request, s, body, _kwargs(s, body, msgs), dict(messages=msgs), _gen_shape)
 
 
@@ -237,15 +242,38 @@ def _messages(msgs: list[Any]) -> list[dict[str, Any]]:
     for i, m in enumerate(msgs):
         if not isinstance(m, dict):
             raise APIError(400, f"messages[{i}] must be an object with role and content")
-        if m.get("images"):
-            raise APIError(400, f"messages[{i}] has images: hearthlm serves text models")
+        images = m.get("images")
         m = {"content": "", **{k: v for k, v in m.items() if k != "images"}}  # the client drops an empty one
+        m = _with_images(m, images, f"messages[{i}]['images']")
         if m.get("thinking") is not None:
             m["reasoning_content"] = m.pop("thinking")
         if m.get("tool_name") and "name" not in m:  # the templates' name for it
             m["name"] = m["tool_name"]
         out.append(m)
     return out
+
+
+def _images(images: Any, where: str) -> list[bytes]:
+    """Ollama's images: base64 strings (bytes of a PNG, JPEG, ...)."""
+    if not isinstance(images, list):
+        raise APIError(400, f"{where} must be a list of base64 strings")
+    out = []
+    for k, b in enumerate(images):
+        try:
+            out.append(base64.b64decode(b, validate=True))
+        except (TypeError, ValueError, binascii.Error):
+            raise APIError(400, f"{where}[{k}] is not a base64 string") from None
+    return out
+
+
+def _with_images(m: dict, images: Any, where: str) -> dict:
+    """A message with Ollama's images as OpenAI image parts before its text (as Ollama places them)."""
+    if not images:
+        return m
+    if not isinstance(m.get("content"), str):
+        raise APIError(400, f"{where}: a message with images needs a string content")
+    parts = [{"type": "image", "image": b} for b in _images(images, where)]
+    return dict(m, content=parts + ([{"type": "text", "text": m["content"]}] if m["content"] else []))
 
 
 def _kwargs(s: Session, body: _GenBody, messages: list[dict] | None, tools: list[dict] | None = None) -> dict:

@@ -12,7 +12,7 @@ from fastapi import APIRouter, Request
 from sse_starlette.sse import EventSourceResponse
 
 from hearthlm.core.errors import HearthError
-from hearthlm.serve.common import host_of, status_of, until_disconnect
+from hearthlm.serve.common import host_of, request_images, status_of, until_disconnect
 from hearthlm.serve.protocol import (
     ChatRequest,
     CompletionRequest,
@@ -48,6 +48,7 @@ async def get_model(name: str, request: Request):
 @router.post("/v1/chat/completions")
 async def chat(body: ChatRequest, request: Request):
     s = host_of(request).get(body.model)
+    request_images(body.messages)
     tok = s.model.tokenizer
     kw = body.session_kwargs(tok)
     k = body.top_logprobs or 0

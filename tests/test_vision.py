@@ -1,0 +1,160 @@
+"""Image input (#39) on the tiny Gemma 3 vision model (tests/parity/hf: converted by llama.cpp's own
+convert_hf_to_gguf.py, text model and --mmproj), against llama.cpp's libmtmd (tests/data/vision_parity.json,
+recorded by tests/parity/record_vision.py): the tower's rows, and the loading, prompt and cache rules."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from hearthlm.backends import get_backend
+from hearthlm.core.errors import ModelLoadError
+from hearthlm.model_zoo.chat_template import MEDIA_MARKER, chat_media
+from hearthlm.model_zoo.vision.clip import find_mmproj, load_mmproj
+from hearthlm.runtime.placement import Placement
+from hearthlm.runtime.request import Media, chunk_past_media, placeholder_ids
+from hearthlm.runtime.vision import VisionEncoder
+
+sys.path.insert(0, str(Path(__file__).parent / "parity"))
+from record_vision import rgb  # noqa: E402  (the recorder's own image recipes)
+
+DATA = Path(__file__).parent / "data"
+MODEL, MMPROJ = DATA / "converted" / "gemma3-vision.gguf", DATA / "converted" / "gemma3-vision.mmproj.gguf"
+REF = json.loads((DATA / "vision_parity.json").read_text())
+ROWS_TOL = 1e-3  # image rows: max |ours - llama.cpp's| over the rows' largest magnitude
+
+
+@pytest.fixture(scope="module")
+def tower():
+    vm = load_mmproj(MMPROJ, n_embd_text=REF["n_embd"])
+    yield vm
+    vm.close()
+
+
+def _normalized(pixels: np.ndarray, vm) -> np.ndarray:
+    """(H, W, 3) uint8 at the tower's size -> its input, (3, H, W) float32 by the file's mean/std."""
+    x = pixels.astype(np.float32) / 255
+    return ((x - np.float32(vm.config.mean)) / np.float32(vm.config.std)).transpose(2, 0, 1)
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+def test_tower_rows_match_llama_cpp(tower, backend):
+    """The gradient image (64x64: the tower's own size, no resize) through SigLIP, the 4x4 pool, the
+    soft-emb norm and the projection gives llama.cpp's rows. Mutations: the pool averaging 2x2 cells,
+    the norm without its weight, or the projection not transposed, each fail it."""
+    img = REF["images"]["gradient"]
+    enc = VisionEncoder(tower, Placement.single(get_backend(backend), tower.config.n_layer))
+    m = Media(0, 16, b"gradient", _normalized(rgb(img["recipe"]), tower))
+    enc.fill([m])
+    want = np.asarray(img["rows"], np.float32)
+    assert m.rows.shape == want.shape == (16, REF["n_embd"])
+    err = np.abs(m.rows - want).max() / np.abs(want).max()
+    assert err < ROWS_TOL, f"{backend}: rows {err:.2e} off llama.cpp's"
+
+
+def test_encoder_batches_caches_and_dedups(tower):
+    """Two images in one graph give what each gives alone (attention stays within an image: the
+    seg input); the same image again is a cache hit, encoded once. Mutation: a tower graph without
+    `seg` (images attending to each other) fails the first assertion."""
+    be = get_backend("cpu")
+    enc = VisionEncoder(tower, Placement.single(be, tower.config.n_layer))
+    a = _normalized(rgb(REF["images"]["gradient"]["recipe"]), tower)
+    b = _normalized(np.random.default_rng(3).integers(0, 256, (64, 64, 3), dtype=np.uint8), tower)
+    alone = []
+    for k, px in ((b"a", a), (b"b", b)):
+        m = Media(0, 16, k, px)
+        VisionEncoder(tower, Placement.single(be, tower.config.n_layer)).fill([m])
+        alone.append(m.rows)
+    both = [Media(0, 16, b"a", a), Media(0, 16, b"b", b), Media(40, 16, b"a", a)]
+    enc.fill(both)
+    assert enc.images_encoded == 2  # the repeated image once
+    for m, want in zip(both, alone + alone[:1]):
+        np.testing.assert_allclose(m.rows, want, rtol=1e-4, atol=1e-5)
+    again = Media(0, 16, b"b", b)
+    enc.fill([again])
+    assert enc.images_encoded == 2 and enc.cache.hits >= 1
+    assert enc.stats()["image_cache_bytes"] == 2 * 16 * REF["n_embd"] * 4
+
+
+def test_encoder_cache_is_bounded():
+    """The LRU drops the least recently used rows past its bytes. Mutation: no eviction fails it."""
+    from hearthlm.runtime.vision import EncoderCache
+    c = EncoderCache(max_bytes=3 * 64)
+    rows = {k: np.zeros(16, np.float32) + i for i, k in enumerate([b"a", b"b", b"c", b"d"])}
+    for k in (b"a", b"b", b"c"):
+        c.put(k, rows[k])
+    assert c.get(b"a") is not None  # a is now the most recent
+    c.put(b"d", rows[b"d"])
+    assert c.get(b"b") is None and c.get(b"a") is not None and c.nbytes <= c.max_bytes
+
+
+# ---- loading -------------------------------------------------------------------------------
+
+def test_mmproj_found_beside_the_model(tmp_path):
+    """<model>.mmproj.gguf, mmproj-<model>.gguf, or a single mmproj*.gguf beside the model; two
+    candidates of the last kind: none chosen. Mutation: dropping the single-file rule fails it."""
+    assert find_mmproj(MODEL) == MMPROJ
+    m = tmp_path / "m.gguf"
+    m.write_bytes(b"")
+    assert find_mmproj(m) is None
+    (tmp_path / "mmproj-F16.gguf").write_bytes(b"")
+    assert find_mmproj(m) == tmp_path / "mmproj-F16.gguf"
+    (tmp_path / "mmproj-Q8_0.gguf").write_bytes(b"")
+    assert find_mmproj(m) is None
+    (tmp_path / "mmproj-m.gguf").write_bytes(b"")
+    assert find_mmproj(m) == tmp_path / "mmproj-m.gguf"
+
+
+@pytest.mark.parametrize("value,says", [("qwen9vl", "unknown vision projector type 'qwen9vl'"),
+                                        ("whisper", "'whisper' is an audio tower")])
+def test_unknown_and_audio_projectors_refused_by_name(tmp_path, value, says):
+    """Mutation: taking any projector type for gemma3's fails both."""
+    from gguf_edit import copy_with_string
+    bad = copy_with_string(MMPROJ, tmp_path / "mmproj.gguf", "clip.projector_type", value)
+    with pytest.raises(ModelLoadError, match=says):
+        load_mmproj(bad)
+
+
+def test_mmproj_of_another_model_refused():
+    """A projection of 32 for a text model 64 wide, and a text GGUF given as the mmproj, are
+    refused saying so. Mutation: skipping the width check fails the first."""
+    with pytest.raises(ModelLoadError, match="gives rows of 32, the text model's embeddings are 64"):
+        load_mmproj(MMPROJ, n_embd_text=64)
+    with pytest.raises(ModelLoadError, match="not an mmproj file"):
+        load_mmproj(MODEL)
+
+
+# ---- prompts and the engine's rules ------------------------------------------------------
+
+def test_chat_media_joins_as_llama_server():
+    """Text parts joined by newlines, none around an image (common/chat.cpp); sources in order;
+    messages without images untouched. Mutation: a newline before each marker fails it."""
+    msgs = [{"role": "system", "content": "be brief"},
+            {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"},
+                                         {"type": "image_url", "image_url": {"url": "data:x"}},
+                                         {"type": "text", "text": "c"}, {"type": "image", "image": b"raw"}]}]
+    out, sources = chat_media(msgs)
+    assert out[0] is msgs[0]
+    assert out[1]["content"] == f"a\nb{MEDIA_MARKER}c{MEDIA_MARKER}"
+    assert sources == ["data:x", b"raw"]
+
+
+def test_placeholders_carry_image_and_offset():
+    """Placeholder ids differ per image and per offset, are negative (no token), and repeat for the
+    same image: block hashes over them tell images apart. Mutation: ids from the offset alone fail it."""
+    a, b = placeholder_ids(b"image a", 32), placeholder_ids(b"image b", 32)
+    assert a == placeholder_ids(b"image a", 32) and a != b
+    assert len(set(a)) == 32 and max(a + b) < 0
+
+
+def test_chunks_never_end_inside_a_bidirectional_image():
+    """A chunk that would end inside such an image ends before it, or (starting at it) runs to its
+    end past the budget; a causal image may be split. Mutation: ignoring `bidirectional` fails it."""
+    m = [Media(10, 20, b"k", None, bidirectional=True)]
+    assert chunk_past_media(m, 0, 16) == 10   # stops before the image
+    assert chunk_past_media(m, 10, 8) == 20   # carries it whole
+    assert chunk_past_media(m, 0, 40) == 40   # past it: as asked
+    assert chunk_past_media([Media(10, 20, b"k", None)], 0, 16) == 16
