@@ -17,6 +17,7 @@ import sys
 import threading
 import time
 from contextlib import aclosing, nullcontext
+from pathlib import Path
 
 import anyio
 
@@ -26,10 +27,11 @@ from hearthlm.options import from_args
 from hearthlm.session import Session
 
 DIM, PLAIN = "\x1b[2m", "\x1b[0m"
-COMMANDS = "/reset, /system [TEXT], /help, /exit"
+COMMANDS = "/reset, /system [TEXT], /image PATH, /help, /exit"
 HELP = """\
   /reset         clear the conversation (the system message stays)
   /system TEXT   set the system message; /system alone shows it
+  /image PATH    attach an image to the next message (models with a vision projector; repeatable)
   /help          this text
   /exit, /quit   leave (so do EOF and Ctrl-C at the prompt)
 Ctrl-C while an answer streams stops it; the partial answer stays in the conversation.
@@ -80,6 +82,7 @@ class Chat:
     def __init__(self, s: Session, system: str | None, sampling: dict) -> None:
         self.s, self.system, self.sampling = s, system, sampling
         self.turns: list[dict] = []  # user and assistant messages, in order
+        self.images: list = []  # /image attachments for the next message
         self.code = 0
         self._answer: anyio.CancelScope | None = None  # set while an answer streams
         self._stats = sys.stdout.isatty()
@@ -119,15 +122,30 @@ class Chat:
             _note("(system message set)")
         elif cmd == "/system":
             _note(f"system: {self.system}" if self.system else "(no system message)")
+        elif cmd == "/image":
+            self.attach(arg.strip())
         elif cmd == "/help":
             _note(HELP)
         else:
             _note(f"unknown command {cmd}; commands: {COMMANDS}")
         return True
 
+    def attach(self, path: str) -> None:
+        if not path:
+            _note("usage: /image PATH")
+        elif getattr(self.s, "vision", None) is None:
+            _note("this model has no vision projector (mmproj): it cannot see images")
+        elif not Path(path).expanduser().is_file():
+            _note(f"no such file: {path}")
+        else:
+            self.images.append(Path(path).expanduser())
+            _note(f"(image {len(self.images)} attached to the next message)")
+
     async def answer(self, text: str) -> bool:
         """Stream one answer and keep it in the history; False: the engine is gone."""
-        self.turns.append({"role": "user", "content": text})
+        images, self.images = self.images, []
+        parts = [{"type": "image", "image": p} for p in images] + [{"type": "text", "text": text}]
+        self.turns.append({"role": "user", "content": parts if images else text})
         out, last = Output(), None
         t0 = time.perf_counter()
         try:

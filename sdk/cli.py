@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 import anyio
 
 from hearthlm import options
 from hearthlm.core.errors import HearthError
+from hearthlm.model_zoo.chat_template import MEDIA_MARKER
 from hearthlm.model_zoo.resolve import DEFAULT_MODEL
 from hearthlm.session import Session
 
@@ -30,7 +32,13 @@ def _add_model_args(p: argparse.ArgumentParser, **kw) -> None:
 async def _generate(a: argparse.Namespace) -> None:
     async with Session.open(a.model, options=options.from_args(a)) as s:
         kw = dict(max_tokens=a.max_tokens, temperature=a.temperature, seed=a.seed)
-        stream = s.stream(messages=[{"role": "user", "content": a.prompt}], **kw) if a.chat else s.stream(a.prompt, **kw)
+        images = [Path(p) for p in a.image or ()]
+        if a.chat:
+            parts = [{"type": "image", "image": p} for p in images] + [{"type": "text", "text": a.prompt}]
+            stream = s.stream(messages=[{"role": "user", "content": parts if images else a.prompt}], **kw)
+        else:  # as llama-mtmd-cli: images without a marker in the prompt go first
+            prompt = a.prompt if not images or MEDIA_MARKER in a.prompt else MEDIA_MARKER * len(images) + a.prompt
+            stream = s.stream(prompt, images=images or None, **kw)
         async for chunk in stream:
             sys.stdout.write(chunk.text)
             sys.stdout.flush()
@@ -58,6 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--temperature", type=float, default=0.8)
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
+    g.add_argument("--image", action="append", metavar="FILE",
+                   help=f"an image for the model to see (repeatable; needs its mmproj): in the prompt at each "
+                        f"{MEDIA_MARKER}, else before it")
     _add_model_args(g)
     g.set_defaults(run=lambda a: anyio.run(_generate, a))
     ch = sub.add_parser("chat", help="chat in the terminal: one line a turn, answers streamed (/help inside)")
