@@ -1,0 +1,1 @@
+"""Vision input: images read into pixels, preprocessed for a projector's tower (llama.cpp's libmtmd)."""
