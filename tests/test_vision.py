@@ -158,3 +158,57 @@ def test_chunks_never_end_inside_a_bidirectional_image():
     assert chunk_past_media(m, 10, 8) == 20   # carries it whole
     assert chunk_past_media(m, 0, 40) == 40   # past it: as asked
     assert chunk_past_media([Media(10, 20, b"k", None)], 0, 16) == 16
+
+
+# ---- prompts with images against llama.cpp ------------------------------------------------
+
+def _images_of(case) -> list[np.ndarray]:
+    return [rgb(REF["images"][k]["recipe"]) for k in case["images"]]
+
+
+@pytest.fixture(scope="module", params=["cpu", "reference"])
+def vision_session(request):
+    """The tiny model with its mmproj found beside it, F32 K/V as llama.cpp's record; 64-token steps, so
+    that the long prompt's text spans chunks after its image (which stays whole in one)."""
+    from hearthlm import SyncSession
+    s = SyncSession(str(MODEL), backend=request.param, n_ctx=512, kv_cache_type="f32", max_batch_tokens=64)
+    yield s
+    s.close()
+
+
+@pytest.mark.parametrize("name", sorted(REF["prompts"]))
+def test_prompt_tokens_match_mtmd(vision_session, name):
+    """The prompt's ids as mtmd_tokenize's chunks: text tokens, <start_of_image>, one placeholder per
+    image row, <end_of_image>, text after each image tokenized afresh. Mutation: leaving out the end
+    marker, or a BOS before the text after an image, fails it."""
+    case = REF["prompts"][name]
+    s = vision_session.session
+    ids, media = s._place_images(s._prompt_ids(case["text"], None, media=True), _images_of(case))
+    want: list = []
+    for ch in case["chunks"]:
+        want += ch["tokens"] if ch["type"] == "text" else [None] * ch["n_tokens"]
+    assert [t if t >= 0 else None for t in ids] == want
+    assert [(m.start, m.n) for m in media] == [(i, 16) for i, t in enumerate(want) if t is None][::16]
+
+
+@pytest.mark.parametrize("name", sorted(REF["prompts"]))
+def test_prompts_match_llama_cpp(vision_session, name):
+    """Greedy steps, top-5 and their log-probs (0.05 nats, F32 on both sides) on prompts with one image,
+    two, an image between text, and 336 tokens of text after one, as libmtmd computes them. Mutations:
+    Gemma's sqrt(n_embd) scale on the image rows, the image rows attending causally, or the image's
+    placeholders read as token 0's embedding, each fail it."""
+    import golden
+    case = REF["prompts"][name]
+    c = vision_session.generate(case["text"], images=_images_of(case), max_tokens=len(case["greedy_ids"]),
+                                temperature=0, top_logprobs=5)
+    assert c.prompt_tokens == case["n_past"]
+    why = golden.compare(case, c.token_ids, c.top_logprobs, c.finish_reason)
+    for step, (ours, want) in enumerate(zip(c.top_logprobs, case["steps"])):
+        mine = dict(ours)
+        bad = [(t, mine[t], lp) for t, lp in zip(want["top_ids"], want["top_logprobs"]) if t in mine
+               and abs(mine[t] - lp) > 0.05]
+        if bad and why is None:
+            why = f"step {step}: (token, ours, llama.cpp) {bad}"
+        if c.token_ids[step] != case["greedy_ids"][step]:
+            break
+    assert why is None, why

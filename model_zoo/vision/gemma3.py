@@ -1,7 +1,7 @@
 """Gemma 3's projector (llama.cpp tools/mtmd/models/siglip.cpp, PROJECTOR_TYPE_GEMMA3): a SigLIP
 tower, its patches averaged over n_merge x n_merge cells (4 unless the file says), RMS-normed
 (mm.soft_emb_norm) and projected into the text model's embeddings (mm.input_projection, stored
-transposed). The image is resized to image_size square (bilinear, no padding) and its rows
+transposed). The image is fitted into image_size square (bilinear, letterboxed in black) and its rows
 attend to each other both ways in the text model (mtmd_decode_use_non_causal)."""
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from hearthlm.core.graph import Graph, Tensor
 from hearthlm.model_zoo.blocks import build_norm
 from hearthlm.model_zoo.vision.clip import transposed
+from hearthlm.model_zoo.vision.preprocess import preprocess_fixed
 from hearthlm.model_zoo.vision.vit import build_patches, build_vit
 from hearthlm.runtime.vision import ImageBatch
 
@@ -39,9 +40,10 @@ def n_embd_out(c, pc: Config, weights) -> int:
     return int(t.shape[0]) if t is not None else 0
 
 
-def image_size(c, pc: Config, height: int, width: int) -> tuple[int, int]:
-    """The preprocessed image's (height, width): always image_size square."""
-    return c.image_size, c.image_size
+def preprocess(c, pc: Config, pixels):
+    """(H, W, 3) uint8 -> (3, S, S) float32: fitted into image_size square (bilinear), letterboxed."""
+    return preprocess_fixed(pixels, size=c.image_size, patch_size=c.patch_size, mean=c.mean, std=c.std,
+                            algo=RESIZE).slices[0]
 
 
 def n_tokens(c, pc: Config, height: int, width: int) -> int:
