@@ -20,7 +20,7 @@ from hearthlm.core.log import get_logger
 from hearthlm.runtime.batcher import Batcher, StepPlan
 from hearthlm.runtime.output import Outcome, OutputProcessor
 from hearthlm.runtime.placement import Placement
-from hearthlm.runtime.request import Kind, Request
+from hearthlm.runtime.request import Kind, Request, check_media
 from hearthlm.runtime.runner import ModelRunner, open_memory
 from hearthlm.runtime.speculative import NgramDrafter
 from hearthlm.runtime.vision import VisionEncoder
@@ -95,14 +95,9 @@ class Engine:
         self.max_batch_tokens, self.max_seqs = max_batch_tokens, max_seqs
         self.running: list[Request] = []
         self.waiting: deque[Request] = deque()
-        encoder = None
-        if vision is not None:
-            out = self.placement.backends[self.placement.output]
-            encoder = VisionEncoder(vision, Placement.single(out, vision.config.n_layer), cache_bytes=image_cache_bytes,
-                                    fusion=fusion)
         self.runner = ModelRunner(model, self.placement, self.memory, n_ctx=n_ctx, max_batch_tokens=max_batch_tokens,
-                                  max_seqs=max_seqs, fusion=fusion, graph_cache=graph_cache,
-                                  weight_cache=weight_cache, vision=encoder)
+                                  max_seqs=max_seqs, fusion=fusion, graph_cache=graph_cache, weight_cache=weight_cache,
+                                  vision=vision and VisionEncoder.beside(vision, self.placement, image_cache_bytes, fusion))
         self.graphs = self.runner.graphs
         self.output = OutputProcessor(model.n_vocab, model.eog_ids, n_ctx)
         self._cv = threading.Condition()
@@ -149,9 +144,8 @@ class Engine:
             raise InvalidRequestError("speculative decoding needs a model whose layers all keep a KV cache: "
                                       "a recurrent state cannot be rolled back past rejected drafts")
         if req.media:
-            self._check_media(req)
-        in_media = {i for m in req.media for i in range(m.start, m.end)}
-        bad = [t for i, t in enumerate(req.prompt) if not 0 <= t < self.model.n_vocab and i not in in_media]
+            check_media(req, self.runner.vision is not None)
+        bad = [t for i, t in enumerate(req.prompt) if not 0 <= t < self.model.n_vocab and not req.in_media(i)]
         if bad:
             raise InvalidRequestError(f"token id {bad[0]} is outside the vocabulary (0..{self.model.n_vocab - 1})")
         with self._cv:
@@ -164,20 +158,6 @@ class Engine:
             req.arrival = time.perf_counter()
             self._incoming.append(req)
             self._cv.notify()
-
-    def _check_media(self, req: Request) -> None:
-        if self.runner.vision is None:
-            raise InvalidRequestError("this session has no vision tower (mmproj): it cannot take images")
-        if req.kind is not Kind.GENERATE and req.kind is not Kind.SCORE and req.kind is not Kind.PREFILL:
-            raise InvalidRequestError(f"a {req.kind.value} request cannot take images")
-        if req.spec is not None and not isinstance(req.spec, NgramDrafter):
-            raise InvalidRequestError("a draft model cannot see images: pass speculative='off' (or 'ngram') "
-                                      "with images")
-        end = 0
-        for m in req.media:
-            if m.start < end or m.end > len(req.prompt) or m.n <= 0 or m.pixels is None and m.rows is None:
-                raise InvalidRequestError(f"an image's rows {m.start}..{m.end} overlap another's or leave the prompt")
-            end = m.end
 
     def abort(self, req_id: int) -> None:
         with self._cv:
@@ -301,6 +281,9 @@ class Engine:
         drafting for those that speculate), the runner computes their output rows, the output
         processor makes them tokens, pooled vectors and finishes, the update delivers those."""
         t0 = time.perf_counter()
+        if self.runner.vision is not None:  # images waiting for their rows: their share of the step
+            for r, err in self.runner.encode_images([*self.running, *self.waiting], self.running):
+                self._finish(r, "error", err)
         plan = self._plan()
         if plan is None or not plan.seqs:
             return
@@ -370,3 +353,4 @@ class Engine:
         except Exception as e:
             return "error", HearthError(f"token callback failed: {type(e).__name__}: {e}")
         return o.finish, o.error
+

@@ -63,10 +63,13 @@ def placeholder_ids(key: bytes, n: int) -> list[int]:
 
 
 def chunk_past_media(media: list[Media], lo: int, take: int) -> int:
-    """A chunk of `take` tokens from lo, cut or stretched so that it never ends inside an image
-    that attends both ways: ended before it where it starts later, else carried to its end."""
+    """A chunk of `take` tokens from lo, cut or stretched so that it never reaches an image not
+    encoded yet (it waits), nor ends inside an image that attends both ways: ended before it
+    where it starts later, else carried to its end."""
     hi = lo + take
     for m in media:
+        if m.rows is None and m.start < hi and lo < m.end:
+            return max(m.start - lo, 0)
         if m.bidirectional and m.start < hi < m.end:
             return m.start - lo if m.start > lo else m.end - lo
     return take
@@ -159,6 +162,10 @@ class Request:
         if self.params.speculative == "ngram":
             self.spec = NgramDrafter()
 
+    def in_media(self, i: int) -> bool:
+        """Whether prompt position i is an image's (a placeholder id)."""
+        return any(m.start <= i < m.end for m in self.media)
+
     def append(self, t: int) -> None:
         """A generated token."""
         self.tokens.append(t)
@@ -173,3 +180,19 @@ class Request:
     @property
     def n_wanted(self) -> int:
         return self.n_total - self.n_computed
+
+
+def check_media(req: Request, vision: bool) -> None:
+    """A request's images: for a session with a vision tower, in kinds that take them, without a
+    draft model, in order inside the prompt."""
+    if not vision:
+        raise InvalidRequestError("this session has no vision tower (mmproj): it cannot take images")
+    if req.kind not in (Kind.GENERATE, Kind.SCORE, Kind.PREFILL):
+        raise InvalidRequestError(f"a {req.kind.value} request cannot take images")
+    if req.spec is not None and not isinstance(req.spec, NgramDrafter):
+        raise InvalidRequestError("a draft model cannot see images: pass speculative='off' (or 'ngram') with images")
+    end = 0
+    for m in req.media:
+        if m.start < end or m.end > len(req.prompt) or m.n <= 0 or m.pixels is None and m.rows is None:
+            raise InvalidRequestError(f"an image's rows {m.start}..{m.end} overlap another's or leave the prompt")
+        end = m.end

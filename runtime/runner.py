@@ -14,7 +14,8 @@ from typing import Any
 import numpy as np
 
 from hearthlm.core import layer_memory
-from hearthlm.core.errors import InvalidRequestError
+from hearthlm.core.errors import HearthError, InvalidRequestError
+from hearthlm.core.log import get_logger
 from hearthlm.runtime.batch import BatchShape, has_out_row, n_out, scored
 from hearthlm.runtime.batcher import StepPlan
 from hearthlm.runtime.dispatch import execute
@@ -26,6 +27,7 @@ from hearthlm.runtime.request import Kind
 from hearthlm.runtime.seq_memory import SequenceMemory, StateCache
 from hearthlm.runtime.threads import ThreadTuner
 
+log = get_logger("hearthlm.runner")
 ENCODER_STEP = 16  # an encoder step's token bucket (its inputs are whole: coarser padding would be all waste)
 MIN_KV_BLOCKS = 16  # smallest KV-length bucket of unfused graphs (256 tokens at block size 16)
 
@@ -93,6 +95,7 @@ class ModelRunner:
         runtime.vision.VisionEncoder, where requests bring images."""
         self.placement, self.memory, self.vision = placement, memory, vision
         self.n_embd = model.config.n_embd if vision is not None else 0
+        self._since_encode = 0.0  # seconds of forward passes since an image's last encoding stage
         self.causal = getattr(model, "causal", True)
         self.max_blocks = -(-n_ctx // memory.block_size)  # block-table width at most; bucketed per step
         self.max_batch_tokens, self.max_seqs = max_batch_tokens, max_seqs
@@ -125,11 +128,24 @@ class ModelRunner:
             self.threads_now = n_threads
         t_run = time.perf_counter()
         outs = execute(cg, feed, self.memory.cache_of)
+        self._since_encode += time.perf_counter() - t_run
         slow = self.threads.done(shape, n_threads, time.perf_counter() - t_run)
         if self._host is not None and self._host.after_step(n_threads, slow):
             self.threads.moved()
             self.worker_moves += 1
         return StepOutput(outs[0], outs[1] if shape.embd else None)
+
+    def encode_images(self, requests: list, running: list) -> list[tuple[Any, HearthError]]:
+        """A stage of the images `requests` wait for, where it is their turn (VisionEncoder.take_turn:
+        no more time than the forward passes since the last); the requests to fail, with why,
+        where the tower failed."""
+        try:
+            self._since_encode = -self.vision.take_turn(requests, running, self._since_encode)
+            return []
+        except Exception as e:
+            log.exception("image encoding failed")
+            err = e if isinstance(e, HearthError) else HearthError(f"image encoding failed: {type(e).__name__}: {e}")
+            return [(r, err) for r in self.vision.drop_all(requests)]
 
     def inputs(self, plan: StepPlan) -> tuple[dict[str, np.ndarray], BatchShape]:
         """The step's inputs, padded to the bucketed shape the graph is cached by. Padding

@@ -152,12 +152,16 @@ def test_placeholders_carry_image_and_offset():
 
 def test_chunks_never_end_inside_a_bidirectional_image():
     """A chunk that would end inside such an image ends before it, or (starting at it) runs to its
-    end past the budget; a causal image may be split. Mutation: ignoring `bidirectional` fails it."""
-    m = [Media(10, 20, b"k", None, bidirectional=True)]
+    end past the budget; a causal image may be split; no chunk reaches an image whose rows are not
+    encoded yet. Mutations: ignoring `bidirectional`, or the rows, fails it."""
+    rows = np.zeros((20, 4), np.float32)
+    m = [Media(10, 20, b"k", None, bidirectional=True, rows=rows)]
     assert chunk_past_media(m, 0, 16) == 10   # stops before the image
     assert chunk_past_media(m, 10, 8) == 20   # carries it whole
     assert chunk_past_media(m, 0, 40) == 40   # past it: as asked
-    assert chunk_past_media([Media(10, 20, b"k", None)], 0, 16) == 16
+    assert chunk_past_media([Media(10, 20, b"k", None, rows=rows)], 0, 16) == 16
+    waiting = [Media(10, 20, b"k", np.zeros(1), bidirectional=True)]  # not encoded yet: the chunk stops before it
+    assert chunk_past_media(waiting, 0, 40) == 10 and chunk_past_media(waiting, 10, 40) == 0
 
 
 # ---- prompts with images against llama.cpp ------------------------------------------------
@@ -212,3 +216,25 @@ def test_prompts_match_llama_cpp(vision_session, name):
         if c.token_ids[step] != case["greedy_ids"][step]:
             break
     assert why is None, why
+
+
+def test_encoding_takes_at_most_half_the_time_beside_other_work(tower, monkeypatch):
+    """take_turn runs a stage only once the forward passes since the last one have taken as long
+    as it did while other requests have work (decoding keeps half its pace), and everything at
+    once when nothing else waits. Mutation: running a stage every step fails the first part."""
+    from types import SimpleNamespace
+    enc = VisionEncoder(tower, Placement.single(get_backend("cpu"), tower.config.n_layer))
+    stages = []
+    monkeypatch.setattr(enc, "_stage", lambda job: (stages.append(job), setattr(enc, "last_stage_s", 0.5),
+                                                    job.__setattr__("layer", job.layer + 1),
+                                                    enc._jobs.remove(job) if job.layer >= 4 else None))
+    px = _normalized(rgb(REF["images"]["gradient"]["recipe"]), tower)
+    waiting = SimpleNamespace(media=[Media(5, 16, b"img", px)], n_computed=5, n_wanted=30)
+    decoding = SimpleNamespace(media=[], n_computed=40, n_wanted=1)
+    spent = enc.take_turn([waiting, decoding], [waiting, decoding], 0.0)  # the first stage: at once
+    assert len(stages) == 1 and spent >= 0
+    assert enc.take_turn([waiting, decoding], [waiting, decoding], 0.2) == -0.2 and len(stages) == 1  # not yet
+    enc.take_turn([waiting, decoding], [waiting, decoding], 0.6)  # the passes since took longer than it
+    assert len(stages) == 2
+    enc.take_turn([waiting], [waiting], 0.0)  # nothing else to do: to the end
+    assert len(stages) == 4 and not enc.pending

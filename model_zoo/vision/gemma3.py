@@ -11,7 +11,7 @@ from hearthlm.core.graph import Graph, Tensor
 from hearthlm.model_zoo.blocks import build_norm
 from hearthlm.model_zoo.vision.clip import transposed
 from hearthlm.model_zoo.vision.preprocess import preprocess_fixed
-from hearthlm.model_zoo.vision.vit import build_patches, build_vit
+from hearthlm.model_zoo.vision.vit import build_tower
 from hearthlm.runtime.vision import ImageBatch
 
 BEGIN, END = "<start_of_image>", "<end_of_image>"  # mtmd's img_beg / img_end, tokenized around the rows
@@ -53,8 +53,9 @@ def n_tokens(c, pc: Config, height: int, width: int) -> int:
 
 def build(c, pc: Config, g: Graph, w, shape: ImageBatch) -> Tensor:
     side = shape.height // c.patch_size
-    x, seg = build_patches(c, g, w, n_images=shape.n_images, height=shape.height, width=shape.width)
-    x = build_vit(c, g, w, x, seg=seg, may_swap_ffn=True)
+    x, last = build_tower(c, g, w, shape, may_swap_ffn=True)
+    if not last:  # a stage of the tower (runtime.vision runs it a few layers at a time)
+        return x
     x = g.pool_2d(x, nx=side, ny=side, k=pc.n_merge, name="pooled")
     x = build_norm(g, x, w("mm.soft_emb_norm.weight", (c.n_embd,)), eps=c.eps, name="soft_emb_norm")
     n_text = n_embd_out(c, pc, w.tensors) if w.tensors is not None else c.n_embd
