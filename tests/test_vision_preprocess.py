@@ -342,6 +342,9 @@ class _Mtmd:
 def mtmd():
     if not LIBMTMD.exists():
         pytest.skip(f"llama.cpp's libmtmd.so not at {LIBMTMD} (set HEARTHLM_LIBMTMD)")
+    init = LIBMTMD.parent.parent / "__init__.py"  # llama_cpp/lib/libmtmd.so -> llama_cpp/__init__.py
+    if '__version__ = "0.3.36"' not in (init.read_text() if init.exists() else ""):
+        pytest.skip("the struct layouts here are llama-cpp-python 0.3.36's; another build could crash, not fail")
     return _Mtmd(LIBMTMD)
 
 
