@@ -240,8 +240,8 @@ def test_malformed_or_unknown_data_says_so():
 
 def test_bad_arrays_paths_and_types():
     """A float array, a 2-channel array, an empty array, a missing file, a directory, another URL
-    scheme and an int are refused, each naming the image. Mutation: accepting any ndim-3 array
-    fails it."""
+    scheme, an int and a path too long to open (cut short in the message) are refused, each
+    naming the image. Mutation: accepting any ndim-3 array fails it."""
     _refused(r"^a: an array must be uint8 \(H, W, 3\) or \(H, W, 4\), got float32", RGB.astype(np.float32), name="a")
     _refused(r"^b: an array must be uint8", RGB[:, :, :2], name="b")
     _refused(r"^c: empty image \(0x0\)", np.zeros((0, 0, 3), np.uint8), name="c")
@@ -249,6 +249,8 @@ def test_bad_arrays_paths_and_types():
     _refused(r"^e: '/tmp' is not a file", "/tmp", name="e")
     _refused(r"^f: unsupported URL scheme", "ftp://example.com/x.png", name="f")
     _refused(r"^g: unsupported image input of type int", 42, name="g")
+    msg = _refused(r"^h: cannot read '/x+\.\.\.': File name too long", "/" + "x" * 5000, name="h")
+    assert len(msg) < 200  # the path is cut short in the message
 
 
 def test_bad_data_urls():

@@ -50,9 +50,9 @@ SIZES = [((40, 30), (17, 13)), ((17, 13), (40, 30)), ((31, 29), (31, 7)), ((31, 
 @pytest.mark.parametrize("algo", ["bilinear", "bicubic", "lanczos"])
 def test_resize_equals_pillow_byte_for_byte(algo):
     """resize() equals Pillow's resampler (width pass, then height pass) on shrinking, growing,
-    odd sizes, one axis only, 1x1, and aspect ratios up to 150:1. Mutation: std rounding of the
-    fixed-point weights (round instead of +/-0.5 and truncate), the filter window's xmin not
-    truncated, or Lanczos' sinc without the x/3 window, each fails it."""
+    odd sizes, one axis only, 1x1, and aspect ratios up to 150:1. Mutation: the fixed-point
+    weights truncated without Pillow's +/-0.5, the filter centre without its half-pixel offset,
+    or Lanczos' sinc without the x/3 window, each fails it."""
     for (iw, ih), (ow, oh) in SIZES:
         for block in (1, 4):
             a = _pixels(iw, ih, block)
@@ -63,7 +63,7 @@ def test_resize_equals_pillow_byte_for_byte(algo):
 
 def test_resize_random_sizes_equal_pillow():
     """60 random size pairs (1 to 160 a side) per algorithm: equal to Pillow. Mutation: the
-    weight sum taken with np.sum (pairwise) instead of in order fails it on some size."""
+    height pass run before the width pass fails it."""
     for algo in PIL_ALGO:
         for _ in range(60):
             iw, ih, ow, oh = (int(v) for v in RNG.integers(1, 160, 4))
@@ -190,7 +190,9 @@ def test_idefics3_tiles_worked_by_hand():
 def test_gemma3_letterboxes_a_wide_image():
     """Gemma 3 (896, bilinear, clip.cpp's default pad "ceil"): a 200x100 red image becomes
     896x448 of red between two 224-row black bands; normalized with mean = std = 0.5, red is
-    (1, -1, -1) and black -1. Mutation: pad "none" as the default fails it."""
+    (1, -1, -1) and black -1. A 50x100 one is 448 columns wide (224 to 671): in float32,
+    50 * (896/100) = 448.000002 rounds to 448.0 (float64 would ceil 448.00000000000006 to 449,
+    from column 223). Mutation: pad "none" as the default, or resize_padded in float64, fails it."""
     a = np.zeros((100, 200, 3), np.uint8)
     a[:, :, 0] = 255
     out = pp.preprocess_fixed(a, size=896, patch_size=14, mean=HALF, std=HALF, algo="bilinear")
@@ -198,6 +200,8 @@ def test_gemma3_letterboxes_a_wide_image():
     assert x.shape == (3, 896, 896) and out.slice_patches == ((64, 64),)
     assert (x[:, :224] == -1).all() and (x[:, 672:] == -1).all()
     assert (x[0, 224:672] == 1).all() and (x[1:, 224:672] == -1).all()
+    (tall,) = pp.preprocess_fixed(a[:, :50], size=896, patch_size=14, mean=HALF, std=HALF, algo="bilinear").slices
+    assert (tall[0, :, 224:672] == 1).all() and (tall[0, :, :224] == -1).all() and (tall[0, :, 672:] == -1).all()
 
 
 def test_dynamic_size_is_the_smart_resize():
@@ -338,6 +342,9 @@ class _Mtmd:
 def mtmd():
     if not LIBMTMD.exists():
         pytest.skip(f"llama.cpp's libmtmd.so not at {LIBMTMD} (set HEARTHLM_LIBMTMD)")
+    init = LIBMTMD.parent.parent / "__init__.py"  # llama_cpp/lib/libmtmd.so -> llama_cpp/__init__.py
+    if '__version__ = "0.3.36"' not in (init.read_text() if init.exists() else ""):
+        pytest.skip("the struct layouts here are llama-cpp-python 0.3.36's; another build could crash, not fail")
     return _Mtmd(LIBMTMD)
 
 
@@ -356,10 +363,11 @@ def _same(ours: pp.Preprocessed, theirs) -> None:
 
 def test_resize_equals_llama_cpp(mtmd):
     """img_tool::resize from libmtmd.so and resize_padded agree byte for byte, every algorithm
-    and pad style, 40 random size pairs. Mutation: resize_padded's scale computed in float64
-    instead of float32 fails it (a fitted side one pixel off)."""
-    for _ in range(40):
-        iw, ih, ow, oh = (int(v) for v in RNG.integers(2, 120, 4))
+    and pad style, on 40 random size pairs and two where float32 matters (50x100 into 896x896:
+    50 * 8.96f rounds to 448.0, where float64's 448.00000000000006 would ceil to 449). Mutation:
+    resize_padded's scale computed in float64 fails it."""
+    pairs = [(50, 100, 896, 896), (25, 100, 224, 224)] + [tuple(int(v) for v in RNG.integers(2, 120, 4)) for _ in range(40)]
+    for iw, ih, ow, oh in pairs:
         a = _pixels(iw, ih, 2)
         for algo in _ALGO:
             for pad in _PAD:
@@ -375,11 +383,12 @@ def test_preprocessors_equal_llama_cpp(mtmd):
     """Whole preprocessors, float for float, against libmtmd.so's: Gemma 3 (fixed 896, bilinear),
     Qwen3-VL and Gemma 4 (dyn_size), SmolVLM (idefics3, both paths) and LFM2-VL (one image, and
     tiles + overview), on a wide, a tall, a small and a large image. Mutation: normalizing with
-    float64 arithmetic, or the LFM2 refined image stretched instead of letterboxed, fails it."""
+    float64 arithmetic, the LFM2 refined image stretched instead of letterboxed, or SmolVLM's
+    odd sides (645 for 50x21, 511 for 333x1000) not made even, each fails it."""
     qmin, qmax = pp.token_limits(8, 4096, patch_size=16, n_merge=2)
     gmin, gmax = pp.token_limits(70, 1120, patch_size=16, n_merge=3)
     lmin, lmax = pp.token_limits(64, 256, patch_size=16, n_merge=2)
-    for w, h in [(640, 480), (333, 1001), (50, 20), (1500, 1100)]:
+    for w, h in [(640, 480), (333, 1000), (50, 21), (1500, 1100)]:
         a = _pixels(w, h, 4)
         hp = mtmd.hparams(image_size=896, patch_size=14, algo="bilinear", mean=HALF, std=HALF)
         _same(pp.preprocess_fixed(a, size=896, patch_size=14, mean=HALF, std=HALF, algo="bilinear"), mtmd.preprocess("fixed", hp, a))
@@ -401,8 +410,9 @@ def test_sizes_and_grids_equal_llama_cpp(mtmd):
     """Sizes only (llama.cpp's placeholder images: no pixels), over 400 random image sizes up to
     8000 a side: smart_resize for Qwen3-VL, Pixtral and Gemma 4 limits, LFM2's tiling decision,
     grid and overview, SmolVLM's grids, all equal llama.cpp's; and LFM2's ratio list is in
-    libstdc++'s sort order. Mutation: smart_resize in float64, or LFM2_RATIOS in Python's
-    stable sort order, fails it."""
+    libstdc++'s sort order. Mutation: smart_resize's max_pixels branch rounding up instead of
+    down, or LFM2_RATIOS in Python's stable sort order, fails it. (Its float32 arithmetic
+    shows on few sizes: test_smart_resize_worked_by_hand holds one.)"""
     assert mtmd.target_ratios() == list(pp.LFM2_RATIOS)
     limits = [(16, 2, *pp.token_limits(8, 4096, patch_size=16, n_merge=2)), (14, 2, *pp.token_limits(8, 4096, patch_size=14, n_merge=2)),
               (16, 1, *pp.token_limits(8, 1024, patch_size=16, n_merge=1)), (16, 3, *pp.token_limits(70, 1120, patch_size=16, n_merge=3))]

@@ -10,6 +10,7 @@ import base64
 import binascii
 import hashlib
 import io
+import os
 import re
 import struct
 import urllib.parse
@@ -91,15 +92,15 @@ def load_image(src, *, limits: ImageLimits = ImageLimits(), allow_remote: bool =
         return _decode(bytes(src), limits, name)
     if isinstance(src, np.ndarray):
         return _from_array(src, limits, name)
-    if isinstance(src, Path):
-        return _decode(_read_file(src, limits, name), limits, name)
+    if isinstance(src, os.PathLike):
+        return _decode(_read_file(Path(src), limits, name), limits, name)
     if isinstance(src, str):
         if src[:5].lower() == "data:":
             return _decode(_data_url(src, limits, name), limits, name)
         if src[:7].lower() == "http://" or src[:8].lower() == "https://":
             return _decode(_fetch(src, limits, allow_remote, name), limits, name)
         if _URL_SCHEME.match(src):
-            raise InvalidRequestError(f"{name}: unsupported URL scheme in {src[:40]!r} (use a path, data: or http(s):)")
+            raise InvalidRequestError(f"{name}: unsupported URL scheme in {_short(src, 40)} (use a path, data: or http(s):)")
         return _decode(_read_file(Path(src), limits, name), limits, name)
     pil = _pil_module()
     if isinstance(src, pil.Image):
@@ -120,18 +121,22 @@ def _from_array(arr: np.ndarray, limits: ImageLimits, name: str) -> Image:
     return _make(np.array(arr[:, :, :3], dtype=np.uint8, order="C"))  # a copy: the caller keeps theirs
 
 
+def _short(text: str, n: int = 80) -> str:
+    return repr(text if len(text) <= n else text[:n] + "...")
+
+
 def _read_file(path: Path, limits: ImageLimits, name: str) -> bytes:
     try:
         size = path.stat().st_size
         if not path.is_file():
-            raise InvalidRequestError(f"{name}: {str(path)!r} is not a file")
+            raise InvalidRequestError(f"{name}: {_short(str(path))} is not a file")
         _check_bytes(size, limits, name)
         with path.open("rb") as f:
             data = f.read(limits.max_bytes + 1)
     except FileNotFoundError:
-        raise InvalidRequestError(f"{name}: no such file {str(path)!r}") from None
+        raise InvalidRequestError(f"{name}: no such file {_short(str(path))}") from None
     except OSError as e:
-        raise InvalidRequestError(f"{name}: cannot read {str(path)!r}: {e.strerror or e}") from None
+        raise InvalidRequestError(f"{name}: cannot read {_short(str(path))}: {e.strerror or e}") from None
     _check_bytes(len(data), limits, name)  # the file grew since stat
     return data
 
@@ -172,7 +177,7 @@ def _fetch(url: str, limits: ImageLimits, allow_remote: bool, name: str) -> byte
     except InvalidRequestError:
         raise
     except (OSError, ValueError) as e:  # URLError, HTTPError and timeouts are OSErrors
-        raise InvalidRequestError(f"{name}: cannot fetch {url[:80]!r}: {e}") from None
+        raise InvalidRequestError(f"{name}: cannot fetch {_short(url)}: {e}") from None
     _check_bytes(len(data), limits, name)
     return data
 
