@@ -238,3 +238,17 @@ def test_unreachable_hub_uses_cache(tmp_path):
     with pytest.raises(ModelNotFoundError, match=r"'owner/other' \(online\).*no network") as e:
         resolve_model("owner/other")
     assert isinstance(e.value.__cause__, ConnectionError)
+
+
+def test_hub_vision_repo_fetches_its_mmproj(hub):
+    """A repo with a model and its vision projectors: the model is never the mmproj, and with mmproj=True
+    the F16 projector comes along (BF16 not mistaken for it). Mutations: dropping the mmproj exclusion
+    makes the pick ambiguous; matching "f16" inside "bf16" fetches the BF16 one."""
+    hub["files"] = ["m-Q4_K_M.gguf", "mmproj-m-BF16.gguf", "mmproj-m-F16.gguf", "mmproj-m-Q8_0.gguf"]
+    assert resolve_model("owner/name") == Path("/hub/owner/name/m-Q4_K_M.gguf")
+    assert hub["downloads"] == [("owner/name", "m-Q4_K_M.gguf", False)]
+    hub["downloads"].clear()
+    assert resolve_model("owner/name", mmproj=True) == Path("/hub/owner/name/m-Q4_K_M.gguf")
+    assert hub["downloads"] == [("owner/name", "m-Q4_K_M.gguf", False), ("owner/name", "mmproj-m-F16.gguf", False)]
+    hub["files"] = ["m.gguf", "mmproj.gguf"]
+    assert resolve_model("owner/name") == Path("/hub/owner/name/m.gguf")

@@ -238,3 +238,31 @@ def test_encoding_takes_at_most_half_the_time_beside_other_work(tower, monkeypat
     assert len(stages) == 2
     enc.take_turn([waiting], [waiting], 0.0)  # nothing else to do: to the end
     assert len(stages) == 4 and not enc.pending
+
+
+def test_session_refusals():
+    """A session opened with mmproj=False refuses images saying why; the marker count must match the
+    images; token-id prompts cannot take images; an mmproj whose markers the text model lacks is
+    refused at open. Mutation: a session silently dropping images it cannot see fails the first."""
+    from hearthlm import SyncSession
+    from hearthlm.core.errors import InvalidRequestError
+    img = rgb(REF["images"]["gradient"]["recipe"])
+    s = SyncSession(str(MODEL), mmproj=False, n_ctx=256)
+    try:
+        with pytest.raises(InvalidRequestError, match="no vision projector"):
+            s.generate(f"{MEDIA_MARKER} hi", images=[img], max_tokens=1)
+    finally:
+        s.close()
+    s = SyncSession(str(MODEL), n_ctx=256)
+    try:
+        with pytest.raises(InvalidRequestError, match="marks 1 image place.*for 2 image"):
+            s.generate(f"{MEDIA_MARKER} hi", images=[img, img], max_tokens=1)
+        with pytest.raises(InvalidRequestError, match="not token ids"):
+            s.generate([2, 5, 7], images=[img], max_tokens=1)
+        with pytest.raises(InvalidRequestError, match="image 1"):
+            s.generate(f"{MEDIA_MARKER} hi", images=[b"not an image"], max_tokens=1)
+        assert s.generate("hi", max_tokens=2, temperature=0).finish_reason  # the session goes on
+    finally:
+        s.close()
+    with pytest.raises(ModelLoadError, match="no token for"):
+        SyncSession(str(DATA / "converted" / "gemma3.gguf"), mmproj=MMPROJ, n_ctx=256)
