@@ -266,3 +266,47 @@ def test_session_refusals():
         s.close()
     with pytest.raises(ModelLoadError, match="no token for"):
         SyncSession(str(DATA / "converted" / "gemma3.gguf"), mmproj=MMPROJ, n_ctx=256)
+
+
+ASK = "Tell me about the picture, please, in a few words: " * 2
+
+
+@pytest.mark.parametrize("prompt", [
+    ASK + f"{MEDIA_MARKER} What is it?",  # the last whole block ends inside the image
+    ASK + f"{MEDIA_MARKER} What is it? " + "Say what colours and shapes it has, and where they are. " * 2])
+def test_prefix_cache_and_encoder_cache_know_the_image(prompt):
+    """The same image asked about again: its rows come from the encoder's LRU (encoded once) and its
+    KV from the prefix cache; another image after the same text reuses only the blocks before it,
+    and its answer is its own (as a fresh session gives). Mutation: placeholder ids that ignore the
+    image (offsets only) make the second image reuse the first's KV (the second prompt fails); reusing
+    part of an image that attends both ways fails the first prompt's count."""
+    from hearthlm import SyncSession
+    a = rgb(REF["images"]["gradient"]["recipe"])
+    b = np.random.default_rng(7).integers(0, 256, (64, 64, 3), dtype=np.uint8)
+    kw = dict(max_tokens=4, temperature=0, top_logprobs=1)
+    s = SyncSession(str(MODEL), n_ctx=512, kv_cache_type="f32")
+    try:
+        spans = [(m.start, m.end) for m in s.session._place_images(s.session._prompt_ids(prompt, None, media=True),
+                                                                   [a])[1]]
+        first = s.generate(prompt, images=[a], **kw)
+        st0 = s.session.stats()
+        again = s.generate(prompt, images=[a], **kw)
+        st1 = s.session.stats()
+        other = s.generate(prompt, images=[b], **kw)
+        st2 = s.session.stats()
+    finally:
+        s.close()
+    n, (start, end) = first.prompt_tokens, spans[0]
+    assert again.token_ids == first.token_ids
+    assert st1["images_encoded"] == st0["images_encoded"] == 1 and st1["image_cache_hits"] >= 1
+    full = (n - 1) // 16 * 16  # whole blocks, the last token left to compute
+    whole = start // 16 * 16 if start < full < end else full  # never a part of the image (it attends both ways)
+    assert st1["prefix_cache_hit_tokens"] - st0["prefix_cache_hit_tokens"] == whole
+    assert st2["prefix_cache_hit_tokens"] - st1["prefix_cache_hit_tokens"] == start // 16 * 16  # the text before b
+    fresh = SyncSession(str(MODEL), n_ctx=512, kv_cache_type="f32")
+    try:
+        want = fresh.generate(prompt, images=[b], **kw)
+    finally:
+        fresh.close()
+    assert other.token_ids == want.token_ids
+    assert np.allclose([lp[0][1] for lp in other.top_logprobs], [lp[0][1] for lp in want.top_logprobs], atol=1e-4)
