@@ -427,19 +427,24 @@ class Session:
         return np.array([lp for lp, _ in req.prompt_lps], np.float64)
 
     async def cache_prefix(self, prompt: str | Sequence[int] | None = None, *,
-                           messages: list[dict] | None = None) -> int:
+                           messages: list[dict] | None = None, images: Sequence[Any] | None = None) -> int:
         """Compute a prefix's KV now and persist it in the prompt cache (see Session.open's
         prompt_cache): a later prompt, in this process or another, that begins with it takes
         those blocks instead of computing them. For `messages=`, the prefix is the rendered
         chat up to the end of the last message (no generation prompt). Returns the tokens
         written to disk: whole KV blocks of the prefix (0 with no prompt cache, where the
-        prefix is only held in memory as any prompt's is)."""
+        prefix is only held in memory as any prompt's is). Images as in `stream`: the files'
+        blocks carry each image's identity, so only a prompt with the same images finds them."""
         if self._closed:
             raise SessionClosedError("the session is closed")
         if not self.model.causal:
             raise InvalidRequestError("this model is an encoder: it keeps no KV to cache")
-        ids = await self._prompt_ids_off_loop(prompt, messages, generation_prompt=False)
-        req = await self._run_prompt_only(ids, kind=Kind.PREFILL)
+        messages, sources = self._media_sources(prompt, messages, images)
+        ids = await self._prompt_ids_off_loop(prompt, messages, generation_prompt=False, media=bool(sources))
+        media: list[Media] = []
+        if sources:
+            ids, media = await anyio.to_thread.run_sync(self._place_images, ids, sources)
+        req = await self._run_prompt_only(ids, kind=Kind.PREFILL, media=media)
         return req.persisted
 
     async def _run_prompt_only(self, ids: list[int], **fields) -> Request:

@@ -310,3 +310,25 @@ def test_prefix_cache_and_encoder_cache_know_the_image(prompt):
         fresh.close()
     assert other.token_ids == want.token_ids
     assert np.allclose([lp[0][1] for lp in other.top_logprobs], [lp[0][1] for lp in want.top_logprobs], atol=1e-4)
+
+
+async def test_persisted_prompt_cache_keys_the_image(tmp_path):
+    """cache_prefix with an image writes blocks a later session loads for the same image (same answer
+    as computing it) and not for another. Mutation: placeholder ids without the image's identity load
+    the first image's blocks for the second (its count fails)."""
+    from hearthlm import Session
+    a = rgb(REF["images"]["gradient"]["recipe"])
+    b = np.random.default_rng(9).integers(0, 256, (64, 64, 3), dtype=np.uint8)
+    prefix = ASK * 2 + f"{MEDIA_MARKER} It shows" + " something, and" * 12
+    opts = dict(n_ctx=512, kv_cache_type="f32", prompt_cache_dir=tmp_path)
+    async with Session.open(str(MODEL), **opts) as s:
+        n = await s.cache_prefix(prefix, images=[a])
+    assert n > 0
+    for img, loads in ((a, n), (b, None)):
+        async with Session.open(str(MODEL), **opts) as s:
+            c = await s.generate(prefix + " more", images=[img], max_tokens=3, temperature=0)
+            got = s.stats()["prompt_cache_loaded_tokens"]
+        async with Session.open(str(MODEL), **{**opts, "prompt_cache": False}) as s:
+            want = await s.generate(prefix + " more", images=[img], max_tokens=3, temperature=0)
+        assert c.token_ids == want.token_ids
+        assert (got == loads) if loads else (got < n), (got, n)
