@@ -192,6 +192,8 @@ step "tiny GGUFs in the real models' shapes" 45 hearthlm "$PY" tests/gpu_parity.
 step "op suite on cuda" 75 hearthlm,gpu env HEARTHLM_TEST_BACKENDS=cuda \
   "$PY" -m pytest $PYTEST ${OUT:+"--junitxml=$OUT/op-suite.xml"} tests/test_backend_ops.py
 # the cpu side compiles its numba kernels cold here: about a minute of this step's limit
+step "vision: Gemma 3's tower and image prompts on cuda against llama.cpp's" 90 hearthlm,gpu env HEARTHLM_TEST_BACKENDS=cuda \
+  "$PY" -m pytest $PYTEST ${OUT:+"--junitxml=$OUT/vision.xml"} tests/test_vision.py -k "llama_cpp"
 step "generation parity: cuda and ngl against cpu" 150 hearthlm,gpu "$PY" tests/gpu_parity.py parity "$WORK/models"
 step "CUDA graphs: replayed decoding as eager" 90 hearthlm,gpu "$PY" tests/gpu_parity.py graphs "$WORK/models"
 step "decode tok/s" 45 hearthlm,gpu "$PY" tests/gpu_parity.py bench "$WORK/models"

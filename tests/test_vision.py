@@ -4,6 +4,7 @@ recorded by tests/parity/record_vision.py): the tower's rows, and the loading, p
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -40,7 +41,13 @@ def _normalized(pixels: np.ndarray, vm) -> np.ndarray:
     return ((x - np.float32(vm.config.mean)) / np.float32(vm.config.std)).transpose(2, 0, 1)
 
 
-@pytest.mark.parametrize("backend", ["reference", "cpu"])
+def _backends() -> list[str]:
+    """reference and cpu, and cuda where HEARTHLM_TEST_BACKENDS names it (tests/gpu_check.sh's vision step)."""
+    env = [n.strip() for n in os.environ.get("HEARTHLM_TEST_BACKENDS", "").split(",") if n.strip()]
+    return env or ["cpu", "reference"]
+
+
+@pytest.mark.parametrize("backend", _backends())
 def test_tower_rows_match_llama_cpp(tower, backend):
     """The gradient image (64x64: the tower's own size, no resize) through SigLIP, the 4x4 pool, the
     soft-emb norm and the projection gives llama.cpp's rows. Mutations: the pool averaging 2x2 cells,
@@ -170,7 +177,7 @@ def _images_of(case) -> list[np.ndarray]:
     return [rgb(REF["images"][k]["recipe"]) for k in case["images"]]
 
 
-@pytest.fixture(scope="module", params=["cpu", "reference"])
+@pytest.fixture(scope="module", params=_backends())
 def vision_session(request):
     """The tiny model with its mmproj found beside it, F32 K/V as llama.cpp's record; 64-token steps, so
     that the long prompt's text spans chunks after its image (which stays whole in one)."""
