@@ -134,3 +134,27 @@ def test_ollama_bad_image(server):
     with pytest.raises(ollama.ResponseError) as e:
         cl.chat(model="text", messages=[{"role": "user", "content": "x", "images": [png()]}])
     assert e.value.status_code == 400 and "no vision projector" in str(e.value)
+
+
+def test_remote_images_only_where_the_server_allows(tmp_path):
+    """With --allow-remote-media an http URL is fetched (here from a local server) and answers as the
+    same image sent inline; without it the URL is refused (test above). Mutation: the serve flag not
+    reaching the Session's option fails it."""
+    import http.server
+    import threading
+    (tmp_path / "img.png").write_bytes(png(4))
+    handler = lambda *a: http.server.SimpleHTTPRequestHandler(*a, directory=str(tmp_path))  # noqa: E731
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        with live_server(f"see={VISION}", "--n-ctx", "512", "--allow-remote-media") as url:
+            c = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=60)
+            remote = f"http://127.0.0.1:{httpd.server_address[1]}/img.png"
+            got = c.chat.completions.create(model="see", max_tokens=5, temperature=0,
+                                            messages=ask({"type": "image_url", "image_url": {"url": remote}}))
+            want = c.chat.completions.create(model="see", max_tokens=5, temperature=0,
+                                             messages=ask({"type": "image_url", "image_url": {"url": data_url(png(4))}}))
+            assert got.choices[0].message.content == want.choices[0].message.content
+            assert got.usage.prompt_tokens == want.usage.prompt_tokens
+    finally:
+        httpd.shutdown()
