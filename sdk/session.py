@@ -602,6 +602,8 @@ class Session:
         for k, (at, src) in enumerate(zip(places, sources)):
             image = load_image(src, limits=limits, allow_remote=lim.allow_remote_media, name=f"image {k + 1}")
             pixels, n, key = vm.prepare(image)
+            if n >= self.n_ctx:  # an image is computed whole in one step: its rows must fit the context
+                raise ContextLengthError(f"image {k + 1} is {n} rows; the context holds {self.n_ctx} tokens")
             out += ids[last:at] + begin
             media.append(Media(len(out), n, key, pixels, bidirectional=vm.bidirectional))
             out += placeholder_ids(key, n) + end

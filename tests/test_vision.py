@@ -271,6 +271,13 @@ def test_session_refusals():
         assert s.generate("hi", max_tokens=2, temperature=0).finish_reason  # the session goes on
     finally:
         s.close()
+    from hearthlm.core.errors import ContextLengthError
+    s = SyncSession(str(MODEL), n_ctx=16)
+    try:
+        with pytest.raises(ContextLengthError, match="image 1 is 16 rows; the context holds 16"):
+            s.generate(MEDIA_MARKER, images=[img], max_tokens=1)
+    finally:
+        s.close()
     with pytest.raises(ModelLoadError, match="no token for"):
         SyncSession(str(DATA / "converted" / "gemma3.gguf"), mmproj=MMPROJ, n_ctx=256)
 
