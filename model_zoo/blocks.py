@@ -23,10 +23,15 @@ class Inputs:
     seq_len: Tensor | None = None     # (n_tokens,) the length of each token's sequence (encoders: non-causal);
                                       # causal with images: each token's horizon, its last visible position + 1
     causal: bool = True
+    # (n_tokens, n_pos) M-RoPE's position components (t, h, w, e) of each token: (p, p, p, 0) for text,
+    # an image's grid for its rows, later text shifted by what images take; `pos` stays the sequence
+    # index (KV slot order) that masks read. None where the model's RoPE has one position.
+    rope_pos: Tensor | None = None
 
 
-def build_inputs(g: Graph, shape: BatchShape, *, causal: bool = True) -> Inputs:
-    """The step's inputs; causal=False (an encoder): attention sees each token's whole sequence."""
+def build_inputs(g: Graph, shape: BatchShape, *, causal: bool = True, n_pos: int = 1) -> Inputs:
+    """The step's inputs; causal=False (an encoder): attention sees each token's whole sequence;
+    n_pos > 1: the "rope_pos" input of M-RoPE (model_zoo.rope.Rope.n_pos)."""
     inp = Inputs(
         tokens=g.input("tokens", (shape.n_tokens,)),
         pos=g.input("pos", (shape.n_tokens,)),
@@ -41,6 +46,8 @@ def build_inputs(g: Graph, shape: BatchShape, *, causal: bool = True) -> Inputs:
         inp.state_slot = g.input("state_slot", (shape.n_seqs,))
     if not causal or shape.n_media:
         inp.seq_len = g.input("seq_len", (shape.n_tokens,))
+    if n_pos > 1:
+        inp.rope_pos = g.input("rope_pos", (shape.n_tokens, n_pos))
     inp.causal = causal
     return inp
 
@@ -111,8 +118,11 @@ def build_qkv(g: Graph, x: Tensor, *, il: int, n_head: int, n_head_kv: int, head
 
 
 def build_rope(g: Graph, x: Tensor, inp: Inputs, rope: Rope, *, name: str, il: int) -> Tensor:
-    """RoPE on (n_tokens, heads, head_dim) with the model's scaling (see model_zoo.rope)."""
-    return g.rope(x, inp.pos, name=name, il=il, **rope.params())
+    """RoPE on (n_tokens, heads, head_dim) with the model's scaling (see model_zoo.rope); M-RoPE
+    turns by the position components (inp.rope_pos), not the sequence index."""
+    p = rope.params()
+    assert "comps" not in p or inp.rope_pos is not None, f"{name}: M-RoPE needs build_inputs(n_pos=...)"
+    return g.rope(x, inp.rope_pos if "comps" in p else inp.pos, name=name, il=il, **p)
 
 
 def build_qk_norm_rope(g: Graph, q: Tensor, k: Tensor, inp: Inputs, rope: Rope | None, *, il: int,

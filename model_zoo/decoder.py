@@ -57,7 +57,7 @@ class Decoder:
 def build_decoder(c: HParams, g: Graph, w, shape: BatchShape, d: Decoder = Decoder()) -> Tensor:
     """The forward pass; returns the logits."""
     e, eps = c.n_embd, c.norm_eps
-    inp = build_inputs(g, shape, causal=c.CAUSAL)
+    inp = build_inputs(g, shape, causal=c.CAUSAL, n_pos=c.rope.n_pos)
     x = build_inp_embd(g, w("token_embd.weight", (w.n_vocab, e)), inp, scale=d.embd_scale)
     for il in range(c.n_layer):
         L = w.layer(il)

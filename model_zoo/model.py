@@ -59,6 +59,11 @@ class Model:
         return self.config.CAUSAL
 
     @property
+    def n_pos(self) -> int:
+        """Position components per token the graphs take (the "rope_pos" input): M-RoPE's 4, else 1."""
+        return self.config.rope.n_pos
+
+    @property
     def eog_ids(self) -> frozenset[int]:
         return self.tokenizer.eog_ids
 

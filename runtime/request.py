@@ -48,10 +48,41 @@ class Media:
     pixels: np.ndarray | None     # preprocessed (3, H, W) float32, what the tower takes
     bidirectional: bool = False   # its rows attend to each other both ways (computed in one chunk)
     rows: np.ndarray | None = None  # (n, n_embd), once encoded
+    # M-RoPE (a text model whose RoPE takes position components): each row's (t, h, w) past the
+    # image's first position (grid_positions), and the positions the image takes, n_pos, which
+    # later tokens are shifted by (mtmd's n_pos: max(nx, ny), not n). None: positions as tokens.
+    positions: np.ndarray | None = None
+    n_pos: int = 0
 
     @property
     def end(self) -> int:
         return self.start + self.n
+
+
+def grid_positions(nx: int, ny: int) -> tuple[np.ndarray, int]:
+    """An image of ny rows of nx tokens (row-major) under M-RoPE (mtmd_image_tokens_get_decoder_pos):
+    each row's (t, h, w) offsets (0, y, x), and the positions it takes, max(nx, ny)."""
+    y, x = np.divmod(np.arange(nx * ny, dtype=np.int32), nx)
+    return np.stack([np.zeros_like(x), y, x], axis=1), max(nx, ny)
+
+
+def rope_positions(media: list[Media], lo: int, hi: int, n_pos: int = 4) -> np.ndarray:
+    """(hi - lo, n_pos) int32: the M-RoPE position components (t, h, w, e) of a request's tokens
+    lo .. hi (llama.cpp's pos for an M-RoPE batch): text at (p, p, p, 0) where p is the token's
+    index shifted by what the images before it take less their rows; an image's rows at its first
+    position p0 plus their offsets (p0 + t, p0 + h, p0 + w, 0)."""
+    idx = np.arange(lo, hi, dtype=np.int64)
+    p, text = idx.copy(), np.ones(hi - lo, bool)
+    out = np.zeros((hi - lo, n_pos), np.int32)
+    for m in media:  # in prompt order
+        if m.positions is None:
+            continue
+        inside = (idx >= m.start) & (idx < m.end)
+        out[inside, :3] = p[inside, None] - (idx[inside, None] - m.start) + m.positions[idx[inside] - m.start]
+        text &= ~inside
+        p[idx >= m.end] += m.n_pos - m.n
+    out[text, :3] = p[text, None]
+    return out
 
 
 def placeholder_ids(key: bytes, n: int) -> list[int]:
