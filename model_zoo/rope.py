@@ -134,6 +134,17 @@ def mrope_pairs(n_pairs: int, sections, kind: str) -> tuple[tuple[int, ...], tup
     return tuple(comps), tuple(expos)
 
 
+def vision_rope(head_dim: int, base: float = 10000.0) -> dict:
+    """Graph.rope keyword arguments of a tower's 2D RoPE (ggml_rope_multi in vision mode, as Qwen's
+    towers call it: sections head_dim/4 each, n_dims head_dim/2): the whole head turns in NeoX pairs
+    (i, i + head_dim/2), a run by each patch's row then a run by its column (positions (y, x, y, x)),
+    each run's frequencies restarting at 1."""
+    q = head_dim // 4
+    comps, expos = mrope_pairs(head_dim // 2, (q, q, q, q), "vision")
+    freqs = tuple(float(base ** (-2.0 * e / (head_dim // 2))) for e in expos)
+    return dict(n_rot=head_dim, base=base, neox=True, freqs=freqs, comps=comps)
+
+
 def _sections(r, n_rot: int) -> tuple[int, ...]:
     """rope.dimension_sections: 4 counts of pairs (llama.cpp reads up to 4), not all 0, their sum
     within the head (ggml asserts it)."""

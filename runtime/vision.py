@@ -67,6 +67,7 @@ class _Job:
     pixels: np.ndarray        # (B, 3, H, W)
     x: np.ndarray | None = None
     layer: int = 0            # the next stage starts at this layer
+    feed: dict | None = None  # the graph's inputs but "x", made at its first stage
 
 
 class VisionEncoder:
@@ -158,7 +159,9 @@ class VisionEncoder:
             max(1, int(self.slice_s / per_layer))
         hi = min(job.layer + n, self.n_layer)
         cg = self.graphs.get(ImageBatch(b, h, w, job.layer, -1 if hi == self.n_layer else hi))
-        feed = {"pixels": job.pixels, **self.tower.inputs(job.pixels)}
+        if job.feed is None:  # the tower's own inputs (positions, a resized table) once per job
+            job.feed = {"pixels": job.pixels, **self.tower.inputs(job.pixels)}
+        feed = dict(job.feed)
         if job.x is not None:
             feed["x"] = job.x
         out = execute(cg, feed, _no_cache)[0]
