@@ -213,9 +213,9 @@ class Request:
         return self.n_total - self.n_computed
 
 
-def check_media(req: Request, vision: bool) -> None:
+def check_media(req: Request, vision: bool, mrope: bool = False) -> None:
     """A request's images: for a session with a vision tower, in kinds that take them, without a
-    draft model, in order inside the prompt."""
+    draft model, in order inside the prompt; for an M-RoPE text model, each with its rows' positions."""
     if not vision:
         raise InvalidRequestError("this session has no vision tower (mmproj): it cannot take images")
     if req.kind not in (Kind.GENERATE, Kind.SCORE, Kind.PREFILL):
@@ -226,4 +226,7 @@ def check_media(req: Request, vision: bool) -> None:
     for m in req.media:
         if m.start < end or m.end > len(req.prompt) or m.n <= 0 or m.pixels is None and m.rows is None:
             raise InvalidRequestError(f"an image's rows {m.start}..{m.end} overlap another's or leave the prompt")
+        if mrope and (m.positions is None or m.positions.shape != (m.n, 3) or m.n_pos <= 0):
+            raise InvalidRequestError(f"the image at {m.start}..{m.end} has no grid positions (n, 3) and n_pos, "
+                                      "which this model's M-RoPE places its rows by (request.grid_positions)")
         end = m.end

@@ -213,3 +213,19 @@ def test_text_side_with_llama_cpps_rows(backend):
                 failures.append(f"{name}: {why}")
         assert enc.images_encoded == 0 and enc.cache.misses == 0
     assert not failures, "\n".join(failures)
+
+
+def test_mrope_requests_need_positions():
+    """An M-RoPE model's engine refuses an image without its rows' grid positions (it would place them as
+    text), names it, and takes it with them. Mutation: check_media ignoring mrope fails it."""
+    from hearthlm.core.errors import InvalidRequestError
+    from hearthlm.runtime.request import Kind, Request, check_media
+    from hearthlm.runtime.sampling import SamplingParams
+    rows = np.zeros((6, 4), np.float32)
+    req = Request(prompt=[1] + [-5] * 6 + [2], params=SamplingParams(), max_tokens=1, on_token=print,
+                  on_finish=print, kind=Kind.GENERATE, media=[Media(1, 6, b"k", None, rows=rows)])
+    check_media(req, True)  # a model without M-RoPE: positions as tokens
+    with pytest.raises(InvalidRequestError, match="image at 1..7 has no grid positions"):
+        check_media(req, True, mrope=True)
+    req.media[0].positions, req.media[0].n_pos = grid_positions(3, 2)
+    check_media(req, True, mrope=True)
