@@ -150,6 +150,12 @@ class HParams:
         if self.rope.n_rot > self.head_dim or self.rope.n_rot % 2:
             raise ModelLoadError(f"rope.dimension_count {self.rope.n_rot} does not fit head dim {self.head_dim}")
 
+    @property
+    def n_embd_inp(self) -> int:
+        """The width of an embedding input (an image's rows): n_embd, wider where they carry more
+        (llama.cpp's n_embd_inp: Qwen3-VL's deepstack slices)."""
+        return self.n_embd
+
     def layer_memory(self) -> list[LayerMemory]:
         """Per layer, what it keeps between steps (core.layer_memory): the one declaration the KV
         cache, the recurrent state and the attention windows are built from. An architecture sets

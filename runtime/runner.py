@@ -94,7 +94,7 @@ class ModelRunner:
         (a draft model's runner runs on whatever its target's last picked). `vision`: a
         runtime.vision.VisionEncoder, where requests bring images."""
         self.placement, self.memory, self.vision = placement, memory, vision
-        self.n_embd = model.config.n_embd if vision is not None else 0
+        self.n_embd = getattr(model, "n_embd_inp", model.config.n_embd) if vision is not None else 0  # rows' width
         self._since_encode = 0.0  # seconds of forward passes since an image's last encoding stage
         self.causal = getattr(model, "causal", True)
         self.n_pos = getattr(model, "n_pos", 1)  # > 1: M-RoPE, position components fed as "rope_pos"

@@ -619,7 +619,7 @@ def _open_vision(m: Model, path, mmproj):
     found = Path(mmproj) if mmproj else find_mmproj(path)
     if found is None:
         return None
-    vm = load_mmproj(found, n_embd_text=m.config.n_embd)
+    vm = load_mmproj(found, n_embd_text=m.n_embd_inp)
     try:
         vm.check_text_model(m)
     except BaseException:

@@ -1,7 +1,8 @@
-"""Image input (#39) on the tiny Qwen3.5 vision-language model (tests/parity/hf spec "qwen35-vision", converted
-by llama.cpp's convert_hf_to_gguf.py, text model and --mmproj: a qwen3vl_merger projector), against llama.cpp's
-libmtmd (tests/data/vision_parity_qwen35.json, recorded by tests/parity/record_vision.py qwen35): the tower's
-rows, mtmd_tokenize's chunks and its M-RoPE positions, and the prompts' greedy steps and log-probs."""
+"""Image input (#39) on the tiny Qwen vision-language models (tests/parity/hf specs "qwen35-vision" and
+"qwen3vl-vision", converted by llama.cpp's convert_hf_to_gguf.py, text model and --mmproj: qwen3vl_merger
+projectors, Qwen3-VL's with deepstack layers), against llama.cpp's libmtmd (tests/data/vision_parity_qwen35.json
+and _qwen3vl.json, recorded by tests/parity/record_vision.py): the tower's rows, mtmd_tokenize's chunks and its
+M-RoPE positions, and the prompts' greedy steps and log-probs."""
 from __future__ import annotations
 
 import json
@@ -23,43 +24,61 @@ sys.path.insert(0, str(Path(__file__).parent / "parity"))
 from record_vision import rgb  # noqa: E402  (the recorder's own image recipes)
 
 DATA = Path(__file__).parent / "data"
-MODEL, MMPROJ = DATA / "converted" / "qwen35-vision.gguf", DATA / "converted" / "qwen35-vision.mmproj.gguf"
-REF = json.loads((DATA / "vision_parity_qwen35.json").read_text())
+FAMILIES = {  # name -> (text model, mmproj, llama.cpp's record)
+    "qwen35": (DATA / "converted" / "qwen35-vision.gguf", DATA / "converted" / "qwen35-vision.mmproj.gguf",
+               json.loads((DATA / "vision_parity_qwen35.json").read_text())),
+    "qwen3vl": (DATA / "converted" / "qwen3vl-vision.gguf", DATA / "converted" / "qwen3vl-vision.mmproj.gguf",
+                json.loads((DATA / "vision_parity_qwen3vl.json").read_text())),
+}
+MODEL, MMPROJ, REF = FAMILIES["qwen35"]
 ROWS_TOL = 1e-3  # image rows: max |ours - llama.cpp's| over the rows' largest magnitude
 # Log-probs of the top-5 (nats). ggml-cpu's GELU reads a float16 table, so llama.cpp's rows differ from ours by
 # ~4e-4 of their largest (with that table emulated in the tower: 2e-5, and every prompt within 0.004 nats); the
-# tiny random model turns it into 0.08 nats on two_images' first step. test_text_side_with_llama_cpps_rows holds
-# the text side to 0.01 on llama.cpp's own rows.
-LOGPROB_TOL = {"two_images": 0.1}
+# tiny random Qwen3.5 turns it into 0.08 nats on two_images' first step. test_text_side_with_llama_cpps_rows
+# holds the text side to 0.01 on llama.cpp's own rows.
+LOGPROB_TOL = {("qwen35", "two_images"): 0.1}
+CASES = [(f, p) for f, (_, _, ref) in FAMILIES.items() for p in sorted(ref["prompts"])]
+IMAGE_CASES = [(f, i) for f, (_, _, ref) in FAMILIES.items() for i in sorted(ref["images"])]
 
 
 @pytest.fixture(scope="module")
-def tower():
-    vm = load_mmproj(MMPROJ, n_embd_text=REF["n_embd"])
-    yield vm
-    vm.close()
+def towers():
+    vms = {f: load_mmproj(mmproj, n_embd_text=ref["n_embd"]) for f, (_, mmproj, ref) in FAMILIES.items()}
+    yield vms
+    for vm in vms.values():
+        vm.close()
 
 
-def _prepared(vm, name: str):
-    return vm.prepare(load_image(rgb(REF["images"][name]["recipe"])))
+@pytest.fixture(scope="module")
+def tower(towers):
+    return towers["qwen35"]
+
+
+def _prepared(vm, name: str, ref=REF):
+    return vm.prepare(load_image(rgb(ref["images"][name]["recipe"])))
 
 
 @pytest.mark.parametrize("backend", ["reference", "cpu"])
-@pytest.mark.parametrize("name", sorted(REF["images"]))
-def test_tower_rows_match_llama_cpp(tower, backend, name):
+@pytest.mark.parametrize("fam,name", IMAGE_CASES)
+def test_tower_rows_match_llama_cpp(towers, backend, fam, name):
     """Each image through the tower gives llama.cpp's rows: the gradient (64x64: 16x16 patches, the 8x8 position
     table resized), the noise (32x32: the table at its own size) and the wide one (44x26 resized to 48x24: a
-    12x6 grid). Mutations: patches in row-major order (no 2x2 blocks), the table resized without aligned corners,
-    the RoPE turning every pair by the row, or the second temporal kernel left out, each fail it."""
-    img = REF["images"][name]
-    pixels, n, key = _prepared(tower, name)
-    enc = VisionEncoder(tower, Placement.single(get_backend(backend), tower.config.n_layer))
+    12x6 grid); Qwen3-VL's rows with its two deepstack layers' columns after the merger's, the tower run a layer
+    a stage (the columns carried between stages). Mutations: patches in row-major order (no 2x2 blocks), the
+    table resized without aligned corners, the RoPE turning every pair by the row, the second temporal kernel
+    left out, or a deepstack column taken before its layer's FFN, each fail it."""
+    ref, vm = FAMILIES[fam][2], towers[fam]
+    img = ref["images"][name]
+    pixels, n, key = _prepared(vm, name, ref)
+    enc = VisionEncoder(vm, Placement.single(get_backend(backend), vm.config.n_layer), slice_s=0.0)
     m = Media(0, n, key, pixels)
     enc.fill([m])
     want = np.asarray(img["rows"], np.float32)
     assert m.rows.shape == want.shape == tuple(img["shape"])
-    err = np.abs(m.rows - want).max() / np.abs(want).max()
-    assert err < ROWS_TOL, f"{backend} {name}: rows {err:.2e} off llama.cpp's"
+    e = FAMILIES[fam][2]["n_embd"] // (1 + len(vm.pconfig.deepstack))
+    for k in range(want.shape[1] // e):  # the merger's columns, then each deepstack layer's
+        err = np.abs(m.rows[:, k * e:(k + 1) * e] - want[:, k * e:(k + 1) * e]).max() / np.abs(want).max()
+        assert err < ROWS_TOL, f"{backend} {fam} {name} columns {k}: {err:.2e} off llama.cpp's"
 
 
 def test_projector_reads_the_file(tower):
@@ -70,7 +89,7 @@ def test_projector_reads_the_file(tower):
     assert c.projector == "qwen3vl_merger" and tower.proj is qwen3vl
     area = (c.patch_size * pc.n_merge) ** 2
     assert (pc.n_merge, pc.min_pixels, pc.max_pixels) == (2, 8 * area, 4096 * area)
-    assert pc.pos_table.shape == (8, 8, c.n_embd)
+    assert pc.pos_table.shape == (8, 8, c.n_embd) and pc.deepstack == ()
     assert (qwen3vl.BEGIN, qwen3vl.END) == ("<|vision_start|>", "<|vision_end|>")
     assert tower.bidirectional is REF["non_causal"] is False and REF["mrope"] is True
 
@@ -99,18 +118,24 @@ def test_resized_positions_interpolate_with_corners_aligned():
 
 # ---- prompts: tokens and M-RoPE positions as mtmd's ---------------------------------------
 
-def _images_of(case) -> list[np.ndarray]:
-    return [rgb(REF["images"][k]["recipe"]) for k in case["images"]]
+def _images_of(case, fam: str = "qwen35") -> list[np.ndarray]:
+    return [rgb(FAMILIES[fam][2]["images"][k]["recipe"]) for k in case["images"]]
 
 
-@pytest.fixture(scope="module", params=["cpu", "reference"])
+@pytest.fixture(scope="module", params=[(f, b) for f in FAMILIES for b in ("cpu", "reference")],
+                ids=lambda p: "-".join(p))
 def vision_session(request):
-    """The tiny model with its mmproj found beside it, F32 K/V as llama.cpp's record; 64-token steps, so that
-    the gradient's 64 rows span two chunks and the long prompt's text several."""
+    """(family, session): the tiny model with its mmproj found beside it, F32 K/V as llama.cpp's record;
+    64-token steps, so that the gradient's 64 rows span two chunks and the long prompt's text several."""
     from hearthlm import SyncSession
-    s = SyncSession(str(MODEL), backend=request.param, n_ctx=512, kv_cache_type="f32", max_batch_tokens=64)
-    yield s
+    fam, backend = request.param
+    s = SyncSession(str(FAMILIES[fam][0]), backend=backend, n_ctx=512, kv_cache_type="f32", max_batch_tokens=64)
+    yield fam, s
     s.close()
+
+
+def test_families_record_the_same_prompts():
+    assert all(sorted(ref["prompts"]) == sorted(REF["prompts"]) for _, _, ref in FAMILIES.values())
 
 
 @pytest.mark.parametrize("name", sorted(REF["prompts"]))
@@ -120,10 +145,10 @@ def test_prompt_tokens_and_positions_match_mtmd(vision_session, name):
     rows at (p0, p0 + y, p0 + x, 0), the text after it at p0 + max(nx, ny) (mtmd's n_pos), the same computed
     chunk by chunk; a text model without M-RoPE takes none. Mutations: an image advancing the position by its
     row count, or its grid transposed, each fail it."""
-    case = REF["prompts"][name]
-    s = vision_session.session
+    fam, ss = vision_session
+    case, s = FAMILIES[fam][2]["prompts"][name], ss.session
     assert s.model.n_pos == 4
-    ids, media = s._place_images(s._prompt_ids(case["text"], None, media=True), _images_of(case))
+    ids, media = s._place_images(s._prompt_ids(case["text"], None, media=True), _images_of(case, fam))
     want_ids, want_pos, p = [], [], 0
     for ch in case["chunks"]:
         if ch["type"] == "text":
@@ -151,7 +176,7 @@ def test_only_mrope_models_take_positions():
     not gemma3). Mutation: build_inputs adding it for every model fails it."""
     from hearthlm.model_zoo.model import load_model
     from hearthlm.runtime.batch import one_token
-    for path, n_pos in ((MODEL, 4), (DATA / "converted" / "gemma3-vision.gguf", 1)):
+    for path, n_pos in ((MODEL, 4), (FAMILIES["qwen3vl"][0], 4), (DATA / "converted" / "gemma3-vision.gguf", 1)):
         m = load_model(path)
         try:
             g = m.build_graph(one_token(n_state=2 if any(m.state_dims) else 0))
@@ -180,33 +205,38 @@ def _compare(case, c, tol: float) -> str | None:
 def test_prompts_match_llama_cpp(vision_session, name):
     """Greedy steps, top-5 and their log-probs (0.05 nats; see LOGPROB_TOL) on prompts with one image, two, an
     image between text, and 306 tokens of text after one, as libmtmd computes them. Mutations: the text model's
-    RoPE by sequence index (no M-RoPE positions), or the image rows attending both ways, each fail it."""
+    RoPE by sequence index (no M-RoPE positions), the image rows attending both ways, or (qwen3vl) deepstack
+    slice i + 1 added to layer i + 1, each fail it."""
     import golden
-    case = REF["prompts"][name]
-    c = vision_session.generate(case["text"], images=_images_of(case), max_tokens=len(case["greedy_ids"]),
-                                temperature=0, top_logprobs=5)
+    fam, ss = vision_session
+    case = FAMILIES[fam][2]["prompts"][name]
+    c = ss.generate(case["text"], images=_images_of(case, fam), max_tokens=len(case["greedy_ids"]), temperature=0,
+                    top_logprobs=5)
     assert c.prompt_tokens == sum(ch.get("n_tokens") or len(ch["tokens"]) for ch in case["chunks"])
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(golden, "TOP1_LOGPROB_TOL", 0.05)
-        why = _compare(case, c, LOGPROB_TOL.get(name, 0.05))
+        why = _compare(case, c, LOGPROB_TOL.get((fam, name), 0.05))
     assert why is None, why
 
 
+@pytest.mark.parametrize("fam", FAMILIES)
 @pytest.mark.parametrize("backend", ["cpu", "reference"])
-def test_text_side_with_llama_cpps_rows(backend):
+def test_text_side_with_llama_cpps_rows(backend, fam):
     """llama.cpp's own image rows (in a fresh session's encoder cache under the images' keys: no prefix
     computed from ours) give its log-probs within 0.01 nats at every step of every prompt: the text side
-    (positions, masks, recurrent layers over image rows) is llama.cpp's. Mutations: text after an image not
-    shifted by n_pos - n, or the rows' h and w components swapped, each fail it."""
+    (positions, masks, Qwen3.5's recurrent layers over image rows, Qwen3-VL's deepstack) is llama.cpp's.
+    Mutations: text after an image not shifted by n_pos - n, the rows' h and w components swapped, or the
+    deepstack slices added to no layer, each fail it."""
     from hearthlm import SyncSession
-    with SyncSession(str(MODEL), backend=backend, n_ctx=512, kv_cache_type="f32", max_batch_tokens=64) as ss:
+    model, _, ref = FAMILIES[fam]
+    with SyncSession(str(model), backend=backend, n_ctx=512, kv_cache_type="f32", max_batch_tokens=64) as ss:
         s = ss.session
         enc = s.engine.runner.vision
-        for k, im in REF["images"].items():
-            enc.cache.put(_prepared(s.vision, k)[2], np.asarray(im["rows"], np.float32))
+        for k, im in ref["images"].items():
+            enc.cache.put(_prepared(s.vision, k, ref)[2], np.asarray(im["rows"], np.float32))
         failures = []
-        for name, case in REF["prompts"].items():
-            c = ss.generate(case["text"], images=_images_of(case), max_tokens=len(case["greedy_ids"]),
+        for name, case in ref["prompts"].items():
+            c = ss.generate(case["text"], images=_images_of(case, fam), max_tokens=len(case["greedy_ids"]),
                             temperature=0, top_logprobs=5)
             why = _compare(case, c, 0.01)
             if why:
@@ -229,3 +259,22 @@ def test_mrope_requests_need_positions():
         check_media(req, True, mrope=True)
     req.media[0].positions, req.media[0].n_pos = grid_positions(3, 2)
     check_media(req, True, mrope=True)
+
+
+def test_deepstack_graph():
+    """Qwen3-VL's decoder graph with images takes rows 3 x 64 wide and adds slices 1 and 2 to layers 0 and 1
+    only; without images it reads no rows and adds nothing. Mutation: deepstack=0 in models/qwen3vl.py fails it."""
+    from hearthlm.model_zoo.model import load_model
+    from hearthlm.runtime.batch import BatchShape
+    m = load_model(FAMILIES["qwen3vl"][0])
+    try:
+        assert m.n_embd_inp == 192 and m.config.n_deepstack == 2
+        shape = BatchShape(n_tokens=8, n_seqs=1, max_blocks=1, n_out=1, n_slots=16, block_size=16, n_media=5)
+        g = m.build_graph(shape)
+        assert g.inputs["media_rows"].shape == (5, 192)
+        adds = [n for n in g.nodes if n.name == "deepstack"]
+        assert [(n.layer, n.params["start"], n.params["stop"]) for n in adds] == [(0, 64, 128), (1, 128, 192)]
+        plain = m.build_graph(BatchShape(n_tokens=8, n_seqs=1, max_blocks=1, n_out=1, n_slots=16, block_size=16))
+        assert "media_rows" not in plain.inputs and not any(n.name == "deepstack" for n in plain.nodes)
+    finally:
+        m.close()

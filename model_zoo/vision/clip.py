@@ -104,15 +104,18 @@ class VisionModel:
     proj: ModuleType          # model_zoo.vision.<projector>: build, preprocess, tokens, markers
     pconfig: Any              # the projector's own config (proj.Config)
     weights: dict[str, QWeight]
-    n_embd_out: int           # rows' width: the text model's n_embd
+    n_embd_out: int           # rows' width: the text model's n_embd (n_embd_inp: Qwen3-VL's are wider)
     digest: str               # the file's identity (image cache keys carry it)
     _views: dict = field(default_factory=dict, repr=False)
 
     def build_graph(self, shape: ImageBatch) -> Graph:
-        """The tower for `shape`: input "pixels" (B, 3, H, W); output 0 the image rows, (B * n, n_embd_out)."""
+        """The tower for `shape`: input "pixels" (B, 3, H, W); output 0 the image rows, (B * n, n_embd_out),
+        or a stage's output; more outputs where the projector returns (output, [columns...]): columns of
+        the rows computed on the way (Qwen3-VL's deepstack), which the encoder appends to them."""
         g = Graph()
         w = Weights(g, self.weights, 0, where=self.path, arch=f"{self.config.projector} projector", views=self._views)
-        g.outputs.append(self.proj.build(self.config, self.pconfig, g, w, shape))
+        out = self.proj.build(self.config, self.pconfig, g, w, shape)
+        g.outputs += [out[0], *out[1]] if isinstance(out, tuple) else [out]
         return g
 
     @property

@@ -3,7 +3,9 @@
 still image is two equal frames), patches taken in 2x2 blocks (each merged row's four together,
 clip.cpp's order), learned positions resized to the image's grid (bilinear, corners aligned), 2D
 RoPE in attention (ggml_rope_multi, vision mode) over fused Q|K|V; then the merger: the post
-LayerNorm, each 2x2 block's patches side by side, an MLP (GELU) into the text model's width.
+LayerNorm, each 2x2 block's patches side by side, an MLP (GELU) into the text model's width; Qwen3-VL's
+deepstack layers' outputs merged the same way (their own LayerNorm and MLP) as further columns of
+the rows, which its text model (models/qwen3vl.py) adds to its first layers.
 Images keep their aspect ratio (clip.cpp's dyn_size preprocessing: sides multiples of
 patch * merge, 8 to 4096 rows); their rows attend causally (mtmd_decode_use_non_causal is false),
 and an M-RoPE text model places them on their grid (runtime.request.grid_positions)."""
@@ -17,6 +19,7 @@ import numpy as np
 from hearthlm.core.errors import ModelLoadError
 from hearthlm.core.graph import F32, Graph, Tensor
 from hearthlm.core.weights import QWeight
+from hearthlm.model_zoo.blocks import build_layer_norm
 from hearthlm.model_zoo.rope import vision_rope
 from hearthlm.model_zoo.vision.preprocess import preprocess_dynamic, token_limits
 from hearthlm.model_zoo.vision.vit import build_tower, linear
@@ -34,15 +37,13 @@ class Config:
     min_pixels: int        # dyn_size's bounds on the resized image's area
     max_pixels: int
     pos_table: np.ndarray = field(repr=False)  # (side, side, n_embd) float32: v.position_embd as a grid
+    deepstack: tuple[int, ...] = ()  # layers whose output, merged by v.deepstack.{il}.*, joins the rows (Qwen3-VL)
 
     @classmethod
     def read(cls, c, md, weights, where: str) -> "Config":
         k = int(md.get("clip.vision.spatial_merge_size", 2))
         if k != 2:  # qwen3vl.cpp's merge and positions are written for 2x2
             raise ModelLoadError(f"{where}: clip.vision.spatial_merge_size {k}: the qwen3vl_merger projector merges 2x2")
-        if any(n.startswith("v.deepstack.") for n in weights):
-            raise ModelLoadError(f"{where}: this mmproj has deepstack layers (Qwen3-VL), whose features feed the "
-                                 "qwen3vl text architecture: not supported yet (Qwen3.5's tower has none)")
         for name in ("v.patch_embd.weight", "v.patch_embd.weight.1", "v.position_embd.weight"):
             if name not in weights:
                 raise ModelLoadError(f"{where}: tensor {name!r} is missing (qwen3vl_merger projector)")
@@ -57,7 +58,9 @@ class Config:
             raise ModelLoadError(f"{where}: v.position_embd.weight {table.shape} is not a square grid of "
                                  f"{c.n_embd}-wide rows")
         lo, hi = token_limits(MIN_TOKENS, MAX_TOKENS, patch_size=c.patch_size, n_merge=k)
-        return cls(n_merge=k, min_pixels=lo, max_pixels=hi, pos_table=table.reshape(side, side, c.n_embd))
+        deepstack = tuple(il for il in range(c.n_layer) if f"v.deepstack.{il}.fc1.weight" in weights)
+        return cls(n_merge=k, min_pixels=lo, max_pixels=hi, pos_table=table.reshape(side, side, c.n_embd),
+                   deepstack=deepstack)
 
 
 def _half(a: np.ndarray) -> np.ndarray:
@@ -76,9 +79,14 @@ def _floats(qw: QWeight, where: str) -> np.ndarray:
     return np.asarray(a, np.float32).reshape(qw.shape)
 
 
-def n_embd_out(c, pc: Config, weights) -> int:
+def _n_text(weights) -> int:
     t = weights.get("mm.2.weight")
     return int(t.shape[0]) if t is not None else 0
+
+
+def n_embd_out(c, pc: Config, weights) -> int:
+    """The rows' width: the text model's embedding, and one more slice per deepstack layer (its n_embd_inp)."""
+    return _n_text(weights) * (1 + len(pc.deepstack))
 
 
 def preprocess(c, pc: Config, pixels):
@@ -154,21 +162,41 @@ def _embed(c, g: Graph, w, *, n_images: int, height: int, width: int) -> tuple[T
     return x, g.input("seg", (n,)) if n_images > 1 else None
 
 
-def build(c, pc: Config, g: Graph, w, shape: ImageBatch) -> Tensor:
-    p, e = c.patch_size, c.n_embd
+def build(c, pc: Config, g: Graph, w, shape: ImageBatch) -> tuple[Tensor, list[Tensor]]:
+    """The rows (or a stage's output), and the deepstack features of this stage's layers: columns
+    of the rows, after the merger's (llama.cpp concatenates them so)."""
+    p = c.patch_size
     n = shape.n_images * (shape.height // p) * (shape.width // p)
     yx = g.input("patch_yx", (n, 4))
     r = vision_rope(c.head_dim)
+    n_text = _n_text(w.tensors) if w.tensors is not None else c.n_embd
+    columns: list[Tensor] = []
 
     def rope(q, k, il):
         return g.rope(q, yx, name="Qcur_rope", il=il, **r), g.rope(k, yx, name="Kcur_rope", il=il, **r)
 
-    x, last = build_tower(c, g, w, shape, embed=_embed, rope=rope)
+    def deepstack(x, il):  # a layer's output merged 2x2, LayerNorm'd, through its own MLP
+        if il in pc.deepstack:
+            f = _merged(c, pc, g, x)
+            f = build_layer_norm(g, f, w(f"v.deepstack.{il}.norm.weight", (f.shape[1],)),
+                                 w(f"v.deepstack.{il}.norm.bias", (f.shape[1],), optional=True), eps=c.eps,
+                                 name="deepstack_norm", il=il)
+            columns.append(_mlp(g, w, f, f"v.deepstack.{il}.fc1", f"v.deepstack.{il}.fc2", n_text, il))
+
+    x, last = build_tower(c, g, w, shape, embed=_embed, rope=rope, on_layer=deepstack)
     if not last:  # a stage of the tower (runtime.vision runs it a few layers at a time)
-        return x
+        return x, columns
+    return _mlp(g, w, _merged(c, pc, g, x), "mm.0", "mm.2", n_text, -1), columns
+
+
+def _merged(c, pc: Config, g: Graph, x: Tensor) -> Tensor:
+    """(n, E) -> (n / 4, 4E): each 2x2 block's patches side by side (they lie together: merge_order)."""
     k2 = pc.n_merge * pc.n_merge
-    x = g.reshape(x, (n // k2, k2 * e), "merged")  # each 2x2 block's patches side by side
+    return g.reshape(x, (x.shape[0] // k2, k2 * c.n_embd), "merged")
+
+
+def _mlp(g: Graph, w, x: Tensor, fc1: str, fc2: str, n_out: int, il: int) -> Tensor:
+    """fc2(GELU(fc1(x))), biases where the file has them (clip.cpp's FFN_GELU: ggml_gelu)."""
     L = lambda name, shape_, **kw: w(name, shape_, **kw)  # noqa: E731
-    n_text = n_embd_out(c, pc, w.tensors) if w.tensors is not None else e
-    x = g.gelu(linear(g, L, "mm.0", x, (k2 * e, k2 * e), -1), "mm_gelu")
-    return linear(g, L, "mm.2", x, (n_text, k2 * e), -1)
+    m = x.shape[1]
+    return linear(g, L, fc2, g.gelu(linear(g, L, fc1, x, (m, m), il), f"{fc1}_gelu", il), (n_out, m), il)

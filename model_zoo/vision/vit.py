@@ -26,28 +26,31 @@ def build_patches(c, g: Graph, w, *, n_images: int, height: int, width: int) -> 
     return x, seg
 
 
-def build_tower(c, g: Graph, w, shape, *, may_swap_ffn: bool = False, embed=None, rope=None) -> tuple[Tensor, bool]:
+def build_tower(c, g: Graph, w, shape, *, may_swap_ffn: bool = False, embed=None, rope=None,
+                on_layer=None) -> tuple[Tensor, bool]:
     """The tower, or the stage of it that `shape` (runtime.vision.ImageBatch) names: layers lo..hi,
     from the pixels where lo is 0, else from the previous stage's output (input "x"). Returns the
     output and whether it is the tower's last (post-LayerNorm'd: the projector follows).
     `embed(c, g, w, n_images=, height=, width=) -> (x, seg)`: the patch embedding (build_patches by
-    default); `rope(q, k, il) -> (q, k)`: RoPE inside attention (Qwen's 2D), where the tower has it."""
+    default); `rope(q, k, il) -> (q, k)`: RoPE inside attention (Qwen's 2D), where the tower has it;
+    `on_layer(x, il)`: sees each layer's output (Qwen3-VL's deepstack taps)."""
     p, hi = c.patch_size, c.n_layer if shape.hi < 0 else shape.hi
     n = shape.n_images * (shape.height // p) * (shape.width // p)
     if shape.lo == 0:
         x, seg = (embed or build_patches)(c, g, w, n_images=shape.n_images, height=shape.height, width=shape.width)
     else:
         x, seg = g.input("x", (n, c.n_embd), F32), g.input("seg", (n,)) if shape.n_images > 1 else None
-    x = build_vit(c, g, w, x, seg=seg, may_swap_ffn=may_swap_ffn, layers=range(shape.lo, hi), rope=rope)
+    x = build_vit(c, g, w, x, seg=seg, may_swap_ffn=may_swap_ffn, layers=range(shape.lo, hi), rope=rope,
+                  on_layer=on_layer)
     return x, hi == c.n_layer
 
 
 def build_vit(c, g: Graph, w, x: Tensor, *, seg: Tensor | None, may_swap_ffn: bool = False,
-              layers: range | None = None, rope=None) -> Tensor:
+              layers: range | None = None, rope=None, on_layer=None) -> Tensor:
     """The layers over patch embeddings x (n, n_embd) (`layers`: some of them, a stage), with the
     pre-LayerNorm before the first and the post-LayerNorm after the last where the file has them.
     may_swap_ffn: old mmproj files of some projectors (llama.cpp's is_ffn_swapped list) hold
-    ffn_up and ffn_down swapped, told by ffn_down's shape. `rope`: as build_tower's."""
+    ffn_up and ffn_down swapped, told by ffn_down's shape. `rope`, `on_layer`: as build_tower's."""
     e, eps = c.n_embd, c.eps
     layers = range(c.n_layer) if layers is None else layers
     pre = w("v.pre_ln.weight", (e,), optional=True) if layers.start == 0 else None
@@ -63,6 +66,8 @@ def build_vit(c, g: Graph, w, x: Tensor, *, seg: Tensor | None, may_swap_ffn: bo
                              name="ln2", il=il)
         swapped = may_swap_ffn and w.shape_of(f"v.blk.{il}.ffn_down.weight") == (c.n_ff, e)
         x = g.add(x, build_mlp(c, g, L, h, il=il, swapped=swapped), "layer_out", il)
+        if on_layer is not None:
+            on_layer(x, il)
     post = w("v.post_ln.weight", (e,), optional=True) if layers.stop == c.n_layer else None
     if post is not None:
         x = build_layer_norm(g, x, post, w("v.post_ln.bias", (e,), optional=True), eps=eps, name="post_ln")

@@ -2,10 +2,11 @@
 0.3.36 (never in CI; the files come from tests/parity/hf/make.py + convert.py, specs "gemma3-vision" and
 "qwen35-vision"):
 
-    /tmp/lcp-venv/bin/python tests/parity/record_vision.py [gemma3] [qwen35]
+    /tmp/lcp-venv/bin/python tests/parity/record_vision.py [gemma3] [qwen35] [qwen3vl]
 
-writes tests/data/vision_parity.json (Gemma 3) and vision_parity_qwen35.json (Qwen3.5, M-RoPE: each image
-chunk's decoder positions too, and n_past counts positions, not tokens):
+writes tests/data/vision_parity.json (Gemma 3), vision_parity_qwen35.json (Qwen3.5) and vision_parity_qwen3vl.json
+(Qwen3-VL, whose rows carry deepstack features: n_embd is the text model's input width); under M-RoPE each image
+chunk's decoder positions too, and n_past counts positions, not tokens:
 - "images": each image's recipe (rgb() below regenerates its pixels with numpy; their sha256 is kept to check
   that), and the rows mtmd_encode_chunk gives for it (n_tokens x n_embd, 6 significant digits);
 - "prompts": mtmd_tokenize's chunks (text ids, or an image's n_tokens, n_pos, grid and id), then greedy steps
@@ -55,6 +56,8 @@ FAMILIES = {  # name -> (model, mmproj, output, images, prompts)
     "gemma3": (MODEL, MMPROJ, OUT, IMAGES, PROMPTS),
     "qwen35": (DATA / "converted" / "qwen35-vision.gguf", DATA / "converted" / "qwen35-vision.mmproj.gguf",
                DATA / "vision_parity_qwen35.json", QWEN_IMAGES, QWEN_PROMPTS),
+    "qwen3vl": (DATA / "converted" / "qwen3vl-vision.gguf", DATA / "converted" / "qwen3vl-vision.mmproj.gguf",
+                DATA / "vision_parity_qwen3vl.json", QWEN_IMAGES, QWEN_PROMPTS),
 }
 SETTINGS = {"n_threads": 2, "n_ctx": 512, "n_batch": 512, "n_ubatch": 512, "flash_attn": False,
             "type_k": 0, "type_v": 0}  # GGML_TYPE_F32 = 0

@@ -128,6 +128,22 @@ SPECS = {
                                       video_token_id=6, tie_word_embeddings=False),
                           specials=QWEN_VISION_SPECIALS, tokens=CHATML_TOKENS, chat_template=CHATML,
                           extra_files=_qwen_processor(4, 2), convert_args_mmproj=["--mmproj"], **VISION_MTP),
+    # Qwen3-VL-4B's shape (#39): a qwen3 text model (head 16, interleaved M-RoPE sections 3, 3, 2; an untied head: peaked)
+    # under Qwen3VLForConditionalGeneration, a ViT like Qwen3.5's but 3 layers whose first two feed deepstack
+    # features into the text model's first two layers (the rows 3 x 64 wide)
+    "qwen3vl-vision": dict(config_class="Qwen3VLConfig", model_class="Qwen3VLForConditionalGeneration",
+                           tokenizer="bpe", pre="qwen2",
+                           config=dict(text_config=dict(hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+                                                        num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                                        max_position_embeddings=512, rms_norm_eps=1e-6,
+                                                        rope_parameters={"rope_type": "default", "rope_theta": 5e6,
+                                                                         "mrope_interleaved": True,
+                                                                         "mrope_section": [3, 3, 2]}),
+                                       vision_config=dict(QWEN35_VISION, depth=3, deepstack_visual_indexes=[0, 1]),
+                                       vision_start_token_id=3, vision_end_token_id=4, image_token_id=5,
+                                       video_token_id=6, tie_word_embeddings=False),
+                           specials=QWEN_VISION_SPECIALS, tokens=CHATML_TOKENS, chat_template=CHATML,
+                           extra_files=_qwen_processor(4, 2), convert_args_mmproj=["--mmproj"]),
     # Qwen3.5-35B-A3B's FFN: softmax top-k experts plus a sigmoid-gated shared expert
     "qwen35moe": dict(config_class="Qwen3_5MoeTextConfig", model_class="Qwen3_5MoeForCausalLM", tokenizer="bpe",
                       pre="qwen35", config=dict(QWEN35, moe_intermediate_size=8, shared_expert_intermediate_size=16,
