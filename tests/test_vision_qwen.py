@@ -278,3 +278,20 @@ def test_deepstack_graph():
         assert "media_rows" not in plain.inputs and not any(n.name == "deepstack" for n in plain.nodes)
     finally:
         m.close()
+
+
+@pytest.mark.parametrize("backend", ["cpu"])
+def test_prefix_reuse_keeps_positions(backend):
+    """The same prompt again reuses the KV blocks of its prefix (its image included: the placeholders carry the
+    image) and computes the rest at the shifted M-RoPE positions: llama.cpp's log-probs again. Mutation:
+    rope_positions ignoring the images before lo (a chunk past a cached image, or a decoding step, unshifted)
+    fails it."""
+    from hearthlm import SyncSession
+    model, _, ref = FAMILIES["qwen3vl"]
+    case = ref["prompts"]["two_images"]
+    with SyncSession(str(model), backend=backend, n_ctx=512, kv_cache_type="f32") as ss:
+        for run in range(2):
+            c = ss.generate(case["text"], images=_images_of(case, "qwen3vl"), max_tokens=len(case["greedy_ids"]),
+                            temperature=0, top_logprobs=5)
+            assert _compare(case, c, 0.05) is None, f"run {run}"
+        assert ss.session.engine.stats()["prefix_cache_hit_tokens"] >= 80
