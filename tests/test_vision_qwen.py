@@ -295,3 +295,23 @@ def test_prefix_reuse_keeps_positions(backend):
                             temperature=0, top_logprobs=5)
             assert _compare(case, c, 0.05) is None, f"run {run}"
         assert ss.session.engine.stats()["prefix_cache_hit_tokens"] >= 80
+
+
+def test_images_of_one_size_encode_together(towers):
+    """Two images of one size in one graph give what each gives alone (each patch's merge index, position row
+    and RoPE position offset to its image; attention within it), Qwen3-VL's columns too. Mutation: the merge
+    order not offset past the first image fails it."""
+    vm = towers["qwen3vl"]
+    a = _prepared(vm, "gradient", FAMILIES["qwen3vl"][2])[0]
+    b = vm.prepare(load_image(np.random.default_rng(5).integers(0, 256, (64, 64, 3), dtype=np.uint8)))[0]
+    alone = []
+    for k, px in ((b"a", a), (b"b", b)):
+        m = Media(0, 64, k, px)
+        VisionEncoder(vm, Placement.single(get_backend("cpu"), vm.config.n_layer)).fill([m])
+        alone.append(m.rows)
+    both = [Media(0, 64, b"a", a), Media(0, 64, b"b", b)]
+    enc = VisionEncoder(vm, Placement.single(get_backend("cpu"), vm.config.n_layer), slice_s=0.0)
+    enc.fill(both)
+    assert enc.images_encoded == 2
+    for m, want in zip(both, alone):
+        np.testing.assert_allclose(m.rows, want, rtol=1e-4, atol=1e-5)
