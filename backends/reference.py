@@ -61,14 +61,16 @@ def silu(x: np.ndarray) -> np.ndarray:
 
 
 def rope(x: np.ndarray, pos: np.ndarray, n_rot: int, base: float, freq_scale: float, neox: bool,
-         freqs=None, mscale: float = 1.0) -> np.ndarray:
+         freqs=None, mscale: float = 1.0, comps=None) -> np.ndarray:
     """x (n_tokens, n_heads, head_dim); rotates the first n_rot dims of each head. `freqs`
     (n_rot/2 per-dimension frequencies) replaces base and freq_scale where given (scaled RoPE);
-    `mscale` scales cos and sin."""
+    `mscale` scales cos and sin. `comps` (n_rot/2): pos is (n_tokens, P) and pair i turns by
+    component comps[i] (multi-position RoPE)."""
     half = n_rot // 2
     inv_freq = (np.asarray(freqs, np.float64) if freqs is not None
                 else freq_scale * base ** (-np.arange(half, dtype=np.float64) * 2.0 / n_rot))
-    theta = pos.astype(np.float64)[:, None] * inv_freq[None, :]  # (n_tokens, half)
+    p = pos[:, list(comps)] if comps is not None else pos[:, None]  # (n_tokens, half) or (n_tokens, 1)
+    theta = p.astype(np.float64) * inv_freq[None, :]  # (n_tokens, half)
     cos, sin = mscale * np.cos(theta)[:, None, :], mscale * np.sin(theta)[:, None, :]
     out = x.astype(np.float32).copy()
     if neox:
@@ -84,7 +86,8 @@ def rope(x: np.ndarray, pos: np.ndarray, n_rot: int, base: float, freq_scale: fl
 
 def _rope(n, x, pos):
     p = n.params
-    return rope(x, pos, p["n_rot"], p["base"], p["freq_scale"], p["neox"], p.get("freqs"), p.get("mscale", 1.0))
+    return rope(x, pos, p["n_rot"], p["base"], p["freq_scale"], p["neox"], p.get("freqs"), p.get("mscale", 1.0),
+                p.get("comps"))
 
 
 def attention(q, k_cache, v_cache, tok_seq, tok_pos, block_table, seq_len=None, *, scale, block_size, window,

@@ -1,5 +1,6 @@
 """Kernels that numpy and cupy run alike (each backend passes its array module): the vision
-towers' ops, whose work is a reshape or a few large matrix products (BLAS / cuBLAS)."""
+towers' ops, whose work is a reshape or a few large matrix products (BLAS / cuBLAS), and
+multi-position RoPE (a few elementwise passes)."""
 from __future__ import annotations
 
 # one head's score matrix at most this many floats at once (SigLIP at 896 px: 4096^2 = 64 MB)
@@ -50,3 +51,22 @@ def attn_full(q, k, v, seg, xp, *, scale: float, dtype=None):
             s /= s.sum(axis=-1, keepdims=True)
             out[lo:hi, h0:hs.stop] = xp.matmul(s, vv).transpose(1, 0, 2)
     return out.reshape(n, n_head * dv)
+
+
+def rope_multi(x, pos, xp, *, n_rot: int, base: float, freq_scale: float, neox: bool, comps, freqs=None,
+               mscale: float = 1.0):
+    """Multi-position RoPE (core.graph's rope with `comps`): x (n, H, d) float32, pos (n, P) int;
+    pair i of the first n_rot dims (i, i + n_rot/2 with neox, else 2i, 2i + 1) turns by
+    pos[t, comps[i]] * freqs[i] (freqs: scaled RoPE's, else freq_scale * base^(-2i/n_rot)), cos
+    and sin times mscale; the other dims pass. float64 angles and products, as the reference."""
+    half = n_rot // 2
+    inv = (xp.asarray(freqs, dtype=xp.float64) if freqs is not None
+           else freq_scale * base ** (-2.0 * xp.arange(half, dtype=xp.float64) / n_rot))
+    theta = pos[:, list(comps)].astype(xp.float64) * inv[None, :]  # (n, half)
+    c, s = (mscale * xp.cos(theta))[:, None, :], (mscale * xp.sin(theta))[:, None, :]
+    i0, i1 = (slice(0, half), slice(half, n_rot)) if neox else (slice(0, n_rot, 2), slice(1, n_rot, 2))
+    x0, x1 = x[..., i0].astype(xp.float64), x[..., i1].astype(xp.float64)
+    out = x.astype(xp.float32, copy=True)
+    out[..., i0] = x0 * c - x1 * s
+    out[..., i1] = x0 * s + x1 * c
+    return out

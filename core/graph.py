@@ -159,6 +159,13 @@ F32 = np.dtype(np.float32)
 I32 = np.dtype(np.int32)
 
 
+def _rope_pos_fits(pos: Tensor, n_rot: int, comps) -> bool:
+    """One position per token, or (multi-position RoPE) components each rotated pair picks one of."""
+    if comps is None:
+        return len(pos.shape) == 1
+    return len(pos.shape) == 2 and len(comps) == n_rot // 2 and all(0 <= c < pos.shape[1] for c in comps)
+
+
 class Graph:
     """Builds nodes; `outputs` are the nodes whose values the caller wants back."""
 
@@ -233,12 +240,17 @@ class Graph:
 
     def rope(self, x: Tensor, pos: Tensor, *, n_rot: int, base: float, freq_scale: float = 1.0,
              neox: bool, name: str, il: int = -1, freqs: tuple[float, ...] | None = None,
-             mscale: float = 1.0) -> Tensor:
+             mscale: float = 1.0, comps: tuple[int, ...] | None = None) -> Tensor:
         """`freqs` (n_rot/2) replace base and freq_scale (scaled RoPE: theta_i = pos * freqs[i]),
-        `mscale` multiplies cos and sin; both are left out of params when unused."""
+        `mscale` multiplies cos and sin; both are left out of params when unused. `comps` (n_rot/2):
+        multi-position RoPE (ggml_rope_multi: M-RoPE, its interleaved and vision forms), pos being
+        (n_tokens, P) position components and pair i rotated by pos[t, comps[i]] (model_zoo.rope)."""
         assert len(x.shape) == 3 and n_rot <= x.shape[2] and (freqs is None or len(freqs) == n_rot // 2)
+        assert _rope_pos_fits(pos, n_rot, comps), f"{name}: positions {pos.shape}, comps {comps}"
         extra = {} if freqs is None and mscale == 1.0 else dict(
             freqs=None if freqs is None else tuple(float(f) for f in freqs), mscale=float(mscale))
+        if comps is not None:
+            extra["comps"] = tuple(int(c) for c in comps)
         return self._add(Op.ROPE, (x, pos), x.shape, name, il, n_rot=int(n_rot), base=float(base),
                          freq_scale=float(freq_scale), neox=bool(neox), **extra)
 
@@ -384,6 +396,7 @@ class Graph:
 
     def rope_set_rows(self, cache: Tensor, x: Tensor, pos: Tensor, slots: Tensor, *, name: str, il: int = -1,
                       **rope) -> Tensor:
+        assert _rope_pos_fits(pos, rope["n_rot"], rope.get("comps")), f"{name}: positions {pos.shape}"
         return self._add(Op.ROPE_SET_ROWS, (cache, x, pos, slots), cache.shape, name, il, **rope)
 
     def copy(self, x: Tensor, *, src: str, dst: str) -> Tensor:

@@ -23,10 +23,18 @@ class Inputs:
     seq_len: Tensor | None = None     # (n_tokens,) the length of each token's sequence (encoders: non-causal);
                                       # causal with images: each token's horizon, its last visible position + 1
     causal: bool = True
+    # (n_tokens, n_pos) M-RoPE's position components (t, h, w, e) of each token: (p, p, p, 0) for text,
+    # an image's grid for its rows, later text shifted by what images take; `pos` stays the sequence
+    # index (KV slot order) that masks read. None where the model's RoPE has one position.
+    rope_pos: Tensor | None = None
+    # (n_tokens, n_embd_inp) each token's image row (zeros for text) where the step has images and the rows
+    # are wider than n_embd (Qwen3-VL's deepstack slices, added to early layers' outputs)
+    media: Tensor | None = None
 
 
-def build_inputs(g: Graph, shape: BatchShape, *, causal: bool = True) -> Inputs:
-    """The step's inputs; causal=False (an encoder): attention sees each token's whole sequence."""
+def build_inputs(g: Graph, shape: BatchShape, *, causal: bool = True, n_pos: int = 1) -> Inputs:
+    """The step's inputs; causal=False (an encoder): attention sees each token's whole sequence;
+    n_pos > 1: the "rope_pos" input of M-RoPE (model_zoo.rope.Rope.n_pos)."""
     inp = Inputs(
         tokens=g.input("tokens", (shape.n_tokens,)),
         pos=g.input("pos", (shape.n_tokens,)),
@@ -41,6 +49,8 @@ def build_inputs(g: Graph, shape: BatchShape, *, causal: bool = True) -> Inputs:
         inp.state_slot = g.input("state_slot", (shape.n_seqs,))
     if not causal or shape.n_media:
         inp.seq_len = g.input("seq_len", (shape.n_tokens,))
+    if n_pos > 1:
+        inp.rope_pos = g.input("rope_pos", (shape.n_tokens, n_pos))
     inp.causal = causal
     return inp
 
@@ -63,18 +73,33 @@ def build_conv(g: Graph, inp: Inputs, x: Tensor, w: Tensor, *, il: int, bias: Te
     return g.silu(y, f"{name}_silu", il) if act == "silu" else y
 
 
-def build_inp_embd(g: Graph, tok_embd: Tensor, inp: Inputs, *, scale: float | None = None) -> Tensor:
+def build_inp_embd(g: Graph, tok_embd: Tensor, inp: Inputs, *, scale: float | None = None,
+                   n_embd_inp: int | None = None) -> Tensor:
     """Token embeddings (times `scale`); where the step has images, their rows in place of the
     placeholder tokens' (unscaled, as llama.cpp takes embeddings input): "media_rows" holds them
-    after a zero row, "media_at" each token's row there (0: a token), "text_mask" 1 for a token."""
+    after a zero row, "media_at" each token's row there (0: a token), "text_mask" 1 for a token.
+    `n_embd_inp`: the rows' width where wider than the embeddings (the first n_embd are the
+    embedding; inp.media keeps the whole rows, build_deepstack reads the rest)."""
     x = g.get_rows(tok_embd, inp.tokens, "inp_embd")  # (n_tokens, n_embd)
     x = g.scale(x, scale, "inp_scaled") if scale is not None else x
-    n, m = inp.shape.n_tokens, inp.shape.n_media
+    n, m, e = inp.shape.n_tokens, inp.shape.n_media, tok_embd.shape[1]
     if not m:
         return x
-    rows = g.input("media_rows", (m, tok_embd.shape[1]), F32)
+    rows = g.input("media_rows", (m, n_embd_inp or e), F32)
     text = g.mul(x, g.input("text_mask", (n, 1), F32), "inp_text")
-    return g.add(text, g.get_rows(rows, g.input("media_at", (n,)), "inp_media"), "inp_spliced")
+    img = g.get_rows(rows, g.input("media_at", (n,)), "inp_media")  # (n_tokens, n_embd_inp)
+    if img.shape[1] > e:
+        inp.media, img = img, g.slice(img, 0, e, "inp_media_embd")
+    return g.add(text, img, "inp_spliced")
+
+
+def build_deepstack(g: Graph, x: Tensor, inp: Inputs, *, il: int) -> Tensor:
+    """x plus slice il + 1 of each token's image row (Qwen3-VL's deepstack; text tokens' rows are
+    zeros); x itself where the step has no images."""
+    if inp.media is None:
+        return x
+    e = x.shape[1]
+    return g.add(x, g.slice(inp.media, (il + 1) * e, (il + 2) * e, "deepstack", il), "deepstack_out", il)
 
 
 def build_norm(g: Graph, x: Tensor, weight: Tensor, *, eps: float, name: str, il: int = -1) -> Tensor:
@@ -111,8 +136,11 @@ def build_qkv(g: Graph, x: Tensor, *, il: int, n_head: int, n_head_kv: int, head
 
 
 def build_rope(g: Graph, x: Tensor, inp: Inputs, rope: Rope, *, name: str, il: int) -> Tensor:
-    """RoPE on (n_tokens, heads, head_dim) with the model's scaling (see model_zoo.rope)."""
-    return g.rope(x, inp.pos, name=name, il=il, **rope.params())
+    """RoPE on (n_tokens, heads, head_dim) with the model's scaling (see model_zoo.rope); M-RoPE
+    turns by the position components (inp.rope_pos), not the sequence index."""
+    p = rope.params()
+    assert "comps" not in p or inp.rope_pos is not None, f"{name}: M-RoPE needs build_inputs(n_pos=...)"
+    return g.rope(x, inp.rope_pos if "comps" in p else inp.pos, name=name, il=il, **p)
 
 
 def build_qk_norm_rope(g: Graph, q: Tensor, k: Tensor, inp: Inputs, rope: Rope | None, *, il: int,

@@ -112,6 +112,7 @@ class HParams:
     PER_LAYER_KV_HEADS: ClassVar[bool] = False  # True: builds with n_head_kv_of(il), so the counts may differ
     NORM_EPS: ClassVar[float] = 1e-5
     ROPE_BASE: ClassVar[float] = 10000.0
+    MROPE: ClassVar[str] = ""             # the M-RoPE kind (model_zoo.rope.MROPE_KINDS) of llama.cpp's rope type
 
     @classmethod
     def from_gguf(cls, md: Mapping[str, Any], arch: str) -> "HParams":
@@ -133,7 +134,7 @@ class HParams:
                     n_ff=max(ff_layers) if ff_layers else r.opt("feed_forward_length", 0), n_ctx_train=r.need("context_length"),
                     norm_eps=r.opt("attention.layer_norm_rms_epsilon", cls.NORM_EPS, float),
                     rope=Rope.from_gguf(r, n_rot=r.opt("rope.dimension_count", head_dim), neox=cls.NEOX,
-                                        base=cls.ROPE_BASE),
+                                        base=cls.ROPE_BASE, mrope=cls.MROPE),
                     sliding_window=r.get("attention.sliding_window", 0, positive=False))  # phi3 writes 0: none
         return cls(**base, **cls.read(r))
 
@@ -148,6 +149,12 @@ class HParams:
                 raise ModelLoadError(f"head_count {self.n_head} is not a multiple of head_count_kv {h}")
         if self.rope.n_rot > self.head_dim or self.rope.n_rot % 2:
             raise ModelLoadError(f"rope.dimension_count {self.rope.n_rot} does not fit head dim {self.head_dim}")
+
+    @property
+    def n_embd_inp(self) -> int:
+        """The width of an embedding input (an image's rows): n_embd, wider where they carry more
+        (llama.cpp's n_embd_inp: Qwen3-VL's deepstack slices)."""
+        return self.n_embd
 
     def layer_memory(self) -> list[LayerMemory]:
         """Per layer, what it keeps between steps (core.layer_memory): the one declaration the KV

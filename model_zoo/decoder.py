@@ -12,6 +12,7 @@ from hearthlm.core.graph import Graph, Tensor
 from hearthlm.model_zoo.blocks import (
     Inputs,
     build_attn,
+    build_deepstack,
     build_ffn,
     build_inp_embd,
     build_inputs,
@@ -50,6 +51,7 @@ class Decoder:
     final_softcap: float = 0.0
     logit_scale: float = 1.0  # the logits divided by it (Granite)
     out_norm: tuple[str, ...] = ("output_norm.weight",)  # the final norm's name (and a fallback: LFM2)
+    deepstack: int = 0        # the first layers whose outputs take a slice of each image row (Qwen3-VL)
     # an embedder (gemma-embedding): no LM head; (g, w, h) -> each token's normed state projected
     embed_out: Callable | None = None
 
@@ -57,8 +59,9 @@ class Decoder:
 def build_decoder(c: HParams, g: Graph, w, shape: BatchShape, d: Decoder = Decoder()) -> Tensor:
     """The forward pass; returns the logits."""
     e, eps = c.n_embd, c.norm_eps
-    inp = build_inputs(g, shape, causal=c.CAUSAL)
-    x = build_inp_embd(g, w("token_embd.weight", (w.n_vocab, e)), inp, scale=d.embd_scale)
+    inp = build_inputs(g, shape, causal=c.CAUSAL, n_pos=c.rope.n_pos)
+    x = build_inp_embd(g, w("token_embd.weight", (w.n_vocab, e)), inp, scale=d.embd_scale,
+                       n_embd_inp=e * (1 + d.deepstack))
     for il in range(c.n_layer):
         L = w.layer(il)
         h = build_norm(g, x, L("attn_norm.weight", (e,)), eps=eps, name="attn_norm", il=il) if d.pre_norm else x
@@ -72,6 +75,8 @@ def build_decoder(c: HParams, g: Graph, w, shape: BatchShape, d: Decoder = Decod
             down=L("ffn_down.weight", (e, c.n_ff)), act=d.act)
         x = _residual(g, x, h, d, il, eps=eps, post=L("post_ffw_norm.weight", (e,)) if d.post_norm else None,
                       post_name="ffn_post_norm", name="l_out")
+        if il < d.deepstack:
+            x = build_deepstack(g, x, inp, il=il)
     if d.embed_out is not None:  # the encoder's outputs (model_zoo.encoder): the rows' states, every token's
         h = d.embed_out(g, w, build_norm(g, x, w(d.out_norm[0], (e,)), eps=eps, name="result_norm"))
         if shape.embd:

@@ -59,6 +59,16 @@ class Model:
         return self.config.CAUSAL
 
     @property
+    def n_embd_inp(self) -> int:
+        """The width of an image's rows the graphs take (n_embd, or wider: Qwen3-VL's deepstack)."""
+        return self.config.n_embd_inp
+
+    @property
+    def n_pos(self) -> int:
+        """Position components per token the graphs take (the "rope_pos" input): M-RoPE's 4, else 1."""
+        return self.config.rope.n_pos
+
+    @property
     def eog_ids(self) -> frozenset[int]:
         return self.tokenizer.eog_ids
 

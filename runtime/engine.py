@@ -144,7 +144,7 @@ class Engine:
             raise InvalidRequestError("speculative decoding needs a model whose layers all keep a KV cache: "
                                       "a recurrent state cannot be rolled back past rejected drafts")
         if req.media:
-            check_media(req, self.runner.vision is not None)
+            check_media(req, self.runner.vision is not None, mrope=self.runner.n_pos > 1)
         bad = [t for i, t in enumerate(req.prompt) if not 0 <= t < self.model.n_vocab and not req.in_media(i)]
         if bad:
             raise InvalidRequestError(f"token id {bad[0]} is outside the vocabulary (0..{self.model.n_vocab - 1})")

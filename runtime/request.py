@@ -48,10 +48,41 @@ class Media:
     pixels: np.ndarray | None     # preprocessed (3, H, W) float32, what the tower takes
     bidirectional: bool = False   # its rows attend to each other both ways (computed in one chunk)
     rows: np.ndarray | None = None  # (n, n_embd), once encoded
+    # M-RoPE (a text model whose RoPE takes position components): each row's (t, h, w) past the
+    # image's first position (grid_positions), and the positions the image takes, n_pos, which
+    # later tokens are shifted by (mtmd's n_pos: max(nx, ny), not n). None: positions as tokens.
+    positions: np.ndarray | None = None
+    n_pos: int = 0
 
     @property
     def end(self) -> int:
         return self.start + self.n
+
+
+def grid_positions(nx: int, ny: int) -> tuple[np.ndarray, int]:
+    """An image of ny rows of nx tokens (row-major) under M-RoPE (mtmd_image_tokens_get_decoder_pos):
+    each row's (t, h, w) offsets (0, y, x), and the positions it takes, max(nx, ny)."""
+    y, x = np.divmod(np.arange(nx * ny, dtype=np.int32), nx)
+    return np.stack([np.zeros_like(x), y, x], axis=1), max(nx, ny)
+
+
+def rope_positions(media: list[Media], lo: int, hi: int, n_pos: int = 4) -> np.ndarray:
+    """(hi - lo, n_pos) int32: the M-RoPE position components (t, h, w, e) of a request's tokens
+    lo .. hi (llama.cpp's pos for an M-RoPE batch): text at (p, p, p, 0) where p is the token's
+    index shifted by what the images before it take less their rows; an image's rows at its first
+    position p0 plus their offsets (p0 + t, p0 + h, p0 + w, 0)."""
+    idx = np.arange(lo, hi, dtype=np.int64)
+    p, text = idx.copy(), np.ones(hi - lo, bool)
+    out = np.zeros((hi - lo, n_pos), np.int32)
+    for m in media:  # in prompt order
+        if m.positions is None:
+            continue
+        inside = (idx >= m.start) & (idx < m.end)
+        out[inside, :3] = p[inside, None] - (idx[inside, None] - m.start) + m.positions[idx[inside] - m.start]
+        text &= ~inside
+        p[idx >= m.end] += m.n_pos - m.n
+    out[text, :3] = p[text, None]
+    return out
 
 
 def placeholder_ids(key: bytes, n: int) -> list[int]:
@@ -182,9 +213,9 @@ class Request:
         return self.n_total - self.n_computed
 
 
-def check_media(req: Request, vision: bool) -> None:
+def check_media(req: Request, vision: bool, mrope: bool = False) -> None:
     """A request's images: for a session with a vision tower, in kinds that take them, without a
-    draft model, in order inside the prompt."""
+    draft model, in order inside the prompt; for an M-RoPE text model, each with its rows' positions."""
     if not vision:
         raise InvalidRequestError("this session has no vision tower (mmproj): it cannot take images")
     if req.kind not in (Kind.GENERATE, Kind.SCORE, Kind.PREFILL):
@@ -195,4 +226,7 @@ def check_media(req: Request, vision: bool) -> None:
     for m in req.media:
         if m.start < end or m.end > len(req.prompt) or m.n <= 0 or m.pixels is None and m.rows is None:
             raise InvalidRequestError(f"an image's rows {m.start}..{m.end} overlap another's or leave the prompt")
+        if mrope and (m.positions is None or m.positions.shape != (m.n, 3) or m.n_pos <= 0):
+            raise InvalidRequestError(f"the image at {m.start}..{m.end} has no grid positions (n, 3) and n_pos, "
+                                      "which this model's M-RoPE places its rows by (request.grid_positions)")
         end = m.end

@@ -23,7 +23,7 @@ from hearthlm.runtime.graph_cache import FINE_UP_TO, GraphCache, bucket
 from hearthlm.runtime.kv_cache import KVCache, kv_layout
 from hearthlm.runtime.placement import Placement
 from hearthlm.runtime.prompt_cache import PromptCache
-from hearthlm.runtime.request import Kind
+from hearthlm.runtime.request import Kind, rope_positions
 from hearthlm.runtime.seq_memory import SequenceMemory, StateCache
 from hearthlm.runtime.threads import ThreadTuner
 
@@ -94,9 +94,10 @@ class ModelRunner:
         (a draft model's runner runs on whatever its target's last picked). `vision`: a
         runtime.vision.VisionEncoder, where requests bring images."""
         self.placement, self.memory, self.vision = placement, memory, vision
-        self.n_embd = model.config.n_embd if vision is not None else 0
+        self.n_embd = getattr(model, "n_embd_inp", model.config.n_embd) if vision is not None else 0  # rows' width
         self._since_encode = 0.0  # seconds of forward passes since an image's last encoding stage
         self.causal = getattr(model, "causal", True)
+        self.n_pos = getattr(model, "n_pos", 1)  # > 1: M-RoPE, position components fed as "rope_pos"
         self.max_blocks = -(-n_ctx // memory.block_size)  # block-table width at most; bucketed per step
         self.max_batch_tokens, self.max_seqs = max_batch_tokens, max_seqs
         self.graphs = GraphCache(memory.kv.typed(model.build_graph), placement, fusion_on=fusion, enabled=graph_cache,
@@ -168,6 +169,7 @@ class ModelRunner:
         # recurrent layers: each row's token range, and its state slot (padding rows: empty, scratch slot 0)
         seq_off, state_slot = np.full(n_seqs + 1, plan.n_tokens, np.int32), np.zeros(n_seqs, np.int32)
         seq_len = np.ones(n_pad, np.int32)  # encoders: each token sees its sequence's first seq_len positions
+        rope_pos = np.zeros((n_pad, self.n_pos), np.int32) if self.n_pos > 1 else None
         out_rows, off = [], 0
         for i, s in enumerate(plan.seqs):
             r, k = s.req, s.n_tokens
@@ -177,6 +179,8 @@ class ModelRunner:
             if r.media:  # an image's placeholder ids (negative) read token 0's row, then replaced
                 np.maximum(tokens[off:off + k], 0, out=tokens[off:off + k])
             pos[off:off + k] = p
+            if rope_pos is not None:  # after an image, no longer the sequence index
+                rope_pos[off:off + k] = rope_positions(r.media, r.n_computed, r.n_computed + k, self.n_pos)
             tok_seq[off:off + k] = i
             slots[off:off + k] = blocks[p // bs] * bs + p % bs
             block_table[i, :len(blocks)] = blocks
@@ -190,6 +194,8 @@ class ModelRunner:
         feed = dict(tokens=tokens, pos=pos, tok_seq=tok_seq, slots=slots, block_table=block_table,
                     seq_off=seq_off, state_slot=state_slot, seq_len=seq_len,
                     out_rows=np.asarray(out_rows + [0] * (shape.n_out - len(out_rows)), np.int32))
+        if rope_pos is not None:
+            feed["rope_pos"] = rope_pos
         if shape.n_media:
             self._media_inputs(feed, shape, media)
         return feed, shape

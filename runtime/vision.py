@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -67,14 +67,17 @@ class _Job:
     pixels: np.ndarray        # (B, 3, H, W)
     x: np.ndarray | None = None
     layer: int = 0            # the next stage starts at this layer
+    feed: dict | None = None  # the graph's inputs but "x", made at its first stage
+    columns: list = field(default_factory=list)  # the stages' further outputs: columns appended to the rows
 
 
 class VisionEncoder:
     def __init__(self, tower: Any, placement: Placement, *, cache_bytes: int = 256 << 20,
                  fusion: bool | None = None, slice_s: float = SLICE_S) -> None:
         """`tower` provides build_graph(ImageBatch) -> Graph (input "pixels", or a stage's "x";
-        output the rows, or the stage's activations), inputs(pixels (B, 3, H, W)) -> the graph's
-        other inputs, and config.n_layer; it runs on `placement`."""
+        output the rows, or the stage's activations, then any columns to append to the rows),
+        inputs(pixels (B, 3, H, W)) -> the graph's other inputs, and config.n_layer; it runs on
+        `placement`."""
         self.tower, self.n_layer = tower, tower.config.n_layer
         self.graphs = GraphCache(tower.build_graph, placement, fusion_on=fusion, max_graphs=64)
         self.cache = EncoderCache(cache_bytes)
@@ -158,10 +161,13 @@ class VisionEncoder:
             max(1, int(self.slice_s / per_layer))
         hi = min(job.layer + n, self.n_layer)
         cg = self.graphs.get(ImageBatch(b, h, w, job.layer, -1 if hi == self.n_layer else hi))
-        feed = {"pixels": job.pixels, **self.tower.inputs(job.pixels)}
+        if job.feed is None:  # the tower's own inputs (positions, a resized table) once per job
+            job.feed = {"pixels": job.pixels, **self.tower.inputs(job.pixels)}
+        feed = dict(job.feed)
         if job.x is not None:
             feed["x"] = job.x
-        out = execute(cg, feed, _no_cache)[0]
+        out, *columns = execute(cg, feed, _no_cache)
+        job.columns += columns
         dt = self.last_stage_s = time.perf_counter() - t0
         if job.layer == 0 and hi < self.n_layer:  # the first stage times a layer (its patch embedding too)
             self._layer_s[(b, h, w)] = dt / (hi - job.layer)
@@ -170,6 +176,8 @@ class VisionEncoder:
         if hi < self.n_layer:
             return
         self._jobs.remove(job)
+        if job.columns:  # the rows, then what earlier layers computed for them (Qwen3-VL's deepstack)
+            out = np.concatenate([out, *job.columns], axis=1)
         per = out.reshape(b, -1, out.shape[-1])
         for (key, ms), rows in zip(job.media.items(), per):
             if rows.shape[0] != ms[0].n:

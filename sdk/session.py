@@ -31,7 +31,7 @@ from hearthlm.runtime import constraint
 from hearthlm.runtime.devices import open_device
 from hearthlm.runtime.engine import Engine
 from hearthlm.runtime.placement import offload
-from hearthlm.runtime.request import Kind, Media, Request, ThinkBudget, placeholder_ids
+from hearthlm.runtime.request import Kind, Media, Request, ThinkBudget, grid_positions, placeholder_ids
 from hearthlm.runtime.sampling import SamplingParams
 from hearthlm.runtime.weight_cache import WeightCache, cache_dir
 from hearthlm.tools import ToolOutput, ToolPlan
@@ -586,7 +586,8 @@ class Session:
 
     def _place_images(self, ids: list[int], sources: list[Any]) -> tuple[list[int], list[Media]]:
         """Each MEDIA_ID in ids becomes the projector's begin marker, the image's placeholder ids
-        and its end marker (mtmd_tokenize); the images decoded and preprocessed."""
+        and its end marker (mtmd_tokenize); the images decoded and preprocessed; under an M-RoPE
+        text model each image's rows placed on its grid (mtmd's M-RoPE positions)."""
         from hearthlm.model_zoo.vision.image import ImageLimits, load_image  # Pillow, loaded by the first image
         vm, tok, lim = self.vision, self.model.tokenizer, self._media_opts
         places = [i for i, t in enumerate(ids) if t == MEDIA_ID]
@@ -605,7 +606,9 @@ class Session:
             if n >= self.n_ctx:  # an image is computed whole in one step: its rows must fit the context
                 raise ContextLengthError(f"image {k + 1} is {n} rows; the context holds {self.n_ctx} tokens")
             out += ids[last:at] + begin
-            media.append(Media(len(out), n, key, pixels, bidirectional=vm.bidirectional))
+            positions, n_pos = grid_positions(*vm.grid(pixels)) if self.model.n_pos > 1 else (None, 0)
+            media.append(Media(len(out), n, key, pixels, bidirectional=vm.bidirectional, positions=positions,
+                               n_pos=n_pos))
             out += placeholder_ids(key, n) + end
             last = at + 1
         return out + ids[last:], media
@@ -623,7 +626,7 @@ def _open_vision(m: Model, path, mmproj):
     found = Path(mmproj) if mmproj else find_mmproj(path)
     if found is None:
         return None
-    vm = load_mmproj(found, n_embd_text=m.config.n_embd)
+    vm = load_mmproj(found, n_embd_text=m.n_embd_inp)
     try:
         vm.check_text_model(m)
     except BaseException:

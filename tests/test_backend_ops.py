@@ -24,6 +24,7 @@ from gguf.constants import GGMLQuantizationType as T
 from hearthlm.backends import get_backend
 from hearthlm.backends.random_blocks import IQUANTS, random_blocks
 from hearthlm.backends.reference import ReferenceBackend, dequantize
+from hearthlm.core import array_ops
 from hearthlm.core.errors import BackendError
 from hearthlm.core.graph import Graph, Op
 from hearthlm.core.weights import QWeight
@@ -325,6 +326,20 @@ def rope_scaled(n, neox):
     return g, {"x": x, "pos": pos}, {}
 
 
+def rope_multi(n, head_dim, n_rot, neox, n_comp, freqs=False):
+    """Multi-position RoPE (ggml_rope_multi): pair i turns by component comps[i] of its token's
+    positions (M-RoPE's t, h, w, e; a tower's y, x), with per-pair frequencies where given (the
+    towers' restarting runs)."""
+    rng = rng_for("rope_multi", n, head_dim, n_rot, neox, n_comp)
+    x, pos = f32(rng, n, 3, head_dim), rng.integers(0, 5000, (n, n_comp)).astype(np.int32)
+    comps = tuple(int(c) for c in rng.integers(0, n_comp, n_rot // 2))
+    f = tuple(10000.0 ** (-(np.arange(n_rot // 2) % (n_rot // 4)) / (n_rot // 4))) if freqs else None
+    g = Graph()
+    xi, pi = inputs(g, x=x, pos=pos)
+    g.outputs.append(g.rope(xi, pi, n_rot=n_rot, base=1e4, neox=neox, name="r", comps=comps, freqs=f))
+    return g, {"x": x, "pos": pos}, {}
+
+
 def moe_routing(n, n_exp=16, k=3):
     """The router's part of a MoE FFN: top_k (largest first), take, sum_rows, div."""
     x = f32(rng_for("moe", n), n, n_exp)
@@ -372,15 +387,19 @@ def scenario(name):
     return seq, pos, slots
 
 
-def kv_write(fused, n_kv, d, scen, neox=True):
+def kv_write(fused, n_kv, d, scen, neox=True, mrope=False):
+    """K written into the cache (fused: rotated on the way; mrope: by M-RoPE's 4 components each)."""
     seq, pos, slots = scenario(scen)
     rng = rng_for("kvw", fused, n_kv, d, scen)
     cache, x = f32(rng, N_BLOCKS * BS, n_kv, d), f32(rng, len(seq), n_kv, d)
+    rope = dict(n_rot=d, base=1e4, freq_scale=1.0, neox=neox)
+    if mrope:  # an image's rows: positions past the first, comps interleaved t, h, w
+        pos = (pos[:, None] + rng.integers(0, 9, (len(pos), 4)) * [0, 1, 1, 0]).astype(np.int32)
+        rope["comps"] = tuple(i % 3 for i in range(d // 2))
     g = Graph()
     c = g.cache("cache_k", cache.shape, 0)
     xi, pi, si = inputs(g, x=x, pos=pos, slots=slots)
-    g.outputs.append(g.rope_set_rows(c, xi, pi, si, name="kw", n_rot=d, base=1e4, freq_scale=1.0, neox=neox)
-                     if fused else g.set_rows(c, xi, si, "kw"))
+    g.outputs.append(g.rope_set_rows(c, xi, pi, si, name="kw", **rope) if fused else g.set_rows(c, xi, si, "kw"))
     return g, {"x": x, "pos": pos, "slots": slots}, {"cache_k": cache}
 
 
@@ -609,11 +628,16 @@ CASES = [
       for hd, nr, neox, base, fs in [(64, 64, False, 1e4, 1.0), (64, 32, True, 1e4, 0.5), (128, 64, False, 1e4, 1.0),
                                      (128, 128, True, 5e5, 1.0), (256, 256, True, 1e6, 0.125)]],
     *[case(rope_scaled, n=n, neox=neox) for n in TOKENS for neox in (False, True)],
+    # M-RoPE: Qwen3.5's partial interleaved (64 of 256), Qwen2-VL's whole head, a tower's 2D (y, x) runs, normal pairs
+    *[case(rope_multi, n=n, head_dim=hd, n_rot=nr, neox=neox, n_comp=nc, freqs=f) for n in TOKENS
+      for hd, nr, neox, nc, f in [(256, 64, True, 4, False), (128, 128, True, 4, False), (64, 64, True, 2, True),
+                                  (64, 32, False, 3, False)]],
     *[case(moe_routing, n=n) for n in TOKENS],
     *[case(mul_mat_id, qtype=t, n=n, per_slot=p) for t in (T.F32, T.Q8_0, T.Q5_0, T.Q4_K) for n in (0, 1, 5, 17)
       for p in (False, True)],
     *[case(kv_write, fused=f, n_kv=n_kv, d=d, scen=s) for f in (False, True) for _, n_kv, d in GQA for s in SCENARIOS],
     case(kv_write, fused=True, n_kv=2, d=64, scen="chunk", neox=False),
+    *[case(kv_write, fused=True, n_kv=n_kv, d=d, scen=s, mrope=True) for _, n_kv, d in GQA[:2] for s in SCENARIOS],
     *[case(attention, part="attn", shape=sh, scen=s, window=w) for sh in GQA for s in SCENARIOS for w in (0, 8)],
     *[case(attention, part="unfused", shape=sh, scen=s, window=w) for sh in GQA[:2] for s in SCENARIOS for w in (0, 8)],
     # Gemma 2's soft-capped scores (a cap of 1.5 bends the scores of x ~ N(0, 1) keys hard)
@@ -678,6 +702,34 @@ def test_attn_full_is_softmax_attention():
             s = k[same, 0] @ q[i, h] / math.sqrt(8)
             p = np.exp(s - s.max())
             np.testing.assert_allclose(got[i, h], (p / p.sum()) @ v[same, 0], rtol=1e-5, atol=1e-6)
+
+
+def test_rope_multi_semantics():
+    """The reference's multi-position RoPE written out: pair i of token t turns by pos[t, comps[i]];
+    with every component equal it is plain RoPE; core.array_ops.rope_multi (cuda's, run here on
+    numpy) agrees. Mutations: the reference reading component 0 for every pair, or array_ops
+    pairing (i, i + 1) under neox, each fail it."""
+    g, feed, _ = rope_multi(6, 64, 32, True, 3)
+    node = g.outputs[0]
+    got = run_graph(REF, g, feed, {}, "alloc")[0]
+    x, pos, comps = feed["x"], feed["pos"], node.params["comps"]
+    for t in range(6):
+        for i in range(16):
+            th = pos[t, comps[i]] * 1e4 ** (-2 * i / 32)
+            a, b = x[t, :, i], x[t, :, i + 16]
+            np.testing.assert_allclose(got[t, :, i], a * np.cos(th) - b * np.sin(th), rtol=1e-5, atol=1e-5)
+            np.testing.assert_allclose(got[t, :, i + 16], a * np.sin(th) + b * np.cos(th), rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(got[..., 32:], x[..., 32:])
+    same = np.repeat(feed["pos"][:, :1], 3, axis=1)
+    plain, _, _ = rope(6, 64, 32, True, 1e4, 1.0)
+    np.testing.assert_allclose(run_graph(REF, g, {"x": x, "pos": same}, {}, "alloc")[0],
+                               run_graph(REF, plain, {"x": x, "pos": same[:, 0]}, {}, "alloc")[0], rtol=1e-6)
+    for nr, neox, f in ((32, True, False), (32, False, False), (64, True, True)):
+        g, feed, _ = rope_multi(5, 64, nr, neox, 2, freqs=f)
+        p = g.outputs[0].params
+        arr = array_ops.rope_multi(feed["x"], feed["pos"], np, n_rot=p["n_rot"], base=p["base"],
+                                   freq_scale=p["freq_scale"], neox=p["neox"], comps=p["comps"], freqs=p.get("freqs"))
+        assert nmse(arr, run_graph(REF, g, feed, {}, "alloc")[0]) < 1e-12
 
 
 @pytest.mark.parametrize("build,kw", CASES)

@@ -82,18 +82,25 @@ def _act(gelu: bool):
     return k
 
 
-_NO_FREQS = np.zeros(0, np.float64)
+_NO_FREQS, _NO_COMPS = np.zeros(0, np.float64), np.zeros(0, np.int64)
 _freqs: dict[tuple, np.ndarray] = {}
 
 
 def _rope_args(p) -> tuple:
-    """(n_rot, base, freq_scale, neox, freqs, mscale) for the kernels; scaled RoPE's
-    per-dimension frequencies as an array made once per tuple."""
-    f = p.get("freqs")
+    """(n_rot, base, freq_scale, neox, freqs, mscale, comps) for the kernels; scaled RoPE's
+    per-dimension frequencies and multi-position RoPE's components as arrays made once per tuple."""
+    f, c = p.get("freqs"), p.get("comps")
     if f is not None and f not in _freqs:
         _freqs[f] = np.array(f, np.float64)
+    if c is not None and ("comps", c) not in _freqs:
+        _freqs[("comps", c)] = np.array(c, np.int64)
     return (p["n_rot"], p["base"], p["freq_scale"], p["neox"], _NO_FREQS if f is None else _freqs[f],
-            p.get("mscale", 1.0))
+            p.get("mscale", 1.0), _NO_COMPS if c is None else _freqs[("comps", c)])
+
+
+def _pos_rows(pos: np.ndarray) -> np.ndarray:
+    """Positions as the kernels take them: a row of components per token (one, for plain RoPE)."""
+    return pos.reshape(-1, 1) if pos.ndim == 1 else np.ascontiguousarray(pos)
 
 
 def _bits(cache: np.ndarray) -> np.ndarray:
@@ -197,7 +204,7 @@ def _bind_rope(node):
     def k(x, pos, out=None):
         out = _buf(node, out)
         kern = ops.rope if x.shape[0] >= ops.PAR_MIN_ROWS else ops.rope_1
-        kern(np.ascontiguousarray(x, np.float32), pos, *args, out)
+        kern(np.ascontiguousarray(x, np.float32), _pos_rows(pos), *args, out)
         return out
     return k
 
@@ -209,7 +216,7 @@ def _bind_rope_set_rows(node):
     def k(cache, x, pos, slots):
         _check_cache(node, cache, blocks)
         par = x.shape[0] >= ops.PAR_MIN_ROWS
-        x = np.ascontiguousarray(x, np.float32)
+        x, pos = np.ascontiguousarray(x, np.float32), _pos_rows(pos)
         # RoPE-rotated into a float row, then stored (quantized, Hadamard-rotated, or narrowed to
         # float16 by bit arithmetic where the CPU has no conversion); else written in place
         if blocks or rot or (cache.dtype == np.float16 and not NATIVE_HALF):

@@ -130,8 +130,9 @@ def glu_oai(gate, up, alpha, limit, out):
 
 
 @numba.njit(**_JIT)
-def _rope_token(x, p, n_rot, base, freq_scale, neox, freqs, mscale, out):
-    """x, out (n_heads, head_dim) of one token at position p; out may be x, or a KV cache row
+def _rope_token(x, ps, n_rot, base, freq_scale, neox, freqs, mscale, comps, out):
+    """x, out (n_heads, head_dim) of one token at position ps[0] (or, multi-position RoPE with
+    `comps` (n_rot/2) not empty, pair i at ps[comps[i]]); out may be x, or a KV cache row
     (float16 bits: see halfs). `freqs` (n_rot/2; empty: from base and freq_scale) are scaled
     RoPE's per-dimension frequencies, `mscale` its cos/sin magnitude."""
     half = n_rot // 2
@@ -139,6 +140,7 @@ def _rope_token(x, p, n_rot, base, freq_scale, neox, freqs, mscale, out):
         for h in range(x.shape[0]):
             out[h, j] = like(out, x[h, j])
     for i in range(half):
+        p = ps[comps[i]] if comps.shape[0] else ps[0]
         if freqs.shape[0]:
             theta = np.float64(p) * freqs[i]
         else:
@@ -152,49 +154,49 @@ def _rope_token(x, p, n_rot, base, freq_scale, neox, freqs, mscale, out):
 
 
 @numba.njit(parallel=True, **_JIT)
-def rope(x, pos, n_rot, base, freq_scale, neox, freqs, mscale, out):
+def rope(x, pos, n_rot, base, freq_scale, neox, freqs, mscale, comps, out):
     """x, out (n_tokens, n_heads, head_dim); rotate the first n_rot dims of each head."""
     for t in prange(x.shape[0]):
-        _rope_token(x[t], pos[t], n_rot, base, freq_scale, neox, freqs, mscale, out[t])
+        _rope_token(x[t], pos[t], n_rot, base, freq_scale, neox, freqs, mscale, comps, out[t])
 
 
 @numba.njit(**_JIT)
-def rope_1(x, pos, n_rot, base, freq_scale, neox, freqs, mscale, out):
+def rope_1(x, pos, n_rot, base, freq_scale, neox, freqs, mscale, comps, out):
     for t in range(x.shape[0]):
-        _rope_token(x[t], pos[t], n_rot, base, freq_scale, neox, freqs, mscale, out[t])
+        _rope_token(x[t], pos[t], n_rot, base, freq_scale, neox, freqs, mscale, comps, out[t])
 
 
 @numba.njit(parallel=True, **_JIT)
-def rope_set_rows(x, pos, slots, n_rot, base, freq_scale, neox, freqs, mscale, cache):
+def rope_set_rows(x, pos, slots, n_rot, base, freq_scale, neox, freqs, mscale, comps, cache):
     """cache[slots[t]] = rope(x[t]): K goes into the cache rotated, with no rotated copy."""
     for t in prange(x.shape[0]):
-        _rope_token(x[t], pos[t], n_rot, base, freq_scale, neox, freqs, mscale, cache[slots[t]])
+        _rope_token(x[t], pos[t], n_rot, base, freq_scale, neox, freqs, mscale, comps, cache[slots[t]])
 
 
 @numba.njit(**_JIT)
-def rope_set_rows_1(x, pos, slots, n_rot, base, freq_scale, neox, freqs, mscale, cache):
+def rope_set_rows_1(x, pos, slots, n_rot, base, freq_scale, neox, freqs, mscale, comps, cache):
     for t in range(x.shape[0]):
-        _rope_token(x[t], pos[t], n_rot, base, freq_scale, neox, freqs, mscale, cache[slots[t]])
+        _rope_token(x[t], pos[t], n_rot, base, freq_scale, neox, freqs, mscale, comps, cache[slots[t]])
 
 
 @numba.njit(parallel=True, **_JIT)
-def rope_set_rows_q(x, pos, slots, n_rot, base, freq_scale, neox, freqs, mscale, cache, kind, rot):
+def rope_set_rows_q(x, pos, slots, n_rot, base, freq_scale, neox, freqs, mscale, comps, cache, kind, rot):
     """rope_set_rows into a cache of blocks of type `kind`, or one that is Hadamard-rotated by H_rot
     (kvquant): each token RoPE-rotated into a float row, then stored into its slot."""
     for t in prange(x.shape[0]):
         r = np.empty(x.shape[1:], np.float32)
         tmp = np.empty(x.shape[2], np.float32)
-        _rope_token(x[t], pos[t], n_rot, base, freq_scale, neox, freqs, mscale, r)
+        _rope_token(x[t], pos[t], n_rot, base, freq_scale, neox, freqs, mscale, comps, r)
         for h in range(x.shape[1]):
             put_row(r[h], cache[slots[t], h], kind, rot, tmp)
 
 
 @numba.njit(**_JIT)
-def rope_set_rows_q_1(x, pos, slots, n_rot, base, freq_scale, neox, freqs, mscale, cache, kind, rot):
+def rope_set_rows_q_1(x, pos, slots, n_rot, base, freq_scale, neox, freqs, mscale, comps, cache, kind, rot):
     r = np.empty(x.shape[1:], np.float32)
     tmp = np.empty(x.shape[2], np.float32)
     for t in range(x.shape[0]):
-        _rope_token(x[t], pos[t], n_rot, base, freq_scale, neox, freqs, mscale, r)
+        _rope_token(x[t], pos[t], n_rot, base, freq_scale, neox, freqs, mscale, comps, r)
         for h in range(x.shape[1]):
             put_row(r[h], cache[slots[t], h], kind, rot, tmp)
 

@@ -232,8 +232,17 @@ def _rope_launch(node, x, pos, y, slots=None):
              np.float64(p.get("mscale", 1.0))))
 
 
+def _rope_multi(node, x, pos):
+    """Multi-position RoPE (M-RoPE, its interleaved and vision forms): plain cupy (core.array_ops)."""
+    p = node.params
+    return array_ops.rope_multi(x, _i(pos), cp, n_rot=p["n_rot"], base=p["base"], freq_scale=p["freq_scale"],
+                                neox=p["neox"], comps=p["comps"], freqs=p.get("freqs"), mscale=p.get("mscale", 1.0))
+
+
 def rope(node, x, pos, out=None):
     x = _f(x)
+    if "comps" in node.params:
+        return _into(_rope_multi(node, x, pos), out)
     y = cp.empty(x.shape, cp.float32)
     _rope_launch(node, x, pos, y)
     return _into(y, out)
@@ -282,7 +291,9 @@ def rope_set_rows(node, cache, x, pos, slots):
     if (cache.dtype not in (cp.float32, cp.float16, cp.uint8)) or not cache.flags.c_contiguous:
         raise BackendError(f"{node.label}: the KV cache must be a contiguous float or quantized device array")
     x = _f(x).reshape(int(slots.shape[0]), cache.shape[1], node.shape[2])
-    if cache.dtype != cp.float32:  # rotated into a float buffer, then quantized or narrowed into the slots
+    if "comps" in node.params:  # rotated (plain cupy), then stored as set_rows stores
+        _kv_store(node, cache, _rope_multi(node, x, pos), slots, suffix)
+    elif cache.dtype != cp.float32:  # rotated into a float buffer, then quantized or narrowed into the slots
         y = cp.empty(x.shape, cp.float32)
         _rope_launch(node, x, pos, y)
         _kv_store(node, cache, y, slots, suffix)

@@ -31,6 +31,7 @@ ARCHITECTURES = {  # general.architecture -> module
     "qwen2": "qwen2",
     "qwen3": "qwen3",
     "qwen3moe": "qwen3moe",
+    "qwen3vl": "qwen3vl",
     "qwen35": "qwen35",
     "qwen35moe": "qwen35moe",
 }

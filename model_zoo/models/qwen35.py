@@ -1,7 +1,8 @@
 """qwen35 (Qwen3.5 dense): a hybrid of Gated DeltaNet layers (linear attention over a recurrent
 state: a causal conv over Q|K|V, L2-normed Q and K, the gated delta rule, a gated RMSNorm) and,
 every full_attention_interval-th layer, gated attention (Q's projection carries a sigmoid gate
-per head; per-head Q/K norms; partial NeoX RoPE). Post-attention norm before the SwiGLU FFN.
+per head; per-head Q/K norms; partial interleaved M-RoPE: text at (p, p, p), an image's rows at
+their grid's). Post-attention norm before the SwiGLU FFN.
 Reference: llama.cpp src/models/qwen35.cpp and delta-net-base.cpp."""
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ class Config(HParams):
     attn_interval: int = 4   # full_attention_interval: layer il attends when (il + 1) % it == 0
     recurrent_layers: tuple[int, ...] = ()  # attention.recurrent_layers, where given: 1 per recurrent layer
     n_nextn: int = 0         # nextn_predict_layers: multi-token-prediction blocks after the main stack (unused)
-    NEOX, NORM_EPS = True, 1e-6
+    NEOX, NORM_EPS, MROPE = True, 1e-6, "imrope"  # interleaved M-RoPE: images' rows at their grid positions
 
     @classmethod
     def from_gguf(cls, md, arch: str) -> "Config":
@@ -48,10 +49,6 @@ class Config(HParams):
             raise ModelLoadError(f"{r.key('ssm.inner_size')} {c['d_inner']} must split into "
                                  f"{r.key('ssm.time_step_rank')} {c['n_v_heads']} value heads, a multiple of "
                                  f"{r.key('ssm.group_count')} {c['n_k_heads']} key heads")
-        sections = r.md[r.key("rope.dimension_sections")] if r.key("rope.dimension_sections") in r.md else None
-        if sections is not None and len(sections) > 3 and int(sections[3]):  # text positions: the 4th is 0
-            raise ModelLoadError(f"{r.key('rope.dimension_sections')} = {list(sections)}: a 4th M-RoPE section "
-                                 "is not supported")
         return c
 
     @property

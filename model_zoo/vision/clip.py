@@ -23,7 +23,7 @@ from hearthlm.model_zoo.tensors import Weights
 from hearthlm.runtime.vision import ImageBatch
 
 # projector type (clip.projector_type / clip.vision.projector_type) -> the module in this package
-PROJECTORS = {"gemma3": "gemma3"}
+PROJECTORS = {"gemma3": "gemma3", "qwen3vl_merger": "qwen3vl"}
 AUDIO = ("whisper", "ultravox", "qwen2a", "qwen3a", "voxtral", "glma", "lfm2a", "gemma4a", "conformer", "musicflamingo")
 
 
@@ -104,15 +104,18 @@ class VisionModel:
     proj: ModuleType          # model_zoo.vision.<projector>: build, preprocess, tokens, markers
     pconfig: Any              # the projector's own config (proj.Config)
     weights: dict[str, QWeight]
-    n_embd_out: int           # rows' width: the text model's n_embd
+    n_embd_out: int           # rows' width: the text model's n_embd (n_embd_inp: Qwen3-VL's are wider)
     digest: str               # the file's identity (image cache keys carry it)
     _views: dict = field(default_factory=dict, repr=False)
 
     def build_graph(self, shape: ImageBatch) -> Graph:
-        """The tower for `shape`: input "pixels" (B, 3, H, W); output 0 the image rows, (B * n, n_embd_out)."""
+        """The tower for `shape`: input "pixels" (B, 3, H, W); output 0 the image rows, (B * n, n_embd_out),
+        or a stage's output; more outputs where the projector returns (output, [columns...]): columns of
+        the rows computed on the way (Qwen3-VL's deepstack), which the encoder appends to them."""
         g = Graph()
         w = Weights(g, self.weights, 0, where=self.path, arch=f"{self.config.projector} projector", views=self._views)
-        g.outputs.append(self.proj.build(self.config, self.pconfig, g, w, shape))
+        out = self.proj.build(self.config, self.pconfig, g, w, shape)
+        g.outputs += [out[0], *out[1]] if isinstance(out, tuple) else [out]
         return g
 
     @property
@@ -129,6 +132,14 @@ class VisionModel:
         key = hashlib.blake2b(image.digest + self.digest.encode(), digest_size=16).digest()
         return pixels, n, key
 
+    def grid(self, pixels: np.ndarray) -> tuple[int, int]:
+        """(nx, ny): the rows of a prepared image across and down, as an M-RoPE text model places
+        them (clip_n_output_tokens_x / _y); a projector without a grid: one line of its rows."""
+        h, w = pixels.shape[1:]
+        if hasattr(self.proj, "grid"):
+            return self.proj.grid(self.config, self.pconfig, h, w)
+        return self.proj.n_tokens(self.config, self.pconfig, h, w), 1
+
     def check_text_model(self, model) -> None:
         """The projector's image markers must be tokens of the text model (an mmproj of another family fails)."""
         tok = model.tokenizer
@@ -139,7 +150,10 @@ class VisionModel:
                                      "belongs to another model")
 
     def inputs(self, pixels: np.ndarray) -> dict[str, np.ndarray]:
-        """The tower's inputs besides the pixels (B, 3, H, W): each patch's position row and image."""
+        """The tower's inputs besides the pixels (B, 3, H, W): each patch's position row and image
+        (or the projector's own, where it has more)."""
+        if hasattr(self.proj, "inputs"):
+            return self.proj.inputs(self.config, self.pconfig, pixels)
         p = self.config.patch_size
         b, n = pixels.shape[0], (pixels.shape[2] // p) * (pixels.shape[3] // p)
         return dict(patch_pos=np.tile(np.arange(n, dtype=np.int32), b), seg=np.repeat(np.arange(b, dtype=np.int32), n))

@@ -26,26 +26,31 @@ def build_patches(c, g: Graph, w, *, n_images: int, height: int, width: int) -> 
     return x, seg
 
 
-def build_tower(c, g: Graph, w, shape, *, may_swap_ffn: bool = False) -> tuple[Tensor, bool]:
+def build_tower(c, g: Graph, w, shape, *, may_swap_ffn: bool = False, embed=None, rope=None,
+                on_layer=None) -> tuple[Tensor, bool]:
     """The tower, or the stage of it that `shape` (runtime.vision.ImageBatch) names: layers lo..hi,
     from the pixels where lo is 0, else from the previous stage's output (input "x"). Returns the
-    output and whether it is the tower's last (post-LayerNorm'd: the projector follows)."""
+    output and whether it is the tower's last (post-LayerNorm'd: the projector follows).
+    `embed(c, g, w, n_images=, height=, width=) -> (x, seg)`: the patch embedding (build_patches by
+    default); `rope(q, k, il) -> (q, k)`: RoPE inside attention (Qwen's 2D), where the tower has it;
+    `on_layer(x, il)`: sees each layer's output (Qwen3-VL's deepstack taps)."""
     p, hi = c.patch_size, c.n_layer if shape.hi < 0 else shape.hi
     n = shape.n_images * (shape.height // p) * (shape.width // p)
     if shape.lo == 0:
-        x, seg = build_patches(c, g, w, n_images=shape.n_images, height=shape.height, width=shape.width)
+        x, seg = (embed or build_patches)(c, g, w, n_images=shape.n_images, height=shape.height, width=shape.width)
     else:
         x, seg = g.input("x", (n, c.n_embd), F32), g.input("seg", (n,)) if shape.n_images > 1 else None
-    x = build_vit(c, g, w, x, seg=seg, may_swap_ffn=may_swap_ffn, layers=range(shape.lo, hi))
+    x = build_vit(c, g, w, x, seg=seg, may_swap_ffn=may_swap_ffn, layers=range(shape.lo, hi), rope=rope,
+                  on_layer=on_layer)
     return x, hi == c.n_layer
 
 
 def build_vit(c, g: Graph, w, x: Tensor, *, seg: Tensor | None, may_swap_ffn: bool = False,
-              layers: range | None = None) -> Tensor:
+              layers: range | None = None, rope=None, on_layer=None) -> Tensor:
     """The layers over patch embeddings x (n, n_embd) (`layers`: some of them, a stage), with the
     pre-LayerNorm before the first and the post-LayerNorm after the last where the file has them.
     may_swap_ffn: old mmproj files of some projectors (llama.cpp's is_ffn_swapped list) hold
-    ffn_up and ffn_down swapped, told by ffn_down's shape."""
+    ffn_up and ffn_down swapped, told by ffn_down's shape. `rope`, `on_layer`: as build_tower's."""
     e, eps = c.n_embd, c.eps
     layers = range(c.n_layer) if layers is None else layers
     pre = w("v.pre_ln.weight", (e,), optional=True) if layers.start == 0 else None
@@ -55,11 +60,14 @@ def build_vit(c, g: Graph, w, x: Tensor, *, seg: Tensor | None, may_swap_ffn: bo
         L = lambda name, shape, **kw: w(f"v.blk.{il}.{name}", shape, **kw)  # noqa: E731
         h = build_layer_norm(g, x, L("ln1.weight", (e,)), L("ln1.bias", (e,), optional=True), eps=eps,
                              name="ln1", il=il)
-        x = g.add(x, build_attn_full(c, g, L, h, seg=seg, il=il), "ffn_inp", il)
+        fused = w.shape_of(f"v.blk.{il}.attn_qkv.weight") is not None
+        x = g.add(x, build_attn_full(c, g, L, h, seg=seg, il=il, fused=fused, rope=rope), "ffn_inp", il)
         h = build_layer_norm(g, x, L("ln2.weight", (e,)), L("ln2.bias", (e,), optional=True), eps=eps,
                              name="ln2", il=il)
         swapped = may_swap_ffn and w.shape_of(f"v.blk.{il}.ffn_down.weight") == (c.n_ff, e)
         x = g.add(x, build_mlp(c, g, L, h, il=il, swapped=swapped), "layer_out", il)
+        if on_layer is not None:
+            on_layer(x, il)
     post = w("v.post_ln.weight", (e,), optional=True) if layers.stop == c.n_layer else None
     if post is not None:
         x = build_layer_norm(g, x, post, w("v.post_ln.bias", (e,), optional=True), eps=eps, name="post_ln")
@@ -73,11 +81,23 @@ def linear(g: Graph, L, name: str, x: Tensor, shape, il: int) -> Tensor:
     return y if b is None else g.add(y, b, f"{name}_b", il)
 
 
-def build_attn_full(c, g: Graph, L, h: Tensor, *, seg: Tensor | None, il: int) -> Tensor:
+def build_attn_full(c, g: Graph, L, h: Tensor, *, seg: Tensor | None, il: int, fused: bool = False,
+                    rope=None) -> Tensor:
+    """Attention with no mask within each image: Q, K, V from three projections or (`fused`) views
+    of one attn_qkv (Q | K | V, Qwen's), rotated by `rope` where given."""
     e, hd, n = c.n_embd, c.head_dim, h.shape[0]
-    q = g.reshape(linear(g, L, "attn_q", h, (c.n_head * hd, e), il), (n, c.n_head, hd), "Qcur", il)
-    k = g.reshape(linear(g, L, "attn_k", h, (c.n_head_kv * hd, e), il), (n, c.n_head_kv, hd), "Kcur", il)
-    v = g.reshape(linear(g, L, "attn_v", h, (c.n_head_kv * hd, e), il), (n, c.n_head_kv, hd), "Vcur", il)
+    nq, nk = c.n_head * hd, c.n_head_kv * hd
+    if fused:
+        qkv = linear(g, L, "attn_qkv", h, (nq + 2 * nk, e), il)
+        q, k, v = (g.slice(qkv, lo, lo + m, name, il) for lo, m, name in ((0, nq, "Qcur_2d"), (nq, nk, "Kcur_2d"),
+                                                                          (nq + nk, nk, "Vcur_2d")))
+    else:
+        q, k, v = (linear(g, L, name, h, (m, e), il) for name, m in (("attn_q", nq), ("attn_k", nk), ("attn_v", nk)))
+    q = g.reshape(q, (n, c.n_head, hd), "Qcur", il)
+    k = g.reshape(k, (n, c.n_head_kv, hd), "Kcur", il)
+    v = g.reshape(v, (n, c.n_head_kv, hd), "Vcur", il)
+    if rope is not None:
+        q, k = rope(q, k, il)
     att = g.attn_full(q, k, v, scale=hd ** -0.5, seg=seg, name="kqv_out", il=il)
     return linear(g, L, "attn_out", att, (e, c.n_head * hd), il)
 

@@ -1,9 +1,12 @@
-"""Records llama.cpp's image path (libmtmd) on the tiny Gemma 3 vision model once, under llama-cpp-python
-0.3.36 (never in CI; the files come from tests/parity/hf/make.py + convert.py, spec "gemma3-vision"):
+"""Records llama.cpp's image path (libmtmd) on the tiny vision-language models once, under llama-cpp-python
+0.3.36 (never in CI; the files come from tests/parity/hf/make.py + convert.py, specs "gemma3-vision" and
+"qwen35-vision"):
 
-    /tmp/lcp-venv/bin/python tests/parity/record_vision.py
+    /tmp/lcp-venv/bin/python tests/parity/record_vision.py [gemma3] [qwen35] [qwen3vl]
 
-writes tests/data/vision_parity.json:
+writes tests/data/vision_parity.json (Gemma 3), vision_parity_qwen35.json (Qwen3.5) and vision_parity_qwen3vl.json
+(Qwen3-VL, whose rows carry deepstack features: n_embd is the text model's input width); under M-RoPE each image
+chunk's decoder positions too, and n_past counts positions, not tokens:
 - "images": each image's recipe (rgb() below regenerates its pixels with numpy; their sha256 is kept to check
   that), and the rows mtmd_encode_chunk gives for it (n_tokens x n_embd, 6 significant digits);
 - "prompts": mtmd_tokenize's chunks (text ids, or an image's n_tokens, n_pos, grid and id), then greedy steps
@@ -38,6 +41,24 @@ PROMPTS = {  # name -> (text, images in marker order)
     "image_between_text": (f"The hearth is warm. {M} Hello world!", ["wide"]),
     "long_text_after_image": (f"{M}{LONG}", ["gradient"]),  # 300+ text tokens after it (noise: a 0.007 near-tie)
 }
+QWEN_IMAGES = {  # patch 4, merge 2: sides to multiples of 8; one square, one small, one resized to 48x24 (6x3 rows)
+    "gradient": {"kind": "gradient", "nx": 64, "ny": 64},
+    "noise": {"kind": "noise", "nx": 32, "ny": 32, "seed": 0},
+    "wide": {"kind": "noise", "nx": 44, "ny": 26, "seed": 1},
+}
+QWEN_PROMPTS = {
+    "one_image": (f"<|im_start|>user\n{M}What is in the image?<|im_end|>\n<|im_start|>assistant\n", ["gradient"]),
+    "two_images": (f"Compare {M} and {M} please.", ["gradient", "noise"]),
+    "image_between_text": (f"The hearth is warm. {M} Hello world!", ["wide"]),
+    "long_text_after_image": (f"{M}{LONG} {LONG.split('. ')[0]}.", ["noise"]),  # 9 sentences: 300+ tokens
+}
+FAMILIES = {  # name -> (model, mmproj, output, images, prompts)
+    "gemma3": (MODEL, MMPROJ, OUT, IMAGES, PROMPTS),
+    "qwen35": (DATA / "converted" / "qwen35-vision.gguf", DATA / "converted" / "qwen35-vision.mmproj.gguf",
+               DATA / "vision_parity_qwen35.json", QWEN_IMAGES, QWEN_PROMPTS),
+    "qwen3vl": (DATA / "converted" / "qwen3vl-vision.gguf", DATA / "converted" / "qwen3vl-vision.mmproj.gguf",
+                DATA / "vision_parity_qwen3vl.json", QWEN_IMAGES, QWEN_PROMPTS),
+}
 SETTINGS = {"n_threads": 2, "n_ctx": 512, "n_batch": 512, "n_ubatch": 512, "flash_attn": False,
             "type_k": 0, "type_v": 0}  # GGML_TYPE_F32 = 0
 N_STEPS = 8
@@ -60,18 +81,18 @@ def _logprobs(logits) -> np.ndarray:
     return lp - np.log(np.exp(lp).sum())
 
 
-def main() -> None:
+def record(model: Path, mmproj: Path, out_path: Path, images_in: dict, prompts_in: dict) -> None:
     import llama_cpp
     from llama_cpp import mtmd_cpp as mtmd
     assert mtmd.mtmd_default_marker().decode() == M
-    llm = llama_cpp.Llama(model_path=str(MODEL), n_ctx=SETTINGS["n_ctx"], n_batch=SETTINGS["n_batch"],
+    llm = llama_cpp.Llama(model_path=str(model), n_ctx=SETTINGS["n_ctx"], n_batch=SETTINGS["n_batch"],
                           n_ubatch=SETTINGS["n_ubatch"], n_threads=SETTINGS["n_threads"],
                           n_threads_batch=SETTINGS["n_threads"], flash_attn=SETTINGS["flash_attn"],
                           type_k=SETTINGS["type_k"], type_v=SETTINGS["type_v"], verbose=False)
     p = mtmd.mtmd_context_params_default()
     p.use_gpu, p.print_timings, p.n_threads, p.warmup = False, False, SETTINGS["n_threads"], False
     p.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
-    ctx = mtmd.mtmd_init_from_file(str(MMPROJ).encode(), llm.model, p)
+    ctx = mtmd.mtmd_init_from_file(str(mmproj).encode(), llm.model, p)
     assert ctx, "mtmd_init_from_file failed"
     vocab = llama_cpp.llama_model_get_vocab(llm.model)
     n_vocab, n_embd = llama_cpp.llama_vocab_n_tokens(vocab), llama_cpp.llama_model_n_embd_inp(llm.model)
@@ -79,7 +100,7 @@ def main() -> None:
     def tokenize(text: str, names: list[str]):
         bitmaps = []
         for n in names:
-            px = rgb(IMAGES[n])
+            px = rgb(images_in[n])
             b = mtmd.mtmd_bitmap_init(px.shape[1], px.shape[0], (ctypes.c_uint8 * px.size).from_buffer_copy(px.tobytes()))
             mtmd.mtmd_bitmap_set_id(b, n.encode())  # the chunk carries it (a cache key, as llama-server's hash)
             bitmaps.append(b)
@@ -91,7 +112,7 @@ def main() -> None:
             mtmd.mtmd_bitmap_free(b)
         return chunks, [mtmd.mtmd_input_chunks_get(chunks, i) for i in range(mtmd.mtmd_input_chunks_size(chunks))]
 
-    def describe(c) -> dict:
+    def describe(c, pos_0: int) -> dict:
         d = {"n_pos": mtmd.mtmd_input_chunk_get_n_pos(c)}
         if mtmd.mtmd_input_chunk_get_type(c) == mtmd.MTMD_INPUT_CHUNK_TYPE_TEXT:
             n = ctypes.c_size_t()
@@ -102,10 +123,13 @@ def main() -> None:
         return {"type": "image", "n_tokens": mtmd.mtmd_input_chunk_get_n_tokens(c), **d,
                 "nx": mtmd.mtmd_image_tokens_get_nx(img), "ny": mtmd.mtmd_image_tokens_get_ny(img),
                 "id": cid.decode() if cid else None,
-                "non_causal": bool(mtmd.mtmd_decode_use_non_causal(ctx, c))}
+                "non_causal": bool(mtmd.mtmd_decode_use_non_causal(ctx, c)),
+                **({"positions": [[(q := mtmd.mtmd_image_tokens_get_decoder_pos(img, pos_0, i)).t, q.y, q.x, q.z]
+                                  for i in range(mtmd.mtmd_input_chunk_get_n_tokens(c))]}
+                   if mtmd.mtmd_decode_use_mrope(ctx) else {})}  # (t, y, x, z): M-RoPE's sections in order
 
     images = {}
-    for name, recipe in IMAGES.items():
+    for name, recipe in images_in.items():
         chunks, cs = tokenize(M, [name])
         (img,) = [c for c in cs if mtmd.mtmd_input_chunk_get_type(c) == mtmd.MTMD_INPUT_CHUNK_TYPE_IMAGE]
         assert mtmd.mtmd_encode_chunk(ctx, img) == 0
@@ -116,9 +140,10 @@ def main() -> None:
         mtmd.mtmd_input_chunks_free(chunks)
 
     prompts = {}
-    for name, (text, names) in PROMPTS.items():
+    for name, (text, names) in prompts_in.items():
         chunks, cs = tokenize(text, names)
-        rec = {"text": text, "images": names, "chunks": [describe(c) for c in cs]}
+        starts = np.cumsum([0] + [mtmd.mtmd_input_chunk_get_n_pos(c) for c in cs])
+        rec = {"text": text, "images": names, "chunks": [describe(c, int(p0)) for c, p0 in zip(cs, starts)]}
         llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(llm.ctx), True)
         n_past = llama_cpp.llama_pos(0)
         assert mtmd.mtmd_helper_eval_chunks(ctx, llm.ctx, chunks, 0, 0, SETTINGS["n_batch"], True,
@@ -140,18 +165,22 @@ def main() -> None:
         prompts[name] = rec
         mtmd.mtmd_input_chunks_free(chunks)
 
-    n_long = sum(len(c.get("tokens", [])) for c in prompts["long_text_after_image"]["chunks"][2:])
+    long = prompts["long_text_after_image"]["chunks"]
+    first = next(i for i, c in enumerate(long) if c["type"] == "image")
+    n_long = sum(len(c.get("tokens", [])) for c in long[first + 1:])
     assert n_long >= 300, n_long
-    out = {"llama_cpp_python": llama_cpp.__version__, "model": MODEL.name, "mmproj": MMPROJ.name,
+    out = {"llama_cpp_python": llama_cpp.__version__, "model": model.name, "mmproj": mmproj.name,
            "settings": {**SETTINGS, "mtmd_flash_attn_type": int(p.flash_attn_type), "n_steps": N_STEPS},
            "marker": M, "n_embd": n_embd, "n_vocab": n_vocab,
            "non_causal": bool(mtmd.mtmd_decode_use_non_causal(ctx, None)),
            "mrope": bool(mtmd.mtmd_decode_use_mrope(ctx)), "images": images, "prompts": prompts}
     mtmd.mtmd_free(ctx)
     llm.close()
-    OUT.write_text(json.dumps(out, indent=1) + "\n")
-    print("wrote", OUT)
+    out_path.write_text(json.dumps(out, indent=1) + "\n")
+    print("wrote", out_path)
 
 
 if __name__ == "__main__":
-    main()
+    import sys
+    for fam in sys.argv[1:] or list(FAMILIES):
+        record(*FAMILIES[fam])

@@ -139,10 +139,10 @@ def _randomize(model, seed: int) -> None:
             if name.endswith("layer_scalar"):  # a layer's output scale: positive, around 1
                 v = (0.5 * r).exp()
             if "norm" in name and getattr(model.config, "model_type", "").startswith(("gemma", "qwen3_5")) \
-                    and "linear_attn.norm" not in name and "vision_tower" not in name \
+                    and "linear_attn.norm" not in name and "vision_tower" not in name and "visual" not in name \
                     and not model.config.model_type.startswith("gemma4"):  # Gemma 4's norms multiply by weight
-                v = 0.1 * r  # these RMSNorms multiply by (1 + weight); SigLIP's LayerNorms by weight
-        elif "embed" in name and "lm_head" not in name:
+                v = 0.1 * r  # these RMSNorms multiply by (1 + weight); the towers' LayerNorms by weight
+        elif "embed" in name and "lm_head" not in name and "visual" not in name:  # Qwen's ViT: fan-in scaled
             v = 0.2 * r if getattr(model.config, "tie_word_embeddings", False) else r
         else:
             v = r / math.sqrt(p.shape[-1]) * (PEAK if "lm_head" in name else 1.0)
@@ -182,7 +182,10 @@ def make(name: str, out: Path, seed: int = 0) -> Path:
         save_file({rename(k): v for k, v in load_file(f).items()}, f, metadata={"format": "pt"})
     if "saved_config" in spec:  # the released config.json's spelling where transformers 5 renamed a value
         cfg_path = d / "config.json"
-        cfg_path.write_text(json.dumps({**json.loads(cfg_path.read_text()), **spec["saved_config"]}, indent=2))
+        saved = json.loads(cfg_path.read_text())  # a dict value merges into the saved one (text_config)
+        saved.update({k: {**saved[k], **v} if isinstance(v, dict) and isinstance(saved.get(k), dict) else v
+                      for k, v in spec["saved_config"].items()})
+        cfg_path.write_text(json.dumps(saved, indent=2))
     for fname, text in spec.get("extra_files", {}).items():  # sentence-transformers modules and the like
         (d / fname).parent.mkdir(parents=True, exist_ok=True)
         if callable(text):  # binary files (a Dense module's safetensors): made here, under torch

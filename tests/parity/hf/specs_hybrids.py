@@ -1,6 +1,8 @@
 """Recurrent / attention hybrids and their MoE variants (specs.py's SPECS gathers these): LFM2 short
 convolutions, Qwen3.5 Gated DeltaNet, Granite 4.0-H Mamba-2, each interleaved with attention layers
 the way the released models lay them out, with several layers of each kind so the pattern matters."""
+import json
+
 from specs import CHATML, CHATML_TOKENS
 
 # LFM2: ChatML with <|startoftext|> as BOS (LiquidAI's tokenizer)
@@ -45,6 +47,33 @@ def qwen35_mtp(model, randomize) -> dict:
 
 
 MTP = dict(extra_tensors=qwen35_mtp, saved_config={"mtp_num_hidden_layers": 1})
+
+
+def qwen35_vision_mtp(model, randomize) -> dict:
+    """The MTP block of a vision-language checkpoint: its text half's (qwen35_mtp on a text model of its config)."""
+    import transformers
+    return qwen35_mtp(transformers.Qwen3_5ForCausalLM(model.config.text_config), randomize)
+
+
+VISION_MTP = dict(extra_tensors=qwen35_vision_mtp, saved_config={"text_config": {"mtp_num_hidden_layers": 1}})
+# Qwen3.5's vision markers (specials 3..6 of the BPE: mtmd wraps an image in <|vision_start|> ... <|vision_end|>)
+QWEN_VISION_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
+                        "<|image_pad|>", "<|video_pad|>"]
+# Qwen3.5's ViT, tiny: width 32, 2 layers of 2 heads of 16 (2D RoPE over 4 + 4 pairs), patch 4 with the 2-frame
+# temporal kernel, 8x8 learned positions (resized to each image's grid), 2x2 merged into the text width
+QWEN35_VISION = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=4, spatial_merge_size=2,
+                     temporal_patch_size=2, out_hidden_size=64, num_position_embeddings=64)
+
+
+def _qwen_processor(patch: int, merge: int) -> dict[str, str]:
+    """Qwen2-VL's image processor file (the converter reads image_mean/std; mtmd's dynamic sizes are its own)."""
+    pre = {"image_processor_type": "Qwen2VLImageProcessorFast", "processor_class": "Qwen3VLProcessor",
+           "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5], "patch_size": patch, "merge_size": merge,
+           "temporal_patch_size": 2, "size": {"shortest_edge": 8 * (patch * merge) ** 2,
+                                              "longest_edge": 4096 * (patch * merge) ** 2}}
+    return {"preprocessor_config.json": json.dumps(pre, indent=1)}
+
+
 # Granite 4.0-H: Mamba-2 layers with a few attention layers (NoPE), Granite's multipliers
 GRANITE_TOKENS = dict(specials=["<|end_of_text|>", "<|pad|>", "<|start_of_role|>", "<|end_of_role|>"],
                       tokens={"bos_token": "<|end_of_text|>", "eos_token": "<|end_of_text|>", "pad_token": "<|pad|>"})
@@ -90,6 +119,31 @@ SPECS = {
                     **LFM2_TOKENS),
     "qwen35": dict(config_class="Qwen3_5TextConfig", model_class="Qwen3_5ForCausalLM", tokenizer="bpe", pre="qwen35",
                    config=dict(QWEN35, intermediate_size=32), tokens=CHATML_TOKENS, chat_template=CHATML, **MTP),
+    # Qwen3.5's vision-language shape (#39): the tiny qwen35 text model under Qwen3_5ForConditionalGeneration
+    # with its ViT (QWEN35_VISION; no deepstack in Qwen3.5); convert_args_mmproj: the mmproj pass
+    "qwen35-vision": dict(config_class="Qwen3_5Config", model_class="Qwen3_5ForConditionalGeneration",
+                          tokenizer="bpe", pre="qwen35",
+                          config=dict(text_config=dict(QWEN35, intermediate_size=32), vision_config=QWEN35_VISION,
+                                      vision_start_token_id=3, vision_end_token_id=4, image_token_id=5,
+                                      video_token_id=6, tie_word_embeddings=False),
+                          specials=QWEN_VISION_SPECIALS, tokens=CHATML_TOKENS, chat_template=CHATML,
+                          extra_files=_qwen_processor(4, 2), convert_args_mmproj=["--mmproj"], **VISION_MTP),
+    # Qwen3-VL-4B's shape (#39): a qwen3 text model (head 16, interleaved M-RoPE sections 3, 3, 2; an untied head: peaked)
+    # under Qwen3VLForConditionalGeneration, a ViT like Qwen3.5's but 3 layers whose first two feed deepstack
+    # features into the text model's first two layers (the rows 3 x 64 wide)
+    "qwen3vl-vision": dict(config_class="Qwen3VLConfig", model_class="Qwen3VLForConditionalGeneration",
+                           tokenizer="bpe", pre="qwen2",
+                           config=dict(text_config=dict(hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+                                                        num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                                        max_position_embeddings=512, rms_norm_eps=1e-6,
+                                                        rope_parameters={"rope_type": "default", "rope_theta": 5e6,
+                                                                         "mrope_interleaved": True,
+                                                                         "mrope_section": [3, 3, 2]}),
+                                       vision_config=dict(QWEN35_VISION, depth=3, deepstack_visual_indexes=[0, 1]),
+                                       vision_start_token_id=3, vision_end_token_id=4, image_token_id=5,
+                                       video_token_id=6, tie_word_embeddings=False),
+                           specials=QWEN_VISION_SPECIALS, tokens=CHATML_TOKENS, chat_template=CHATML,
+                           extra_files=_qwen_processor(4, 2), convert_args_mmproj=["--mmproj"]),
     # Qwen3.5-35B-A3B's FFN: softmax top-k experts plus a sigmoid-gated shared expert
     "qwen35moe": dict(config_class="Qwen3_5MoeTextConfig", model_class="Qwen3_5MoeForCausalLM", tokenizer="bpe",
                       pre="qwen35", config=dict(QWEN35, moe_intermediate_size=8, shared_expert_intermediate_size=16,
