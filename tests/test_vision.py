@@ -48,13 +48,18 @@ def _backends() -> list[str]:
 
 
 @pytest.mark.parametrize("backend", _backends())
-def test_tower_rows_match_llama_cpp(tower, backend):
-    """The gradient image (64x64: the tower's own size, no resize) through SigLIP, the 4x4 pool, the
-    soft-emb norm and the projection gives llama.cpp's rows. Mutations: the pool averaging 2x2 cells,
-    the norm without its weight, or the projection not transposed, each fail it."""
-    img = REF["images"]["gradient"]
+@pytest.mark.parametrize("image", sorted(REF["images"]))
+def test_tower_rows_match_llama_cpp(tower, backend, image):
+    """Each image (64x64: the tower's own size; 32x32 scaled up; 40x24 fitted and letterboxed) through
+    clip.cpp's preprocessing, SigLIP, the 4x4 pool, the soft-emb norm and the projection gives
+    llama.cpp's rows (measured: 3.5e-4 of the largest at most; the rest is ggml's F16 GELU table and
+    the F16 projection). Mutations: the pool averaging 2x2 cells, the norm without its weight, the
+    projection not transposed, or stretching instead of letterboxing (the 40x24 image), each fail it."""
+    from hearthlm.model_zoo.vision.image import load_image
+    img = REF["images"][image]
+    pixels, n, key = tower.prepare(load_image(rgb(img["recipe"])))
     enc = VisionEncoder(tower, Placement.single(get_backend(backend), tower.config.n_layer))
-    m = Media(0, 16, b"gradient", _normalized(rgb(img["recipe"]), tower))
+    m = Media(0, n, key, pixels)
     enc.fill([m])
     want = np.asarray(img["rows"], np.float32)
     assert m.rows.shape == want.shape == (16, REF["n_embd"])

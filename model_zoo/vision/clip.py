@@ -204,6 +204,23 @@ def _as_weight(t, where: str) -> QWeight:
     return qw
 
 
+def conv_half(a: np.ndarray) -> np.ndarray:
+    """Values at half precision: ggml_conv_2d's im2col is F16 (for any kernel but BF16), so llama.cpp's
+    patch embedding multiplies F16 pixels by F16 kernel values; the towers take the same values."""
+    return np.asarray(a, np.float32).astype(np.float16).astype(np.float32)
+
+
+def half_kernel(weights: dict, name: str) -> None:
+    """weights[name], a float conv kernel (as a matrix), replaced by its values at half precision
+    (conv_half); a BF16 kernel, which ggml multiplies at F32, is left as it is."""
+    qw = weights.get(name)
+    if qw is None or qw.ggml_type not in (0, 1):
+        return
+    a = qw.raw.view(np.float32 if qw.ggml_type == 0 else np.float16).reshape(qw.shape)
+    h = np.ascontiguousarray(conv_half(a))
+    weights[name] = QWeight(name, 0, h.shape, h.view(np.uint8))
+
+
 def transposed(qw: QWeight) -> QWeight:
     """A matrix stored (in, out) that ggml multiplies transposed (gemma3's mm.input_projection):
     as an F32 (out, in) weight."""

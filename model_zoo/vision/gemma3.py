@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from hearthlm.core.graph import Graph, Tensor
 from hearthlm.model_zoo.blocks import build_norm
-from hearthlm.model_zoo.vision.clip import transposed
+from hearthlm.model_zoo.vision.clip import conv_half, half_kernel, transposed
 from hearthlm.model_zoo.vision.preprocess import preprocess_fixed
 from hearthlm.model_zoo.vision.vit import build_tower
 from hearthlm.runtime.vision import ImageBatch
@@ -32,6 +32,7 @@ class Config:
             raise ModelLoadError(f"{where}: {side}x{side} patches do not pool into cells of {k}")
         weights["mm.input_projection.weight.T"] = transposed(weights["mm.input_projection.weight"]) \
             if "mm.input_projection.weight" in weights else None
+        half_kernel(weights, "v.patch_embd.weight")
         return cls(n_merge=k)
 
 
@@ -42,8 +43,8 @@ def n_embd_out(c, pc: Config, weights) -> int:
 
 def preprocess(c, pc: Config, pixels):
     """(H, W, 3) uint8 -> (3, S, S) float32: fitted into image_size square (bilinear), letterboxed."""
-    return preprocess_fixed(pixels, size=c.image_size, patch_size=c.patch_size, mean=c.mean, std=c.std,
-                            algo=RESIZE).slices[0]
+    return conv_half(preprocess_fixed(pixels, size=c.image_size, patch_size=c.patch_size, mean=c.mean, std=c.std,
+                                      algo=RESIZE).slices[0])  # the patch embedding's F16 inputs (clip.conv_half)
 
 
 def n_tokens(c, pc: Config, height: int, width: int) -> int:
