@@ -12,12 +12,13 @@ from numba import prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .halfs import VW, _call, _ptr, _splat, _vec_ptr, bits_as_f32, like
+from .halfs import FAST_SUMS, FASTMATH, VW, _call, _ptr, _splat, _vec_ptr, bits_as_f32, like
 from .kvquant import fwht, load_row, put_row
 
 # error_model="numpy": a float division by zero gives inf/NaN, as in numpy and ggml, not a
 # ZeroDivisionError out of a norm of garbage weights
-_JIT = dict(cache=True, fastmath=True, nogil=True, error_model="numpy")
+_JIT = dict(cache=True, fastmath=FASTMATH, nogil=True, error_model="numpy")  # halfs.FASTMATH: no reassociation
+_JIT_SUMS = dict(_JIT, fastmath=FAST_SUMS)  # float sums that must vectorize (halfs.FAST_SUMS)
 ATT_BLOCK = 32  # positions per step of attention's online softmax
 # positions per attention task: decode has one token and a few KV heads, too few tasks for the
 # cores without splitting the context; a fixed split, so a token's result never depends on its batch
@@ -56,7 +57,7 @@ def start_threads(x):
         x[i] = i
 
 
-@numba.njit(inline="always", **_JIT)
+@numba.njit(inline="always", **_JIT_SUMS)
 def _rms_row(x, w, eps, out, r):
     n = x.shape[1]
     ss = 0.0
@@ -71,14 +72,14 @@ def _rms_row(x, w, eps, out, r):
             out[r, j] = x[r, j] * inv * w[j]
 
 
-@numba.njit(parallel=True, **_JIT)
+@numba.njit(parallel=True, **_JIT_SUMS)
 def rms_norm(x, w, eps, out):
     """x, out (n_rows, n); w (n,) or empty (no weight)."""
     for r in prange(x.shape[0]):
         _rms_row(x, w, eps, out, r)
 
 
-@numba.njit(**_JIT)
+@numba.njit(**_JIT_SUMS)
 def rms_norm_1(x, w, eps, out):
     for r in range(x.shape[0]):
         _rms_row(x, w, eps, out, r)
@@ -199,7 +200,7 @@ def rope_set_rows_q_1(x, pos, slots, n_rot, base, freq_scale, neox, freqs, mscal
             put_row(r[h], cache[slots[t], h], kind, rot, tmp)
 
 
-@numba.njit(parallel=True, **_JIT)
+@numba.njit(parallel=True, **_JIT_SUMS)
 def rms_norm_add(x, w, r, eps, out):
     """out = rms_norm(x) * w + r; (n_rows, n) each, w (n,). out may be x or r."""
     n = x.shape[1]
@@ -212,7 +213,7 @@ def rms_norm_add(x, w, r, eps, out):
             out[i, j] = x[i, j] * inv * w[j] + r[i, j]
 
 
-@numba.njit(parallel=True, **_JIT)
+@numba.njit(parallel=True, **_JIT_SUMS)
 def kq(q, k, tok_seq, out):
     """out[t, h, p] = q[t, h] . k[seq(t), p, h // group]; q (n_tokens, n_head, d), k (n_seqs, n_kv, h_kv, d)."""
     n_tokens, n_head, d = q.shape
@@ -379,7 +380,7 @@ def _dot_rows(typingctx, out, q, kb, nb, scale):
     return types.none(out, q, kb, nb, scale), codegen
 
 
-@numba.njit(**_JIT)
+@numba.njit(**_JIT_SUMS)
 def _attend(q, k_cache, v_cache, t, kh0, kh1, group, seq, p_lo, p_hi, block_table, scale, softcap, block_size,
             pos, slopes, m, l, acc, kind_k, kind_v, rot_k):  # noqa: E741 (l: the sums, as the paper names them)
     """Online softmax of the query heads of token t (at position pos) of KV heads kh0..kh1-1 over
