@@ -1,5 +1,5 @@
 """The CPU kernels give the same bits whether a process compiled them or loaded them from numba's
-cache, and on one thread or all (halfs.FASTMATH): two fresh processes over one empty
+cache, and on one thread or all (ops._JIT_ORDERED): two fresh processes over one empty
 NUMBA_CACHE_DIR run tests/kernel_bits.py, the first compiling every float kernel, the second
 loading them. Outputs that moved with the cache's state once moved Gemma 3's cpu golden by 0.11 nat
 (0.29 off llama.cpp in a clean clone's run, 0.18 on a warm machine)."""
@@ -19,8 +19,8 @@ def _run(env: dict) -> dict:
 
 
 def test_kernels_give_the_same_bits_compiled_or_loaded_from_the_cache(tmp_path):
-    """Mutation: ops._JIT's fastmath back to True (reassociation) fails it on "glu gelu" (the
-    GELU's product chain ordered differently in the compiled and the cached copy)."""
+    """Mutation: ops._JIT_ORDERED's fastmath back to True (reassociation) fails it on "glu gelu"
+    (the GELU's products ordered differently in the compiled and the cached copy)."""
     env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path / "numba"))
     cold, warm = _run(env), _run(env)
     assert cold["compiled"] > 0 and cold["loaded"] == 0, cold  # what each process did

@@ -14,10 +14,10 @@ import numba
 import numpy as np
 from numba import prange
 
-from .ops import _JIT_SUMS
+from .ops import _JIT
 
 
-@numba.njit(inline="always", **_JIT_SUMS)
+@numba.njit(inline="always", **_JIT)
 def _head(state, q, k, v, g, beta, seq_off, state_slot, scale, out, job):
     """Row i = job // H_v's tokens through v-head h = job % H_v, in place on its state."""
     n_heads = v.shape[1]
@@ -44,7 +44,7 @@ def _head(state, q, k, v, g, beta, seq_off, state_slot, scale, out, job):
             out[t, h, j] = o * scale
 
 
-@numba.njit(parallel=True, **_JIT_SUMS)
+@numba.njit(parallel=True, **_JIT)
 def gated_delta_net(state, q, k, v, g, beta, seq_off, state_slot, scale, out):
     """state (S, H_v, d_v, d_k) float32, updated in place; q, k (n, H_k, d_k), v, out
     (n, H_v, d_v), g, beta (n, H_v); seq_off (n_seqs+1,), state_slot (n_seqs,). Writes the
@@ -53,7 +53,7 @@ def gated_delta_net(state, q, k, v, g, beta, seq_off, state_slot, scale, out):
         _head(state, q, k, v, g, beta, seq_off, state_slot, np.float32(scale), out, job)
 
 
-@numba.njit(**_JIT_SUMS)
+@numba.njit(**_JIT)
 def gated_delta_net_1(state, q, k, v, g, beta, seq_off, state_slot, scale, out):
     for job in range(state_slot.shape[0] * v.shape[1]):
         _head(state, q, k, v, g, beta, seq_off, state_slot, np.float32(scale), out, job)

@@ -17,18 +17,7 @@ from numba import prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
-# fastmath less reassociation: numba optimizes a parallel loop's body (and a kernel that another
-# calls) in its own module, then again linked into its caller's. A process that has just compiled the
-# kernels runs the first copy, one that loaded them from numba's cache the second; free to reassociate,
-# LLVM reordered a product chain differently in the two (ops.glu's GELU), so results depended on the
-# cache's state (Gemma 3's cpu golden at case 0 step 6: 0.29 nat off llama.cpp freshly compiled, 0.18
-# cached). Kernels whose float sums only vectorize reassociated keep it (FAST_SUMS: dot_half, the norms,
-# attention's block, the recurrences), each checked fresh against cached, bit for bit
-# (tests/test_kernel_cache.py).
-FASTMATH = {"nnan", "ninf", "nsz", "arcp", "contract", "afn"}
-FAST_SUMS = True
-_JIT = dict(cache=True, fastmath=FASTMATH, nogil=True)
-_JIT_SUMS = dict(_JIT, fastmath=FAST_SUMS)
+_JIT = dict(cache=True, fastmath=True, nogil=True)
 
 
 # float16 values held as uint16 bits (quantization scales, the KV cache). Where the target CPU
@@ -178,7 +167,7 @@ def _widen_row(h, is_f16, bits, out):
             bits[j] = np.uint32(h[j]) << np.uint32(16)
 
 
-@numba.njit(parallel=True, **_JIT_SUMS)
+@numba.njit(parallel=True, **_JIT)
 def dot_half(w, is_f16, x, y):
     """w (n_rows, n_cols) uint16 bits, x (n_tok, n_cols) float32 -> y (n_tok, n_rows)."""
     n_rows, n_cols = w.shape

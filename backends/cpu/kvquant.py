@@ -16,9 +16,9 @@ import numpy as np
 from numba import prange, types
 from numba.extending import overload
 
-from .halfs import FASTMATH, f32, half_bits
+from .halfs import f32, half_bits
 
-_JIT = dict(cache=True, fastmath=FASTMATH, nogil=True, error_model="numpy")  # halfs.FASTMATH: no reassociation
+_JIT = dict(cache=True, fastmath=True, nogil=True, error_model="numpy")
 # bit-exact with the reference: no reassociation, contraction or reciprocal approximations
 _EXACT = dict(cache=True, fastmath=False, nogil=True, error_model="numpy")
 

@@ -11,9 +11,9 @@ import numpy as np
 from numba import prange, types
 from numba.extending import overload
 
-from .halfs import FASTMATH, bits_as_f32, f32
+from .halfs import bits_as_f32, f32
 
-_JIT = dict(cache=True, fastmath=FASTMATH, nogil=True)  # halfs.FASTMATH: no reassociation
+_JIT = dict(cache=True, fastmath=True, nogil=True)
 
 
 @numba.njit(cache=True, nogil=True)  # no fastmath: NaN and inf must be seen, and rint kept

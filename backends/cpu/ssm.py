@@ -12,7 +12,7 @@ import numba
 import numpy as np
 from numba import prange
 
-from .ops import _JIT, _JIT_SUMS, fexp
+from .ops import _JIT, fexp
 
 
 @numba.njit(inline="always", **_JIT)
@@ -56,7 +56,7 @@ def _softplus(v):
     return v if v > np.float32(20.0) else np.float32(math.log1p(math.exp(v)))
 
 
-@numba.njit(parallel=True, **_JIT_SUMS)
+@numba.njit(parallel=True, **_JIT)
 def ssm_scan(state, x, dt, a, b, c, seq_off, state_slot, y):
     """state (S, H, P, N), x (n, H, P), dt (n, H), a (H,), b and c (n, G, N), y (n, H, P).
     As ggml_compute_forward_ssm_scan_f32's Mamba-2 branch (one A per head): per token,
@@ -82,7 +82,7 @@ def ssm_scan(state, x, dt, a, b, c, seq_off, state_slot, y):
                 y[t, h, p] = acc
 
 
-@numba.njit(inline="always", **_JIT_SUMS)
+@numba.njit(inline="always", **_JIT)
 def _l2_row(x, eps, out, r):
     ss = 0.0
     for j in range(x.shape[1]):
@@ -92,14 +92,14 @@ def _l2_row(x, eps, out, r):
         out[r, j] = x[r, j] * inv
 
 
-@numba.njit(parallel=True, **_JIT_SUMS)
+@numba.njit(parallel=True, **_JIT)
 def l2_norm(x, eps, out):
     """ggml_l2_norm: out = x / max(||x||, eps) per row; x, out (n_rows, n), out may be x."""
     for r in prange(x.shape[0]):
         _l2_row(x, eps, out, r)
 
 
-@numba.njit(**_JIT_SUMS)
+@numba.njit(**_JIT)
 def l2_norm_1(x, eps, out):
     for r in range(x.shape[0]):
         _l2_row(x, eps, out, r)
