@@ -92,7 +92,7 @@ def bits() -> dict[str, str]:
 
 
 if __name__ == "__main__":
-    res = {"bits": bits()}
+    res = {"bits": bits(), "threads": numba.get_num_threads()}
     numba.set_num_threads(1)
     res["bits_1_thread"] = bits()
     res["compiled"] = sum(k.stats.cache_misses.total() for k in KERNELS)
