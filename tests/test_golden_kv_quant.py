@@ -64,9 +64,6 @@ async def test_golden_generation(model, kv, request):
     cases = REF[model][kv]["cases"]
     if kv == "q4_0":
         cases = [determined(c) for c in cases]
-        # Gemma 3's case 4 parts at step 2 (ours 24369, outside llama.cpp's top 5) since the KV-type
-        # registry landed, with freshly compiled kernels: left out until the cause is found (#38's note)
-        cases = [c for i, c in enumerate(cases) if (model, i) != ("gemma-3-270m", 4)]
     await check_golden(path, "cpu", cases, top1_tol=TOP1_TOL_MODEL.get((model, kv), TOP1_TOL[kv]),
                        tie_tol=TIE_TOL[kv], every_step=False, kv_cache_type=kv)
 

@@ -18,6 +18,13 @@ from .kvquant import fwht, load_row, put_row
 # error_model="numpy": a float division by zero gives inf/NaN, as in numpy and ggml, not a
 # ZeroDivisionError out of a norm of garbage weights
 _JIT = dict(cache=True, fastmath=True, nogil=True, error_model="numpy")
+# The GLU kernels without reassociation (fastmath's other flags kept): numba optimizes a parallel
+# loop's body in its own module, then again linked into its caller's; a process that has just compiled
+# the kernels runs the first copy, one that loaded them from numba's cache the second. Free to
+# reassociate, LLVM ordered the GELU's products differently in the two, so outputs depended on the
+# cache's state (Gemma 3's cpu golden, case 0 step 6: 0.29 nat off llama.cpp freshly compiled, 0.18
+# cached). tests/test_kernel_cache.py holds every float kernel to the same bits both ways.
+_JIT_ORDERED = dict(_JIT, fastmath={"nnan", "ninf", "nsz", "arcp", "contract", "afn"})
 ATT_BLOCK = 32  # positions per step of attention's online softmax
 # positions per attention task: decode has one token and a few KV heads, too few tasks for the
 # cores without splitting the context; a fixed split, so a token's result never depends on its batch
@@ -84,7 +91,7 @@ def rms_norm_1(x, w, eps, out):
         _rms_row(x, w, eps, out, r)
 
 
-@numba.njit(inline="always", **_JIT)
+@numba.njit(inline="always", **_JIT_ORDERED)
 def _gelu(v):
     """tanh GELU, with tanh(u) = 1 - 2 / (exp(2u) + 1) on the vectorizing exp."""
     u = np.float32(0.7978845608028654) * (v + np.float32(0.044715) * v * v * v)
@@ -92,12 +99,12 @@ def _gelu(v):
     return np.float32(0.5) * v * (np.float32(1.0) + th)
 
 
-@numba.njit(inline="always", **_JIT)
+@numba.njit(inline="always", **_JIT_ORDERED)
 def _silu(v):
     return v / (np.float32(1.0) + fexp(-v))
 
 
-@numba.njit(inline="always", **_JIT)
+@numba.njit(inline="always", **_JIT_ORDERED)
 def _glu_row(gate, up, act_gelu, out, r):
     for j in range(gate.shape[1]):
         g = gate[r, j]
@@ -105,20 +112,20 @@ def _glu_row(gate, up, act_gelu, out, r):
         out[r, j] = a * (up[r, j] if up.shape[0] else np.float32(1.0))
 
 
-@numba.njit(parallel=True, **_JIT)
+@numba.njit(parallel=True, **_JIT_ORDERED)
 def glu(gate, up, act_gelu, out):
     """out = act(gate) * up; (n_rows, n) each. act_gelu selects GELU(tanh) over SiLU."""
     for r in prange(gate.shape[0]):
         _glu_row(gate, up, act_gelu, out, r)
 
 
-@numba.njit(**_JIT)
+@numba.njit(**_JIT_ORDERED)
 def glu_1(gate, up, act_gelu, out):
     for r in range(gate.shape[0]):
         _glu_row(gate, up, act_gelu, out, r)
 
 
-@numba.njit(parallel=True, **_JIT)
+@numba.njit(parallel=True, **_JIT_ORDERED)
 def glu_oai(gate, up, alpha, limit, out):
     """gpt-oss's clamped SwiGLU (ggml_swiglu_oai): x = min(gate, limit), y = clip(up, -limit, limit),
     out = x * sigmoid(alpha * x) * (y + 1); (n_rows, n) each."""
