@@ -165,6 +165,17 @@ def test_resized_positions_are_ggmls():
     assert np.array_equal(lfm2.resize_positions(table, 16, 16), table.reshape(256, 4))
 
 
+def test_resized_tables_kept_are_bounded(towers):
+    """A tower keeps the last RESIZED_KEPT grids' tables (thumbnails' grids vary with their images), the same
+    values again. Mutation: never dropping one fails it."""
+    pc = towers["lfm2"].pconfig
+    first = pc.positions(4, 6).copy()
+    for k in range(lfm2.RESIZED_KEPT + 4):
+        pc.positions(2 + k, 3)
+    assert len(pc._resized) == lfm2.RESIZED_KEPT and (4, 6) not in pc._resized
+    assert np.array_equal(pc.positions(4, 6), first)
+
+
 # ---- layouts and prompts -------------------------------------------------------------------
 
 def test_layouts():

@@ -144,12 +144,14 @@ class VisionModel:
         return bool(self.proj.BIDIRECTIONAL)
 
     def prepare(self, image) -> tuple[np.ndarray, int, bytes]:
-        """An image (vision.image.Image) as the tower takes it: (pixels (3, H, W) float32, its
-        number of rows, its identity: the decoded pixels' and this file's)."""
-        pixels = self.proj.preprocess(self.config, self.pconfig, image.pixels)
-        n = self.proj.n_tokens(self.config, self.pconfig, pixels.shape[1], pixels.shape[2])
-        key = hashlib.blake2b(image.digest + self.digest.encode(), digest_size=16).digest()
-        return pixels, n, key
+        """An image (vision.image.Image) that is one chunk as the tower takes it: (pixels (3, H, W)
+        float32, its number of rows, its identity: the decoded pixels' and this file's). A tiled
+        image has several: `layout`."""
+        slices = [p for p in self.layout(image) if isinstance(p, Slice)]
+        if len(slices) != 1:
+            raise ValueError(f"the {self.config.projector} projector makes this image {len(slices)} chunks: "
+                             "use layout()")
+        return slices[0].pixels, slices[0].n, slices[0].key
 
     def layout(self, image) -> list[str | Piece | Slice]:
         """An image as mtmd_tokenize lays it out, in prompt order: text (tokenized with special tokens parsed),

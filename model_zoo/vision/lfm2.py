@@ -35,6 +35,7 @@ THUMBNAIL = "<|img_thumbnail|>"
 TOKENS = (THUMBNAIL,)  # mtmd's lookup_token: tok_ov_img_start
 MIN_TOKENS, MAX_TOKENS = 64, 256  # clip.cpp's set_limit_image_tokens for LFM2
 NORM_EPS = 1e-5  # ggml_norm's in siglip.cpp (nn.LayerNorm's default)
+RESIZED_KEPT = 16  # resized position tables kept (a thumbnail's grid varies with the image; tiles' is one)
 
 
 @dataclass(frozen=True, eq=False)
@@ -69,10 +70,13 @@ class Config:
         return cls(n_merge=s, min_pixels=lo, max_pixels=hi, pos_table=table.reshape(side, side, c.n_embd))
 
     def positions(self, ny: int, nx: int) -> np.ndarray:
-        """(ny * nx, E): the table resized to the grid (resize_positions), once per grid."""
-        t = self._resized.get((ny, nx))
+        """(ny * nx, E): the table resized to the grid (resize_positions), the last RESIZED_KEPT grids' kept."""
+        t = self._resized.pop((ny, nx), None)
         if t is None:
-            t = self._resized[(ny, nx)] = resize_positions(self.pos_table, ny, nx)
+            t = resize_positions(self.pos_table, ny, nx)
+        self._resized[(ny, nx)] = t  # the newest last (dicts keep insertion order)
+        while len(self._resized) > RESIZED_KEPT:
+            del self._resized[next(iter(self._resized))]
         return t
 
 
