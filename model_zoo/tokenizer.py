@@ -16,7 +16,7 @@ from typing import Any
 
 from hearthlm.core.errors import InvalidRequestError, ModelLoadError, UnsupportedModelError
 
-from .tokenizer_bpe import bpe_piece_bytes, build_bpe, build_spm_bpe, pre_type, spm_bpe_encode
+from .tokenizer_bpe import _byte_to_unicode, bpe_piece_bytes, build_bpe, build_spm_bpe, pre_type, spm_bpe_encode
 from .tokenizer_rules import (
     AUTO_DETECT,
     BYTE,
@@ -418,6 +418,19 @@ class Tokenizer:
     def token_id(self, text: str) -> int | None:
         """The id whose raw vocab entry is `text` (e.g. '<|im_end|>'), or None."""
         return self._token_to_id.get(text)
+
+    def piece_id(self, text: str) -> int | None:
+        """The lowest id that renders exactly as `text` (special tokens spelled out), or None: mtmd's
+        lookup_token. Only raw entries that could render so are tried: the text itself (control and
+        user-defined tokens), its byte-level or '▁' spelling, its byte token."""
+        raw = text.encode("utf-8")
+        table = _byte_to_unicode()
+        spellings = {text, "".join(table[b] for b in raw), text.replace(" ", _SPACE)}
+        if len(raw) == 1:
+            spellings.add(f"<0x{raw[0]:02X}>")
+        ids = (self._token_to_id.get(t) for t in spellings)
+        found = [i for i in ids if i is not None and self.token_bytes(i, special=True) == raw]
+        return min(found) if found else None
 
 
 def vocab_mismatch(model: Tokenizer, draft: Tokenizer) -> str | None:

@@ -585,9 +585,12 @@ class Session:
         return messages, sources
 
     def _place_images(self, ids: list[int], sources: list[Any]) -> tuple[list[int], list[Media]]:
-        """Each MEDIA_ID in ids becomes the projector's begin marker, the image's placeholder ids
-        and its end marker (mtmd_tokenize); the images decoded and preprocessed; under an M-RoPE
-        text model each image's rows placed on its grid (mtmd's M-RoPE positions)."""
+        """Each MEDIA_ID in ids becomes the image's layout as mtmd_tokenize makes it (VisionModel.layout):
+        the projector's markers (text, or tokens found by their text) around each of its image chunks
+        (the image, or its tiles and overview), a chunk's rows as placeholder ids; the images decoded and
+        preprocessed, one Media per chunk; under an M-RoPE text model each chunk's rows placed on its grid
+        (mtmd's M-RoPE positions)."""
+        from hearthlm.model_zoo.vision.clip import Piece
         from hearthlm.model_zoo.vision.image import ImageLimits, load_image  # Pillow, loaded by the first image
         vm, tok, lim = self.vision, self.model.tokenizer, self._media_opts
         places = [i for i, t in enumerate(ids) if t == MEDIA_ID]
@@ -595,21 +598,24 @@ class Session:
             raise InvalidRequestError(f"the prompt marks {len(places)} image place(s) ({MEDIA_MARKER}) for "
                                       f"{len(sources)} image(s)")
         limits = ImageLimits(max_bytes=lim.max_image_bytes, max_pixels=lim.max_image_pixels)
-        begin = tok.encode(vm.proj.BEGIN, parse_special=True) if vm.proj.BEGIN else []
-        end = tok.encode(vm.proj.END, parse_special=True) if vm.proj.END else []
         out: list[int] = []
         media: list[Media] = []
         last = 0
         for k, (at, src) in enumerate(zip(places, sources)):
             image = load_image(src, limits=limits, allow_remote=lim.allow_remote_media, name=f"image {k + 1}")
-            pixels, n, key = vm.prepare(image)
-            if n >= self.n_ctx:  # an image is computed whole in one step: its rows must fit the context
-                raise ContextLengthError(f"image {k + 1} is {n} rows; the context holds {self.n_ctx} tokens")
-            out += ids[last:at] + begin
-            positions, n_pos = grid_positions(*vm.grid(pixels)) if self.model.n_pos > 1 else (None, 0)
-            media.append(Media(len(out), n, key, pixels, bidirectional=vm.bidirectional, positions=positions,
-                               n_pos=n_pos))
-            out += placeholder_ids(key, n) + end
+            out += ids[last:at]
+            for part in vm.layout(image):
+                if isinstance(part, str):  # a marker's text, special tokens parsed (mtmd's add_text)
+                    out += tok.encode(part, parse_special=True)
+                elif isinstance(part, Piece):  # checked at load (VisionModel.check_text_model)
+                    out.append(tok.piece_id(part.text))
+                else:
+                    if part.n >= self.n_ctx:  # an image chunk is computed whole in one step: it must fit the context
+                        raise ContextLengthError(f"image {k + 1} is {part.n} rows; the context holds {self.n_ctx} tokens")
+                    positions, n_pos = grid_positions(*part.grid) if self.model.n_pos > 1 else (None, 0)
+                    media.append(Media(len(out), part.n, part.key, part.pixels, bidirectional=vm.bidirectional,
+                                       positions=positions, n_pos=n_pos))
+                    out += placeholder_ids(part.key, part.n)
             last = at + 1
         return out + ids[last:], media
 

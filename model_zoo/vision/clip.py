@@ -24,6 +24,7 @@ from hearthlm.runtime.vision import ImageBatch
 
 # projector type (clip.projector_type / clip.vision.projector_type) -> the module in this package
 PROJECTORS = {"gemma3": "gemma3", "qwen3vl_merger": "qwen3vl"}
+PROJECTORS.update({"idefics3": "idefics3", "lfm2": "lfm2"})  # the tiled ones (tiles plus an overview)
 AUDIO = ("whisper", "ultravox", "qwen2a", "qwen3a", "voxtral", "glma", "lfm2a", "gemma4a", "conformer", "musicflamingo")
 
 
@@ -96,6 +97,24 @@ def _proj_type(md) -> str:
     return p if isinstance(p, str) else "(none)"
 
 
+@dataclass(frozen=True)
+class Piece:
+    """A token of an image's layout found by its text, as mtmd's lookup_token finds it (the lowest id whose
+    piece is exactly `text`), where mtmd adds token ids rather than tokenizing text ("\n\n" before
+    idefics3's overview)."""
+    text: str
+
+
+@dataclass(eq=False)
+class Slice:
+    """One image chunk of an image's layout (the image itself, a tile or an overview): as the tower takes
+    it, its rows and their identity."""
+    pixels: np.ndarray      # (3, H, W) float32
+    n: int                  # its rows
+    key: bytes              # the decoded image's, this file's and the slice's index
+    grid: tuple[int, int]   # (nx, ny): its rows across and down (VisionModel.grid)
+
+
 @dataclass(eq=False)
 class VisionModel:
     path: str
@@ -125,12 +144,35 @@ class VisionModel:
         return bool(self.proj.BIDIRECTIONAL)
 
     def prepare(self, image) -> tuple[np.ndarray, int, bytes]:
-        """An image (vision.image.Image) as the tower takes it: (pixels (3, H, W) float32, its
-        number of rows, its identity: the decoded pixels' and this file's)."""
-        pixels = self.proj.preprocess(self.config, self.pconfig, image.pixels)
-        n = self.proj.n_tokens(self.config, self.pconfig, pixels.shape[1], pixels.shape[2])
-        key = hashlib.blake2b(image.digest + self.digest.encode(), digest_size=16).digest()
-        return pixels, n, key
+        """An image (vision.image.Image) that is one chunk as the tower takes it: (pixels (3, H, W)
+        float32, its number of rows, its identity: the decoded pixels' and this file's). A tiled
+        image has several: `layout`."""
+        slices = [p for p in self.layout(image) if isinstance(p, Slice)]
+        if len(slices) != 1:
+            raise ValueError(f"the {self.config.projector} projector makes this image {len(slices)} chunks: "
+                             "use layout()")
+        return slices[0].pixels, slices[0].n, slices[0].key
+
+    def layout(self, image) -> list[str | Piece | Slice]:
+        """An image as mtmd_tokenize lays it out, in prompt order: text (tokenized with special tokens parsed),
+        tokens found by their text (Piece) and image chunks (Slice): a projector's `layout` (tiles and an
+        overview between their markers), else its BEGIN marker, the image and its END marker. Each slice's key
+        is the image's and the slice's: the first one's the key `prepare` gives."""
+        if hasattr(self.proj, "layout"):
+            parts = self.proj.layout(self.config, self.pconfig, image.pixels)
+        else:
+            parts = [self.proj.BEGIN, self.proj.preprocess(self.config, self.pconfig, image.pixels), self.proj.END]
+        out: list[str | Piece | Slice] = []
+        for part in parts:
+            if isinstance(part, np.ndarray):
+                k = sum(isinstance(p, Slice) for p in out)
+                key = hashlib.blake2b(image.digest + self.digest.encode() + (k.to_bytes(4, "little") if k else b""),
+                                      digest_size=16).digest()
+                n = self.proj.n_tokens(self.config, self.pconfig, part.shape[1], part.shape[2])
+                out.append(Slice(part, n, key, self.grid(part)))
+            elif part:
+                out.append(part)
+        return out
 
     def grid(self, pixels: np.ndarray) -> tuple[int, int]:
         """(nx, ny): the rows of a prepared image across and down, as an M-RoPE text model places
@@ -147,6 +189,11 @@ class VisionModel:
             if text and len(tok.encode(text, parse_special=True)) != 1:
                 raise ModelLoadError(f"{self.path}: the {self.config.projector} projector marks images with "
                                      f"{text!r}, which {model.path}'s vocabulary has no token for: this mmproj "
+                                     "belongs to another model")
+        for text in getattr(self.proj, "TOKENS", ()):  # the layout's tokens found by their text (Piece)
+            if tok.piece_id(text) is None:
+                raise ModelLoadError(f"{self.path}: the {self.config.projector} projector lays out images with the "
+                                     f"token {text!r}, which {model.path}'s vocabulary has none of: this mmproj "
                                      "belongs to another model")
 
     def inputs(self, pixels: np.ndarray) -> dict[str, np.ndarray]:

@@ -1,14 +1,17 @@
 """Records llama.cpp's image path (libmtmd) on the tiny vision-language models once, under llama-cpp-python
-0.3.36 (never in CI; the files come from tests/parity/hf/make.py + convert.py, specs "gemma3-vision" and
-"qwen35-vision"):
+0.3.36 (never in CI; the files come from tests/parity/hf/make.py + convert.py, specs "gemma3-vision",
+"qwen35-vision", "qwen3vl-vision", "smolvlm-vision" and "lfm2-vision"):
 
-    /tmp/lcp-venv/bin/python tests/parity/record_vision.py [gemma3] [qwen35] [qwen3vl]
+    /tmp/lcp-venv/bin/python tests/parity/record_vision.py [gemma3] [qwen35] [qwen3vl] [smolvlm] [lfm2]
 
-writes tests/data/vision_parity.json (Gemma 3), vision_parity_qwen35.json (Qwen3.5) and vision_parity_qwen3vl.json
-(Qwen3-VL, whose rows carry deepstack features: n_embd is the text model's input width); under M-RoPE each image
+writes tests/data/vision_parity.json (Gemma 3), vision_parity_qwen35.json (Qwen3.5), vision_parity_qwen3vl.json
+(Qwen3-VL, whose rows carry deepstack features: n_embd is the text model's input width), vision_parity_smolvlm.json
+and vision_parity_lfm2.json (the tiled families: their rows in vision_rows_<family>.npz); under M-RoPE each image
 chunk's decoder positions too, and n_past counts positions, not tokens:
 - "images": each image's recipe (rgb() below regenerates its pixels with numpy; their sha256 is kept to check
-  that), and the rows mtmd_encode_chunk gives for it (n_tokens x n_embd, 6 significant digits);
+  that), and the rows mtmd_encode_chunk gives for it (n_tokens x n_embd, 6 significant digits); a tiled image's
+  chunks (tiles row by row, then the overview) each encoded, their shapes here ("chunk_shapes") and their rows
+  in the .npz as "<image>/<k>" (float32);
 - "prompts": mtmd_tokenize's chunks (text ids, or an image's n_tokens, n_pos, grid and id), then greedy steps
   as tests/data/arch_parity.json has them (greedy_ids; top-5 ids and log-probs per step) from
   mtmd_helper_eval_chunks (n_past 0, seq 0, logits of the last token) and llama_decode one token at a time,
@@ -52,12 +55,42 @@ QWEN_PROMPTS = {
     "image_between_text": (f"The hearth is warm. {M} Hello world!", ["wide"]),
     "long_text_after_image": (f"{M}{LONG} {LONG.split('. ')[0]}.", ["noise"]),  # 9 sentences: 300+ tokens
 }
-FAMILIES = {  # name -> (model, mmproj, output, images, prompts)
+LONG10 = f"{LONG} {LONG.split('. ')[0]}. {LONG.split('. ')[0]}."  # 10 sentences: 300+ tokens in these vocabularies
+# the tiled families (#39): an image is tiles plus an overview, each its own image chunk; their rows go to an .npz
+SMOLVLM_IMAGES = {  # tiles of 32, longest edge 64: a square to 2x2 tiles, a wide one to 2x1, a tall one to 1x2
+    "square": {"kind": "gradient", "nx": 48, "ny": 48},
+    "wide": {"kind": "noise", "nx": 80, "ny": 30, "seed": 1},
+    "tall": {"kind": "noise", "nx": 20, "ny": 50, "seed": 2},
+}
+SMOLVLM_PROMPTS = {
+    "one_image": (f"<|im_start|>User:{M}What is in the image?<end_of_utterance>\nAssistant:", ["square"]),
+    "two_images": (f"Compare {M} and {M} please.", ["wide", "tall"]),
+    "image_between_text": (f"The hearth is warm. {M} Hello world!", ["tall"]),
+    "long_text_after_image": (f"{M}{LONG10}", ["wide"]),
+}
+LFM2_IMAGES = {  # tiles of 512, patch 16: a big image to 2x1 tiles and a thumbnail; two one-chunk images
+    "big": {"kind": "gradient", "nx": 1088, "ny": 544},
+    "small": {"kind": "noise", "nx": 300, "ny": 200, "seed": 0},  # 320x224: the 16x16 table to 20x14
+    "square": {"kind": "noise", "nx": 256, "ny": 256, "seed": 1},  # the table at its own size
+}
+LFM2_PROMPTS = {
+    "one_image": (f"<|im_start|>user\n{M}What is in the image?<|im_end|>\n<|im_start|>assistant\n", ["big"]),
+    "two_images": (f"Compare {M} and {M} please.", ["small", "big"]),
+    "image_between_text": (f"The hearth is warm. {M} Hello world!", ["square"]),
+    "long_text_after_image": (f"{M}{LONG10}", ["small"]),
+}
+FAMILIES = {  # name -> (model, mmproj, output, images, prompts[, settings, rows file])
     "gemma3": (MODEL, MMPROJ, OUT, IMAGES, PROMPTS),
     "qwen35": (DATA / "converted" / "qwen35-vision.gguf", DATA / "converted" / "qwen35-vision.mmproj.gguf",
                DATA / "vision_parity_qwen35.json", QWEN_IMAGES, QWEN_PROMPTS),
     "qwen3vl": (DATA / "converted" / "qwen3vl-vision.gguf", DATA / "converted" / "qwen3vl-vision.mmproj.gguf",
                 DATA / "vision_parity_qwen3vl.json", QWEN_IMAGES, QWEN_PROMPTS),
+    "smolvlm": (DATA / "converted" / "smolvlm-vision.gguf", DATA / "converted" / "smolvlm-vision.mmproj.gguf",
+                DATA / "vision_parity_smolvlm.json", SMOLVLM_IMAGES, SMOLVLM_PROMPTS, {},
+                DATA / "vision_rows_smolvlm.npz"),
+    "lfm2": (DATA / "converted" / "lfm2-vision.gguf", DATA / "converted" / "lfm2-vision.mmproj.gguf",
+             DATA / "vision_parity_lfm2.json", LFM2_IMAGES, LFM2_PROMPTS, {"n_ctx": 2048},
+             DATA / "vision_rows_lfm2.npz"),
 }
 SETTINGS = {"n_threads": 2, "n_ctx": 512, "n_batch": 512, "n_ubatch": 512, "flash_attn": False,
             "type_k": 0, "type_v": 0}  # GGML_TYPE_F32 = 0
@@ -81,16 +114,18 @@ def _logprobs(logits) -> np.ndarray:
     return lp - np.log(np.exp(lp).sum())
 
 
-def record(model: Path, mmproj: Path, out_path: Path, images_in: dict, prompts_in: dict) -> None:
+def record(model: Path, mmproj: Path, out_path: Path, images_in: dict, prompts_in: dict, settings: dict | None = None,
+           rows_path: Path | None = None) -> None:
     import llama_cpp
     from llama_cpp import mtmd_cpp as mtmd
     assert mtmd.mtmd_default_marker().decode() == M
-    llm = llama_cpp.Llama(model_path=str(model), n_ctx=SETTINGS["n_ctx"], n_batch=SETTINGS["n_batch"],
-                          n_ubatch=SETTINGS["n_ubatch"], n_threads=SETTINGS["n_threads"],
-                          n_threads_batch=SETTINGS["n_threads"], flash_attn=SETTINGS["flash_attn"],
-                          type_k=SETTINGS["type_k"], type_v=SETTINGS["type_v"], verbose=False)
+    st = {**SETTINGS, **(settings or {})}
+    llm = llama_cpp.Llama(model_path=str(model), n_ctx=st["n_ctx"], n_batch=st["n_batch"],
+                          n_ubatch=st["n_ubatch"], n_threads=st["n_threads"],
+                          n_threads_batch=st["n_threads"], flash_attn=st["flash_attn"],
+                          type_k=st["type_k"], type_v=st["type_v"], verbose=False)
     p = mtmd.mtmd_context_params_default()
-    p.use_gpu, p.print_timings, p.n_threads, p.warmup = False, False, SETTINGS["n_threads"], False
+    p.use_gpu, p.print_timings, p.n_threads, p.warmup = False, False, st["n_threads"], False
     p.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
     ctx = mtmd.mtmd_init_from_file(str(mmproj).encode(), llm.model, p)
     assert ctx, "mtmd_init_from_file failed"
@@ -128,15 +163,25 @@ def record(model: Path, mmproj: Path, out_path: Path, images_in: dict, prompts_i
                                   for i in range(mtmd.mtmd_input_chunk_get_n_tokens(c))]}
                    if mtmd.mtmd_decode_use_mrope(ctx) else {})}  # (t, y, x, z): M-RoPE's sections in order
 
-    images = {}
+    images, npz = {}, {}
     for name, recipe in images_in.items():
         chunks, cs = tokenize(M, [name])
-        (img,) = [c for c in cs if mtmd.mtmd_input_chunk_get_type(c) == mtmd.MTMD_INPUT_CHUNK_TYPE_IMAGE]
-        assert mtmd.mtmd_encode_chunk(ctx, img) == 0
-        n = mtmd.mtmd_input_chunk_get_n_tokens(img)
-        rows = np.ctypeslib.as_array(mtmd.mtmd_get_output_embd(ctx), shape=(n * n_embd,)).reshape(n, n_embd)
-        images[name] = {"recipe": recipe, "sha256": hashlib.sha256(rgb(recipe).tobytes()).hexdigest(),
-                        "shape": [n, n_embd], "rows": [[float(f"{x:.6g}") for x in r] for r in rows.tolist()]}
+        imgs = [c for c in cs if mtmd.mtmd_input_chunk_get_type(c) == mtmd.MTMD_INPUT_CHUNK_TYPE_IMAGE]
+        assert rows_path is not None or len(imgs) == 1, "a tiled image's rows go to the .npz"
+        rec = {"recipe": recipe, "sha256": hashlib.sha256(rgb(recipe).tobytes()).hexdigest()}
+        shapes = []
+        for k, img in enumerate(imgs):  # tiles row by row, then the overview (mtmd's order in the prompt)
+            assert mtmd.mtmd_encode_chunk(ctx, img) == 0
+            n = mtmd.mtmd_input_chunk_get_n_tokens(img)
+            rows = np.ctypeslib.as_array(mtmd.mtmd_get_output_embd(ctx), shape=(n * n_embd,)).reshape(n, n_embd)
+            if rows_path is None:
+                rec.update(shape=[n, n_embd], rows=[[float(f"{x:.6g}") for x in r] for r in rows.tolist()])
+            else:
+                npz[f"{name}/{k}"] = rows.astype(np.float32)
+            shapes.append([n, n_embd])
+        if rows_path is not None:
+            rec["chunk_shapes"] = shapes
+        images[name] = rec
         mtmd.mtmd_input_chunks_free(chunks)
 
     prompts = {}
@@ -146,7 +191,7 @@ def record(model: Path, mmproj: Path, out_path: Path, images_in: dict, prompts_i
         rec = {"text": text, "images": names, "chunks": [describe(c, int(p0)) for c, p0 in zip(cs, starts)]}
         llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(llm.ctx), True)
         n_past = llama_cpp.llama_pos(0)
-        assert mtmd.mtmd_helper_eval_chunks(ctx, llm.ctx, chunks, 0, 0, SETTINGS["n_batch"], True,
+        assert mtmd.mtmd_helper_eval_chunks(ctx, llm.ctx, chunks, 0, 0, st["n_batch"], True,
                                             ctypes.byref(n_past)) == 0
         rec["n_past"] = n_past.value
         ids, steps = [], []
@@ -166,11 +211,11 @@ def record(model: Path, mmproj: Path, out_path: Path, images_in: dict, prompts_i
         mtmd.mtmd_input_chunks_free(chunks)
 
     long = prompts["long_text_after_image"]["chunks"]
-    first = next(i for i, c in enumerate(long) if c["type"] == "image")
-    n_long = sum(len(c.get("tokens", [])) for c in long[first + 1:])
+    last = max(i for i, c in enumerate(long) if c["type"] == "image")
+    n_long = sum(len(c.get("tokens", [])) for c in long[last + 1:])
     assert n_long >= 300, n_long
     out = {"llama_cpp_python": llama_cpp.__version__, "model": model.name, "mmproj": mmproj.name,
-           "settings": {**SETTINGS, "mtmd_flash_attn_type": int(p.flash_attn_type), "n_steps": N_STEPS},
+           "settings": {**st, "mtmd_flash_attn_type": int(p.flash_attn_type), "n_steps": N_STEPS},
            "marker": M, "n_embd": n_embd, "n_vocab": n_vocab,
            "non_causal": bool(mtmd.mtmd_decode_use_non_causal(ctx, None)),
            "mrope": bool(mtmd.mtmd_decode_use_mrope(ctx)), "images": images, "prompts": prompts}
@@ -178,6 +223,9 @@ def record(model: Path, mmproj: Path, out_path: Path, images_in: dict, prompts_i
     llm.close()
     out_path.write_text(json.dumps(out, indent=1) + "\n")
     print("wrote", out_path)
+    if rows_path is not None:
+        np.savez_compressed(rows_path, **npz)
+        print("wrote", rows_path)
 
 
 if __name__ == "__main__":
