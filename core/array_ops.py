@@ -36,6 +36,8 @@ def attn_full(q, k, v, seg, xp, *, scale: float, dtype=None):
     group = n_head // h_kv
     dt = dtype or xp.float32
     out = xp.empty((n, n_head, dv), xp.float32)
+    if n == 0:
+        return out.reshape(0, n_head * dv)
     cuts = [0] + [int(i) + 1 for i in xp.flatnonzero(seg[1:] != seg[:-1])] + [n] if seg is not None else [0, n]
     for lo, hi in zip(cuts[:-1], cuts[1:]):
         m = hi - lo

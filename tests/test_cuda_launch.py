@@ -166,6 +166,10 @@ def _case(op: Op, n: int, qtype=T.Q8_0):
                                         seq_off, state_slot, name="c"),
         Op.SSM_SCAN: lambda: g.ssm_scan(g.cache("ss", (4, H, D, 32), 0), xh, f("dt", n, H), f("A", 1, H),
                                         f("B", n, 2, 32), f("C", n, 2, 32), seq_off, state_slot, name="y"),
+        Op.PATCHIFY: lambda: g.patchify(f("img", 1, 3, 4, 4 * n), 4, "p"),  # n patches of 4x4
+        Op.ATTN_FULL: lambda: g.attn_full(xh, f("kf", n, HKV, D), f("vf", n, HKV, D), scale=0.25, seg=i("segs", n),
+                                          name="a"),
+        Op.POOL_2D: lambda: g.pool_2d(f("xp", 4 * n, E), nx=2, ny=2, k=2, name="p"),  # n images of 2x2 patches
         Op.GATED_DELTA_NET: lambda: g.gated_delta_net(  # d_k 32, d_v 16; 4 v-heads over 2 key heads
             g.cache("sd", (4, H, D, 32), 0), f("q", n, HKV, 32), f("k", n, HKV, 32), xh, f("gate", n, H),
             f("beta", n, H), seq_off, state_slot, scale=32 ** -0.5, name="o"),
@@ -173,7 +177,8 @@ def _case(op: Op, n: int, qtype=T.Q8_0):
     feed = {"seq": np.arange(n, dtype=np.int32) % 2, "pos": np.arange(n, dtype=np.int32) % 10 + 1,
             "bt": np.array([[5, 2, 7], [1, 6, 3]], np.int32), "ids": np.arange(n, dtype=np.int32) * 3,
             "ids2": (np.arange(2 * n, dtype=np.int32) % 3).reshape(n, 2),  # 3 experts; 8 router columns
-            "seq_off": np.array([0, min(n, 2), n], np.int32), "state_slot": np.array([1, 3], np.int32)}
+            "seq_off": np.array([0, min(n, 2), n], np.int32), "state_slot": np.array([1, 3], np.int32),
+            "segs": np.arange(n, dtype=np.int32) // 3}  # attention runs of 3 tokens
     feed["slots"] = np.array([feed["bt"][s, p // BS] * BS + p % BS for s, p in zip(feed["seq"], feed["pos"])],
                              np.int32).reshape(n)
     return node, feed
