@@ -9,10 +9,12 @@ import json
 
 from specs_gemma import GEMMA4, GEMMA4_TOKENS, _gemma_tokens
 
-# Gemma 4's image markers as the released tokenizer has them (special added tokens): mtmd wraps an image in
+# Gemma 4's image markers as the released tokenizer has them (special tokens, single ids): mtmd wraps an image in
 # <|image> ... <image|>; <|image|> is the processor's soft token
 GEMMA4_VISION_TOKENS = dict(GEMMA4_TOKENS, **_gemma_tokens(("<|turn>", "<turn|>", "<|image>", "<image|>", "<|image|>")))
-GEMMA4_VISION_TOKENS["tokens"].update(boi_token="<|image>", eoi_token="<image|>", image_token="<|image|>")
+MARKERS = ["<|turn>", "<turn|>", "<|image>", "<image|>", "<|image|>"]  # special tokens (the converter: CONTROL)
+GEMMA4_VISION_TOKENS["tokens"].update(boi_token="<|image>", eoi_token="<image|>", image_token="<|image|>",
+                                      additional_special_tokens=MARKERS)
 
 GEMMA4_VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
                      num_key_value_heads=2, head_dim=16, patch_size=4, position_embedding_size=64,
