@@ -227,7 +227,7 @@ def _as_e2b(mp: pytest.MonkeyPatch, causal: bool) -> None:
 @pytest.mark.parametrize("name", sorted(REF["prompts"]))
 def test_prompt_tokens_match_mtmd(vision_session, name):
     """The prompt's ids as mtmd_tokenize's chunks (BOS, text, <|image>, a placeholder per row, <image|>, text),
-    each image of as many rows as its chunk, both ways unless causal. Mutation: END "<image>" fails it."""
+    each image of as many rows as its chunk, both ways unless causal. Mutation: BEGIN and END swapped fails it."""
     causal, ss = vision_session
     case, s = REF["prompts"][name], ss.session
     with pytest.MonkeyPatch.context() as mp:
