@@ -1,6 +1,6 @@
 """Gemma 4's vision-language shape (#39, projector gemma4v): a tiny E2B-like gemma4 text model (per-layer inputs;
-sliding and full layers alternating, the last two sharing K/V, so that full layer 1's output for the image rows
-reaches later layers' K/V and its causal mask shows) under Gemma4ForConditionalGeneration with a Gemma 4 vision
+7 layers, full ones at 1, 4, 6, the last two sharing K/V, so that full layer 1's output for the image rows reaches
+later layers' K/V and its causal mask shows in the logits) under Gemma4ForConditionalGeneration with a Gemma 4 vision
 tower: 2 RMS-norm layers of width 32 (2 heads of 16), patch 4, a 64-entry x/y position table, clipped linears
 (Gemma4ClippableLinear: each linear's input and output clamped to scalars the file carries) and standardized soft
 tokens (std_bias, std_scale). The text model is 32 wide, not E2B's 1536 nor E4B's 2560, so that libmtmd decodes its
@@ -51,11 +51,12 @@ def gemma4v_adjust(model) -> None:
                 b.copy_((0.3 * torch.randn(b.shape, generator=g)).exp())
 
 
+SWA, FULL = "sliding_attention", "full_attention"
 SPECS = {
     "gemma4-vision": dict(config_class="Gemma4Config", model_class="Gemma4ForConditionalGeneration",
                           tokenizer="spm_bpe",
-                          config=dict(text_config=dict(GEMMA4, num_hidden_layers=6,
-                                                       layer_types=["sliding_attention", "full_attention"] * 3,
+                          config=dict(text_config=dict(GEMMA4, num_hidden_layers=7,
+                                                       layer_types=[SWA, FULL, SWA, SWA, FULL, SWA, FULL],
                                                        num_kv_shared_layers=2, use_double_wide_mlp=True,
                                                        hidden_size_per_layer_input=8, vocab_size_per_layer_input=384),
                                       vision_config=GEMMA4_VISION, audio_config=None, boi_token_id=7, eoi_token_id=8,
