@@ -192,9 +192,9 @@ def _layers(pc: Config):
             h = build_norm(g, _ffn(c, pc, g, w, P, h, il), L("ffn_post_norm.weight", (e,)), eps=eps,
                            name="ffn_post_normed", il=il)
             x = g.add(x, h, "layer_out", il)
-            scale = L("out_scale.weight", (e,), optional=True)  # Gemma 4's layer scalar, where the file has it
-            if scale is not None:
-                x = g.mul(x, scale, "layer_out_scaled", il)
+            ls = w.shape_of(f"{P}.out_scale.weight")  # a layer scalar (clip.cpp's ls_out), where the file has one
+            if ls is not None:
+                x = g.mul(x, L("out_scale.weight", ls, flat=True), "layer_out_scaled", il)
         return x
     return run
 
