@@ -187,6 +187,11 @@ def sigmoid(x):
     return (1.0 / (1.0 + np.exp(-x.astype(np.float64)))).astype(np.float32)
 
 
+def clamp(x, lo: float, hi: float):
+    """ggml_clamp: MAX(MIN(x, hi), lo) in float32; fmin/fmax as C's comparisons take a NaN (to hi)."""
+    return np.fmax(np.fmin(x.astype(np.float32), np.float32(hi)), np.float32(lo))
+
+
 def softplus(x):
     """ggml's: log(1 + exp(x)), and x itself where x > 20 (exp would overflow float32 there)."""
     x64 = np.asarray(x, np.float64)
@@ -363,6 +368,7 @@ class ReferenceBackend(Backend):
             Op.MUL_MAT_ID: lambda n, w, x, ids: mul_mat_id(w, x, ids),
             Op.SIGMOID: lambda n, x: sigmoid(x),
             Op.SOFTPLUS: lambda n, x: softplus(x),
+            Op.CLAMP: lambda n, x: clamp(x, n.params["lo"], n.params["hi"]),
             Op.L2_NORM: lambda n, x: l2_norm(x, n.params["eps"]),
             # vision towers: in float64 where they multiply
             Op.PATCHIFY: lambda n, img: np.ascontiguousarray(array_ops.patchify(img, n.params["p"]), np.float32),

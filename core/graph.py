@@ -76,6 +76,8 @@ class Op(enum.Enum):
     TANH = "tanh", OpProps(inplace=(0,))    # (x,) elementwise (Gemma 2's logit soft-capping)
     SIGMOID = "sigmoid", OpProps(inplace=(0,))
     SOFTPLUS = "softplus", OpProps(inplace=(0,))  # log(1 + exp(x)); x where x > 20 (as ggml)
+    # (x,) -> max(min(x, hi), lo), ggml_clamp's order (NaN gives hi); params: lo, hi (Gemma 4's clippable linears)
+    CLAMP = "clamp", OpProps(inplace=(0,))
     L2_NORM = "l2_norm", OpProps(inplace=(0,))    # (x,) / max(||x||, eps) over the last axis; params: eps
     # (x (n_tokens, n_heads, head_dim), pos (n_tokens,)); params: n_rot, base, freq_scale, neox[, freqs, mscale]
     ROPE = "rope", OpProps(inplace=(0,))
@@ -226,6 +228,9 @@ class Graph:
 
     def softplus(self, x: Tensor, name: str, il: int = -1) -> Tensor:
         return self._add(Op.SOFTPLUS, (x,), x.shape, name, il)
+
+    def clamp(self, x: Tensor, lo: float, hi: float, name: str, il: int = -1) -> Tensor:
+        return self._add(Op.CLAMP, (x,), x.shape, name, il, lo=float(lo), hi=float(hi))
 
     def l2_norm(self, x: Tensor, eps: float, name: str, il: int = -1) -> Tensor:
         return self._add(Op.L2_NORM, (x,), x.shape, name, il, eps=float(eps))

@@ -294,6 +294,7 @@ def elementwise(kind, n, k=576):
         "tanh": lambda: g.tanh(x, "t"),
         "sigmoid": lambda: g.sigmoid(x, "s"),
         "softplus": lambda: g.softplus(g.scale(x, 8.0, "x8"), "s"),  # past the threshold of 20 both ways
+        "clamp": lambda: g.clamp(x, -1.5, 2.0, "c"),  # x ~ 3 N(0, 1): clamped both ways, most not
         "l2_norm": lambda: g.l2_norm(s, 1e-6, "n"),  # per head, as Gated DeltaNet's q and k
         "l2_norm_tiny": lambda: g.l2_norm(g.scale(s, 1e-9, "tiny"), 1e-6, "n"),  # norms below eps
         "swiglu": lambda: g.glu(x, y, "silu", "s"),
@@ -665,6 +666,8 @@ CASES = [
     # Ministral 3's temperature: positions past the floor (3) scale Q by log(floor(pos / 3) + 1) * 0.1 + 1
     *[case(attention, part="attn_temp", shape=GQA[0], scen=s, window=0) for s in SCENARIOS],
     *[case(elementwise, kind=kind, n=n) for kind in ("sigmoid", "softplus", "l2_norm", "l2_norm_tiny") for n in TOKENS],
+    # Gemma 4's clippable linears (gemma4v). Mutation: the cpu's clamp ignoring lo fails these
+    *[case(elementwise, kind="clamp", n=n) for n in TOKENS],
     *[case(ssm_conv, c=c, k=k, batch=b) for c, k in ((1024, 3), (3328, 4)) for b in BATCHES],
     case(ssm_conv, c=1024, k=3, batch="uneven", qtype=T.F16),
     *[case(ssm_scan, h=48, p=64, n_state=128, n_group=1, batch=b) for b in BATCHES],

@@ -161,6 +161,7 @@ def _case(op: Op, n: int, qtype=T.Q8_0):
         Op.MUL_MAT_ID: lambda: g.mul_mat_id(g.weight(_experts(qtype)), x, i("ids2", n, 2), "y"),
         Op.SIGMOID: lambda: g.sigmoid(x, "s"),
         Op.SOFTPLUS: lambda: g.softplus(x, "s"),
+        Op.CLAMP: lambda: g.clamp(x, -0.5, 0.75, "c"),
         Op.L2_NORM: lambda: g.l2_norm(xh, 1e-6, "n"),
         Op.SSM_CONV: lambda: g.ssm_conv(g.cache("sc", (4, 3, E), 0), x, g.weight(_weight("conv", T.F32, E, 4)),
                                         seq_off, state_slot, name="c"),

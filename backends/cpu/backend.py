@@ -395,6 +395,12 @@ def _unary(softplus: bool):
     return k
 
 
+def _clamp(node, x, out=None):
+    """ggml_clamp's MAX(MIN(x, hi), lo); fmin/fmax send a NaN to hi as its comparisons do."""
+    out = np.fmin(x, np.float32(node.params["hi"]), out=out, dtype=np.float32)
+    return np.fmax(out, np.float32(node.params["lo"]), out=out)
+
+
 def _l2_norm(node, x, out=None):
     out = _buf(node, out)
     x2 = _rows(x)
@@ -568,6 +574,7 @@ class CPUBackend(Backend):
             Op.MUL_MAT_ID: _mul_mat_id,
             Op.SIGMOID: _unary(False),
             Op.SOFTPLUS: _unary(True),
+            Op.CLAMP: _clamp,
             Op.L2_NORM: _l2_norm,
             Op.SSM_CONV: _ssm_conv,
             Op.PATCHIFY: lambda n, img, out=None: _into(n, array_ops.patchify(img, n.params["p"]), out),

@@ -424,6 +424,12 @@ def tanh(node, x, out=None):
     return _into(cp.tanh(x, dtype=cp.float32), out)
 
 
+def clamp(node, x, out=None):
+    """ggml_clamp's MAX(MIN(x, hi), lo); fmin/fmax send a NaN to hi as its comparisons do."""
+    y = cp.fmin(x, f32(node.params["hi"]), dtype=cp.float32)
+    return _into(cp.fmax(y, f32(node.params["lo"]), out=y), out)
+
+
 def take(node, x, ids, out=None):
     return _into(cp.take_along_axis(x, ids.astype(cp.int64), -1), out)
 
@@ -562,6 +568,6 @@ KERNELS = {
     Op.ROPE: rope, Op.SET_ROWS: set_rows, Op.ROPE_SET_ROWS: rope_set_rows,
     Op.ATTN: attn, Op.GATHER_KV: gather_kv, Op.KQ: kq, Op.KQ_MASK: kq_mask, Op.ATTN_TEMP: attn_temp, Op.SOFT_MAX: soft_max, Op.KQV: kqv,
     Op.TANH: tanh, Op.TOP_K: top_k, Op.TAKE: take, Op.SUM_ROWS: sum_rows, Op.DIV: div, Op.MUL_MAT_ID: mul_mat_id,
-    Op.SIGMOID: sigmoid, Op.SOFTPLUS: softplus, Op.L2_NORM: l2_norm, Op.SSM_CONV: ssm_conv, Op.SSM_SCAN: ssm_scan,
+    Op.SIGMOID: sigmoid, Op.SOFTPLUS: softplus, Op.CLAMP: clamp, Op.L2_NORM: l2_norm, Op.SSM_CONV: ssm_conv, Op.SSM_SCAN: ssm_scan,
     Op.GATED_DELTA_NET: gated_delta_net, Op.PATCHIFY: patchify, Op.ATTN_FULL: attn_full, Op.POOL_2D: pool_2d,
 }

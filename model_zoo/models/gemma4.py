@@ -8,7 +8,10 @@ sqrt(n_embd), per-head Q/K RMSNorm, norms before and after attention and FFN, Ge
   layer of its kind (llama.cpp's reuse rule);
 - per-layer embeddings (E2B/E4B): a table of per-layer inputs by token, mixed with a projection of
   the embeddings, gated into each layer's output;
-- a learned scalar on each layer's output, wider FFNs on some layers, final logit soft-capping.
+- a learned scalar on each layer's output, wider FFNs on some layers, final logit soft-capping;
+- image rows that attend both ways (Media.bidirectional: gemma4v's rows unless the model is E2B/E4B) do so
+  in the sliding layers only, the full ones stay causal (llama.cpp's LLAMA_NON_CAUSAL_TYPE_SWA_ONLY);
+  image rows take token 0's per-layer row (the runner's id for them; llama.cpp's TAG_GEMMA4_IMG_PADDING).
 Reference: llama.cpp src/models/gemma4.cpp. The mixture-of-experts variant (26B-A4B) is refused."""
 from __future__ import annotations
 
@@ -82,6 +85,7 @@ def build(c: Config, g, w, shape):
     local = dataclasses.replace(c.rope, n_rot=c.n_rot_swa, base=c.swa_rope_base, scaling="none", freq_scale=1.0,
                                 factors=())
     caches = {}  # layer -> its written K and V caches, for the layers that share them
+    causal = dataclasses.replace(inp, seq_len=None) if inp.seq_len is not None else inp  # full layers: no horizons
     for il in range(c.n_layer):
         L, hd, swa = w.layer(il), c.head_dim_of(il), c.swa_layers[il]
         rope = (local if swa else c.rope).params()
@@ -100,7 +104,8 @@ def build(c: Config, g, w, shape):
             slots = inp.shape.n_slots
             caches[il] = (g.set_rows(g.cache("cache_k", (slots, hkv, hd), il), k, inp.slots, "k_write", il),
                           g.set_rows(g.cache("cache_v", (slots, hkv, hd), il), v, inp.slots, "v_write", il))
-        att = build_kqv(g, q, *caches[c.kv_source(il)], inp, il=il, scale=1.0, window=c.window_of(il))
+        att = build_kqv(g, q, *caches[c.kv_source(il)], inp if swa else causal, il=il, scale=1.0,
+                        window=c.window_of(il))
         att = g.mul_mat(L("attn_output.weight", (e, c.n_head * hd)), att, "attn_out", il)
         x = build_residual(g, x, att, name="ffn_inp", il=il, post_norm=L("post_attention_norm.weight", (e,)),
                            post_name="attn_post_norm", eps=eps)

@@ -23,7 +23,7 @@ from hearthlm.model_zoo.tensors import Weights
 from hearthlm.runtime.vision import ImageBatch
 
 # projector type (clip.projector_type / clip.vision.projector_type) -> the module in this package
-PROJECTORS = {"gemma3": "gemma3", "qwen3vl_merger": "qwen3vl"}
+PROJECTORS = {"gemma3": "gemma3", "qwen3vl_merger": "qwen3vl", "gemma4v": "gemma4v"}
 PROJECTORS.update({"idefics3": "idefics3", "lfm2": "lfm2"})  # the tiled ones (tiles plus an overview)
 AUDIO = ("whisper", "ultravox", "qwen2a", "qwen3a", "voxtral", "glma", "lfm2a", "gemma4a", "conformer", "musicflamingo")
 
@@ -140,8 +140,9 @@ class VisionModel:
     @property
     def bidirectional(self) -> bool:
         """Whether an image's rows attend to each other both ways in the text model (llama.cpp's
-        mtmd_decode_use_non_causal)."""
-        return bool(self.proj.BIDIRECTIONAL)
+        mtmd_decode_use_non_causal): the projector's BIDIRECTIONAL, or its bidirectional(text width)."""
+        rule = getattr(self.proj, "bidirectional", None)
+        return bool(rule(self.n_embd_out) if rule is not None else self.proj.BIDIRECTIONAL)
 
     def prepare(self, image) -> tuple[np.ndarray, int, bytes]:
         """An image (vision.image.Image) that is one chunk as the tower takes it: (pixels (3, H, W)
@@ -281,8 +282,9 @@ def _check_graph(vm: VisionModel) -> None:
     """Build the tower once: every tensor it reads exists with the shape it declares."""
     from hearthlm.core.errors import HearthError
     try:
-        s = vm.config.image_size
-        vm.build_graph(ImageBatch(1, s, s))
+        s = vm.config.image_size  # or the projector's own size (its image_size unused: gemma4v's)
+        h, wd = vm.proj.warmup_size(vm.config, vm.pconfig) if hasattr(vm.proj, "warmup_size") else (s, s)
+        vm.build_graph(ImageBatch(1, h, wd))
     except HearthError:
         raise
     except (AssertionError, ValueError, TypeError, KeyError) as e:

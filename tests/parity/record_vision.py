@@ -1,13 +1,14 @@
 """Records llama.cpp's image path (libmtmd) on the tiny vision-language models once, under llama-cpp-python
 0.3.36 (never in CI; the files come from tests/parity/hf/make.py + convert.py, specs "gemma3-vision",
-"qwen35-vision", "qwen3vl-vision", "smolvlm-vision" and "lfm2-vision"):
+"qwen35-vision", "qwen3vl-vision", "gemma4-vision", "smolvlm-vision" and "lfm2-vision"):
 
-    /tmp/lcp-venv/bin/python tests/parity/record_vision.py [gemma3] [qwen35] [qwen3vl] [smolvlm] [lfm2]
+    /tmp/lcp-venv/bin/python tests/parity/record_vision.py [gemma3] [qwen35] [qwen3vl] [gemma4] [smolvlm] [lfm2]
 
 writes tests/data/vision_parity.json (Gemma 3), vision_parity_qwen35.json (Qwen3.5), vision_parity_qwen3vl.json
-(Qwen3-VL, whose rows carry deepstack features: n_embd is the text model's input width), vision_parity_smolvlm.json
-and vision_parity_lfm2.json (the tiled families: their rows in vision_rows_<family>.npz); under M-RoPE each image
-chunk's decoder positions too, and n_past counts positions, not tokens:
+(Qwen3-VL, whose rows carry deepstack features: n_embd is the text model's input width), vision_parity_gemma4.json
+(Gemma 4, projector gemma4v), vision_parity_smolvlm.json and vision_parity_lfm2.json (the tiled families: their
+rows in vision_rows_<family>.npz); under M-RoPE each image chunk's decoder positions too, and n_past counts
+positions, not tokens:
 - "images": each image's recipe (rgb() below regenerates its pixels with numpy; their sha256 is kept to check
   that), and the rows mtmd_encode_chunk gives for it (n_tokens x n_embd, 6 significant digits); a tiled image's
   chunks (tiles row by row, then the overview) each encoded, their shapes here ("chunk_shapes") and their rows
@@ -16,6 +17,9 @@ chunk's decoder positions too, and n_past counts positions, not tokens:
   as tests/data/arch_parity.json has them (greedy_ids; top-5 ids and log-probs per step) from
   mtmd_helper_eval_chunks (n_past 0, seq 0, logits of the last token) and llama_decode one token at a time,
   and the first step's full log-prob vector;
+- Gemma 4 only, "causal" per prompt: the same steps with the image rows decoded causally, as libmtmd decodes
+  E2B's and E4B's (mtmd_decode_use_non_causal is false for a text model 1536 or 2560 wide; the tiny one is 32):
+  mtmd_helper_eval_chunks' own sequence of batches (eval_causal below) without its non-causal switch;
 - "settings": the context's (threads, n_ctx, n_batch, flash attention off, K/V in F32), and whether mtmd
   decodes the image rows with non-causal attention.
 Bitmaps are made from raw RGB (mtmd_bitmap_init): no image decoder enters."""
@@ -79,6 +83,12 @@ LFM2_PROMPTS = {
     "image_between_text": (f"The hearth is warm. {M} Hello world!", ["square"]),
     "long_text_after_image": (f"{M}{LONG10}", ["small"]),
 }
+GEMMA4_PROMPTS = {  # Gemma 4's turns; images upscaled to its 70-row minimum (9x9 rows; the wide one 11x7)
+    "one_image": (f"<|turn>user\n{M}What is in the image?<turn|>\n<|turn>model\n", ["gradient"]),
+    "two_images": (f"Compare {M} and {M} please.", ["gradient", "noise"]),
+    "image_between_text": (f"The hearth is warm. {M} Hello world!", ["wide"]),
+    "long_text_after_image": (f"{M}{LONG}", ["gradient"]),
+}
 FAMILIES = {  # name -> (model, mmproj, output, images, prompts[, settings, rows file])
     "gemma3": (MODEL, MMPROJ, OUT, IMAGES, PROMPTS),
     "qwen35": (DATA / "converted" / "qwen35-vision.gguf", DATA / "converted" / "qwen35-vision.mmproj.gguf",
@@ -91,6 +101,8 @@ FAMILIES = {  # name -> (model, mmproj, output, images, prompts[, settings, rows
     "lfm2": (DATA / "converted" / "lfm2-vision.gguf", DATA / "converted" / "lfm2-vision.mmproj.gguf",
              DATA / "vision_parity_lfm2.json", LFM2_IMAGES, LFM2_PROMPTS, {"n_ctx": 2048},
              DATA / "vision_rows_lfm2.npz"),
+    "gemma4": (DATA / "converted" / "gemma4-vision.gguf", DATA / "converted" / "gemma4-vision.mmproj.gguf",
+               DATA / "vision_parity_gemma4.json", IMAGES, GEMMA4_PROMPTS),
 }
 SETTINGS = {"n_threads": 2, "n_ctx": 512, "n_batch": 512, "n_ubatch": 512, "flash_attn": False,
             "type_k": 0, "type_v": 0}  # GGML_TYPE_F32 = 0
@@ -112,6 +124,57 @@ def _logprobs(logits) -> np.ndarray:
     lp = np.asarray(logits, np.float64)
     lp = lp - lp.max()
     return lp - np.log(np.exp(lp).sum())
+
+
+def greedy(llm, vocab, n_vocab: int) -> dict:
+    """N_STEPS greedy steps from the context's last logits: ids, top-5 and log-probs, the first full vector."""
+    import llama_cpp
+    ids, steps, first = [], [], None
+    for step in range(N_STEPS):
+        lp = _logprobs(np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1), shape=(n_vocab,)))
+        top = np.argsort(-lp, kind="stable")[:5]
+        steps.append({"top_ids": [int(t) for t in top], "top_logprobs": [round(float(lp[t]), 5) for t in top]})
+        if step == 0:
+            first = [round(float(x), 5) for x in lp]
+        ids.append(int(top[0]))
+        if llama_cpp.llama_vocab_is_eog(vocab, int(top[0])):
+            break
+        tok = (llama_cpp.llama_token * 1)(int(top[0]))
+        assert llama_cpp.llama_decode(llm.ctx, llama_cpp.llama_batch_get_one(tok, 1)) == 0
+    return {"first_logprobs": first, "greedy_ids": ids, "steps": steps}
+
+
+def eval_causal(ctx, llm, cs, n_embd: int) -> int:
+    """mtmd_helper_eval_chunks (seq 0 from n_past 0, one batch per chunk: each is under n_batch, logits of the
+    last token) with every image's rows decoded causally, as mtmd_helper_decode_image_chunk decodes them where
+    mtmd_decode_use_non_causal is false. Returns n_past."""
+    import llama_cpp
+    from llama_cpp import mtmd_cpp as mtmd
+    n_past = 0
+    for k, c in enumerate(cs):
+        text = mtmd.mtmd_input_chunk_get_type(c) == mtmd.MTMD_INPUT_CHUNK_TYPE_TEXT
+        if text:
+            n = ctypes.c_size_t()
+            ids = mtmd.mtmd_input_chunk_get_tokens_text(c, ctypes.byref(n))
+            n = n.value
+        else:
+            assert mtmd.mtmd_encode_chunk(ctx, c) == 0
+            n = mtmd.mtmd_input_chunk_get_n_tokens(c)
+            embd = np.ctypeslib.as_array(mtmd.mtmd_get_output_embd(ctx), shape=(n * n_embd,)).copy()
+        assert 0 < n <= SETTINGS["n_batch"]
+        b = llama_cpp.llama_batch_init(n, 0 if text else n_embd, 1)
+        for i in range(n):
+            if text:
+                b.token[i] = ids[i]
+            b.pos[i], b.n_seq_id[i], b.logits[i] = n_past + i, 1, int(k == len(cs) - 1 and i == n - 1)
+            b.seq_id[i][0] = 0
+        if not text:
+            ctypes.memmove(b.embd, embd.ctypes.data, embd.nbytes)
+        b.n_tokens = n
+        assert llama_cpp.llama_decode(llm.ctx, b) == 0
+        llama_cpp.llama_batch_free(b)
+        n_past += n
+    return n_past
 
 
 def record(model: Path, mmproj: Path, out_path: Path, images_in: dict, prompts_in: dict, settings: dict | None = None,
@@ -194,19 +257,11 @@ def record(model: Path, mmproj: Path, out_path: Path, images_in: dict, prompts_i
         assert mtmd.mtmd_helper_eval_chunks(ctx, llm.ctx, chunks, 0, 0, st["n_batch"], True,
                                             ctypes.byref(n_past)) == 0
         rec["n_past"] = n_past.value
-        ids, steps = [], []
-        for step in range(N_STEPS):
-            lp = _logprobs(np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1), shape=(n_vocab,)))
-            top = np.argsort(-lp, kind="stable")[:5]
-            steps.append({"top_ids": [int(t) for t in top], "top_logprobs": [round(float(lp[t]), 5) for t in top]})
-            if step == 0:
-                rec["first_logprobs"] = [round(float(x), 5) for x in lp]
-            ids.append(int(top[0]))
-            if llama_cpp.llama_vocab_is_eog(vocab, int(top[0])):
-                break
-            tok = (llama_cpp.llama_token * 1)(int(top[0]))
-            assert llama_cpp.llama_decode(llm.ctx, llama_cpp.llama_batch_get_one(tok, 1)) == 0
-        rec.update(greedy_ids=ids, steps=steps)
+        rec.update(greedy(llm, vocab, n_vocab))
+        if out_path.name == "vision_parity_gemma4.json":  # E2B/E4B's causal image rows, on the same model
+            llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(llm.ctx), True)
+            assert eval_causal(ctx, llm, cs, n_embd) == n_past.value
+            rec["causal"] = greedy(llm, vocab, n_vocab)
         prompts[name] = rec
         mtmd.mtmd_input_chunks_free(chunks)
 
