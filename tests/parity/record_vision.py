@@ -59,6 +59,11 @@ QWEN_PROMPTS = {
     "image_between_text": (f"The hearth is warm. {M} Hello world!", ["wide"]),
     "long_text_after_image": (f"{M}{LONG} {LONG.split('. ')[0]}.", ["noise"]),  # 9 sentences: 300+ tokens
 }
+QWEN25_IMAGES = {  # patch 14, merge 2, llama.cpp's 112-pixel windows of 4x4 rows: an 8x8 grid in four windows,
+    "gradient": {"kind": "gradient", "nx": 224, "ny": 224},
+    "noise": {"kind": "noise", "nx": 112, "ny": 112, "seed": 0},  # a 4x4 grid, one window
+    "wide": {"kind": "noise", "nx": 260, "ny": 150, "seed": 1},  # to 252x140: 9x5 rows, windows cut at the edges
+}
 LONG10 = f"{LONG} {LONG.split('. ')[0]}. {LONG.split('. ')[0]}."  # 10 sentences: 300+ tokens in these vocabularies
 # the tiled families (#39): an image is tiles plus an overview, each its own image chunk; their rows go to an .npz
 SMOLVLM_IMAGES = {  # tiles of 32, longest edge 64: a square to 2x2 tiles, a wide one to 2x1, a tall one to 1x2
@@ -95,6 +100,8 @@ FAMILIES = {  # name -> (model, mmproj, output, images, prompts[, settings, rows
                DATA / "vision_parity_qwen35.json", QWEN_IMAGES, QWEN_PROMPTS),
     "qwen3vl": (DATA / "converted" / "qwen3vl-vision.gguf", DATA / "converted" / "qwen3vl-vision.mmproj.gguf",
                 DATA / "vision_parity_qwen3vl.json", QWEN_IMAGES, QWEN_PROMPTS),
+    "qwen25vl": (DATA / "converted" / "qwen25vl-vision.gguf", DATA / "converted" / "qwen25vl-vision.mmproj.gguf",
+                 DATA / "vision_parity_qwen25vl.json", QWEN25_IMAGES, QWEN_PROMPTS),
     "smolvlm": (DATA / "converted" / "smolvlm-vision.gguf", DATA / "converted" / "smolvlm-vision.mmproj.gguf",
                 DATA / "vision_parity_smolvlm.json", SMOLVLM_IMAGES, SMOLVLM_PROMPTS, {},
                 DATA / "vision_rows_smolvlm.npz"),

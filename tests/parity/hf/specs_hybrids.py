@@ -144,6 +144,26 @@ SPECS = {
                                        video_token_id=6, tie_word_embeddings=False),
                            specials=QWEN_VISION_SPECIALS, tokens=CHATML_TOKENS, chat_template=CHATML,
                            extra_files=_qwen_processor(4, 2), convert_args_mmproj=["--mmproj"]),
+    # Qwen2.5-VL's shape (#39): a qwen2 text model (biases on Q, K, V; M-RoPE sections 2, 3, 3 in runs) under
+    # Qwen2_5_VLForConditionalGeneration, a ViT of RMS norms and gated SiLU FFNs, patch 14 as released, so that
+    # llama.cpp's fixed 112-pixel windows (4x4 merged rows) are smaller than the images' grids; full attention
+    # in layers 1 and 3 (n_wa_pattern 2), windows in 0 and 2
+    "qwen25vl-vision": dict(config_class="Qwen2_5_VLConfig", model_class="Qwen2_5_VLForConditionalGeneration",
+                            tokenizer="bpe", pre="qwen2",
+                            config=dict(text_config=dict(hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+                                                         num_attention_heads=4, num_key_value_heads=2,
+                                                         max_position_embeddings=512, rms_norm_eps=1e-6,
+                                                         bos_token_id=None, eos_token_id=None,  # not 151643/5
+                                                         rope_parameters={"rope_type": "default", "rope_theta": 1e6,
+                                                                          "mrope_section": [2, 3, 3]}),
+                                        vision_config=dict(depth=4, hidden_size=32, intermediate_size=64, num_heads=2,
+                                                           patch_size=14, spatial_merge_size=2, temporal_patch_size=2,
+                                                           out_hidden_size=64, window_size=112,
+                                                           fullatt_block_indexes=[1, 3]),
+                                        vision_start_token_id=3, vision_end_token_id=4, image_token_id=5,
+                                        video_token_id=6, tie_word_embeddings=False),
+                            specials=QWEN_VISION_SPECIALS, tokens=CHATML_TOKENS, chat_template=CHATML,
+                            extra_files=_qwen_processor(14, 2), convert_args_mmproj=["--mmproj"]),
     # Qwen3.5-35B-A3B's FFN: softmax top-k experts plus a sigmoid-gated shared expert
     "qwen35moe": dict(config_class="Qwen3_5MoeTextConfig", model_class="Qwen3_5MoeForCausalLM", tokenizer="bpe",
                       pre="qwen35", config=dict(QWEN35, moe_intermediate_size=8, shared_expert_intermediate_size=16,
