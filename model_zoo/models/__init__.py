@@ -29,6 +29,7 @@ ARCHITECTURES = {  # general.architecture -> module
     "granitehybrid": "granitehybrid",
     "phi3": "phi3",
     "qwen2": "qwen2",
+    "qwen2vl": "qwen2vl",
     "qwen3": "qwen3",
     "qwen3moe": "qwen3moe",
     "qwen3vl": "qwen3vl",
