@@ -53,8 +53,9 @@ def test_tower_rows_match_llama_cpp(tower, backend, name):
     """Each image through the tower gives llama.cpp's rows: the gradient (224x224: 8x8 rows in four windows), the
     noise (112x112: 4x4 rows, one window) and the wide one (260x150 resized to 252x140: 9x5 rows, windows cut to
     4x1, 1x4 and 1x1 at the edges), the tower run a layer a stage. Mutations: windows ignored (every layer over
-    the whole image), the full-attention layers windowed too, windows column-major, the rows left in window
-    order (no window_idx), the RoPE positions in raster order, or the FFN's gate and up swapped, each fail it."""
+    the whole image), the full-attention layers windowed too, the rows left in window order (no window_idx), the
+    RoPE positions in raster order, or the FFN's gate and up swapped, each fail it. (Windows taken column-major
+    give the same rows: test_windows_are_clip_cpps holds their order.)"""
     img = REF["images"][name]
     pixels, n, key = _prepared(tower, name)
     m = Media(0, n, key, pixels)
@@ -96,18 +97,21 @@ def test_windows_are_clip_cpps():
     assert win.tolist() == [0] * 4 + [1] * 4 + [2] * 2 + [3] * 2 + [4] * 2 + [5]
 
 
-def test_images_of_one_size_encode_together(tower):
+@pytest.mark.parametrize("side", [224, 112])
+def test_images_of_one_size_encode_together(tower, side):
     """Two images of one size in one graph give what each gives alone (patch indices, windows and the rows' way
-    back offset to each image; attention within its windows or itself). Mutations: win_seg or window_idx not
-    offset past the first image each fail it."""
-    a = _prepared(tower, "gradient")[0]
-    b = tower.prepare(load_image(np.random.default_rng(5).integers(0, 256, (224, 224, 3), dtype=np.uint8)))[0]
+    back offset to each image; attention within its windows or itself): four windows each, or one (the two
+    images' windows then adjacent runs). Mutations: win_seg or window_idx not offset past the first image each
+    fail it."""
+    rng = np.random.default_rng(5)
+    a, b = (tower.prepare(load_image(rng.integers(0, 256, (side, side, 3), dtype=np.uint8)))[0] for _ in range(2))
+    n = (side // 28) ** 2
     alone = []
     for k, px in ((b"a", a), (b"b", b)):
-        m = Media(0, 64, k, px)
+        m = Media(0, n, k, px)
         _encode(tower, "cpu", m)
         alone.append(m.rows)
-    both = [Media(0, 64, b"a", a), Media(0, 64, b"b", b)]
+    both = [Media(0, n, b"a", a), Media(0, n, b"b", b)]
     assert _encode(tower, "cpu", *both).images_encoded == 2
     for m, want in zip(both, alone):
         np.testing.assert_allclose(m.rows, want, rtol=1e-4, atol=1e-5)
