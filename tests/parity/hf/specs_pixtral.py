@@ -14,6 +14,8 @@ PIXTRAL_PROCESSOR = {"image_processor_type": "PixtralImageProcessor", "processor
                      "image_mean": [0.48145466, 0.4578275, 0.40821073], "image_std": [0.26862954, 0.26130258, 0.27577711],
                      "patch_size": 4, "size": {"longest_edge": 256}, "do_normalize": True, "do_rescale": True,
                      "resample": 3, "rescale_factor": 1 / 255}
+# 512 positions (YaRN 32x from 16): the long prompt is 360 tokens, and the context is capped at the trained one
+ROPE = dict(MINISTRAL3_ROPE, factor=32.0, max_position_embeddings=512)
 PIXTRAL_VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=2, head_dim=16,
                       image_size=64, patch_size=4, hidden_act="silu",
                       rope_parameters={"rope_type": "axial", "rope_theta": 10000.0})
@@ -22,8 +24,8 @@ SPECS = {
     "mistral3-vision": dict(config_class="Mistral3Config", model_class="Mistral3ForConditionalGeneration",
                             tokenizer="bpe", pre="tekken", specials=PIXTRAL_SPECIALS, tokens=TEKKEN_TOKENS["tokens"],
                             tokenizer_config=TEKKEN_TOKENS["tokenizer_config"],
-                            config=dict(text_config=dict(SMALL, model_type="ministral3", max_position_embeddings=256,
-                                                         rope_parameters=MINISTRAL3_ROPE, tie_word_embeddings=True,
+                            config=dict(text_config=dict(SMALL, model_type="ministral3", max_position_embeddings=512,
+                                                         rope_parameters=ROPE, tie_word_embeddings=True,
                                                          bos_token_id=1, eos_token_id=2, pad_token_id=None),
                                         vision_config=PIXTRAL_VISION, spatial_merge_size=2,
                                         image_token_index=PIXTRAL_SPECIALS.index("[IMG]"),
