@@ -8,8 +8,8 @@ writes tests/data/vision_parity.json (Gemma 3), vision_parity_qwen35.json (Qwen3
 (Qwen3-VL, whose rows carry deepstack features: n_embd is the text model's input width), vision_parity_gemma4.json
 (Gemma 4, projector gemma4v), vision_parity_mistral3.json (Ministral 3 with Pixtral: the tower appends
 [IMG_BREAK]'s embedding after each row of image rows but the last), vision_parity_smolvlm.json and
-vision_parity_lfm2.json (the tiled families: their rows in vision_rows_<family>.npz); under M-RoPE each image chunk's decoder positions too, and n_past counts
-positions, not tokens:
+vision_parity_lfm2.json (the tiled families: their rows in vision_rows_<family>.npz); under M-RoPE each image
+chunk's decoder positions too, and n_past counts positions, not tokens:
 - "images": each image's recipe (rgb() below regenerates its pixels with numpy; their sha256 is kept to check
   that), and the rows mtmd_encode_chunk gives for it (n_tokens x n_embd, 6 significant digits); a tiled image's
   chunks (tiles row by row, then the overview) each encoded, their shapes here ("chunk_shapes") and their rows

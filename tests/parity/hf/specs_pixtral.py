@@ -1,9 +1,10 @@
 """Mistral 3's vision-language shape (#39, projector pixtral): Mistral3ForConditionalGeneration over a tiny Ministral 3
-text model (the converter's "mistral3", as specs_decoders' "mistral3") and a Pixtral tower: 3 RMS-norm layers of width
-32 (2 heads of 16; 3: the converter maps mm.{1,2} only below the layer count), patch 4, a 2D RoPE (theta 10000), a gated SiLU FFN; then Mistral Small 3.1's patch merger
-(spatial_merge_size 2: RMS norm, 2x2 unfold, a linear) and the GELU MLP. The converter copies [IMG_BREAK]'s embedding
-row into the mmproj (v.token_embd.img_break), which clip.cpp appends after each row of image rows but the last;
-mtmd ends an image with [IMG_END]. Images keep their aspect (dyn_size: sides multiples of 8, 8 to 1024 rows)."""
+text model (the converter's "mistral3", as specs_decoders' "mistral3") and a Pixtral tower: 3 RMS-norm layers of
+width 32 (2 heads of 16; 3: the converter maps mm.{1,2} only below the layer count), patch 4, a 2D RoPE (theta
+10000), a gated SiLU FFN; then Mistral Small 3.1's patch merger (spatial_merge_size 2: RMS norm, 2x2 unfold, a
+linear) and the GELU MLP. The converter copies [IMG_BREAK]'s embedding row into the mmproj (v.token_embd.img_break),
+which clip.cpp appends after each row of image rows but the last; mtmd ends an image with [IMG_END]. Images keep
+their aspect (dyn_size: sides multiples of 8, 8 to 1024 rows)."""
 import json
 
 from specs_decoders import MINISTRAL3_ROPE, SMALL, TEKKEN_TOKENS
