@@ -247,3 +247,16 @@ def test_text_side_with_llama_cpps_rows(backend):
                 failures.append(f"{name}: {why}")
         assert enc.images_encoded == 0 and enc.cache.misses == 0
     assert not failures, "\n".join(failures)
+
+
+def test_without_merger_rows_are_patches(tower, monkeypatch):
+    """Pixtral-12B's form (no merger, spatial merge 1): a row per patch, a break after each row of patches but the
+    last; the MLP takes the tower's width. Mutation: the merger run whatever the file has fails it."""
+    import dataclasses
+    monkeypatch.setattr(tower, "pconfig", dataclasses.replace(tower.pconfig, n_merge=1, merger=False))
+    pixels, n, key = _prepared(tower, "noise")  # 32x32: 8x8 patches
+    assert pixels.shape == (3, 32, 32) and n == 8 * 8 + 7
+    m = Media(0, n, key, pixels)
+    _encode(tower, "cpu", [m])
+    assert m.rows.shape == (71, REF["n_embd"]) and np.isfinite(m.rows).all()
+    assert (m.rows[_break_at(n, 8)] == np.asarray(tower.file.tensors[pixtral.BREAK].raw()).view(np.float32)).all()
