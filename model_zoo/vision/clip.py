@@ -25,6 +25,7 @@ from hearthlm.runtime.vision import ImageBatch
 # projector type (clip.projector_type / clip.vision.projector_type) -> the module in this package
 PROJECTORS = {"gemma3": "gemma3", "qwen3vl_merger": "qwen3vl", "qwen2.5vl_merger": "qwen25vl", "gemma4v": "gemma4v"}
 PROJECTORS.update({"idefics3": "idefics3", "lfm2": "lfm2"})  # the tiled ones (tiles plus an overview)
+PROJECTORS["pixtral"] = "pixtral"  # Mistral 3 (Pixtral-12B, Mistral Small 3.1, Ministral 3)
 AUDIO = ("whisper", "ultravox", "qwen2a", "qwen3a", "voxtral", "glma", "lfm2a", "gemma4a", "conformer", "musicflamingo")
 
 

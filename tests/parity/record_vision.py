@@ -1,14 +1,15 @@
 """Records llama.cpp's image path (libmtmd) on the tiny vision-language models once, under llama-cpp-python
 0.3.36 (never in CI; the files come from tests/parity/hf/make.py + convert.py, specs "gemma3-vision",
-"qwen35-vision", "qwen3vl-vision", "gemma4-vision", "smolvlm-vision" and "lfm2-vision"):
+"qwen35-vision", "qwen3vl-vision", "gemma4-vision", "smolvlm-vision", "lfm2-vision" and "mistral3-vision"):
 
-    /tmp/lcp-venv/bin/python tests/parity/record_vision.py [gemma3] [qwen35] [qwen3vl] [gemma4] [smolvlm] [lfm2]
+    /tmp/lcp-venv/bin/python tests/parity/record_vision.py [gemma3] [qwen35] [qwen3vl] [gemma4] [smolvlm] [lfm2] [mistral3]
 
 writes tests/data/vision_parity.json (Gemma 3), vision_parity_qwen35.json (Qwen3.5), vision_parity_qwen3vl.json
 (Qwen3-VL, whose rows carry deepstack features: n_embd is the text model's input width), vision_parity_gemma4.json
-(Gemma 4, projector gemma4v), vision_parity_smolvlm.json and vision_parity_lfm2.json (the tiled families: their
-rows in vision_rows_<family>.npz); under M-RoPE each image chunk's decoder positions too, and n_past counts
-positions, not tokens:
+(Gemma 4, projector gemma4v), vision_parity_mistral3.json (Ministral 3 with Pixtral: the tower appends
+[IMG_BREAK]'s embedding after each row of image rows but the last), vision_parity_smolvlm.json and
+vision_parity_lfm2.json (the tiled families: their rows in vision_rows_<family>.npz); under M-RoPE each image
+chunk's decoder positions too, and n_past counts positions, not tokens:
 - "images": each image's recipe (rgb() below regenerates its pixels with numpy; their sha256 is kept to check
   that), and the rows mtmd_encode_chunk gives for it (n_tokens x n_embd, 6 significant digits); a tiled image's
   chunks (tiles row by row, then the overview) each encoded, their shapes here ("chunk_shapes") and their rows
@@ -94,6 +95,12 @@ GEMMA4_PROMPTS = {  # Gemma 4's turns; images upscaled to its 70-row minimum (9x
     "image_between_text": (f"The hearth is warm. {M} Hello world!", ["wide"]),
     "long_text_after_image": (f"{M}{LONG}", ["gradient"]),
 }
+MISTRAL3_PROMPTS = {  # Mistral's [INST] turns; QWEN_IMAGES (patch 4, merge 2: sides to multiples of 8, as Pixtral's)
+    "one_image": (f"[INST]{M}What is in the image?[/INST]", ["gradient"]),
+    "two_images": (f"Compare {M} and {M} please.", ["gradient", "noise"]),
+    "image_between_text": (f"The hearth is warm. {M} Hello world!", ["wide"]),
+    "long_text_after_image": (f"{M}{LONG10}", ["noise"]),
+}
 FAMILIES = {  # name -> (model, mmproj, output, images, prompts[, settings, rows file])
     "gemma3": (MODEL, MMPROJ, OUT, IMAGES, PROMPTS),
     "qwen35": (DATA / "converted" / "qwen35-vision.gguf", DATA / "converted" / "qwen35-vision.mmproj.gguf",
@@ -110,6 +117,8 @@ FAMILIES = {  # name -> (model, mmproj, output, images, prompts[, settings, rows
              DATA / "vision_rows_lfm2.npz"),
     "gemma4": (DATA / "converted" / "gemma4-vision.gguf", DATA / "converted" / "gemma4-vision.mmproj.gguf",
                DATA / "vision_parity_gemma4.json", IMAGES, GEMMA4_PROMPTS),
+    "mistral3": (DATA / "converted" / "mistral3-vision.gguf", DATA / "converted" / "mistral3-vision.mmproj.gguf",
+                 DATA / "vision_parity_mistral3.json", QWEN_IMAGES, MISTRAL3_PROMPTS),
 }
 SETTINGS = {"n_threads": 2, "n_ctx": 512, "n_batch": 512, "n_ubatch": 512, "flash_attn": False,
             "type_k": 0, "type_v": 0}  # GGML_TYPE_F32 = 0
