@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from hearthlm.core import array_ops
 from hearthlm.runtime.dispatch import execute
 from hearthlm.runtime.graph_cache import GraphCache
 from hearthlm.runtime.placement import Placement
@@ -62,6 +63,8 @@ class VisionEncoder:
         inputs(pixels (B, 3, H, W)) -> the graph's other inputs; it runs on `placement`."""
         self.tower = tower
         self.graphs = GraphCache(tower.build_graph, placement, fusion_on=fusion, max_graphs=4)
+        # a host backend's threads (all of them for an encode, whatever the last step's tuner chose)
+        self._host = next((b for b in placement.backends.values() if b.thread_counts()), None)
         self.cache = EncoderCache(cache_bytes)
         self.images_encoded = 0
         self.encode_time_s = 0.0
@@ -89,7 +92,11 @@ class VisionEncoder:
         t0 = time.perf_counter()
         pixels = np.stack([m.pixels for m in batch]).astype(np.float32, copy=False)  # (B, 3, H, W)
         cg = self.graphs.get(ImageBatch(len(batch), pixels.shape[2], pixels.shape[3]))
-        rows = execute(cg, {"pixels": pixels, **self.tower.inputs(pixels)}, _no_cache)[0]
+        n_threads = max(self._host.thread_counts()) if self._host is not None else 1
+        if self._host is not None:
+            self._host.use_threads(n_threads)
+        with array_ops.using_host_threads(n_threads):  # attention's heads over the same threads
+            rows = execute(cg, {"pixels": pixels, **self.tower.inputs(pixels)}, _no_cache)[0]
         per = rows.reshape(len(batch), -1, rows.shape[-1])
         for m, r in zip(batch, per):
             if r.shape[0] != m.n:
