@@ -3,8 +3,13 @@ towers' ops, whose work is a reshape or a few large matrix products (BLAS / cuBL
 multi-position RoPE (a few elementwise passes)."""
 from __future__ import annotations
 
-# one head's score matrix at most this many floats at once (SigLIP at 896 px: 4096^2 = 64 MB)
+import threading
+from contextlib import contextmanager
+
+# scores computed at once at most (floats): on a GPU one head of SigLIP at 896 px (4096^2 = 64 MB);
+# on the host a block that stays in cache (4 MB: 256 query rows of 4096) for the softmax's passes
 ATTN_CHUNK_FLOATS = 1 << 24
+HOST_BLOCK_FLOATS = 1 << 20
 
 
 def patchify(img, p: int):
@@ -30,7 +35,9 @@ def pool_avg_2d(x, xp, *, nx: int, ny: int, k: int):
 def attn_full(q, k, v, seg, xp, *, scale: float, dtype=None):
     """softmax(q k^T * scale) v with no causal mask: each token sees every token of its run of
     equal `seg` values (an image; a window of one) and no other. q (n, H, d), k (n, H_kv, d),
-    v (n, H_kv, dv) -> (n, H * dv). `dtype`: the precision of the products (the reference's float64)."""
+    v (n, H_kv, dv) -> (n, H * dv). `dtype`: the precision of the products (the reference's float64).
+    Computed in blocks of (heads, query rows) whose scores fit a cache on the host (numpy), spread
+    over host_threads() threads there (numpy releases the GIL in its products and ufuncs)."""
     n, n_head, d = q.shape
     h_kv, dv = k.shape[1], v.shape[2]
     group = n_head // h_kv
@@ -39,19 +46,39 @@ def attn_full(q, k, v, seg, xp, *, scale: float, dtype=None):
     if n == 0:
         return out.reshape(0, n_head * dv)
     cuts = [0] + [int(i) + 1 for i in xp.flatnonzero(seg[1:] != seg[:-1])] + [n] if seg is not None else [0, n]
+    host = getattr(xp, "__name__", "") == "numpy"
+    budget = HOST_BLOCK_FLOATS if host else ATTN_CHUNK_FLOATS
+    blocks = []
     for lo, hi in zip(cuts[:-1], cuts[1:]):
         m = hi - lo
-        step = max(1, ATTN_CHUNK_FLOATS // max(m * m, 1))
-        for h0 in range(0, n_head, step):
-            hs = range(h0, min(h0 + step, n_head))
-            qq = q[lo:hi, h0:hs.stop].transpose(1, 0, 2).astype(dt)                     # (h, m, d)
-            kk = k[lo:hi, [h // group for h in hs]].transpose(1, 2, 0).astype(dt)        # (h, d, m)
-            vv = v[lo:hi, [h // group for h in hs]].transpose(1, 0, 2).astype(dt)        # (h, m, dv)
-            s = xp.matmul(qq, kk) * dt(scale)
-            s -= s.max(axis=-1, keepdims=True)
-            xp.exp(s, out=s)
-            s /= s.sum(axis=-1, keepdims=True)
-            out[lo:hi, h0:hs.stop] = xp.matmul(s, vv).transpose(1, 0, 2)
+        if m == 0:
+            continue
+        rows = min(m, max(1, budget // m))
+        heads = max(1, budget // (rows * m))  # several heads at once where the run is short
+        blocks += [(lo, hi, h0, min(h0 + heads, n_head), r0, min(r0 + rows, hi))
+                   for h0 in range(0, n_head, heads) for r0 in range(lo, hi, rows)]
+
+    def block(b) -> None:
+        lo, hi, h0, h1, r0, r1 = b
+        kv = [h // group for h in range(h0, h1)]
+        kv = slice(kv[0], kv[-1] + 1) if kv == list(range(kv[0], kv[-1] + 1)) else kv  # a view where it can be
+        qq = q[r0:r1, h0:h1].transpose(1, 0, 2).astype(dt) * dt(scale)               # (h, r, d)
+        kk = k[lo:hi, kv].transpose(1, 2, 0).astype(dt, copy=False)                  # (h, d, m)
+        vv = v[lo:hi, kv].transpose(1, 0, 2).astype(dt, copy=False)                  # (h, m, dv)
+        s = xp.matmul(qq, kk)                                                        # (h, r, m)
+        s -= s.max(axis=-1, keepdims=True)
+        xp.exp(s, out=s)
+        # normalized after the product: (r, dv) divisions instead of (r, m)
+        out[r0:r1, h0:h1] = (xp.matmul(s, vv) / s.sum(axis=-1, keepdims=True)).transpose(1, 0, 2)
+
+    n_threads = min(host_threads(), len(blocks)) if host else 1
+    if n_threads > 1:
+        from concurrent.futures import ThreadPoolExecutor
+        with ThreadPoolExecutor(n_threads, thread_name_prefix="hearthlm-attn") as ex:
+            list(ex.map(block, blocks))
+    else:
+        for b in blocks:
+            block(b)
     return out.reshape(n, n_head * dv)
 
 
@@ -72,3 +99,23 @@ def rope_multi(x, pos, xp, *, n_rot: int, base: float, freq_scale: float, neox: 
     out[..., i0] = x0 * c - x1 * s
     out[..., i1] = x0 * s + x1 * c
     return out
+
+
+_local = threading.local()
+
+
+def host_threads() -> int:
+    """Threads the host's attn_full may use in this thread (1 unless inside `using_host_threads`)."""
+    return getattr(_local, "threads", 1)
+
+
+@contextmanager
+def using_host_threads(n: int):
+    """attn_full on numpy spreads its blocks over `n` threads in this block (a vision encode: the
+    graph's other kernels are idle meanwhile, and BLAS is single-threaded while an engine runs)."""
+    old = host_threads()
+    _local.threads = max(1, int(n))
+    try:
+        yield
+    finally:
+        _local.threads = old

@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from hearthlm.core import array_ops
 from hearthlm.runtime.dispatch import execute
 from hearthlm.runtime.graph_cache import GraphCache
 from hearthlm.runtime.placement import Placement
@@ -80,6 +81,8 @@ class VisionEncoder:
         `placement`."""
         self.tower, self.n_layer = tower, tower.config.n_layer
         self.graphs = GraphCache(tower.build_graph, placement, fusion_on=fusion, max_graphs=64)
+        # a host backend's threads (all of them for an encode, whatever the last step's tuner chose)
+        self._host = next((b for b in placement.backends.values() if b.thread_counts()), None)
         self.cache = EncoderCache(cache_bytes)
         self.slice_s = slice_s
         self._jobs: list[_Job] = []
@@ -166,7 +169,11 @@ class VisionEncoder:
         feed = dict(job.feed)
         if job.x is not None:
             feed["x"] = job.x
-        out, *columns = execute(cg, feed, _no_cache)
+        n_threads = max(self._host.thread_counts()) if self._host is not None else 1
+        if self._host is not None:
+            self._host.use_threads(n_threads)
+        with array_ops.using_host_threads(n_threads):  # attention's blocks over the same threads
+            out, *columns = execute(cg, feed, _no_cache)
         job.columns += columns
         dt = self.last_stage_s = time.perf_counter() - t0
         if job.layer == 0 and hi < self.n_layer:  # the first stage times a layer (its patch embedding too)

@@ -2,7 +2,9 @@
 out of the package root beside Session. `command` parses the flags and picks the measurement:
 `speed` (prefill, decode, concurrency, constrained decoding, competing load), `embed`,
 `profile` (time per op kind per decode step), `startup` (fresh processes; `prepare`),
-`speculative`, and `roofline` (bytes read per token)."""
+`speculative`, `roofline` (bytes read per token), and `vision` (--image: a vision tower's encode
+and time to first token; `vision_files` makes random towers at real shapes, `vision_llama_cpp`
+is llama.cpp's side)."""
 from __future__ import annotations
 
 import argparse

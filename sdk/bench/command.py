@@ -46,6 +46,12 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative", default=None, choices=["ngram", "draft"],
                    help="decode tok/s with and without speculation, on a code rewrite and on free text "
                         "(draft: with --draft-model)")
+    p.add_argument("--image", action="store_true",
+                   help="a vision tower: one image's encode time (first run apart) and \"describe this image\" to "
+                        "its first token; the tower is --mmproj, else a random Gemma 3 SigLIP at --image-size paired "
+                        "with --model (default gemma-3-270m); --threads default 2; --profile adds time per op kind")
+    p.add_argument("--image-size", type=int, default=896, metavar="N",
+                   help="with --image and no --mmproj: the random tower's image size (a multiple of 56; Gemma 3: 896)")
     p.add_argument("--json-schema", default=None, metavar="FILE",
                    help="aggregate tokens/s constrained by this JSON schema vs unconstrained, same prompts, at the "
                         "--concurrency levels (default 1,16); pick a schema whose outputs outrun --decode-tokens")
@@ -77,6 +83,15 @@ def _embed(a: argparse.Namespace) -> None:
         return
     _print_pairs(f"model: {a.model}  embeddings: texts of 16-128 tokens, texts/s (median of {a.repeat} rounds)",
                  rows, ".2f")
+
+
+def _image(a: argparse.Namespace) -> None:
+    from hearthlm.bench.vision import bench_image, print_image
+    rows, facts = bench_image(a)
+    if a.json:
+        print(json.dumps(dict(rows=rows, **facts), indent=2))
+    else:
+        print_image(rows, facts)
 
 
 def _profile(a: argparse.Namespace) -> None:
@@ -142,9 +157,9 @@ def _single(a: argparse.Namespace) -> None:
 
 
 def run_bench(a: argparse.Namespace) -> None:
-    """The first of --embed, --profile, --startup, --speculative, --json-schema, --concurrency
-    given; else single-stream prefill and decode."""
-    for flag, measure in (("embed", _embed), ("profile", _profile), ("startup", _startup),
+    """The first of --image, --embed, --profile, --startup, --speculative, --json-schema,
+    --concurrency given; else single-stream prefill and decode."""
+    for flag, measure in (("image", _image), ("embed", _embed), ("profile", _profile), ("startup", _startup),
                           ("speculative", _speculative), ("json_schema", _json_schema),
                           ("concurrency", _concurrency)):
         if getattr(a, flag):
