@@ -211,6 +211,8 @@ def bench_image(a) -> tuple[list[dict], dict]:
 
     from hearthlm.session import Session
     threads = a.threads or 2
+    if "numba" not in sys.modules:  # the engine's threads (read once, at numba's import): both sides at `threads`
+        os.environ["NUMBA_NUM_THREADS"] = str(threads)
     text = _text_model(a)
     mmproj = _mmproj(a, text)
     from hearthlm.model_zoo.gguf_file import GGUFFile
@@ -224,7 +226,9 @@ def bench_image(a) -> tuple[list[dict], dict]:
         vm, enc, load_s = _encoder(mmproj, n_embd, threads)
         size = vm.config.image_size
         images = [_image(size, seed) for seed in range(a.repeat + 1)]  # the warm-up's, then each round's
+        import numba
         facts = dict(text_model=text, mmproj=mmproj, image_size=size, threads=threads, repeat=a.repeat,
+                     engine_threads=numba.config.NUMBA_NUM_THREADS,
                      image_tokens=vm.proj.n_tokens(vm.config, vm.pconfig, size, size))
         with threadpool_limits(limits=1, user_api="blas"):  # as runtime.engine sets while an engine runs
             first = _encode_once(vm, enc, images[0])
@@ -285,8 +289,10 @@ def bench_image(a) -> tuple[list[dict], dict]:
 
 def print_image(rows: list[dict], facts: dict) -> None:
     print(f"model: {Path(facts['text_model']).name}  mmproj: {Path(facts['mmproj']).name}  image: "
-          f"{facts['image_size']}x{facts['image_size']} ({facts['image_tokens']} tokens)  threads: {facts['threads']}  "
-          f"medians of {facts['repeat']}")
+          f"{facts['image_size']}x{facts['image_size']} ({facts['image_tokens']} tokens)  threads: {facts['threads']}"
+          + (f" (the session's engine: {facts['engine_threads']}, numba was imported first)"
+             if facts.get("engine_threads", facts["threads"]) != facts["threads"] else "")
+          + f"  medians of {facts['repeat']}")
     print(facts["host_before"])
     cols = ["engine", "load_s", "first_encode_s", "encode_s", "ttft_s", "session_open_s", "flash_attn"]
     print("  ".join(f"{c:>14}" for c in cols))
