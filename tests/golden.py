@@ -75,6 +75,21 @@ def compare(case: dict, token_ids: list[int], top: list[list[tuple[int, float]]]
     return None
 
 
+
+def compare_top5(case: dict, c, tol: float, top1_tol: float | None = None) -> str | None:
+    """compare(), then each of llama.cpp's top 5 that is in ours within `tol` nats at every step while the
+    greedy tokens agree (the vision parity tests' criterion; `c` a Completion with top_logprobs)."""
+    why = compare(case, c.token_ids, c.top_logprobs, c.finish_reason, top1_tol=top1_tol)
+    for step, (ours, want) in enumerate(zip(c.top_logprobs, case["steps"])):
+        mine = dict(ours)
+        bad = [(t, round(mine[t], 5), lp) for t, lp in zip(want["top_ids"], want["top_logprobs"])
+               if t in mine and abs(mine[t] - lp) > tol]
+        if bad and why is None:
+            why = f"step {step}: (token, ours, llama.cpp) {bad}"
+        if step >= len(c.token_ids) or c.token_ids[step] != case["greedy_ids"][step]:
+            break
+    return why
+
 @contextlib.asynccontextmanager
 async def _untuned_threads():
     """Every step on all of numba's threads, the tuner's timing out of the runs. The outputs do not

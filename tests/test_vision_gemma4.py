@@ -25,6 +25,7 @@ from hearthlm.runtime.request import Media
 from hearthlm.runtime.vision import VisionEncoder
 
 sys.path.insert(0, str(Path(__file__).parent / "parity"))
+import golden  # noqa: E402  (tests/golden.py: the parity criterion)
 from record_vision import rgb  # noqa: E402  (the recorder's own image recipes)
 
 DATA = Path(__file__).parent / "data"
@@ -236,19 +237,6 @@ def test_prompt_tokens_match_mtmd(vision_session, name):
     assert all(m.bidirectional is (not causal) for m in media)
 
 
-def _compare(want, c, tol: float) -> str | None:
-    import golden
-    why = golden.compare(want, c.token_ids, c.top_logprobs, c.finish_reason)
-    for step, (ours, w) in enumerate(zip(c.top_logprobs, want["steps"])):
-        mine = dict(ours)
-        bad = [(t, round(mine[t], 5), lp) for t, lp in zip(w["top_ids"], w["top_logprobs"])
-               if t in mine and abs(mine[t] - lp) > tol]
-        if bad and why is None:
-            why = f"step {step}: (token, ours, llama.cpp) {bad}"
-        if step >= len(c.token_ids) or c.token_ids[step] != want["greedy_ids"][step]:
-            break
-    return why
-
 
 @pytest.mark.parametrize("name", sorted(REF["prompts"]))
 def test_prompts_match_llama_cpp(vision_session, name):
@@ -257,7 +245,6 @@ def test_prompts_match_llama_cpp(vision_session, name):
     or causal (E2B/E4B; the record's "causal" steps). Mutations: the full layers attending both ways too, the
     rows both ways for E2B's width, image rows' per-layer inputs from token 1's row (not 0's), image rows scaled
     by sqrt(n_embd) as tokens are, or the per-layer projection of the unspliced embeddings, each fail it."""
-    import golden
     causal, ss = vision_session
     case = REF["prompts"][name]
     want = case["causal"] if causal else case
@@ -266,7 +253,7 @@ def test_prompts_match_llama_cpp(vision_session, name):
         c = ss.generate(case["text"], images=_images_of(case), max_tokens=len(want["greedy_ids"]), temperature=0,
                         top_logprobs=5)
         mp.setattr(golden, "TOP1_LOGPROB_TOL", LOGPROB_TOL)
-        why = _compare(want, c, LOGPROB_TOL)
+        why = golden.compare_top5(want, c, LOGPROB_TOL)
     assert c.prompt_tokens == sum(ch.get("n_tokens") or len(ch["tokens"]) for ch in case["chunks"])
     assert why is None, why
 
@@ -290,7 +277,7 @@ def test_text_side_with_llama_cpps_rows(backend, causal):
             want = case["causal"] if causal else case
             c = ss.generate(case["text"], images=_images_of(case), max_tokens=len(want["greedy_ids"]),
                             temperature=0, top_logprobs=5)
-            why = _compare(want, c, 0.01)
+            why = golden.compare_top5(want, c, 0.01)
             if why:
                 failures.append(f"{name}: {why}")
         assert enc.images_encoded == 0 and enc.cache.misses == 0

@@ -23,6 +23,7 @@ from hearthlm.runtime.request import Media
 from hearthlm.runtime.vision import VisionEncoder
 
 sys.path.insert(0, str(Path(__file__).parent / "parity"))
+import golden  # noqa: E402  (tests/golden.py: the parity criterion)
 from record_vision import rgb  # noqa: E402  (the recorder's own image recipes)
 
 DATA = Path(__file__).parent / "data"
@@ -197,32 +198,18 @@ def test_prompt_tokens_match_mtmd(vision_session, name):
     assert not any(m.bidirectional for m in media)
 
 
-def _compare(want, c, tol: float) -> str | None:
-    import golden
-    why = golden.compare(want, c.token_ids, c.top_logprobs, c.finish_reason)
-    for step, (ours, w) in enumerate(zip(c.top_logprobs, want["steps"])):
-        mine = dict(ours)
-        bad = [(t, round(mine[t], 5), lp) for t, lp in zip(w["top_ids"], w["top_logprobs"])
-               if t in mine and abs(mine[t] - lp) > tol]
-        if bad and why is None:
-            why = f"step {step}: (token, ours, llama.cpp) {bad}"
-        if step >= len(c.token_ids) or c.token_ids[step] != want["greedy_ids"][step]:
-            break
-    return why
-
 
 @pytest.mark.parametrize("name", sorted(REF["prompts"]))
 def test_prompts_match_llama_cpp(vision_session, name):
     """Greedy steps, top-5 and their log-probs (0.05 nats) on prompts with one image, two, an image between text,
     and 300+ tokens of text after one, as libmtmd computes them (measured: 8e-4 nats at most, cpu and reference).
     Mutations: the image rows both ways, or the file's [IMG_BREAK] ignored (no break rows), each fail it."""
-    import golden
     case = REF["prompts"][name]
     with pytest.MonkeyPatch.context() as mp:
         c = vision_session.generate(case["text"], images=_images_of(case), max_tokens=len(case["greedy_ids"]),
                                     temperature=0, top_logprobs=5)
         mp.setattr(golden, "TOP1_LOGPROB_TOL", LOGPROB_TOL)
-        why = _compare(case, c, LOGPROB_TOL)
+        why = golden.compare_top5(case, c, LOGPROB_TOL)
     assert c.prompt_tokens == sum(ch.get("n_tokens") or len(ch["tokens"]) for ch in case["chunks"])
     assert why is None, why
 
@@ -242,7 +229,7 @@ def test_text_side_with_llama_cpps_rows(backend):
         for name, case in REF["prompts"].items():
             c = ss.generate(case["text"], images=_images_of(case), max_tokens=len(case["greedy_ids"]),
                             temperature=0, top_logprobs=5)
-            why = _compare(case, c, 0.01)
+            why = golden.compare_top5(case, c, 0.01)
             if why:
                 failures.append(f"{name}: {why}")
         assert enc.images_encoded == 0 and enc.cache.misses == 0

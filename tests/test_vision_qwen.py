@@ -21,6 +21,7 @@ from hearthlm.runtime.request import Media, grid_positions, rope_positions
 from hearthlm.runtime.vision import VisionEncoder
 
 sys.path.insert(0, str(Path(__file__).parent / "parity"))
+import golden  # noqa: E402  (tests/golden.py: the parity criterion)
 from record_vision import rgb  # noqa: E402  (the recorder's own image recipes)
 
 DATA = Path(__file__).parent / "data"
@@ -187,19 +188,6 @@ def test_only_mrope_models_take_positions():
             m.close()
 
 
-def _compare(case, c, tol: float) -> str | None:
-    import golden
-    why = golden.compare(case, c.token_ids, c.top_logprobs, c.finish_reason)
-    for step, (ours, want) in enumerate(zip(c.top_logprobs, case["steps"])):
-        mine = dict(ours)
-        bad = [(t, round(mine[t], 5), lp) for t, lp in zip(want["top_ids"], want["top_logprobs"])
-               if t in mine and abs(mine[t] - lp) > tol]
-        if bad and why is None:
-            why = f"step {step}: (token, ours, llama.cpp) {bad}"
-        if step >= len(c.token_ids) or c.token_ids[step] != case["greedy_ids"][step]:
-            break
-    return why
-
 
 @pytest.mark.parametrize("name", sorted(REF["prompts"]))
 def test_prompts_match_llama_cpp(vision_session, name):
@@ -207,7 +195,6 @@ def test_prompts_match_llama_cpp(vision_session, name):
     image between text, and 306 tokens of text after one, as libmtmd computes them. Mutations: the text model's
     RoPE by sequence index (no M-RoPE positions), the image rows attending both ways, or (qwen3vl) deepstack
     slice i + 1 added to layer i + 1, each fail it."""
-    import golden
     fam, ss = vision_session
     case = FAMILIES[fam][2]["prompts"][name]
     c = ss.generate(case["text"], images=_images_of(case, fam), max_tokens=len(case["greedy_ids"]), temperature=0,
@@ -215,7 +202,7 @@ def test_prompts_match_llama_cpp(vision_session, name):
     assert c.prompt_tokens == sum(ch.get("n_tokens") or len(ch["tokens"]) for ch in case["chunks"])
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(golden, "TOP1_LOGPROB_TOL", 0.05)
-        why = _compare(case, c, LOGPROB_TOL.get((fam, name), 0.05))
+        why = golden.compare_top5(case, c, LOGPROB_TOL.get((fam, name), 0.05))
     assert why is None, why
 
 
@@ -238,7 +225,7 @@ def test_text_side_with_llama_cpps_rows(backend, fam):
         for name, case in ref["prompts"].items():
             c = ss.generate(case["text"], images=_images_of(case, fam), max_tokens=len(case["greedy_ids"]),
                             temperature=0, top_logprobs=5)
-            why = _compare(case, c, 0.01)
+            why = golden.compare_top5(case, c, 0.01)
             if why:
                 failures.append(f"{name}: {why}")
         assert enc.images_encoded == 0 and enc.cache.misses == 0
@@ -293,7 +280,7 @@ def test_prefix_reuse_keeps_positions(backend):
         for run in range(2):
             c = ss.generate(case["text"], images=_images_of(case, "qwen3vl"), max_tokens=len(case["greedy_ids"]),
                             temperature=0, top_logprobs=5)
-            assert _compare(case, c, 0.05) is None, f"run {run}"
+            assert golden.compare_top5(case, c, 0.05) is None, f"run {run}"
         assert ss.session.engine.stats()["prefix_cache_hit_tokens"] >= 80
 
 

@@ -21,6 +21,7 @@ from hearthlm.runtime.request import Media, rope_positions
 from hearthlm.runtime.vision import VisionEncoder
 
 sys.path.insert(0, str(Path(__file__).parent / "parity"))
+import golden  # noqa: E402  (tests/golden.py: the parity criterion)
 from record_vision import rgb  # noqa: E402
 
 DATA = Path(__file__).parent / "data"
@@ -167,33 +168,19 @@ def test_prompt_tokens_and_positions_match_mtmd(vision_session, name):
     assert got.tolist() == want_pos and got[-1, 0] + 1 == case["n_past"] == p
 
 
-def _compare(case, c, tol: float) -> str | None:
-    import golden
-    why = golden.compare(case, c.token_ids, c.top_logprobs, c.finish_reason)
-    for step, (ours, want) in enumerate(zip(c.top_logprobs, case["steps"])):
-        mine = dict(ours)
-        bad = [(t, round(mine[t], 5), lp) for t, lp in zip(want["top_ids"], want["top_logprobs"])
-               if t in mine and abs(mine[t] - lp) > tol]
-        if bad and why is None:
-            why = f"step {step}: (token, ours, llama.cpp) {bad}"
-        if step >= len(c.token_ids) or c.token_ids[step] != case["greedy_ids"][step]:
-            break
-    return why
-
 
 @pytest.mark.parametrize("name", sorted(REF["prompts"]))
 def test_prompts_match_llama_cpp(vision_session, name):
     """Greedy steps, top-5 and their log-probs (LOGPROB_TOL) on prompts with one image, two, an image between text,
     and 306 tokens of text after one, as libmtmd computes them. Mutations: the tower's windows ignored, or the
     text model's M-RoPE interleaved ("imrope"), each fail it."""
-    import golden
     case = REF["prompts"][name]
     c = vision_session.generate(case["text"], images=_images_of(case), max_tokens=len(case["greedy_ids"]),
                                 temperature=0, top_logprobs=5)
     assert c.prompt_tokens == sum(ch.get("n_tokens") or len(ch["tokens"]) for ch in case["chunks"])
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(golden, "TOP1_LOGPROB_TOL", LOGPROB_TOL)
-        why = _compare(case, c, LOGPROB_TOL)
+        why = golden.compare_top5(case, c, LOGPROB_TOL)
     assert why is None, why
 
 
@@ -212,7 +199,7 @@ def test_text_side_with_llama_cpps_rows(backend):
         for name, case in REF["prompts"].items():
             c = ss.generate(case["text"], images=_images_of(case), max_tokens=len(case["greedy_ids"]),
                             temperature=0, top_logprobs=5)
-            why = _compare(case, c, 0.01)
+            why = golden.compare_top5(case, c, 0.01)
             if why:
                 failures.append(f"{name}: {why}")
         assert enc.images_encoded == 0 and enc.cache.misses == 0

@@ -25,6 +25,7 @@ from hearthlm.runtime.request import Media
 from hearthlm.runtime.vision import VisionEncoder
 
 sys.path.insert(0, str(Path(__file__).parent / "parity"))
+import golden  # noqa: E402  (tests/golden.py: the parity criterion)
 from record_vision import rgb  # noqa: E402  (the recorder's own image recipes)
 
 DATA = Path(__file__).parent / "data"
@@ -253,8 +254,6 @@ def test_prompts_match_llama_cpp(vision_session, name):
     image between text and 300+ tokens of text after one (SmolVLM's 2x2, 2x1 and 1x2 tiles; LFM2-VL's tiled image
     alone and after a small one, the small and the square ones). Mutations: the image rows attending both ways
     (either family), or the tiles taken column by column, each fail it."""
-    import golden
-    from test_vision_qwen import _compare
     fam, ss = vision_session
     case = FAMILIES[fam][2]["prompts"][name]
     c = ss.generate(case["text"], images=_images_of(fam, case), max_tokens=len(case["greedy_ids"]), temperature=0,
@@ -262,7 +261,7 @@ def test_prompts_match_llama_cpp(vision_session, name):
     assert c.prompt_tokens == sum(ch.get("n_tokens") or len(ch["tokens"]) for ch in case["chunks"])
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(golden, "TOP1_LOGPROB_TOL", LOGPROB_TOL)
-        why = _compare(case, c, LOGPROB_TOL)
+        why = golden.compare_top5(case, c, LOGPROB_TOL)
     assert why is None, why
 
 
@@ -272,7 +271,6 @@ def test_text_side_with_llama_cpps_rows(fam):
     encoded here) give its log-probs within 0.01 nats at every step of every prompt: the layout and the text
     side are llama.cpp's. Mutations: a slice's key the image's (every tile then reads the first one's rows), or
     the chunks after an image's first placed a token late, each fail it."""
-    from test_vision_qwen import _compare
 
     from hearthlm import SyncSession
     model, _, ref, rows = FAMILIES[fam]
@@ -287,7 +285,7 @@ def test_text_side_with_llama_cpps_rows(fam):
         for name, case in ref["prompts"].items():
             c = ss.generate(case["text"], images=_images_of(fam, case), max_tokens=len(case["greedy_ids"]),
                             temperature=0, top_logprobs=5)
-            why = _compare(case, c, 0.01)
+            why = golden.compare_top5(case, c, 0.01)
             if why:
                 failures.append(f"{name}: {why}")
         assert enc.images_encoded == 0 and enc.cache.misses == 0
