@@ -29,6 +29,8 @@ FAMILIES = {  # name -> (text model, mmproj, llama.cpp's record)
                json.loads((DATA / "vision_parity_qwen35.json").read_text())),
     "qwen3vl": (DATA / "converted" / "qwen3vl-vision.gguf", DATA / "converted" / "qwen3vl-vision.mmproj.gguf",
                 json.loads((DATA / "vision_parity_qwen3vl.json").read_text())),
+    "qwen3vlmoe": (DATA / "converted" / "qwen3vlmoe-vision.gguf", DATA / "converted" / "qwen3vlmoe-vision.mmproj.gguf",
+                   json.loads((DATA / "vision_parity_qwen3vlmoe.json").read_text())),
 }
 MODEL, MMPROJ, REF = FAMILIES["qwen35"]
 ROWS_TOL = 1e-3  # image rows: max |ours - llama.cpp's| over the rows' largest magnitude
@@ -261,13 +263,19 @@ def test_mrope_requests_need_positions():
     check_media(req, True, mrope=True)
 
 
-def test_deepstack_graph():
+@pytest.mark.parametrize("fam", ["qwen3vl", "qwen3vlmoe"])
+def test_deepstack_graph(fam):
     """Qwen3-VL's decoder graph with images takes rows 3 x 64 wide and adds slices 1 and 2 to layers 0 and 1
-    only; without images it reads no rows and adds nothing. Mutation: deepstack=0 in models/qwen3vl.py fails it."""
+    only; without images it reads no rows and adds nothing; the MoE's FFNs are top-2 experts in every layer.
+    Mutations: deepstack=0 in models/qwen3vl.py or models/qwen3vlmoe.py, or qwen3vlmoe's ffn hook left out (the
+    dense FFN: its tensors missing), each fail it."""
     from hearthlm.model_zoo.model import load_model
     from hearthlm.runtime.batch import BatchShape
-    m = load_model(FAMILIES["qwen3vl"][0])
+    m = load_model(FAMILIES[fam][0])
     try:
+        moe = sorted(n.layer for n in m.build_graph(BatchShape(n_tokens=8, n_seqs=1, max_blocks=1, n_out=1, n_slots=16,
+                                                                block_size=16)).nodes if n.name == "ffn_moe_topk")
+        assert moe == ([0, 1, 2, 3] if fam == "qwen3vlmoe" else [])
         assert m.n_embd_inp == 192 and m.config.n_deepstack == 2
         shape = BatchShape(n_tokens=8, n_seqs=1, max_blocks=1, n_out=1, n_slots=16, block_size=16, n_media=5)
         g = m.build_graph(shape)

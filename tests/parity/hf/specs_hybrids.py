@@ -144,6 +144,26 @@ SPECS = {
                                        video_token_id=6, tie_word_embeddings=False),
                            specials=QWEN_VISION_SPECIALS, tokens=CHATML_TOKENS, chat_template=CHATML,
                            extra_files=_qwen_processor(4, 2), convert_args_mmproj=["--mmproj"]),
+    # Qwen3-VL-30B-A3B's shape (#39): qwen3vl-vision's text model with softmax top-2 of 4 experts (width 16) in every
+    # layer (decoder_sparse_step 1, as released), under Qwen3VLMoeForConditionalGeneration with the same ViT; the
+    # experts saved as Qwen/Qwen3-VL-30B-A3B-Instruct has them (transformers 5 writes them transposed)
+    "qwen3vlmoe-vision": dict(config_class="Qwen3VLMoeConfig", model_class="Qwen3VLMoeForConditionalGeneration",
+                              tokenizer="bpe", pre="qwen2",
+                              config=dict(text_config=dict(hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+                                                           num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                                           max_position_embeddings=512, rms_norm_eps=1e-6,
+                                                           num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                                                           decoder_sparse_step=1,
+                                                           rope_parameters={"rope_type": "default", "rope_theta": 5e6,
+                                                                            "mrope_interleaved": True,
+                                                                            "mrope_section": [3, 3, 2]}),
+                                          vision_config=dict(QWEN35_VISION, depth=3, deepstack_visual_indexes=[0, 1]),
+                                          vision_start_token_id=3, vision_end_token_id=4, image_token_id=5,
+                                          video_token_id=6, tie_word_embeddings=False),
+                              specials=QWEN_VISION_SPECIALS, tokens=CHATML_TOKENS, chat_template=CHATML,
+                              extra_files=_qwen_processor(4, 2), convert_args_mmproj=["--mmproj"],
+                              saved_layout=lambda k, v: v.transpose(1, 2) if k.endswith("mlp.experts.gate_up_proj")
+                              or k.endswith("mlp.experts.down_proj") else v),
     # Qwen2.5-VL's shape (#39): a qwen2 text model (biases on Q, K, V; M-RoPE sections 2, 3, 3 in runs) under
     # Qwen2_5_VLForConditionalGeneration, a ViT of RMS norms and gated SiLU FFNs, patch 14 as released, so that
     # llama.cpp's fixed 112-pixel windows (4x4 merged rows) are smaller than the images' grids; full attention
