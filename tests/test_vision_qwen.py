@@ -1,8 +1,9 @@
-"""Image input (#39) on the tiny Qwen vision-language models (tests/parity/hf specs "qwen35-vision" and
-"qwen3vl-vision", converted by llama.cpp's convert_hf_to_gguf.py, text model and --mmproj: qwen3vl_merger
-projectors, Qwen3-VL's with deepstack layers), against llama.cpp's libmtmd (tests/data/vision_parity_qwen35.json
-and _qwen3vl.json, recorded by tests/parity/record_vision.py): the tower's rows, mtmd_tokenize's chunks and its
-M-RoPE positions, and the prompts' greedy steps and log-probs."""
+"""Image input (#39) on the tiny Qwen vision-language models (tests/parity/hf specs "qwen35-vision",
+"qwen3vl-vision" and "qwen3vlmoe-vision", converted by llama.cpp's convert_hf_to_gguf.py, text model and --mmproj:
+qwen3vl_merger projectors, Qwen3-VL's with deepstack layers, its MoE's text model with experts), against llama.cpp's
+libmtmd (tests/data/vision_parity_qwen35.json, _qwen3vl.json and _qwen3vlmoe.json, recorded by
+tests/parity/record_vision.py): the tower's rows, mtmd_tokenize's chunks and its M-RoPE positions, and the prompts'
+greedy steps and log-probs."""
 from __future__ import annotations
 
 import json
@@ -68,7 +69,7 @@ def test_tower_rows_match_llama_cpp(towers, backend, fam, name):
     12x6 grid); Qwen3-VL's rows with its two deepstack layers' columns after the merger's, the tower run a layer
     a stage (the columns carried between stages). Mutations: patches in row-major order (no 2x2 blocks), the
     table resized without aligned corners, the RoPE turning every pair by the row, the second temporal kernel
-    left out, or a deepstack column taken before its layer's FFN, each fail it."""
+    left out (qwen3vlmoe's rows too), or a deepstack column taken before its layer's FFN, each fail it."""
     ref, vm = FAMILIES[fam][2], towers[fam]
     img = ref["images"][name]
     pixels, n, key = _prepared(vm, name, ref)
@@ -178,7 +179,8 @@ def test_only_mrope_models_take_positions():
     not gemma3). Mutation: build_inputs adding it for every model fails it."""
     from hearthlm.model_zoo.model import load_model
     from hearthlm.runtime.batch import one_token
-    for path, n_pos in ((MODEL, 4), (FAMILIES["qwen3vl"][0], 4), (DATA / "converted" / "gemma3-vision.gguf", 1)):
+    for path, n_pos in ((MODEL, 4), (FAMILIES["qwen3vl"][0], 4), (FAMILIES["qwen3vlmoe"][0], 4),
+                        (DATA / "converted" / "gemma3-vision.gguf", 1)):
         m = load_model(path)
         try:
             g = m.build_graph(one_token(n_state=2 if any(m.state_dims) else 0))
@@ -207,8 +209,9 @@ def _compare(case, c, tol: float) -> str | None:
 def test_prompts_match_llama_cpp(vision_session, name):
     """Greedy steps, top-5 and their log-probs (0.05 nats; see LOGPROB_TOL) on prompts with one image, two, an
     image between text, and 306 tokens of text after one, as libmtmd computes them. Mutations: the text model's
-    RoPE by sequence index (no M-RoPE positions), the image rows attending both ways, or (qwen3vl) deepstack
-    slice i + 1 added to layer i + 1, each fail it."""
+    RoPE by sequence index (no M-RoPE positions), the image rows attending both ways, (qwen3vl) deepstack
+    slice i + 1 added to layer i + 1, or (qwen3vlmoe) its M-RoPE sections in runs (MROPE = "mrope") or the chosen
+    experts' weights not renormalized (norm_w=False in qwen3moe.moe_ffn), each fail it."""
     import golden
     fam, ss = vision_session
     case = FAMILIES[fam][2]["prompts"][name]
@@ -227,8 +230,8 @@ def test_text_side_with_llama_cpps_rows(backend, fam):
     """llama.cpp's own image rows (in a fresh session's encoder cache under the images' keys: no prefix
     computed from ours) give its log-probs within 0.01 nats at every step of every prompt: the text side
     (positions, masks, Qwen3.5's recurrent layers over image rows, Qwen3-VL's deepstack) is llama.cpp's.
-    Mutations: text after an image not shifted by n_pos - n, the rows' h and w components swapped, or the
-    deepstack slices added to no layer, each fail it."""
+    Mutations: text after an image not shifted by n_pos - n, the rows' h and w components swapped, the
+    deepstack slices added to no layer, or qwen3vlmoe's M-RoPE sections in runs, each fail it."""
     from hearthlm import SyncSession
     model, _, ref = FAMILIES[fam]
     with SyncSession(str(model), backend=backend, n_ctx=512, kv_cache_type="f32", max_batch_tokens=64) as ss:
