@@ -43,6 +43,8 @@ def _logprobs(case, c, tol: float = 0.05) -> str | None:
 @pytest.mark.parametrize("backend", ["cpu", "reference"])
 @pytest.mark.parametrize("variant", sorted(RECORDED))
 async def test_matches_llama_cpp(tmp_path, monkeypatch, variant, backend):
+    """Mutation: qwen3moe.moe_ffn not renormalizing the chosen experts' weights (norm_w=False) fails qwen3vlmoe
+    (and qwen3moe)."""
     monkeypatch.setattr(golden, "TOP1_LOGPROB_TOL", 0.05)  # F32 weights on both sides
     path = write(tmp_path / f"{variant}.gguf", variant)
     failures = []

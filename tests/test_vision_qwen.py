@@ -1,8 +1,9 @@
-"""Image input (#39) on the tiny Qwen vision-language models (tests/parity/hf specs "qwen35-vision" and
-"qwen3vl-vision", converted by llama.cpp's convert_hf_to_gguf.py, text model and --mmproj: qwen3vl_merger
-projectors, Qwen3-VL's with deepstack layers), against llama.cpp's libmtmd (tests/data/vision_parity_qwen35.json
-and _qwen3vl.json, recorded by tests/parity/record_vision.py): the tower's rows, mtmd_tokenize's chunks and its
-M-RoPE positions, and the prompts' greedy steps and log-probs."""
+"""Image input (#39) on the tiny Qwen vision-language models (tests/parity/hf specs "qwen35-vision",
+"qwen3vl-vision" and "qwen3vlmoe-vision", converted by llama.cpp's convert_hf_to_gguf.py, text model and --mmproj:
+qwen3vl_merger projectors, Qwen3-VL's with deepstack layers, its MoE's text model with experts), against llama.cpp's
+libmtmd (tests/data/vision_parity_qwen35.json, _qwen3vl.json and _qwen3vlmoe.json, recorded by
+tests/parity/record_vision.py): the tower's rows, mtmd_tokenize's chunks and its M-RoPE positions, and the prompts'
+greedy steps and log-probs."""
 from __future__ import annotations
 
 import json
@@ -30,6 +31,8 @@ FAMILIES = {  # name -> (text model, mmproj, llama.cpp's record)
                json.loads((DATA / "vision_parity_qwen35.json").read_text())),
     "qwen3vl": (DATA / "converted" / "qwen3vl-vision.gguf", DATA / "converted" / "qwen3vl-vision.mmproj.gguf",
                 json.loads((DATA / "vision_parity_qwen3vl.json").read_text())),
+    "qwen3vlmoe": (DATA / "converted" / "qwen3vlmoe-vision.gguf", DATA / "converted" / "qwen3vlmoe-vision.mmproj.gguf",
+                   json.loads((DATA / "vision_parity_qwen3vlmoe.json").read_text())),
 }
 MODEL, MMPROJ, REF = FAMILIES["qwen35"]
 ROWS_TOL = 1e-3  # image rows: max |ours - llama.cpp's| over the rows' largest magnitude
@@ -67,7 +70,7 @@ def test_tower_rows_match_llama_cpp(towers, backend, fam, name):
     12x6 grid); Qwen3-VL's rows with its two deepstack layers' columns after the merger's, the tower run a layer
     a stage (the columns carried between stages). Mutations: patches in row-major order (no 2x2 blocks), the
     table resized without aligned corners, the RoPE turning every pair by the row, the second temporal kernel
-    left out, or a deepstack column taken before its layer's FFN, each fail it."""
+    left out (qwen3vlmoe's rows too), or a deepstack column taken before its layer's FFN, each fail it."""
     ref, vm = FAMILIES[fam][2], towers[fam]
     img = ref["images"][name]
     pixels, n, key = _prepared(vm, name, ref)
@@ -177,7 +180,8 @@ def test_only_mrope_models_take_positions():
     not gemma3). Mutation: build_inputs adding it for every model fails it."""
     from hearthlm.model_zoo.model import load_model
     from hearthlm.runtime.batch import one_token
-    for path, n_pos in ((MODEL, 4), (FAMILIES["qwen3vl"][0], 4), (DATA / "converted" / "gemma3-vision.gguf", 1)):
+    for path, n_pos in ((MODEL, 4), (FAMILIES["qwen3vl"][0], 4), (FAMILIES["qwen3vlmoe"][0], 4),
+                        (DATA / "converted" / "gemma3-vision.gguf", 1)):
         m = load_model(path)
         try:
             g = m.build_graph(one_token(n_state=2 if any(m.state_dims) else 0))
@@ -193,8 +197,9 @@ def test_only_mrope_models_take_positions():
 def test_prompts_match_llama_cpp(vision_session, name):
     """Greedy steps, top-5 and their log-probs (0.05 nats; see LOGPROB_TOL) on prompts with one image, two, an
     image between text, and 306 tokens of text after one, as libmtmd computes them. Mutations: the text model's
-    RoPE by sequence index (no M-RoPE positions), the image rows attending both ways, or (qwen3vl) deepstack
-    slice i + 1 added to layer i + 1, each fail it."""
+    RoPE by sequence index (no M-RoPE positions), the image rows attending both ways, (qwen3vl) deepstack
+    slice i + 1 added to layer i + 1, or (qwen3vlmoe) its M-RoPE sections in runs (MROPE = "mrope") or the chosen
+    experts' weights not renormalized (norm_w=False in qwen3moe.moe_ffn), each fail it."""
     fam, ss = vision_session
     case = FAMILIES[fam][2]["prompts"][name]
     c = ss.generate(case["text"], images=_images_of(case, fam), max_tokens=len(case["greedy_ids"]), temperature=0,
@@ -212,8 +217,8 @@ def test_text_side_with_llama_cpps_rows(backend, fam):
     """llama.cpp's own image rows (in a fresh session's encoder cache under the images' keys: no prefix
     computed from ours) give its log-probs within 0.01 nats at every step of every prompt: the text side
     (positions, masks, Qwen3.5's recurrent layers over image rows, Qwen3-VL's deepstack) is llama.cpp's.
-    Mutations: text after an image not shifted by n_pos - n, the rows' h and w components swapped, or the
-    deepstack slices added to no layer, each fail it."""
+    Mutations: text after an image not shifted by n_pos - n, the rows' h and w components swapped, the
+    deepstack slices added to no layer, or qwen3vlmoe's M-RoPE sections in runs, each fail it."""
     from hearthlm import SyncSession
     model, _, ref = FAMILIES[fam]
     with SyncSession(str(model), backend=backend, n_ctx=512, kv_cache_type="f32", max_batch_tokens=64) as ss:
@@ -248,13 +253,19 @@ def test_mrope_requests_need_positions():
     check_media(req, True, mrope=True)
 
 
-def test_deepstack_graph():
+@pytest.mark.parametrize("fam", ["qwen3vl", "qwen3vlmoe"])
+def test_deepstack_graph(fam):
     """Qwen3-VL's decoder graph with images takes rows 3 x 64 wide and adds slices 1 and 2 to layers 0 and 1
-    only; without images it reads no rows and adds nothing. Mutation: deepstack=0 in models/qwen3vl.py fails it."""
+    only; without images it reads no rows and adds nothing; the MoE's FFNs are top-2 experts in every layer.
+    Mutations: deepstack=0 in models/qwen3vl.py or models/qwen3vlmoe.py, or qwen3vlmoe's ffn hook left out (the
+    dense FFN: its tensors missing), each fail it."""
     from hearthlm.model_zoo.model import load_model
     from hearthlm.runtime.batch import BatchShape
-    m = load_model(FAMILIES["qwen3vl"][0])
+    m = load_model(FAMILIES[fam][0])
     try:
+        moe = sorted(n.layer for n in m.build_graph(BatchShape(n_tokens=8, n_seqs=1, max_blocks=1, n_out=1, n_slots=16,
+                                                                block_size=16)).nodes if n.name == "ffn_moe_topk")
+        assert moe == ([0, 1, 2, 3] if fam == "qwen3vlmoe" else [])
         assert m.n_embd_inp == 192 and m.config.n_deepstack == 2
         shape = BatchShape(n_tokens=8, n_seqs=1, max_blocks=1, n_out=1, n_slots=16, block_size=16, n_media=5)
         g = m.build_graph(shape)

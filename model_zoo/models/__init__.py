@@ -33,6 +33,7 @@ ARCHITECTURES = {  # general.architecture -> module
     "qwen3": "qwen3",
     "qwen3moe": "qwen3moe",
     "qwen3vl": "qwen3vl",
+    "qwen3vlmoe": "qwen3vlmoe",
     "qwen35": "qwen35",
     "qwen35moe": "qwen35moe",
 }

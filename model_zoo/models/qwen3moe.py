@@ -22,11 +22,16 @@ class Config(HParams):
         n_expert, used = r.experts()
         # llama.cpp: expert_feed_forward_length, else feed_forward_length / expert_used_count
         n_ff_exp = r.opt("expert_feed_forward_length", 0) or r.need("feed_forward_length") // used
-        return dict(n_expert=n_expert, n_expert_used=used, n_ff_exp=n_ff_exp)
+        return {**super().read(r), "n_expert": n_expert, "n_expert_used": used, "n_ff_exp": n_ff_exp}
 
 
-def build(c: Config, g, w, shape):
+def moe_ffn(c: Config):
+    """The Decoder's ffn hook: every layer's FFN the experts (qwen3vlmoe's too)."""
     def ffn(g, w, h, il):
         return build_moe_ffn(g, h, il=il, **moe_weights(w, il, n_expert=c.n_expert, n_embd=c.n_embd, n_ff=c.n_ff_exp),
                              n_expert_used=c.n_expert_used)
-    return build_decoder(c, g, w, shape, Decoder(qk_norm="head", ffn=ffn))
+    return ffn
+
+
+def build(c: Config, g, w, shape):
+    return build_decoder(c, g, w, shape, Decoder(qk_norm="head", ffn=moe_ffn(c)))

@@ -46,6 +46,7 @@ VARIANTS = {  # name -> (architecture, extra metadata, extra F32 tensors by name
     "qwen35moe": ("qwen35moe", {**QWEN35, "expert_shared_feed_forward_length": 48}, {}),
     # Qwen3-VL's text model: interleaved M-RoPE sections (text positions: plain RoPE), a deepstack layer (no images)
     "qwen3vl": ("qwen3vl", {"rope.dimension_sections": [3, 3, 2, 0], "n_deepstack_layers": 1}, {}),
+    "qwen3vlmoe": ("qwen3vlmoe", {"rope.dimension_sections": [3, 3, 2, 0], "n_deepstack_layers": 1}, {}),  # its experts
     # Qwen2-VL / Qwen2.5-VL's text model: qwen2 with M-RoPE sections in runs (text positions: plain RoPE)
     "qwen2vl": ("qwen2vl", {"rope.dimension_sections": [2, 3, 3, 0]}, {}),
     # Mamba-2 with 8 heads in 2 groups, Granite's multipliers; dense with NoPE attention, MoE + shared expert with RoPE

@@ -1,11 +1,12 @@
 """Records llama.cpp's image path (libmtmd) on the tiny vision-language models once, under llama-cpp-python
 0.3.36 (never in CI; the files come from tests/parity/hf/make.py + convert.py, specs "gemma3-vision",
-"qwen35-vision", "qwen3vl-vision", "gemma4-vision", "smolvlm-vision", "lfm2-vision" and "mistral3-vision"):
+"qwen35-vision", "qwen3vl-vision", "qwen3vlmoe-vision", "gemma4-vision", "smolvlm-vision", "lfm2-vision" and "mistral3-vision"):
 
-    /tmp/lcp-venv/bin/python tests/parity/record_vision.py [gemma3] [qwen35] [qwen3vl] [gemma4] [smolvlm] [lfm2] [mistral3]
+    /tmp/lcp-venv/bin/python tests/parity/record_vision.py [gemma3] [qwen35] [qwen3vl] [qwen3vlmoe] [gemma4] [smolvlm] [lfm2] [mistral3]
 
 writes tests/data/vision_parity.json (Gemma 3), vision_parity_qwen35.json (Qwen3.5), vision_parity_qwen3vl.json
-(Qwen3-VL, whose rows carry deepstack features: n_embd is the text model's input width), vision_parity_gemma4.json
+(Qwen3-VL, whose rows carry deepstack features: n_embd is the text model's input width), vision_parity_qwen3vlmoe.json
+(Qwen3-VL MoE, the same), vision_parity_gemma4.json
 (Gemma 4, projector gemma4v), vision_parity_mistral3.json (Ministral 3 with Pixtral: the tower appends
 [IMG_BREAK]'s embedding after each row of image rows but the last), vision_parity_smolvlm.json and
 vision_parity_lfm2.json (the tiled families: their rows in vision_rows_<family>.npz); under M-RoPE each image
@@ -107,6 +108,8 @@ FAMILIES = {  # name -> (model, mmproj, output, images, prompts[, settings, rows
                DATA / "vision_parity_qwen35.json", QWEN_IMAGES, QWEN_PROMPTS),
     "qwen3vl": (DATA / "converted" / "qwen3vl-vision.gguf", DATA / "converted" / "qwen3vl-vision.mmproj.gguf",
                 DATA / "vision_parity_qwen3vl.json", QWEN_IMAGES, QWEN_PROMPTS),
+    "qwen3vlmoe": (DATA / "converted" / "qwen3vlmoe-vision.gguf", DATA / "converted" / "qwen3vlmoe-vision.mmproj.gguf",
+                   DATA / "vision_parity_qwen3vlmoe.json", QWEN_IMAGES, QWEN_PROMPTS),
     "qwen25vl": (DATA / "converted" / "qwen25vl-vision.gguf", DATA / "converted" / "qwen25vl-vision.mmproj.gguf",
                  DATA / "vision_parity_qwen25vl.json", QWEN25_IMAGES, QWEN_PROMPTS),
     "smolvlm": (DATA / "converted" / "smolvlm-vision.gguf", DATA / "converted" / "smolvlm-vision.mmproj.gguf",

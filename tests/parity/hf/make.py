@@ -180,6 +180,10 @@ def make(name: str, out: Path, seed: int = 0) -> Path:
         f = d / "model.safetensors"
         rename = lambda k: next((new + k[len(old):] for old, new in spec["saved_names"] if k.startswith(old)), k)  # noqa: E731
         save_file({rename(k): v for k, v in load_file(f).items()}, f, metadata={"format": "pt"})
+    if "saved_layout" in spec:  # the released checkpoint's tensor layout where transformers 5 saves another
+        from safetensors.torch import load_file, save_file
+        f = d / "model.safetensors"
+        save_file({k: spec["saved_layout"](k, v).contiguous() for k, v in load_file(f).items()}, f, metadata={"format": "pt"})
     if "saved_config" in spec:  # the released config.json's spelling where transformers 5 renamed a value
         cfg_path = d / "config.json"
         saved = json.loads(cfg_path.read_text())  # a dict value merges into the saved one (text_config)

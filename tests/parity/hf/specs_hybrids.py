@@ -74,6 +74,22 @@ def _qwen_processor(patch: int, merge: int) -> dict[str, str]:
     return {"preprocessor_config.json": json.dumps(pre, indent=1)}
 
 
+QWEN3VL_TEXT = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                    head_dim=16, max_position_embeddings=512, rms_norm_eps=1e-6,
+                    rope_parameters={"rope_type": "default", "rope_theta": 5e6, "mrope_interleaved": True,
+                                     "mrope_section": [3, 3, 2]})
+
+
+def _qwen3vl(config_class: str, model_class: str, text: dict, **extra) -> dict:
+    """A Qwen3-VL spec: the text config under the 3-layer ViT whose first two layers feed deepstack features."""
+    return dict(config_class=config_class, model_class=model_class, tokenizer="bpe", pre="qwen2",
+                config=dict(text_config=text, vision_config=dict(QWEN35_VISION, depth=3, deepstack_visual_indexes=[0, 1]),
+                            vision_start_token_id=3, vision_end_token_id=4, image_token_id=5, video_token_id=6,
+                            tie_word_embeddings=False),
+                specials=QWEN_VISION_SPECIALS, tokens=CHATML_TOKENS, chat_template=CHATML,
+                extra_files=_qwen_processor(4, 2), convert_args_mmproj=["--mmproj"], **extra)
+
+
 # Granite 4.0-H: Mamba-2 layers with a few attention layers (NoPE), Granite's multipliers
 GRANITE_TOKENS = dict(specials=["<|end_of_text|>", "<|pad|>", "<|start_of_role|>", "<|end_of_role|>"],
                       tokens={"bos_token": "<|end_of_text|>", "eos_token": "<|end_of_text|>", "pad_token": "<|pad|>"})
@@ -131,19 +147,15 @@ SPECS = {
     # Qwen3-VL-4B's shape (#39): a qwen3 text model (head 16, interleaved M-RoPE sections 3, 3, 2; an untied head: peaked)
     # under Qwen3VLForConditionalGeneration, a ViT like Qwen3.5's but 3 layers whose first two feed deepstack
     # features into the text model's first two layers (the rows 3 x 64 wide)
-    "qwen3vl-vision": dict(config_class="Qwen3VLConfig", model_class="Qwen3VLForConditionalGeneration",
-                           tokenizer="bpe", pre="qwen2",
-                           config=dict(text_config=dict(hidden_size=64, intermediate_size=96, num_hidden_layers=4,
-                                                        num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                                                        max_position_embeddings=512, rms_norm_eps=1e-6,
-                                                        rope_parameters={"rope_type": "default", "rope_theta": 5e6,
-                                                                         "mrope_interleaved": True,
-                                                                         "mrope_section": [3, 3, 2]}),
-                                       vision_config=dict(QWEN35_VISION, depth=3, deepstack_visual_indexes=[0, 1]),
-                                       vision_start_token_id=3, vision_end_token_id=4, image_token_id=5,
-                                       video_token_id=6, tie_word_embeddings=False),
-                           specials=QWEN_VISION_SPECIALS, tokens=CHATML_TOKENS, chat_template=CHATML,
-                           extra_files=_qwen_processor(4, 2), convert_args_mmproj=["--mmproj"]),
+    "qwen3vl-vision": _qwen3vl("Qwen3VLConfig", "Qwen3VLForConditionalGeneration", QWEN3VL_TEXT),
+    # Qwen3-VL-30B-A3B's shape (#39): qwen3vl-vision's text model with softmax top-2 of 4 experts (width 16) in every
+    # layer (decoder_sparse_step 1, as released), under Qwen3VLMoeForConditionalGeneration with the same ViT; the
+    # experts saved as Qwen/Qwen3-VL-30B-A3B-Instruct has them (transformers 5 writes them transposed)
+    "qwen3vlmoe-vision": _qwen3vl("Qwen3VLMoeConfig", "Qwen3VLMoeForConditionalGeneration",
+                                  dict(QWEN3VL_TEXT, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                                       decoder_sparse_step=1),
+                                  saved_layout=lambda k, v: v.transpose(1, 2) if k.endswith(("mlp.experts.gate_up_proj",
+                                                                                             "mlp.experts.down_proj")) else v),
     # Qwen2.5-VL's shape (#39): a qwen2 text model (biases on Q, K, V; M-RoPE sections 2, 3, 3 in runs) under
     # Qwen2_5_VLForConditionalGeneration, a ViT of RMS norms and gated SiLU FFNs, patch 14 as released, so that
     # llama.cpp's fixed 112-pixel windows (4x4 merged rows) are smaller than the images' grids; full attention
