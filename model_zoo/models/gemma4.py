@@ -9,7 +9,7 @@ sqrt(n_embd), per-head Q/K RMSNorm, norms before and after attention and FFN, Ge
 - per-layer embeddings (E2B/E4B): a table of per-layer inputs by token, mixed with a projection of
   the embeddings, gated into each layer's output;
 - a learned scalar on each layer's output, wider FFNs on some layers, final logit soft-capping;
-- image rows that attend both ways (Media.bidirectional: gemma4v's rows unless the model is E2B/E4B) do so
+- image rows that attend both ways (Media.bidirectional: gemma4v's rows unless the model is E2B/E4B; gemma4uv's) do so
   in the sliding layers only, the full ones stay causal (llama.cpp's LLAMA_NON_CAUSAL_TYPE_SWA_ONLY);
   image rows take token 0's per-layer row (the runner's id for them; llama.cpp's TAG_GEMMA4_IMG_PADDING).
 Reference: llama.cpp src/models/gemma4.cpp. The mixture-of-experts variant (26B-A4B) is refused."""

@@ -26,7 +26,10 @@ from hearthlm.runtime.vision import ImageBatch
 PROJECTORS = {"gemma3": "gemma3", "qwen3vl_merger": "qwen3vl", "qwen2.5vl_merger": "qwen25vl", "gemma4v": "gemma4v"}
 PROJECTORS.update({"idefics3": "idefics3", "lfm2": "lfm2"})  # the tiled ones (tiles plus an overview)
 PROJECTORS["pixtral"] = "pixtral"  # Mistral 3 (Pixtral-12B, Mistral Small 3.1, Ministral 3)
-AUDIO = ("whisper", "ultravox", "qwen2a", "qwen3a", "voxtral", "glma", "lfm2a", "gemma4a", "conformer", "musicflamingo")
+PROJECTORS["gemma4uv"] = "gemma4uv"  # Gemma 4 12B ("unified"): no tower
+NO_TOWER = ("gemma4uv",)  # block_count and head_count 0: the patches are projected straight into the text model
+AUDIO = ("whisper", "ultravox", "qwen2a", "qwen3a", "voxtral", "glma", "lfm2a", "gemma4a", "gemma4ua", "conformer",
+         "musicflamingo")
 
 
 @dataclass(frozen=True)
@@ -70,7 +73,8 @@ def read_config(md: dict[str, Any], where: str) -> ClipConfig:
         raise ModelLoadError(f"{where}: unknown vision projector type {proj!r}; this version runs "
                              f"{', '.join(sorted(PROJECTORS))}")
     n_embd, n_head = get("clip.vision.embedding_length"), get("clip.vision.attention.head_count")
-    if n_head <= 0 or n_embd % n_head:
+    tower = proj not in NO_TOWER
+    if tower and (n_head <= 0 or n_embd % n_head):
         raise ModelLoadError(f"{where}: clip.vision.attention.head_count {n_head} does not divide {n_embd}")
     if md.get("clip.use_gelu") and md.get("clip.use_silu"):
         raise ModelLoadError(f"{where}: both clip.use_gelu and clip.use_silu are set")
@@ -81,20 +85,22 @@ def read_config(md: dict[str, Any], where: str) -> ClipConfig:
         projector=proj, n_embd=n_embd, n_ff=get("clip.vision.feed_forward_length"),
         n_layer=get("clip.vision.block_count"), n_head=n_head,
         n_head_kv=get("clip.vision.attention.head_count_kv", n_head),
-        head_dim=get("clip.vision.attention.head_dim", n_embd // n_head),
+        head_dim=get("clip.vision.attention.head_dim", n_embd // n_head if n_head > 0 else 0),
         eps=get("clip.vision.attention.layer_norm_epsilon", 1e-6, float),
         image_size=get("clip.vision.image_size"), patch_size=get("clip.vision.patch_size"),
         mean=mean[:3], std=std[:3],
         act="gelu" if md.get("clip.use_gelu") else "silu" if md.get("clip.use_silu") else "gelu_quick",
         scale_factor=get("clip.vision.projector.scale_factor", 0))
-    if c.patch_size <= 0 or c.image_size < c.patch_size or c.n_layer <= 0:
+    if not tower and c.n_layer != 0:
+        raise ModelLoadError(f"{where}: block_count {c.n_layer}: the {proj} projector has no layers")
+    if c.patch_size <= 0 or c.image_size < c.patch_size or c.n_layer < (1 if tower else 0):
         raise ModelLoadError(f"{where}: image_size {c.image_size}, patch_size {c.patch_size}, block_count "
                              f"{c.n_layer}: not a vision tower")
     return c
 
 
 def _proj_type(md) -> str:
-    p = md.get("clip.vision.projector_type") or md.get("clip.projector_type")
+    p = md.get("clip.vision.projector_type") or md.get("clip.projector_type") or md.get("clip.audio.projector_type")
     return p if isinstance(p, str) else "(none)"
 
 

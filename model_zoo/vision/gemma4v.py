@@ -20,8 +20,8 @@ from hearthlm.core.errors import InvalidRequestError, ModelLoadError
 from hearthlm.core.graph import F32, Graph, Tensor
 from hearthlm.core.weights import QWeight
 from hearthlm.model_zoo.blocks import build_norm
+from hearthlm.model_zoo.vision.conv import floats, half
 from hearthlm.model_zoo.vision.preprocess import preprocess_dynamic, token_limits
-from hearthlm.model_zoo.vision.qwen3vl import _floats, _half
 from hearthlm.model_zoo.vision.vit import build_tower
 from hearthlm.runtime.vision import ImageBatch
 
@@ -49,14 +49,14 @@ class Config:
         for name in ("v.patch_embd.weight", "v.position_embd.weight", "mm.input_projection.weight"):
             if name not in weights:
                 raise ModelLoadError(f"{where}: tensor {name!r} is missing (gemma4v projector)")
-        kernel = _half(_floats(weights["v.patch_embd.weight"], where))  # ggml_conv_2d multiplies F16 values
-        table = _floats(weights["v.position_embd.weight"], where)
+        kernel = half(floats(weights["v.patch_embd.weight"], where))  # ggml_conv_2d multiplies F16 values
+        table = floats(weights["v.position_embd.weight"], where)
         if table.ndim != 3 or table.shape[0] != 2 or table.shape[2] != c.n_embd:
             raise ModelLoadError(f"{where}: v.position_embd.weight {table.shape} is not two tables of "
                                  f"{c.n_embd}-wide rows (x, y)")
         derived = {PATCH: kernel, POS_X: table[0], POS_Y: table[1]}
         if "v.std_bias" in weights and "v.std_scale" in weights:
-            derived[STD_BIAS] = -_floats(weights["v.std_bias"], where)  # x - b as x + (-b): exact
+            derived[STD_BIAS] = -floats(weights["v.std_bias"], where)  # x - b as x + (-b): exact
         for name, a in derived.items():
             a = np.ascontiguousarray(a, np.float32)
             weights[name] = QWeight(name, 0, a.shape, a.view(np.uint8))
@@ -73,7 +73,7 @@ def _clamps(weights, where: str) -> dict:
         base = name[:-len(".weight")]
         found = [weights.get(f"{base}.{s}") for s in ("input_min", "input_max", "output_min", "output_max")]
         if any(q is not None for q in found):
-            vals = [(-1 if i % 2 == 0 else 1) * F32_MAX if q is None else float(_floats(q, where).reshape(-1)[0])
+            vals = [(-1 if i % 2 == 0 else 1) * F32_MAX if q is None else float(floats(q, where).reshape(-1)[0])
                     for i, q in enumerate(found)]
             out[name] = tuple(vals)
     return out
@@ -97,7 +97,7 @@ def preprocess(c, pc: Config, pixels):
     if max(nx, ny) > pc.n_pos:
         raise InvalidRequestError(f"the image is {nx}x{ny} patches after resizing; the gemma4v tower's position "
                                   f"tables hold {pc.n_pos} a side")
-    return _half(x * np.float32(2.0) - np.float32(1.0))
+    return half(x * np.float32(2.0) - np.float32(1.0))
 
 
 def n_tokens(c, pc: Config, height: int, width: int) -> int:

@@ -17,10 +17,9 @@ from hearthlm.core.errors import ModelLoadError
 from hearthlm.core.graph import F32, Graph, Tensor
 from hearthlm.core.weights import QWeight
 from hearthlm.model_zoo.blocks import build_norm
-from hearthlm.model_zoo.vision.conv import half, half_kernel
+from hearthlm.model_zoo.vision.conv import floats, half, half_kernel
 from hearthlm.model_zoo.vision.merge import build_merge, merge_inputs
 from hearthlm.model_zoo.vision.preprocess import preprocess_dynamic, token_limits
-from hearthlm.model_zoo.vision.qwen3vl import _floats
 from hearthlm.model_zoo.vision.vit import build_tower, linear
 from hearthlm.runtime.vision import ImageBatch
 
@@ -54,7 +53,7 @@ class Config:
         if merger:
             if "mm.input_norm.weight" not in weights:
                 raise ModelLoadError(f"{where}: {MERGER} without mm.input_norm.weight (pixtral projector)")
-            w = _floats(weights[MERGER], where)
+            w = floats(weights[MERGER], where)
             e = c.n_embd
             if w.ndim != 2 or w.shape[1] != e * s * s:
                 raise ModelLoadError(f"{where}: {MERGER} {w.shape} does not take {s}x{s} cells of {e}-wide rows")

@@ -18,6 +18,7 @@ from hearthlm.core.weights import QWeight
 from hearthlm.model_zoo.blocks import build_norm
 from hearthlm.model_zoo.rope import vision_rope
 from hearthlm.model_zoo.vision import qwen3vl
+from hearthlm.model_zoo.vision.conv import floats, half
 from hearthlm.model_zoo.vision.preprocess import token_limits
 from hearthlm.model_zoo.vision.vit import build_attn_full, build_tower, linear
 from hearthlm.runtime.vision import ImageBatch
@@ -49,7 +50,7 @@ class Config:
         for name in ("v.patch_embd.weight", "v.patch_embd.weight.1"):
             if name not in weights:
                 raise ModelLoadError(f"{where}: tensor {name!r} is missing (qwen2.5vl_merger projector)")
-        w0, w1 = (qwen3vl._half(qwen3vl._floats(weights[n], where)) for n in ("v.patch_embd.weight", "v.patch_embd.weight.1"))
+        w0, w1 = (half(floats(weights[n], where)) for n in ("v.patch_embd.weight", "v.patch_embd.weight.1"))
         if w0.shape != w1.shape:
             raise ModelLoadError(f"{where}: the temporal patch kernels differ in shape: {w0.shape}, {w1.shape}")
         both = np.ascontiguousarray(w0 + w1, np.float32)

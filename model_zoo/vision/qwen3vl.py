@@ -13,7 +13,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import gguf
 import numpy as np
 
 from hearthlm.core.errors import ModelLoadError
@@ -21,6 +20,7 @@ from hearthlm.core.graph import F32, Graph, Tensor
 from hearthlm.core.weights import QWeight
 from hearthlm.model_zoo.blocks import build_layer_norm
 from hearthlm.model_zoo.rope import vision_rope
+from hearthlm.model_zoo.vision.conv import floats, half
 from hearthlm.model_zoo.vision.preprocess import preprocess_dynamic, token_limits
 from hearthlm.model_zoo.vision.vit import build_tower, linear
 from hearthlm.runtime.vision import ImageBatch
@@ -47,12 +47,12 @@ class Config:
         for name in ("v.patch_embd.weight", "v.patch_embd.weight.1", "v.position_embd.weight"):
             if name not in weights:
                 raise ModelLoadError(f"{where}: tensor {name!r} is missing (qwen3vl_merger projector)")
-        w0, w1 = (_half(_floats(weights[n], where)) for n in ("v.patch_embd.weight", "v.patch_embd.weight.1"))
+        w0, w1 = (half(floats(weights[n], where)) for n in ("v.patch_embd.weight", "v.patch_embd.weight.1"))
         if w0.shape != w1.shape:
             raise ModelLoadError(f"{where}: the temporal patch kernels differ in shape: {w0.shape}, {w1.shape}")
         both = np.ascontiguousarray(w0 + w1, np.float32)
         weights[PATCH_SUM] = QWeight(PATCH_SUM, 0, both.shape, both.view(np.uint8))
-        table = _floats(weights["v.position_embd.weight"], where)
+        table = floats(weights["v.position_embd.weight"], where)
         side = int(round(np.sqrt(table.shape[0])))
         if side * side != table.shape[0] or table.shape[1] != c.n_embd:
             raise ModelLoadError(f"{where}: v.position_embd.weight {table.shape} is not a square grid of "
@@ -61,22 +61,6 @@ class Config:
         deepstack = tuple(il for il in range(c.n_layer) if f"v.deepstack.{il}.fc1.weight" in weights)
         return cls(n_merge=k, min_pixels=lo, max_pixels=hi, pos_table=table.reshape(side, side, c.n_embd),
                    deepstack=deepstack)
-
-
-def _half(a: np.ndarray) -> np.ndarray:
-    """Values at half precision: ggml_conv_2d's im2col is F16 (for any kernel but BF16), so llama.cpp's
-    patch embedding multiplies F16 pixels by F16 kernels; ours takes the same values (an F32 kernel
-    moves the image's rows by ~5e-4 of their largest otherwise, and a tiny model's logits by 0.1)."""
-    return np.asarray(a, np.float32).astype(np.float16).astype(np.float32)
-
-
-def _floats(qw: QWeight, where: str) -> np.ndarray:
-    """A float tensor's values, (rows, cols) float32."""
-    try:
-        a = qw.raw.view(np.float32) if qw.ggml_type == 0 else gguf.quants.dequantize(qw.raw, qw.ggml_type)
-    except (NotImplementedError, ValueError, KeyError) as e:
-        raise ModelLoadError(f"{where}: tensor {qw.name!r} of ggml type {qw.ggml_type} cannot be read: {e}") from e
-    return np.asarray(a, np.float32).reshape(qw.shape)
 
 
 def _n_text(weights) -> int:
@@ -91,9 +75,9 @@ def n_embd_out(c, pc: Config, weights) -> int:
 
 def preprocess(c, pc: Config, pixels):
     """(H, W, 3) uint8 -> (3, H', W') float32 at its own aspect, sides multiples of patch * merge (bicubic),
-    at half precision as the patch embedding reads them (_half)."""
-    return _half(preprocess_dynamic(pixels, patch_size=c.patch_size, n_merge=pc.n_merge, min_pixels=pc.min_pixels,
-                                    max_pixels=pc.max_pixels, mean=c.mean, std=c.std).slices[0])
+    at half precision as the patch embedding reads them (conv.half: ggml_conv_2d's F16 im2col)."""
+    return half(preprocess_dynamic(pixels, patch_size=c.patch_size, n_merge=pc.n_merge, min_pixels=pc.min_pixels,
+                                   max_pixels=pc.max_pixels, mean=c.mean, std=c.std).slices[0])
 
 
 def grid(c, pc: Config, height: int, width: int) -> tuple[int, int]:

@@ -1,13 +1,16 @@
 """Records llama.cpp's image path (libmtmd) on the tiny vision-language models once, under llama-cpp-python
 0.3.36 (never in CI; the files come from tests/parity/hf/make.py + convert.py, specs "gemma3-vision",
-"qwen35-vision", "qwen3vl-vision", "qwen3vlmoe-vision", "gemma4-vision", "smolvlm-vision", "lfm2-vision" and "mistral3-vision"):
+"qwen35-vision", "qwen3vl-vision", "qwen3vlmoe-vision", "gemma4-vision", "gemma4uv-vision", "smolvlm-vision",
+"lfm2-vision" and "mistral3-vision"):
 
-    /tmp/lcp-venv/bin/python tests/parity/record_vision.py [gemma3] [qwen35] [qwen3vl] [qwen3vlmoe] [gemma4] [smolvlm] [lfm2] [mistral3]
+    /tmp/lcp-venv/bin/python tests/parity/record_vision.py [gemma3] [qwen35] [qwen3vl] [qwen3vlmoe] [gemma4] [gemma4uv]
+        [smolvlm] [lfm2] [mistral3]
 
 writes tests/data/vision_parity.json (Gemma 3), vision_parity_qwen35.json (Qwen3.5), vision_parity_qwen3vl.json
 (Qwen3-VL, whose rows carry deepstack features: n_embd is the text model's input width), vision_parity_qwen3vlmoe.json
-(Qwen3-VL MoE, the same), vision_parity_gemma4.json
-(Gemma 4, projector gemma4v), vision_parity_mistral3.json (Ministral 3 with Pixtral: the tower appends
+(Qwen3-VL MoE, the same), vision_parity_gemma4.json (Gemma 4, projector gemma4v), vision_parity_gemma4uv.json (Gemma
+4 12B's encoder-free gemma4uv; its mmproj's audio half, gemma4ua, is loaded by mtmd and unused),
+vision_parity_mistral3.json (Ministral 3 with Pixtral: the tower appends
 [IMG_BREAK]'s embedding after each row of image rows but the last), vision_parity_smolvlm.json and
 vision_parity_lfm2.json (the tiled families: their rows in vision_rows_<family>.npz); under M-RoPE each image
 chunk's decoder positions too, and n_past counts positions, not tokens:
@@ -120,6 +123,8 @@ FAMILIES = {  # name -> (model, mmproj, output, images, prompts[, settings, rows
              DATA / "vision_rows_lfm2.npz"),
     "gemma4": (DATA / "converted" / "gemma4-vision.gguf", DATA / "converted" / "gemma4-vision.mmproj.gguf",
                DATA / "vision_parity_gemma4.json", IMAGES, GEMMA4_PROMPTS),
+    "gemma4uv": (DATA / "converted" / "gemma4uv-vision.gguf", DATA / "converted" / "gemma4uv-vision.mmproj.gguf",
+                 DATA / "vision_parity_gemma4uv.json", IMAGES, GEMMA4_PROMPTS),
     "mistral3": (DATA / "converted" / "mistral3-vision.gguf", DATA / "converted" / "mistral3-vision.mmproj.gguf",
                  DATA / "vision_parity_mistral3.json", QWEN_IMAGES, MISTRAL3_PROMPTS),
 }
