@@ -22,6 +22,7 @@ class ChoiceOutput:
         self.n_tokens = 0
         self.done = False
         self.stopped = False  # a stop string ended it: the engine may still be running it
+        self.stop_sequence: str | None = None  # which one (Anthropic's stop_sequence)
 
     def take(self, items: list[tuple]) -> Chunk | None:
         """items: (token, top_logprobs) as they came, maybe ending in (reason, error) when the
@@ -38,6 +39,7 @@ class ChoiceOutput:
                                                      self._stops(), final=True)
                 new += piece
                 reason = "stop" if hit else reason
+                self.stop_sequence = hit or None
                 break
             # one token at a time: a stop string ends the tokens as well as the text
             toks.append(a)
@@ -48,14 +50,15 @@ class ChoiceOutput:
                                                  self._stops(), final=False)
             new += piece
             if hit:
-                reason, self.done, self.stopped = "stop", True, True
+                reason, self.done, self.stopped, self.stop_sequence = "stop", True, True, hit
         self.recent = (self.recent + new)[-self.keep:] if self.keep else ""
         if not (toks or new or self.done):
             return None
         think = ""
         if self.splitter is not None:
             think, new = self.splitter.feed(new, final=self.done)
-        c = Chunk(new, toks, reason, lps or None, reasoning=think, index=self.index)
+        c = Chunk(new, toks, reason, lps or None, reasoning=think, index=self.index,
+                  stop_sequence=self.stop_sequence if self.done else None)
         return self.tools.feed(c) if self.tools is not None else c
 
     def _stops(self) -> list[str]:
@@ -67,23 +70,23 @@ def with_prompt(c: Chunk, prompt_tokens: int) -> Chunk:
     return replace(c, prompt_tokens=prompt_tokens) if c.finish_reason else c
 
 
-def _cut_at_stop(before: str, new: str, stops: list[str], *, final: bool) -> tuple[str, str, bool]:
-    """Split `new` into (emit, hold, hit): cut at the first stop string (searching across
-    the boundary with `before`), and hold back a tail that could begin a stop string."""
+def _cut_at_stop(before: str, new: str, stops: list[str], *, final: bool) -> tuple[str, str, str]:
+    """Split `new` into (emit, hold, hit): cut at the first stop string (hit: that string, "" for
+    none; searching across the boundary with `before`), and hold back a tail that could begin one."""
     if not stops:
-        return new, "", False
+        return new, "", ""
     window = max(len(s) for s in stops) - 1
     joined = before[-window:] + new if window else new
     offset = len(joined) - len(new)
-    cut = min((i for i in (joined.find(s) for s in stops) if i >= 0), default=-1)
+    cut, hit = min(((i, s) for s, i in ((s, joined.find(s)) for s in stops) if i >= 0), default=(-1, ""))
     if cut >= 0:
-        return new[:max(cut - offset, 0)], "", True
+        return new[:max(cut - offset, 0)], "", hit
     if final:
-        return new, "", False
+        return new, "", ""
     hold = 0
     for s in stops:
         for k in range(min(len(s) - 1, len(new)), 0, -1):
             if new.endswith(s[:k]):
                 hold = max(hold, k)
                 break
-    return new[:len(new) - hold], new[len(new) - hold:], False
+    return new[:len(new) - hold], new[len(new) - hold:], ""

@@ -376,7 +376,7 @@ class Session:
     async def generate_n(self, prompt: str | Sequence[int] | None = None, *, n: int, **kwargs) -> list[Completion]:
         """n completions of one prompt (OpenAI's n): the prompt is computed once and its KV shared;
         each choice samples its own stream (choice i's seed is seed + i). Arguments as `stream`."""
-        parts: list[dict[str, Any]] = [dict(text=[], reasoning=[], ids=[], lps=[], reason="length", calls=None)
+        parts: list[dict[str, Any]] = [dict(text=[], reasoning=[], ids=[], lps=[], reason="length", calls=None, stop=None)
                                        for _ in range(n if isinstance(n, int) and n > 0 else 1)]
         n_prompt, prompt_lps = 0, None
         async for c in self._stream(prompt, n=n, **kwargs):
@@ -390,9 +390,11 @@ class Session:
             d["lps"].extend(c.top_logprobs or ())
             d["reason"] = c.finish_reason or d["reason"]
             d["calls"] = c.tool_calls or d["calls"]
+            d["stop"] = c.stop_sequence or d["stop"]
             prompt_lps = c.prompt_logprobs or prompt_lps
         return [Completion("".join(d["text"]), d["ids"], d["reason"], n_prompt, d["lps"] or None,
-                           tool_calls=d["calls"], reasoning="".join(d["reasoning"]), prompt_logprobs=prompt_lps)
+                           tool_calls=d["calls"], reasoning="".join(d["reasoning"]), prompt_logprobs=prompt_lps,
+                           stop_sequence=d["stop"])
                 for d in parts]
 
     async def stream(self, prompt: str | Sequence[int] | None = None, **kwargs) -> AsyncIterator[Chunk]:
@@ -491,16 +493,8 @@ class Session:
             if forced is not None and grammar is not None:
                 raise InvalidRequestError("pass response_format or a forced tool_choice, not both")
             grammar = (constraint.lark_grammar(forced), "tool-call grammar") if forced is not None else grammar
-        messages, sources = self._media_sources(prompt, messages, images)
-        ids = await self._prompt_ids_off_loop(prompt, messages, plan, template_kwargs, media=bool(sources))
-        media: list[Media] = []
-        if sources:  # decoded, preprocessed and placed off the event loop
-            ids, media = await anyio.to_thread.run_sync(self._place_images, ids, sources)
-        think = reasoning.detect(self.model.chat_template) if messages is not None else None
+        ids, media, think, opened = await self._prompt(prompt, messages, images, plan, template_kwargs, reasoning_budget)
         tok = self.model.tokenizer
-        opened = think is not None and reasoning.opened_by_prompt(think, self._tail_text(ids))
-        if think is not None and opened and reasoning_budget == 0:  # no thinking: closed in the prompt
-            ids, opened = ids + tok.encode(think.feed_close, parse_special=True), False
         # compiled against the vocabulary off the event loop (the first one builds the vocabulary)
         matchers = [await anyio.to_thread.run_sync(self._matcher, grammar) if grammar is not None else None
                     for _ in range(n)]
@@ -558,6 +552,34 @@ class Session:
             for o, r in zip(outs[:submitted], reqs):
                 if not o.done or o.stopped:
                     self.engine.abort(r.id)
+
+    async def _prompt(self, prompt, messages, images, plan, template_kwargs, reasoning_budget):
+        """(ids, media, think, opened): the prompt as the engine gets it, images placed; think: the
+        template's reasoning markers, opened: whether the prompt leaves the thinking open."""
+        messages, sources = self._media_sources(prompt, messages, images)
+        ids = await self._prompt_ids_off_loop(prompt, messages, plan, template_kwargs, media=bool(sources))
+        media: list[Media] = []
+        if sources:  # decoded, preprocessed and placed off the event loop
+            ids, media = await anyio.to_thread.run_sync(self._place_images, ids, sources)
+        think = reasoning.detect(self.model.chat_template) if messages is not None else None
+        opened = think is not None and reasoning.opened_by_prompt(think, self._tail_text(ids))
+        if think is not None and opened and reasoning_budget == 0:  # no thinking: closed in the prompt
+            ids, opened = ids + self.model.tokenizer.encode(think.feed_close, parse_special=True), False
+        return ids, media, think, opened
+
+    async def count_tokens(self, prompt: str | Sequence[int] | None = None, *, messages=None, tools=None,
+                           tool_choice=None, chat_template_kwargs: dict | None = None,
+                           reasoning_budget: int | None = None, images: Sequence[Any] | None = None) -> int:
+        """The prompt's length in tokens as `stream` with these arguments would compute it (the
+        template, tools and images placed); nothing is generated."""
+        if self._closed:
+            raise SessionClosedError("the session is closed")
+        plan = ToolPlan.make(self.model, tools, tool_choice)
+        if plan is not None and messages is None:
+            raise InvalidRequestError("tools need messages=, not a prompt")
+        template_kwargs = _check_template_kwargs(chat_template_kwargs, messages)
+        ids, *_ = await self._prompt(prompt, messages, images, plan, template_kwargs, reasoning_budget)
+        return len(ids)
 
     # ---- images ----------------------------------------------------------------------
     def _media_sources(self, prompt, messages, images) -> tuple[Any, list[Any]]:

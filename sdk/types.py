@@ -21,6 +21,7 @@ class Chunk:
     reasoning: str = ""             # new thinking text (templates that think: it is not in `text`)
     index: int = 0                  # which of the n choices (stream(..., n=k))
     prompt_logprobs: list[PromptLogprob] | None = None  # on the first chunk, if asked for
+    stop_sequence: str | None = None  # on the last chunk: the stop string that ended it, if one did
 
 
 @dataclass
@@ -35,3 +36,4 @@ class Completion:
     tool_calls: list[dict] | None = None
     reasoning: str = ""             # the thinking, apart from `text` (templates that think)
     prompt_logprobs: list[PromptLogprob] | None = None  # generate(..., prompt_logprobs=k)
+    stop_sequence: str | None = None  # the stop string that ended it, if one did

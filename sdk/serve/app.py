@@ -15,7 +15,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from hearthlm.core.errors import HearthError
 from hearthlm.options import SessionOptions, takes_options
-from hearthlm.serve import ollama, openai, rerank
+from hearthlm.serve import messages, ollama, openai, rerank
 from hearthlm.serve.common import AUTH, APIError, ClientGone, Host, host_of, key_digest, status_of
 from hearthlm.serve.metrics import Metrics
 from hearthlm.serve.page import add_chat_page
@@ -60,12 +60,14 @@ def _make(host: Host, lifespan, api_key: str | None, max_body_bytes: int) -> Fas
     app.state.host, app.state.metrics, app.state.key_digest = host, Metrics(host), key_digest(api_key)
     app.add_middleware(BodyLimit, limit=max_body_bytes)
     app.add_middleware(ollama.OllamaErrors)  # outside BodyLimit: a 413 under /api/ leaves in Ollama's shape too
+    app.add_middleware(messages.AnthropicErrors)  # and one under /v1/messages in Anthropic's
     for kind, handler in ((APIError, _api_error), (HearthError, _hearth_error), (ClientGone, _gone),
                           (RequestValidationError, _invalid), (StarletteHTTPException, _http)):
         app.add_exception_handler(kind, handler)
     app.include_router(_ops)
     app.include_router(openai.router, dependencies=AUTH)
     app.include_router(rerank.router, dependencies=AUTH)
+    app.include_router(messages.router, dependencies=AUTH)
     add_chat_page(app)
     app.include_router(ollama.router)  # its routes name their dependencies (/api/version needs no key)
     return app

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import hmac
+import json
 from typing import Any
 
 from fastapi import Depends, Request
@@ -70,10 +71,10 @@ def check_key(request: Request) -> None:
     if digest is None:
         return
     got = request.headers.get("authorization", "")
-    token = got[7:] if got.lower().startswith("bearer ") else ""
+    token = got[7:] if got.lower().startswith("bearer ") else request.headers.get("x-api-key", "")  # Anthropic's
     # constant time, and over digests so that not even the key's length shows
     if not hmac.compare_digest(hashlib.sha256(token.encode()).digest(), digest):
-        raise APIError(401, "missing or wrong API key (Authorization: Bearer ...)", "invalid_api_key")
+        raise APIError(401, "missing or wrong API key (Authorization: Bearer ..., or x-api-key)", "invalid_api_key")
 
 
 AUTH = [Depends(check_key)]  # the dependencies of every route that touches a model
@@ -115,3 +116,41 @@ def request_images(messages: Any) -> None:
             if not (isinstance(src, str) and src.split(":", 1)[0].lower() in ("data", "http", "https")):
                 raise APIError(400, f"messages[{i}]['content'][{k}]: an image must be a data: URL or an http(s) "
                                     "URL (a server reads no local paths)")
+
+
+class ReshapeErrors:
+    """ASGI middleware: an error answer under `prefix` (the app's handlers write OpenAI's
+    {"error": {"message", ...}}) leaves as `reshape(status, error)` makes it (an API family's shape)."""
+    prefix = "/"
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    @staticmethod
+    def reshape(status: int, error: dict) -> dict:
+        raise NotImplementedError
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or not scope["path"].startswith(self.prefix):
+            return await self.app(scope, receive, send)
+        start, parts = None, []
+
+        async def rewrite(msg) -> None:
+            nonlocal start
+            if msg["type"] == "http.response.start" and msg["status"] >= 400:
+                start = msg
+                return
+            if start is None:
+                return await send(msg)
+            parts.append(msg.get("body", b""))
+            if msg.get("more_body"):
+                return
+            body = b"".join(parts)
+            try:
+                body = json.dumps(self.reshape(start["status"], json.loads(body)["error"])).encode()
+            except (ValueError, KeyError, TypeError):
+                pass  # not the app's error shape (a 499 has no body): as it is
+            headers = [(k, v) for k, v in start.get("headers", []) if k.lower() != b"content-length"]
+            await send({**start, "headers": headers + [(b"content-length", str(len(body)).encode())]})
+            await send({"type": "http.response.body", "body": body})
+        await self.app(scope, receive, rewrite)

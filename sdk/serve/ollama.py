@@ -25,7 +25,7 @@ from pydantic import Field
 from hearthlm.core.errors import HearthError
 from hearthlm.model_zoo import reasoning
 from hearthlm.model_zoo.chat_template import MEDIA_MARKER
-from hearthlm.serve.common import AUTH, APIError, host_of, until_disconnect
+from hearthlm.serve.common import AUTH, APIError, ReshapeErrors, host_of, until_disconnect
 from hearthlm.serve.protocol import ChatRequest, _Body, logprob_entries
 from hearthlm.session import Session
 
@@ -438,34 +438,10 @@ def _plain(v: Any, verbose: bool) -> Any:
     return v.item() if isinstance(v, np.generic) else v
 
 
-class OllamaErrors:
-    """ASGI middleware: an error answer under /api/ (the app's handlers write OpenAI's
-    {"error": {"message": ...}}) leaves as Ollama's {"error": "message"}."""
+class OllamaErrors(ReshapeErrors):
+    """Errors under /api/ in Ollama's {"error": "message"}."""
+    prefix = "/api/"
 
-    def __init__(self, app) -> None:
-        self.app = app
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http" or not scope["path"].startswith("/api/"):
-            return await self.app(scope, receive, send)
-        start, parts = None, []
-
-        async def rewrite(msg) -> None:
-            nonlocal start
-            if msg["type"] == "http.response.start" and msg["status"] >= 400:
-                start = msg
-                return
-            if start is None:
-                return await send(msg)
-            parts.append(msg.get("body", b""))
-            if msg.get("more_body"):
-                return
-            body = b"".join(parts)
-            try:
-                body = json.dumps({"error": json.loads(body)["error"]["message"]}).encode()
-            except (ValueError, KeyError, TypeError):
-                pass  # not the app's error shape (a 499 has no body): as it is
-            headers = [(k, v) for k, v in start.get("headers", []) if k.lower() != b"content-length"]
-            await send({**start, "headers": headers + [(b"content-length", str(len(body)).encode())]})
-            await send({"type": "http.response.body", "body": body})
-        await self.app(scope, receive, rewrite)
+    @staticmethod
+    def reshape(status: int, error: dict) -> dict:
+        return {"error": error["message"]}
