@@ -175,9 +175,11 @@ def test_thinking_block(server):
 
 
 def test_key_as_x_api_key(server):
-    """The key is taken as x-api-key (the client's api_key) or as a bearer token (auth_token);
-    a missing or wrong one is a 401 authentication_error. Mutation: check_key reading only
-    Authorization fails it."""
+    """The key is taken as x-api-key (as Claude Code and the older clients send it) or as a bearer
+    token (this client's api_key and auth_token); a missing or wrong one is a 401
+    authentication_error. Mutation: check_key reading only Authorization fails it."""
+    as_header = anthropic.Anthropic(base_url=server, api_key=None, default_headers={"x-api-key": KEY}, max_retries=0)
+    assert as_header.messages.create(model="tiny", max_tokens=1, messages=HELLO).usage.output_tokens == 1
     assert client(server).messages.create(model="tiny", max_tokens=1, messages=HELLO).usage.output_tokens == 1
     bearer = anthropic.Anthropic(base_url=server, auth_token=KEY, api_key=None, max_retries=0, timeout=60)
     assert bearer.messages.create(model="tiny", max_tokens=1, messages=HELLO).usage.output_tokens == 1
