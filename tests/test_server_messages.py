@@ -206,6 +206,9 @@ def test_errors_in_anthropics_shape(server):
                    headers={"x-api-key": KEY, "anthropic-version": "2023-06-01"}, timeout=30)
     assert r.status_code == 400 and r.json()["type"] == "error"
     assert r.json()["error"]["type"] == "invalid_request_error" and "max_tokens" in r.json()["error"]["message"]
+    with pytest.raises(anthropic.BadRequestError) as e:
+        c.messages.create(model="tiny", max_tokens=4, messages=[])
+    assert "at least one message" in e.value.body["error"]["message"]
     png = base64.b64encode(b"\x89PNG\r\n\x1a\n" + b"\0" * 32).decode()
     for block, says in (({"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": png}}, "mmproj"),
                         ({"type": "image", "source": {"type": "url", "url": "file:///etc/passwd"}}, "data: URL"),

@@ -81,6 +81,8 @@ def _counted(kw: dict) -> dict:
 
 def _args(s: Session, body: CountBody) -> dict[str, Any]:
     """messages, tools, tool_choice and the thinking's arguments for Session."""
+    if not body.messages:
+        raise APIError(400, "messages: at least one message is required")
     msgs = ([dict(role="system", content=_text(body.system, "system"))] if body.system else []) + _messages(body.messages)
     request_images(msgs)  # data: or http(s) URLs only; remote ones where the server allows them
     kw: dict[str, Any] = dict(messages=msgs, **_thinking(s, body.thinking))
