@@ -45,9 +45,8 @@ def client(url: str) -> "openai.OpenAI":
 
 
 def test_plain_and_stored(server):
-    """Mutation: counting usage.output_tokens from the text's characters instead of the chunks'
-    token ids fails it (bytes vs tokens); echoing incomplete as completed on a cut answer fails it;
-    storing the response before its output is in (store.put in _base's place) fails the GET."""
+    """Mutation: usage.input_tokens left at 0 (the chunks' prompt_tokens not read), a cut answer
+    reported "completed", or the router included without the AUTH dependency fails it."""
     c = client(server)
     r = c.responses.create(model="tiny", input="hello there", instructions="be brief", max_output_tokens=12,
                            temperature=0)
@@ -113,9 +112,10 @@ def test_multi_turn_by_id_and_by_items(server):
 
 
 def test_tool_round_trip(server):
-    """Mutation: answering the function_call_output as a user turn (not a tool turn with its
-    call_id), or leaving the call out of the assistant turn before it, fails it (the prompts by
-    id and by items differ); the flat tool shape passed through unconverted fails the call."""
+    """Mutation: the function_call_output made a user turn (not a tool turn with its call_id), or
+    the function_call item left out of the assistant turn, fails it (the chat route's prompt
+    differs); the stored answer's call left out of its history (Output.history) fails the
+    by-id round; the flat tool shape passed through unconverted fails the call."""
     c = client(server)
     kw = dict(model="tooler", tools=[WEATHER], temperature=0)
     r = c.responses.create(input="weather in Paris?", tool_choice=FORCED, max_output_tokens=200, **kw)
@@ -137,6 +137,14 @@ def test_tool_round_trip(server):
     by_items = c.responses.create(input=items, max_output_tokens=6, **kw)
     assert by_id.output[0].type == "message" and by_id.output_text == by_items.output_text
     assert by_id.usage.input_tokens == by_items.usage.input_tokens > r.usage.input_tokens + r.usage.output_tokens
+    # and the same conversation in chat completions' shape: the same prompt, the same answer
+    chat = c.chat.completions.create(model="tooler", temperature=0, max_tokens=6, tools=[{"type": "function", "function": {
+        k: WEATHER[k] for k in ("name", "description", "parameters")}}], messages=[
+        {"role": "user", "content": "weather in Paris?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": call.call_id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}]},
+        {"role": "tool", "tool_call_id": call.call_id, "content": '{"temp": 18}'}])
+    assert chat.usage.prompt_tokens == by_items.usage.input_tokens and chat.choices[0].message.content == by_items.output_text
 
 
 def test_json_schema_and_json_object(server):
@@ -237,9 +245,10 @@ def qwen_server(qwen2_path):
 
 def test_qwen_plain_and_tool_round(qwen_server):
     """Qwen2.5-Coder-0.5B-Instruct, greedy: a plain answer with code in it; a forced get_weather
-    call for Paris, and after its result an answer that uses it.
-    Mutation: the tool result fed back as a user turn (chat_messages's function_call_output
-    branch making role "user") fails the last assertion (the model no longer reports 18 C)."""
+    call for Paris; its result fed back by previous_response_id gets a text answer carrying it (the
+    0.5B model restates the call and the result, as it does through the chat route).
+    Mutation: the result fed back as a user turn (chat_messages's function_call_output branch
+    making role "user") fails it: the model calls the tool again, with no 18 in it."""
     c = openai.OpenAI(base_url=qwen_server + "/v1", api_key="none", max_retries=0, timeout=300)
     r = c.responses.create(model="qwen", input="Write a Python function that reverses a string.",
                            max_output_tokens=40, temperature=0)
