@@ -14,6 +14,7 @@ openai = pytest.importorskip("openai")
 jsonschema = pytest.importorskip("jsonschema")
 
 from serve_util import live_server  # noqa: E402
+from test_server_vision import VISION, data_url, png  # noqa: E402
 from test_reasoning import OPENS  # noqa: E402
 from test_server_ollama import SCHEMA, WEATHER_PARAMS  # noqa: E402
 from tiny_gguf import write_tiny  # noqa: E402
@@ -36,6 +37,7 @@ def server(tmp_path_factory):
     d = tmp_path_factory.mktemp("responses")
     paths = {"tiny": write_tiny(d / "tiny.gguf"), "thinker": write_tiny(d / "thinker.gguf", chat_template=OPENS),
              "tooler": write_tiny(d / "tooler.gguf", chat_template=TOOLS_TEMPLATE)}
+    paths["see"] = VISION  # the tiny Gemma 3 vision model, its mmproj beside it
     with live_server(*(f"{n}={p}" for n, p in paths.items()), "--api-key", KEY, "--n-ctx", "512") as url:
         yield url
 
@@ -145,6 +147,19 @@ def test_tool_round_trip(server):
             {"id": call.call_id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}]},
         {"role": "tool", "tool_call_id": call.call_id, "content": '{"temp": 18}'}])
     assert chat.usage.prompt_tokens == by_items.usage.input_tokens and chat.choices[0].message.content == by_items.output_text
+
+
+def test_input_image_as_chat_image_url(server):
+    """An input_image part is the chat route's image_url part: the same prompt (image rows
+    included) and the same greedy answer.
+    Mutation: dropping input_image parts (_content skipping them) fails it."""
+    c = client(server)
+    url = data_url(png(seed=1))
+    r = c.responses.create(model="see", max_output_tokens=6, temperature=0, input=[{"role": "user", "content": [
+        {"type": "input_image", "image_url": url}, {"type": "input_text", "text": "What is this?"}]}])
+    chat = c.chat.completions.create(model="see", max_tokens=6, temperature=0, messages=[{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "What is this?"}]}])
+    assert r.usage.input_tokens == chat.usage.prompt_tokens > 18 and r.output_text == chat.choices[0].message.content
 
 
 def test_json_schema_and_json_object(server):
