@@ -14,9 +14,9 @@ openai = pytest.importorskip("openai")
 jsonschema = pytest.importorskip("jsonschema")
 
 from serve_util import live_server  # noqa: E402
-from test_server_vision import VISION, data_url, png  # noqa: E402
 from test_reasoning import OPENS  # noqa: E402
 from test_server_ollama import SCHEMA, WEATHER_PARAMS  # noqa: E402
+from test_server_vision import VISION, data_url, png  # noqa: E402
 from tiny_gguf import write_tiny  # noqa: E402
 
 from hearthlm.serve.responses import Store  # noqa: E402
