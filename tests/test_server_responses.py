@@ -19,7 +19,9 @@ from test_server_ollama import SCHEMA, WEATHER_PARAMS  # noqa: E402
 from test_server_vision import VISION, data_url, png  # noqa: E402
 from tiny_gguf import write_tiny  # noqa: E402
 
-from hearthlm.serve.responses import Store  # noqa: E402
+from hearthlm.core.errors import HearthError  # noqa: E402
+from hearthlm.serve.responses import Output, Store  # noqa: E402
+from hearthlm.types import Chunk  # noqa: E402
 
 KEY = "sk-responses-test"
 WEATHER = {"type": "function", "name": "get_weather", "description": "The weather in a city", "parameters": WEATHER_PARAMS}
@@ -238,6 +240,42 @@ def test_bad_input_is_400_naming_the_field(server):
     r = httpx.post(server + "/v1/responses", headers={"Authorization": f"Bearer {KEY}"}, timeout=10,
                    json={"model": "tiny", "input": 5})
     assert r.status_code == 400 and r.json()["error"]["message"].startswith("input")
+
+
+def test_output_items_in_turn_and_failure():
+    """Thinking, then text, then a call, as one stream: three items with their own indices and
+    ids, usage counting the thinking's tokens; an engine error after the start is response.failed.
+    Mutation: output_index taken as 0 for every item (len(self.items) - 1 -> 0 in _delta), or
+    reasoning tokens counted from every chunk, fails it."""
+    call = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}
+    out = Output({"id": "resp-x", "output": []})
+    ev = out.start()
+    ev += out.feed(Chunk("", [1, 2], reasoning="hmm"))
+    ev += out.feed(Chunk("Hi", [3]))
+    ev += out.feed(Chunk(" there", [4], finish_reason="tool_calls", prompt_tokens=9, tool_calls=[call]))
+    kinds = [(e["type"], e.get("output_index")) for e in ev]
+    assert kinds == [("response.created", None), ("response.in_progress", None),
+                     ("response.output_item.added", 0), ("response.content_part.added", 0),
+                     ("response.reasoning_text.delta", 0), ("response.reasoning_text.done", 0),
+                     ("response.content_part.done", 0), ("response.output_item.done", 0),
+                     ("response.output_item.added", 1), ("response.content_part.added", 1),
+                     ("response.output_text.delta", 1), ("response.output_text.delta", 1),
+                     ("response.output_text.done", 1), ("response.content_part.done", 1), ("response.output_item.done", 1),
+                     ("response.output_item.added", 2), ("response.function_call_arguments.delta", 2),
+                     ("response.function_call_arguments.done", 2), ("response.output_item.done", 2),
+                     ("response.completed", None)]
+    r = ev[-1]["response"]
+    assert [o["type"] for o in r["output"]] == ["reasoning", "message", "function_call"]
+    assert r["output"][1]["content"][0]["text"] == "Hi there" and r["output"][2]["call_id"] == "call_1"
+    assert r["usage"] == dict(input_tokens=9, input_tokens_details=dict(cached_tokens=0), output_tokens=4,
+                              output_tokens_details=dict(reasoning_tokens=2), total_tokens=13)
+    assert out.history() == [{"role": "assistant", "content": "Hi there", "tool_calls": [call]}]
+    failed = Output({"id": "resp-y", "output": []})
+    failed.start()
+    failed.feed(Chunk("a", [1]))
+    (e,) = failed.failed(HearthError("the engine stopped"))
+    assert e["type"] == "response.failed" and e["sequence_number"] == 5
+    assert e["response"]["status"] == "failed" and e["response"]["error"]["message"] == "the engine stopped"
 
 
 def test_store_evicts_the_oldest():
