@@ -119,7 +119,8 @@ def test_tool_round_trip(server):
     """Mutation: the function_call_output made a user turn (not a tool turn with its call_id), or
     the function_call item left out of the assistant turn, fails it (the chat route's prompt
     differs); the stored answer's call left out of its history (Output.history) fails the
-    by-id round; the flat tool shape passed through unconverted fails the call."""
+    by-id round; the flat tool shape passed through unconverted fails the call; a call's
+    output_item.done under another item id than its .added fails the client's stream helper."""
     c = client(server)
     kw = dict(model="tooler", tools=[WEATHER], temperature=0)
     r = c.responses.create(input="weather in Paris?", tool_choice=FORCED, max_output_tokens=200, **kw)
@@ -133,6 +134,10 @@ def test_tool_round_trip(server):
     assert kinds[-5:] == ["response.output_item.added", "response.function_call_arguments.delta",
                           "response.function_call_arguments.done", "response.output_item.done", "response.completed"]
     assert ev[-4].delta == ev[-3].arguments == call.arguments and ev[-1].response.output[0].name == "get_weather"
+    # the client's own accumulating stream helper builds the same call from the events
+    with c.responses.stream(input="weather in Paris?", tool_choice=FORCED, max_output_tokens=200, **kw) as s:
+        list(s)
+        assert s.get_final_response().output[0].arguments == call.arguments
     # the result fed back: by previous_response_id and by items, the same prompt; the answer is text
     result = {"type": "function_call_output", "call_id": call.call_id, "output": '{"temp": 18}'}
     by_id = c.responses.create(input=[result], previous_response_id=r.id, max_output_tokens=6, **kw)
@@ -173,6 +178,10 @@ def test_json_schema_and_json_object(server):
     assert r.status == "completed"
     jsonschema.validate(json.loads(r.output_text), SCHEMA)
     assert r.text.format.type == "json_schema"
+    with c.responses.stream(model="tiny", input="give json", text={"format": fmt}, max_output_tokens=60,
+                            temperature=0) as s:  # the client's accumulating helper
+        list(s)
+        assert s.get_final_response().output_text == r.output_text
     r = c.responses.create(model="tiny", input="give json", text={"format": {"type": "json_object"}},
                            max_output_tokens=32, temperature=0)
     # random weights may go on listing keys: an object is begun, and whole if it ended

@@ -1,4 +1,4 @@
-"""The ASGI app: one router per API family (serve.openai, serve.responses, serve.rerank, serve.ollama; the
+"""The ASGI app: one router per API family (serve.openai, serve.rerank, serve.ollama; the
 chat page, serve.page) over one Session per model (no second engine), plus /health and
 /metrics. `build_app` opens the sessions in the app's lifespan (the CLI and Ray use it);
 `create_app` serves sessions an application has already opened. What the routers share
