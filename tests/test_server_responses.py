@@ -72,7 +72,8 @@ def test_plain_and_stored(server):
 
 def test_stream_events(server):
     """Mutation: dropping response.content_part.added (its line in Output._open), numbering the
-    events from 1, or sending the cumulative text as each delta fails it."""
+    events from 1, sending the cumulative text as each delta, or an empty text in
+    response.output_text.done fails it."""
     c = client(server)
     plain = c.responses.create(model="tiny", input="stream me", max_output_tokens=10, temperature=0)
     events = list(c.responses.create(model="tiny", input="stream me", max_output_tokens=10, temperature=0, stream=True))
