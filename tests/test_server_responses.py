@@ -289,13 +289,26 @@ def test_output_items_in_turn_and_failure():
 
 
 def test_store_evicts_the_oldest():
-    """Mutation: popitem(last=True) (the newest evicted) fails it."""
+    """By count and by bytes, the newest kept even alone over the limit.
+    Mutation: popitem(last=True) (the newest evicted), or the byte count not lowered on eviction
+    or on delete, fails it."""
     s = Store(size=2)
     for i in range(3):
         s.put({"id": f"r{i}"}, [])
     assert list(s.kept) == ["r1", "r2"]
     with pytest.raises(Exception, match="r0"):
         s.get("r0")
+    s = Store(size=100, max_bytes=1000)
+    s.put({"id": "a"}, [{"role": "user", "content": "x" * 400}])
+    s.put({"id": "b"}, [{"role": "user", "content": "y" * 400}])
+    assert list(s.kept) == ["a", "b"]
+    s.put({"id": "c"}, [{"role": "user", "content": "z" * 400}])
+    assert list(s.kept) == ["b", "c"]
+    s.delete("b")
+    s.put({"id": "d"}, [{"role": "user", "content": "w" * 400}])
+    assert list(s.kept) == ["c", "d"] and s.get("d")[1][0]["content"] == "w" * 400
+    s.put({"id": "big"}, [{"role": "user", "content": "v" * 5000}])
+    assert list(s.kept) == ["big"] and s.bytes > 1000
 
 
 # ---- the real model --------------------------------------------------------------------

@@ -19,6 +19,7 @@ from hearthlm.serve.protocol import ChatRequest, _Sampling, new_id, now
 
 router = APIRouter()
 MAX_STORED = 1024  # responses kept for GET and previous_response_id; the oldest goes first
+MAX_STORED_BYTES = 256 * 2**20  # and at most this much of their JSON
 # reasoning.effort -> the chat route's reasoning_budget (tokens of thinking; None: unbounded)
 EFFORT_BUDGET = {"none": 0, "minimal": 0, "low": 1024, "medium": 4096, "high": None, "xhigh": None}
 ITEM_TYPES = ("message", "function_call", "function_call_output", "reasoning")
@@ -295,21 +296,28 @@ class Output:
 
 class Store:
     """Responses by id with the chat history that led to each (instructions left out: a
-    following response brings its own), the oldest evicted past `size`."""
+    following response brings its own), the oldest evicted past `size` responses or `max_bytes`
+    of their JSON (histories carry images as data: URLs); the newest is always kept."""
 
-    def __init__(self, size: int = MAX_STORED) -> None:
-        self.size, self.kept = size, OrderedDict()
+    def __init__(self, size: int = MAX_STORED, max_bytes: int = MAX_STORED_BYTES) -> None:
+        self.size, self.max_bytes, self.kept, self.bytes = size, max_bytes, OrderedDict(), 0
 
     def put(self, response: dict, history: list[dict]) -> None:
-        self.kept[response["id"]] = (response, history)
-        while len(self.kept) > self.size:
-            self.kept.popitem(last=False)
+        n = len(json.dumps(response)) + len(json.dumps(history))
+        self.kept[response["id"]] = (response, history, n)
+        self.bytes += n
+        while len(self.kept) > 1 and (len(self.kept) > self.size or self.bytes > self.max_bytes):
+            self.bytes -= self.kept.popitem(last=False)[1][2]
+
+    def delete(self, rid: str) -> None:
+        self.get(rid)
+        self.bytes -= self.kept.pop(rid)[2]
 
     def get(self, rid: str, param: str | None = None) -> tuple[dict, list[dict]]:
         if rid not in self.kept:
             raise APIError(404, f"no response with id {rid!r} is stored here (store=false, evicted, deleted "
                                 "or never made)", param=param)
-        return self.kept[rid]
+        return self.kept[rid][:2]
 
 
 def store_of(request: Request) -> Store:
@@ -390,7 +398,5 @@ async def retrieve(rid: str, request: Request):
 
 @router.delete("/v1/responses/{rid}")
 async def delete(rid: str, request: Request):
-    store = store_of(request)
-    store.get(rid)
-    del store.kept[rid]
+    store_of(request).delete(rid)
     return {"id": rid, "object": "response", "deleted": True}
