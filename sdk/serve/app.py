@@ -15,7 +15,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from hearthlm.core.errors import HearthError
 from hearthlm.options import SessionOptions, takes_options
-from hearthlm.serve import messages, ollama, openai, rerank
+from hearthlm.serve import messages, ollama, openai, rerank, responses
 from hearthlm.serve.common import AUTH, APIError, ClientGone, Host, host_of, key_digest, status_of
 from hearthlm.serve.metrics import Metrics
 from hearthlm.serve.page import add_chat_page
@@ -68,6 +68,7 @@ def _make(host: Host, lifespan, api_key: str | None, max_body_bytes: int) -> Fas
     app.include_router(openai.router, dependencies=AUTH)
     app.include_router(rerank.router, dependencies=AUTH)
     app.include_router(messages.router, dependencies=AUTH)
+    app.include_router(responses.router, dependencies=AUTH)
     add_chat_page(app)
     app.include_router(ollama.router)  # its routes name their dependencies (/api/version needs no key)
     return app
@@ -75,13 +76,13 @@ def _make(host: Host, lifespan, api_key: str | None, max_body_bytes: int) -> Fas
 
 # ---- errors: OpenAI's shape, counted by status ------------------------------------------
 
-def _err(request: Request, status: int, message: str, code: str | None = None) -> JSONResponse:
+def _err(request: Request, status: int, message: str, code: str | None = None, param: str | None = None) -> JSONResponse:
     request.app.state.metrics.errors.labels(str(status)).inc()
-    return JSONResponse(error_json(status, message, code), status_code=status)
+    return JSONResponse(error_json(status, message, code, param), status_code=status)
 
 
 async def _api_error(request: Request, e: APIError):
-    return _err(request, e.status, str(e), e.code)
+    return _err(request, e.status, str(e), e.code, e.param)
 
 
 async def _hearth_error(request: Request, e: HearthError):

@@ -17,9 +17,9 @@ from hearthlm.session import Session
 
 
 class APIError(Exception):
-    def __init__(self, status: int, message: str, code: str | None = None) -> None:
+    def __init__(self, status: int, message: str, code: str | None = None, param: str | None = None) -> None:
         super().__init__(message)
-        self.status, self.code = status, code
+        self.status, self.code, self.param = status, code, param  # param: the request field at fault
 
 
 class ClientGone(Exception):
