@@ -16,8 +16,9 @@ from typing import Any, AsyncIterator, Callable
 import anyio
 
 from hearthlm.core.errors import InvalidRequestError
+from hearthlm.output import ChunkJoin
 from hearthlm.tool_schema import check_arguments, function_schema
-from hearthlm.types import Chunk, Completion
+from hearthlm.types import Completion
 
 
 class ToolError(Exception):
@@ -156,27 +157,6 @@ async def run_call(t: Tool | None, call: dict, default_timeout: float | None) ->
         return f"Error: the tool {t.name} returned a {type(result).__name__} that JSON cannot hold ({e})", True
 
 
-class _Collect:
-    """One round's chunks into a Completion (as generate joins them)."""
-
-    def __init__(self) -> None:
-        self.text, self.reasoning, self.ids, self.lps = [], [], [], []
-        self.reason, self.calls, self.n_prompt = "length", None, 0
-
-    def add(self, c: Chunk) -> None:
-        self.text.append(c.text)
-        self.reasoning.append(c.reasoning)
-        self.ids.extend(c.token_ids)
-        self.lps.extend(c.top_logprobs or ())
-        self.reason = c.finish_reason or self.reason
-        self.calls = c.tool_calls or self.calls
-        self.n_prompt = c.prompt_tokens or self.n_prompt
-
-    def completion(self) -> Completion:
-        return Completion("".join(self.text), self.ids, self.reason, self.n_prompt, self.lps or None,
-                          tool_calls=self.calls, reasoning="".join(self.reasoning))
-
-
 async def act_stream(session, *, messages: list[dict], tools: Any, tool_choice: Any = None, max_rounds: int = 8,
                      tool_timeout: float | None = None, **kwargs) -> AsyncIterator[Event]:
     """The loop behind Session.act_stream (see there)."""
@@ -190,7 +170,7 @@ async def act_stream(session, *, messages: list[dict], tools: Any, tool_choice: 
     by_name, specs = {t.name: t for t in tools}, [t.spec for t in tools]
     msgs, choice = list(messages), tool_choice
     for rnd in range(max_rounds):
-        got = _Collect()
+        got = ChunkJoin()
         async for c in session.stream(messages=msgs, tools=specs, tool_choice=choice, **kwargs):
             got.add(c)
             if c.text or c.reasoning:

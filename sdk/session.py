@@ -27,7 +27,7 @@ from hearthlm.model_zoo.resolve import DEFAULT_MODEL, resolve_model
 from hearthlm.model_zoo.template_limits import DEFAULT_LIMITS, TemplateLimits
 from hearthlm.model_zoo.tokenizer import MEDIA_ID, vocab_mismatch
 from hearthlm.options import SessionOptions, check_names, takes_options
-from hearthlm.output import ChoiceOutput, with_prompt
+from hearthlm.output import ChoiceOutput, ChunkJoin, with_prompt
 from hearthlm.runtime import constraint
 from hearthlm.runtime.devices import open_device
 from hearthlm.runtime.engine import Engine
@@ -377,24 +377,15 @@ class Session:
     async def generate_n(self, prompt: str | Sequence[int] | None = None, *, n: int, **kwargs) -> list[Completion]:
         """n completions of one prompt (OpenAI's n): the prompt is computed once and its KV shared;
         each choice samples its own stream (choice i's seed is seed + i). Arguments as `stream`."""
-        parts: list[dict[str, Any]] = [dict(text=[], reasoning=[], ids=[], lps=[], reason="length", calls=None)
-                                       for _ in range(n if isinstance(n, int) and n > 0 else 1)]
+        parts = [ChunkJoin() for _ in range(n if isinstance(n, int) and n > 0 else 1)]
         n_prompt, prompt_lps = 0, None
         async for c in self._stream(prompt, n=n, **kwargs):
             if isinstance(c, int):
                 n_prompt = c
                 continue
-            d = parts[c.index]
-            d["text"].append(c.text)
-            d["reasoning"].append(c.reasoning)
-            d["ids"].extend(c.token_ids)
-            d["lps"].extend(c.top_logprobs or ())
-            d["reason"] = c.finish_reason or d["reason"]
-            d["calls"] = c.tool_calls or d["calls"]
+            parts[c.index].add(c)
             prompt_lps = c.prompt_logprobs or prompt_lps
-        return [Completion("".join(d["text"]), d["ids"], d["reason"], n_prompt, d["lps"] or None,
-                           tool_calls=d["calls"], reasoning="".join(d["reasoning"]), prompt_logprobs=prompt_lps)
-                for d in parts]
+        return [p.completion(n_prompt, prompt_lps) for p in parts]
 
     async def stream(self, prompt: str | Sequence[int] | None = None, **kwargs) -> AsyncIterator[Chunk]:
         """Yield Chunks as tokens come. Keyword arguments: messages, max_tokens, temperature,

@@ -147,7 +147,7 @@ def test_tools_in_every_shape():
 
 async def test_run_call_reports_failures():
     """Each failure becomes (an "Error: ..." text, True), never an exception. Mutation: letting
-    the JSON error, the schema check or the non-JSON result through (raising) fails it."""
+    the JSON error or the non-JSON result through (raising), or skipping the schema check, fails it."""
     w, b = tool(weather), tool(broken)
     weather.calls = []
 
@@ -172,7 +172,7 @@ async def test_run_call_reports_failures():
 
 async def test_timeouts():
     """A sync tool stuck in its thread and an async one are both cut off at their timeout.
-    Mutation: dropping abandon_on_cancel (the thread is then waited for) fails it."""
+    Mutation: abandon_on_cancel=False (the thread is then waited for) fails it."""
     release = threading.Event()
     stuck = tool(lambda: release.wait(10), name="stuck", timeout=0.2)
 
@@ -229,7 +229,7 @@ async def test_raising_tool_and_max_rounds(session):
 
 async def test_act_stream_events(session):
     """Order: the forced round's ToolCall then its ToolResult, then the answer's TextDeltas,
-    then Done. Mutation: yielding the results before the calls fails it."""
+    then Done. Mutation: dropping the ToolCall events (the results come first) fails it."""
     events = [e async for e in session.act_stream(messages=ASK, tools=[clock], tool_choice="required", **GEN)]
     kinds = [type(e).__name__ for e in events]
     assert kinds[:2] == ["ToolCall", "ToolResult"] and kinds[-1] == "Done"
@@ -263,8 +263,8 @@ def _free_port() -> int:
 
 
 async def test_mcp_http_server():
-    """The same server over streamable HTTP, with a header passed. Mutation: a wrong path in
-    the URL (no server there) fails it."""
+    """The same server over streamable HTTP, with a header passed (not checked server-side).
+    Mutation: http_tools connecting elsewhere than the URL given (url + "x") fails it."""
     port = _free_port()
     proc = subprocess.Popen([sys.executable, SERVER, "http", str(port)], stderr=subprocess.DEVNULL)
     try:
