@@ -292,3 +292,23 @@ def test_mcp_extra_named_when_missing(monkeypatch):
     monkeypatch.setitem(sys.modules, "mcp", None)
     with pytest.raises(ImportError, match=r"hearthlm\[mcp\]"):
         hmcp._sdk()
+
+
+async def test_act_qwen_calls_by_itself(qwen2_path):
+    """Qwen2.5-Coder-0.5B under "auto" (greedy): it calls the tool by itself with the right
+    argument, and round 2's prompt carries the result in Qwen's own <tool_response> turn. (This
+    0.5B model then writes its call again as bare JSON text rather than answering from the
+    result, whatever the system prompt: a model limit, not asserted.) Mutation: not appending
+    the tool turn (no <tool_response> in round 2) fails it."""
+    seen = []
+
+    def get_weather(city: str) -> str:
+        """Get the current weather in a city."""
+        seen.append(city)
+        return "18 C, sunny"
+    async with Session.open(str(qwen2_path), n_ctx=2048) as s:
+        prompts = spy_prompts(s)
+        done = await s.act(messages=ASK, tools=[get_weather], max_tokens=32, temperature=0)
+    assert seen == ["Paris"], done.messages
+    assert [m["role"] for m in done.messages] == ["user", "assistant", "tool", "assistant"]
+    assert len(prompts) == 2 and "<tool_response>\n18 C, sunny\n</tool_response><|im_end|>" in prompts[1]
