@@ -227,6 +227,16 @@ async def test_raising_tool_and_max_rounds(session):
         await session.act(messages=ASK, tools=[weather], max_rounds=0)
 
 
+def test_sync_session_act(tiny):
+    """SyncSession.act runs the loop from plain code. Mutation: SyncSession.act calling
+    generate instead (no tool run) fails it."""
+    from hearthlm import SyncSession
+    clock.calls = []
+    with SyncSession(tiny, n_ctx=4096) as s:
+        done = s.act(messages=ASK, tools=[clock], tool_choice="required", **GEN)
+    assert len(clock.calls) == 1 and done.messages[2]["content"] == f"12:00 {clock.calls[0]}"
+
+
 async def test_act_stream_events(session):
     """Order: the forced round's ToolCall then its ToolResult, then the answer's TextDeltas,
     then Done. Mutation: dropping the ToolCall events (the results come first) fails it."""
