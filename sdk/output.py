@@ -1,5 +1,6 @@
 """One choice's tokens turned into Chunks: whole characters, cut at the first stop string (none
-before min_tokens), thinking split from the answer, tool calls held back to the last chunk."""
+before min_tokens), thinking split from the answer, tool calls held back to the last chunk;
+and one choice's Chunks joined into its Completion."""
 from __future__ import annotations
 
 from dataclasses import replace
@@ -7,7 +8,7 @@ from dataclasses import replace
 from hearthlm.model_zoo.reasoning import ReasoningSplitter
 from hearthlm.model_zoo.tokenizer import StreamDecoder
 from hearthlm.tools import ToolOutput
-from hearthlm.types import Chunk
+from hearthlm.types import Chunk, Completion
 
 
 class ChoiceOutput:
@@ -90,3 +91,29 @@ def _cut_at_stop(before: str, new: str, stops: list[str], *, final: bool) -> tup
                 hold = max(hold, k)
                 break
     return new[:len(new) - hold], new[len(new) - hold:], ""
+
+
+class ChunkJoin:
+    """One choice's chunks joined into its Completion (generate, and each round of act)."""
+
+    def __init__(self) -> None:
+        self.text: list[str] = []
+        self.reasoning: list[str] = []
+        self.ids: list[int] = []
+        self.lps: list = []
+        self.reason, self.calls, self.n_prompt, self.stop = "length", None, 0, None
+
+    def add(self, c: Chunk) -> None:
+        self.text.append(c.text)
+        self.reasoning.append(c.reasoning)
+        self.ids.extend(c.token_ids)
+        self.lps.extend(c.top_logprobs or ())
+        self.reason = c.finish_reason or self.reason
+        self.calls = c.tool_calls or self.calls
+        self.n_prompt = c.prompt_tokens or self.n_prompt
+        self.stop = c.stop_sequence or self.stop
+
+    def completion(self, n_prompt: int | None = None, prompt_logprobs: list | None = None) -> Completion:
+        return Completion("".join(self.text), self.ids, self.reason, n_prompt if n_prompt is not None else self.n_prompt,
+                          self.lps or None, tool_calls=self.calls, reasoning="".join(self.reasoning),
+                          prompt_logprobs=prompt_logprobs, stop_sequence=self.stop)

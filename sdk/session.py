@@ -14,6 +14,7 @@ import anyio
 import gguf
 import numpy as np
 
+from hearthlm import act as _act
 from hearthlm._wake import Channel, loop_waker
 from hearthlm.backends import get_backend
 from hearthlm.core.errors import ContextLengthError, HearthError, InvalidRequestError, RequestTimeoutError, SessionClosedError
@@ -26,7 +27,7 @@ from hearthlm.model_zoo.resolve import DEFAULT_MODEL, resolve_model
 from hearthlm.model_zoo.template_limits import DEFAULT_LIMITS, TemplateLimits
 from hearthlm.model_zoo.tokenizer import MEDIA_ID, vocab_mismatch
 from hearthlm.options import SessionOptions, check_names, takes_options
-from hearthlm.output import ChoiceOutput, with_prompt
+from hearthlm.output import ChoiceOutput, ChunkJoin, with_prompt
 from hearthlm.runtime import constraint
 from hearthlm.runtime.devices import open_device
 from hearthlm.runtime.engine import Engine
@@ -376,26 +377,15 @@ class Session:
     async def generate_n(self, prompt: str | Sequence[int] | None = None, *, n: int, **kwargs) -> list[Completion]:
         """n completions of one prompt (OpenAI's n): the prompt is computed once and its KV shared;
         each choice samples its own stream (choice i's seed is seed + i). Arguments as `stream`."""
-        parts: list[dict[str, Any]] = [dict(text=[], reasoning=[], ids=[], lps=[], reason="length", calls=None, stop=None)
-                                       for _ in range(n if isinstance(n, int) and n > 0 else 1)]
+        parts = [ChunkJoin() for _ in range(n if isinstance(n, int) and n > 0 else 1)]
         n_prompt, prompt_lps = 0, None
         async for c in self._stream(prompt, n=n, **kwargs):
             if isinstance(c, int):
                 n_prompt = c
                 continue
-            d = parts[c.index]
-            d["text"].append(c.text)
-            d["reasoning"].append(c.reasoning)
-            d["ids"].extend(c.token_ids)
-            d["lps"].extend(c.top_logprobs or ())
-            d["reason"] = c.finish_reason or d["reason"]
-            d["calls"] = c.tool_calls or d["calls"]
-            d["stop"] = c.stop_sequence or d["stop"]
+            parts[c.index].add(c)
             prompt_lps = c.prompt_logprobs or prompt_lps
-        return [Completion("".join(d["text"]), d["ids"], d["reason"], n_prompt, d["lps"] or None,
-                           tool_calls=d["calls"], reasoning="".join(d["reasoning"]), prompt_logprobs=prompt_lps,
-                           stop_sequence=d["stop"])
-                for d in parts]
+        return [p.completion(n_prompt, prompt_lps) for p in parts]
 
     async def stream(self, prompt: str | Sequence[int] | None = None, **kwargs) -> AsyncIterator[Chunk]:
         """Yield Chunks as tokens come. Keyword arguments: messages, max_tokens, temperature,
@@ -414,6 +404,31 @@ class Session:
         async for c in self._stream(prompt, **kwargs):
             if not isinstance(c, int):
                 yield c
+
+    async def act(self, *, messages: list[dict], tools: Sequence[Any], tool_choice: Any = None, max_rounds: int = 8,
+                  tool_timeout: float | None = None, **kwargs) -> Completion:
+        """Run the tool loop: generate; when the model calls tools, call them and feed their
+        results back (an assistant turn with tool_calls, then role "tool" turns), until it
+        answers in text or after max_rounds generations. tools: callables (sync ones run in a
+        worker thread; their schema from type hints and docstring), hearthlm.act.tool(...)
+        (a timeout per tool, a spec given) or (OpenAI function spec, callable) pairs, or an
+        MCP server's (hearthlm.mcp). tool_choice applies to the first round, later ones are
+        "auto". A failing tool (raises, times out after tool_timeout s, returns what JSON
+        cannot hold, gets arguments that do not fit) is reported to the model as an error
+        result, never raised. Returns the last round's Completion with .messages the whole
+        exchange; its finish_reason is "max_rounds" when the model still called tools in
+        the last round (their results are then the last messages: pass .messages to act
+        again to go on). Other keyword arguments as `stream`, for every round."""
+        return await _act.act(self, messages=messages, tools=tools, tool_choice=tool_choice, max_rounds=max_rounds,
+                              tool_timeout=tool_timeout, **kwargs)
+
+    def act_stream(self, *, messages: list[dict], tools: Sequence[Any], tool_choice: Any = None, max_rounds: int = 8,
+                   tool_timeout: float | None = None, **kwargs) -> AsyncIterator[_act.Event]:
+        """`act` as events, in order: TextDelta (answer or thinking text as it comes), then per
+        round with calls: ToolCall for each, ToolResult for each (in the calls' order), and
+        last Done with the final Completion (hearthlm.act's event classes)."""
+        return _act.act_stream(self, messages=messages, tools=tools, tool_choice=tool_choice, max_rounds=max_rounds,
+                               tool_timeout=tool_timeout, **kwargs)
 
     async def score(self, prompt: str | Sequence[int]) -> np.ndarray:
         """The log-probability of each prompt token after the first, given those before it

@@ -38,6 +38,10 @@ class SyncSession:
     def generate_n(self, prompt=None, *, n: int, **kwargs: Any) -> list[Completion]:
         return self._portal.call(partial(self.session.generate_n, prompt, n=n, **kwargs))
 
+    def act(self, **kwargs: Any) -> Completion:
+        """Session.act (callables as tools; sync ones run in the portal's worker threads)."""
+        return self._portal.call(partial(self.session.act, **kwargs))
+
     def score(self, prompt):
         return self._portal.call(self.session.score, prompt)
 

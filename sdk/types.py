@@ -29,6 +29,7 @@ class Completion:
     text: str
     token_ids: list[int]
     finish_reason: str              # "stop" (EOS, stop token or stop string) | "length" | "tool_calls"
+    #                                 | "max_rounds" (Session.act: still calling tools when its rounds ran out)
     prompt_tokens: int = 0
     top_logprobs: list[TopLogprobs] | None = field(default=None)
     # OpenAI-shaped: [{"id", "type": "function", "function": {"name", "arguments": JSON str}}];
@@ -37,3 +38,4 @@ class Completion:
     reasoning: str = ""             # the thinking, apart from `text` (templates that think)
     prompt_logprobs: list[PromptLogprob] | None = None  # generate(..., prompt_logprobs=k)
     stop_sequence: str | None = None  # the stop string that ended it, if one did
+    messages: list[dict] | None = None  # Session.act: the whole exchange (input, calls, tool results, answer)
