@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import ctypes
 import mmap
-import weakref
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -68,12 +67,11 @@ class StackedWeight(QWeight):
         return sum(w.nbytes for w in self.parts)
 
 
-_stacked: "weakref.WeakKeyDictionary[QWeight, dict]" = weakref.WeakKeyDictionary()
-
-
 def stacked_weight(ws: list[QWeight]) -> QWeight:
     """One weight holding the rows of `ws` in order (made once per tuple of weights)."""
-    per_first = _stacked.setdefault(ws[0], {})
+    # kept on the first weight: a cycle freed with the model (a WeakKeyDictionary's value holding
+    # its key, as the stack does, kept every model's weights and file mapping for ever)
+    per_first = ws[0].__dict__.setdefault("_stacks", {})
     key = tuple(id(w) for w in ws)
     if key not in per_first:
         per_first[key] = StackedWeight(tuple(ws))

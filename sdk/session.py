@@ -2,6 +2,8 @@
 async streams. Works under asyncio and trio (anyio)."""
 from __future__ import annotations
 
+import ctypes
+import gc
 import math
 import threading
 from contextlib import asynccontextmanager
@@ -168,6 +170,7 @@ class Session:
         for f in (self._draft_file, self.vision):
             if f is not None:
                 f.close()
+        _give_back()
 
     # ---- text ------------------------------------------------------------------------
     @property
@@ -703,3 +706,13 @@ def _check_template_kwargs(kw, messages) -> dict | None:
 
 def _no_token(tok: int, lp) -> None:  # embedding requests sample nothing
     raise AssertionError("an embedding request got a token")
+
+
+def _give_back() -> None:
+    """What a closed session held goes back to the system: its arrays sit in reference cycles
+    (the engine's), and glibc keeps freed heap pages unless asked to return them."""
+    gc.collect()
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
