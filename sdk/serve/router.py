@@ -364,9 +364,10 @@ def _router(request: Request) -> Router:
 
 
 def build_router_app(folder: str | Path, *, max_loaded: int | None = None, idle_unload: float | None = None,
-                     options: SessionOptions | None = None, **app_args: Any) -> FastAPI:
+                     options: SessionOptions | None = None, api_key: str | None = None,
+                     max_body_bytes: int | None = None) -> FastAPI:
     """An app serving the models of `folder`, each opened with `options` when a request names it."""
-    from hearthlm.serve.app import _make
+    from hearthlm.serve.app import MAX_BODY_BYTES, _make
     router = Router(folder, options=options or SessionOptions(), max_loaded=max_loaded, idle_unload=idle_unload)
 
     @asynccontextmanager
@@ -378,4 +379,4 @@ def build_router_app(folder: str | Path, *, max_loaded: int | None = None, idle_
             router.closing = True
             reaper.cancel()
             await router.close_all()
-    return _make(router, lifespan, **app_args)
+    return _make(router, lifespan, api_key, max_body_bytes or MAX_BODY_BYTES)
