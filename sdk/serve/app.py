@@ -16,7 +16,6 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from hearthlm.core.errors import HearthError
 from hearthlm.options import SessionOptions, takes_options
 from hearthlm.serve import ollama, openai, rerank
-from hearthlm.serve import router as model_router
 from hearthlm.serve.common import AUTH, APIError, ClientGone, Host, host_of, key_digest, status_of
 from hearthlm.serve.metrics import Metrics
 from hearthlm.serve.page import add_chat_page
@@ -59,8 +58,8 @@ def create_app(sessions: Mapping[str, Session], *, api_key: str | None = None,
 def _make(host: Host, lifespan, api_key: str | None, max_body_bytes: int) -> FastAPI:
     app = FastAPI(title="hearthlm", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.host, app.state.metrics, app.state.key_digest = host, Metrics(host), key_digest(api_key)
-    if isinstance(host, model_router.Router):  # added first, so inside BodyLimit: bodies come bounded
-        app.add_middleware(model_router.Leases)
+    for middleware in host.middleware:  # added first, so inside BodyLimit: bodies come bounded
+        app.add_middleware(middleware)
     app.add_middleware(BodyLimit, limit=max_body_bytes)
     app.add_middleware(ollama.OllamaErrors)  # outside BodyLimit: a 413 under /api/ leaves in Ollama's shape too
     for kind, handler in ((APIError, _api_error), (HearthError, _hearth_error), (ClientGone, _gone),
@@ -69,7 +68,8 @@ def _make(host: Host, lifespan, api_key: str | None, max_body_bytes: int) -> Fas
     app.include_router(_ops)
     app.include_router(openai.router, dependencies=AUTH)
     app.include_router(rerank.router, dependencies=AUTH)
-    app.include_router(model_router.routes)
+    for extra in host.routers:  # serve.router's /models/load and /models/unload
+        app.include_router(extra)
     add_chat_page(app)
     app.include_router(ollama.router)  # its routes name their dependencies (/api/version needs no key)
     return app

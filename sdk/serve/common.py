@@ -40,6 +40,8 @@ def status_of(e: HearthError) -> tuple[int, str | None]:
 
 class Host:
     """The served sessions by model name, and whether the app is shutting down."""
+    middleware: tuple = ()  # a Host variant's own ASGI middleware and routers (serve.router's)
+    routers: tuple = ()
 
     def __init__(self) -> None:
         self.sessions: dict[str, Session] = {}

@@ -24,6 +24,7 @@ from hearthlm.core.errors import HearthError
 from hearthlm.model_zoo.gguf_file import GGUFFile
 from hearthlm.model_zoo.resolve import is_mmproj
 from hearthlm.options import SessionOptions
+from hearthlm.serve.app import MAX_BODY_BYTES, _make
 from hearthlm.serve.common import AUTH, APIError, Host, check_key, host_of, status_of
 from hearthlm.serve.protocol import error_json
 from hearthlm.session import Session
@@ -134,6 +135,7 @@ class Router(Host):
         if max_loaded is not None and max_loaded < 1:
             raise HearthError(f"--max-loaded must be 1 or more, got {max_loaded}")
         self.options, self.max_loaded, self.idle_unload = options, max_loaded, idle_unload
+        self.middleware, self.routers = (Leases,), (routes,)  # what the app adds for it
         self._lock = asyncio.Lock()  # one load or unload at a time; waiters for the same model share its load
         self._tasks: set[asyncio.Task] = set()
 
@@ -357,17 +359,13 @@ async def models(request: Request):
 
 
 def _router(request: Request) -> Router:
-    host = host_of(request)
-    if not isinstance(host, Router):
-        raise APIError(404, "this server serves fixed models (start it with --models-dir to load and unload)")
-    return host
+    return host_of(request)  # these routes are the Router's own: no other Host has them
 
 
 def build_router_app(folder: str | Path, *, max_loaded: int | None = None, idle_unload: float | None = None,
                      options: SessionOptions | None = None, api_key: str | None = None,
                      max_body_bytes: int | None = None) -> FastAPI:
     """An app serving the models of `folder`, each opened with `options` when a request names it."""
-    from hearthlm.serve.app import MAX_BODY_BYTES, _make
     router = Router(folder, options=options or SessionOptions(), max_loaded=max_loaded, idle_unload=idle_unload)
 
     @asynccontextmanager
