@@ -137,7 +137,6 @@ class Router(Host):
         self.options, self.max_loaded, self.idle_unload = options, max_loaded, idle_unload
         self.middleware, self.routers = (Leases,), (routes,)  # what the app adds for it
         self._lock = asyncio.Lock()  # one load or unload at a time; waiters for the same model share its load
-        self._tasks: set[asyncio.Task] = set()
 
     # ---- what the API routers read ----------------------------------------------------------
     def names(self) -> list[str]:
@@ -188,9 +187,7 @@ class Router(Host):
     def release(self, name: str) -> None:
         slot = self.slots[name]
         slot.users -= 1
-        slot.last = time.monotonic()
-        if slot.users == 0 and self._keep(slot) == 0:
-            self._spawn(self.unload(name, only_idle=True))
+        slot.last = time.monotonic()  # the reaper unloads it once idle its keep time (0: at once)
 
     async def unload(self, name: str, *, only_idle: bool = False) -> bool:
         """Unload `name` once its requests finish (only_idle: only if it is still idle then)."""
@@ -249,11 +246,6 @@ class Router(Host):
         keep = self._keep(slot)
         return keep is not None and time.monotonic() - slot.last >= keep
 
-    def _spawn(self, coro) -> None:
-        t = asyncio.get_running_loop().create_task(coro)
-        self._tasks.add(t)
-        t.add_done_callback(self._tasks.discard)
-
     async def reap(self) -> None:
         """Unload the models idle longer than their keep time; runs while the app does."""
         while True:
@@ -263,8 +255,6 @@ class Router(Host):
                     await self.unload(name, only_idle=True)
 
     async def close_all(self) -> None:
-        for t in list(self._tasks):
-            t.cancel()
         for name in list(self.sessions):
             async with self._lock:
                 if self.slots[name].session is not None:
