@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ctypes
 import mmap
+import weakref
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -67,12 +68,16 @@ class StackedWeight(QWeight):
         return sum(w.nbytes for w in self.parts)
 
 
+# held weakly: whoever packs a stack keeps it. (A WeakKeyDictionary on the first weight, its value
+# holding that key, kept every model's weights and file mapping for ever.) The parts' ids are a safe
+# key: a live stack holds its parts, so their ids are not reused while its entry lasts.
+_stacked: "weakref.WeakValueDictionary[tuple[int, ...], StackedWeight]" = weakref.WeakValueDictionary()
+
+
 def stacked_weight(ws: list[QWeight]) -> QWeight:
     """One weight holding the rows of `ws` in order (made once per tuple of weights)."""
-    # kept on the first weight: a cycle freed with the model (a WeakKeyDictionary's value holding
-    # its key, as the stack does, kept every model's weights and file mapping for ever)
-    per_first = ws[0].__dict__.setdefault("_stacks", {})
     key = tuple(id(w) for w in ws)
-    if key not in per_first:
-        per_first[key] = StackedWeight(tuple(ws))
-    return per_first[key]
+    got = _stacked.get(key)
+    if got is None:
+        got = _stacked[key] = StackedWeight(tuple(ws))
+    return got

@@ -3,7 +3,6 @@ async streams. Works under asyncio and trio (anyio)."""
 from __future__ import annotations
 
 import ctypes
-import gc
 import math
 import threading
 from contextlib import asynccontextmanager
@@ -709,10 +708,13 @@ def _no_token(tok: int, lp) -> None:  # embedding requests sample nothing
 
 
 def _give_back() -> None:
-    """What a closed session held goes back to the system: its arrays sit in reference cycles
-    (the engine's), and glibc keeps freed heap pages unless asked to return them."""
-    gc.collect()
-    try:
-        ctypes.CDLL(None).malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc
-        pass
+    """The heap pages a closed session freed go back to the system (glibc keeps them otherwise)."""
+    trim = getattr(_libc, "malloc_trim", None)  # glibc only
+    if trim is not None:
+        trim(0)
+
+
+try:
+    _libc = ctypes.CDLL(None)
+except OSError:
+    _libc = None
