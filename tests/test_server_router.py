@@ -204,3 +204,29 @@ def test_close_gives_memory_back(qwen2_path):
     assert m["during"] > m["before"] + 300 * 2**20, m  # the model was there to give back
     assert m["held"] == [], m["held"]
     assert m["after"] <= 1.1 * m["before"], {k: v >> 20 for k, v in m.items() if k != "held"}
+
+
+FREED_SCRIPT = """
+import asyncio, gc, sys, weakref
+from hearthlm import Session
+
+async def main(path):
+    gc.collect()
+    gc.disable()
+    async with Session.open(path, n_ctx=128) as s:
+        await s.generate("hi", max_tokens=2)
+        refs = [weakref.ref(x) for x in (s, s.engine, s.engine.memory, s.engine.memory.kv)]
+    del s
+    print([r() is None for r in refs])
+asyncio.run(main(sys.argv[1]))
+"""
+
+
+def test_closed_session_freed_without_gc(tmp_path):
+    """A closed session, its engine and KV cache go when the last reference does, not at some later
+    gc pass (a fresh process: pytest's log capture holds records). Mutation: the KV allocator's
+    on_drop as the bound method SequenceMemory._drop_snapshot (a cycle) fails it."""
+    path = write_tiny(tmp_path / "t.gguf")
+    out = subprocess.run([sys.executable, "-c", FREED_SCRIPT, str(path)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "[True, True, True, True]"
