@@ -5,6 +5,7 @@ for one that does not fit; and Session.close giving the memory back. Through the
 `openai` and `ollama` clients against a live server over a folder of two tiny models."""
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 import sys
@@ -153,6 +154,24 @@ async def test_refused_when_it_does_not_fit(folder, monkeypatch):
         assert r.status_code == 503 and "needs about" in r.json()["error"]
     assert app.state.host.sessions == {}
 
+
+
+async def test_concurrent_requests_share_one_load(folder, monkeypatch):
+    """Three requests at once for a model not loaded: one Session.open, all three answered.
+    Mutation: _load without the under-the-lock check that the model is still unloaded fails it."""
+    opened = []
+    real_open = model_router.Session.open
+
+    def counting(model, **kw):
+        opened.append(model)
+        return real_open(model, **kw)
+    monkeypatch.setattr(model_router.Session, "open", counting)
+    app = model_router.build_router_app(folder)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:
+        client = openai.AsyncOpenAI(base_url="http://t/v1", api_key="none", http_client=http, max_retries=0)
+        rs = await asyncio.gather(*(client.completions.create(model="a", prompt="hi", max_tokens=2) for _ in range(3)))
+        assert [len(r.choices) for r in rs] == [1, 1, 1] and opened == [str(folder / "a.gguf")]
+        await app.state.host.close_all()
 
 def test_split_and_mmproj_files_scanned_as_models(tmp_path):
     """A split model is one entry, by its name without the part suffix; mmproj files are none.
