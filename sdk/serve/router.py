@@ -7,10 +7,12 @@ is sent, so that an eviction (--max-loaded, least recently used first), an idle 
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import math
 import re
 import time
+import weakref
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -230,9 +232,13 @@ class Router(Host):
         try:
             while slot.users:  # a stream in flight is never cut
                 await asyncio.sleep(0.02)
+            gone = weakref.ref(slot.session)
             closer, slot.session, slot.closer = slot.closer, None, None
             self.sessions.pop(name, None)
             await closer.__aexit__(None, None, None)
+            del closer
+            if gone() is not None:  # held by a cycle (a caught exception's frames): freed now, not at some later gc
+                gc.collect()
         finally:
             slot.leaving = False
 
