@@ -59,7 +59,7 @@ def test_listed_before_loading(server):
 
 def test_load_on_request_and_keep_alive_0(server):
     """A request loads its model; keep_alive=0 unloads it once the request ends.
-    Mutation: release() not unloading at keep 0 fails it."""
+    Mutation: acquire() not recording the request's keep_alive (slot.keep) fails it."""
     c = ollama.Client(host=server)
     r = c.generate(model="a", prompt="hi", options={"num_predict": 4})
     assert r.done and loaded(server) == ["a"]
