@@ -68,13 +68,16 @@ class StackedWeight(QWeight):
         return sum(w.nbytes for w in self.parts)
 
 
-_stacked: "weakref.WeakKeyDictionary[QWeight, dict]" = weakref.WeakKeyDictionary()
+# held weakly: whoever packs a stack keeps it. (A WeakKeyDictionary on the first weight, its value
+# holding that key, kept every model's weights and file mapping for ever.) The parts' ids are a safe
+# key: a live stack holds its parts, so their ids are not reused while its entry lasts.
+_stacked: "weakref.WeakValueDictionary[tuple[int, ...], StackedWeight]" = weakref.WeakValueDictionary()
 
 
 def stacked_weight(ws: list[QWeight]) -> QWeight:
     """One weight holding the rows of `ws` in order (made once per tuple of weights)."""
-    per_first = _stacked.setdefault(ws[0], {})
     key = tuple(id(w) for w in ws)
-    if key not in per_first:
-        per_first[key] = StackedWeight(tuple(ws))
-    return per_first[key]
+    got = _stacked.get(key)
+    if got is None:
+        got = _stacked[key] = StackedWeight(tuple(ws))
+    return got

@@ -11,6 +11,7 @@ goes first) and dropped with the KV block it ends at (vLLM's hybrid cache manage
 llama_memory_hybrid). Anything else is recomputed."""
 from __future__ import annotations
 
+import weakref
 from collections import OrderedDict
 from typing import Any
 
@@ -83,7 +84,7 @@ class SequenceMemory:
         if None in self._snap_free:
             raise ValueError(f"{n_snapshots} snapshots do not fit {state.n_slots} state slots")
         self.n_snapshots = len(self._snap_free)
-        kv.allocator.on_drop = self._drop_snapshot
+        kv.allocator.on_drop = _weakly(self._drop_snapshot)  # no cycle: the KV arrays go when the engine does
         self.reused_tokens = 0  # prompt tokens taken from the prefix cache instead of computed
         self.snapshots_taken = 0
 
@@ -292,3 +293,14 @@ class SequenceMemory:
         slot = self._snaps.pop(h, None)
         if slot is not None:
             self._snap_free.append(slot)
+
+
+def _weakly(method):
+    """A bound method that does not keep its object alive (a no-op once it is gone)."""
+    ref = weakref.WeakMethod(method)
+
+    def call(*args):
+        m = ref()
+        if m is not None:
+            m(*args)
+    return call

@@ -2,6 +2,7 @@
 async streams. Works under asyncio and trio (anyio)."""
 from __future__ import annotations
 
+import ctypes
 import math
 import threading
 from contextlib import asynccontextmanager
@@ -164,11 +165,12 @@ class Session:
         if self._closed:
             return
         self._closed = True
-        await anyio.to_thread.run_sync(lambda: self.engine.close(abort=abort))
+        await anyio.to_thread.run_sync(_closer(self.engine, abort))
         self.model.close()
         for f in (self._draft_file, self.vision):
             if f is not None:
                 f.close()
+        _give_back()
 
     # ---- text ------------------------------------------------------------------------
     @property
@@ -740,3 +742,26 @@ def _check_template_kwargs(kw, messages) -> dict | None:
 
 def _no_token(tok: int, lp) -> None:  # embedding requests sample nothing
     raise AssertionError("an embedding request got a token")
+
+
+def _closer(engine, abort: bool):
+    """engine.close as a job for a worker thread that holds neither the engine nor the session
+    once it has run (a worker keeps its last job until it takes the next)."""
+    box = [engine]
+
+    def close() -> None:
+        box.pop().close(abort=abort)
+    return close
+
+
+def _give_back() -> None:
+    """The heap pages a closed session freed go back to the system (glibc keeps them otherwise)."""
+    trim = getattr(_libc, "malloc_trim", None)  # glibc only
+    if trim is not None:
+        trim(0)
+
+
+try:
+    _libc = ctypes.CDLL(None)
+except OSError:
+    _libc = None

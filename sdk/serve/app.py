@@ -58,6 +58,8 @@ def create_app(sessions: Mapping[str, Session], *, api_key: str | None = None,
 def _make(host: Host, lifespan, api_key: str | None, max_body_bytes: int) -> FastAPI:
     app = FastAPI(title="hearthlm", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.host, app.state.metrics, app.state.key_digest = host, Metrics(host), key_digest(api_key)
+    for middleware in host.middleware:  # added first, so inside BodyLimit: bodies come bounded
+        app.add_middleware(middleware)
     app.add_middleware(BodyLimit, limit=max_body_bytes)
     app.add_middleware(ollama.OllamaErrors)  # outside BodyLimit: a 413 under /api/ leaves in Ollama's shape too
     app.add_middleware(messages.AnthropicErrors)  # and one under /v1/messages in Anthropic's
@@ -69,6 +71,8 @@ def _make(host: Host, lifespan, api_key: str | None, max_body_bytes: int) -> Fas
     app.include_router(rerank.router, dependencies=AUTH)
     app.include_router(messages.router, dependencies=AUTH)
     app.include_router(responses.router, dependencies=AUTH)
+    for extra in host.routers:  # serve.router's /models/load and /models/unload
+        app.include_router(extra)
     add_chat_page(app)
     app.include_router(ollama.router)  # its routes name their dependencies (/api/version needs no key)
     return app
@@ -113,7 +117,7 @@ _ops = APIRouter()
 async def health(request: Request):
     host = host_of(request)
     bad = {n: s.health() for n, s in host.sessions.items() if not s.health()["ok"]}
-    if host.closing or bad or not host.sessions:
+    if host.closing or bad or not host.names():
         return JSONResponse({"status": "unavailable", "models": bad}, status_code=503)
     return {"status": "ok"}
 

@@ -41,6 +41,8 @@ def status_of(e: HearthError) -> tuple[int, str | None]:
 
 class Host:
     """The served sessions by model name, and whether the app is shutting down."""
+    middleware: tuple = ()  # a Host variant's own ASGI middleware and routers (serve.router's)
+    routers: tuple = ()
 
     def __init__(self) -> None:
         self.sessions: dict[str, Session] = {}
@@ -55,6 +57,19 @@ class Host:
         if s is None:
             raise APIError(404, f"the model {name!r} does not exist; served: {sorted(self.sessions)}", "model_not_found")
         return s
+
+    # what the listings read; serve.router's Router (models loaded on demand) says more
+    def names(self) -> list[str]:
+        return list(self.sessions)
+
+    def describe(self, name: str) -> Any:
+        return self.sessions[name]
+
+    def expires_at(self, name: str) -> float | None:  # None: while the server runs
+        return None
+
+    def size(self, name: str) -> int | None:  # None: the file's size
+        return None
 
 
 def host_of(request: Request) -> Host:

@@ -202,13 +202,20 @@ async def embeddings(body: EmbeddingsBody, request: Request):
 
 @router.get("/api/tags", dependencies=AUTH)
 async def tags(request: Request):
-    return dict(models=[_card(request, n, s) for n, s in host_of(request).sessions.items()])
+    host = host_of(request)
+    return dict(models=[_card(request, n, host.describe(n)) for n in host.names()])
 
 
 @router.get("/api/ps", dependencies=AUTH)
 async def ps(request: Request):
-    return dict(models=[dict(_card(request, n, s), expires_at=NEVER, size_vram=0, context_length=s.n_ctx)
-                        for n, s in host_of(request).sessions.items()])
+    host = host_of(request)
+
+    def until(n: str) -> str:
+        t = host.expires_at(n)
+        return NEVER if t is None else _iso(t)
+    return dict(models=[dict(_card(request, n, s), expires_at=until(n), size_vram=0, context_length=s.n_ctx,
+                             **({"size": host.size(n)} if host.size(n) else {}))
+                        for n, s in list(host.sessions.items())])
 
 
 @router.post("/api/show", dependencies=AUTH)

@@ -36,12 +36,13 @@ def _model_card(name: str) -> dict[str, Any]:
 
 @router.get("/v1/models")
 async def list_models(request: Request):
-    return {"object": "list", "data": [_model_card(n) for n in host_of(request).sessions]}
+    return {"object": "list", "data": [_model_card(n) for n in host_of(request).names()]}
 
 
 @router.get("/v1/models/{name:path}")
 async def get_model(name: str, request: Request):
-    host_of(request).get(name)
+    if name not in host_of(request).names():
+        host_of(request).get(name)  # the 404
     return _model_card(name)
 
 
