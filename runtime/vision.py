@@ -22,6 +22,7 @@ from hearthlm.runtime.vision_walk import RATE_GUESS, ROW_SOURCES, Walk
 MAX_IMAGES_PER_GRAPH = 8  # images of one size encoded in one graph at most (its scratch grows with them)
 SLICE_S = 0.05  # beside other work, a turn of the tower runs about this long
 SHARE_AFTER = 1.5  # ... once the other work has run this many times as long since the last turn (decoding: 60%)
+ALONE_TURN_S = 1.0  # with nothing else to do, turns this long: kernels whole, and news (an abort, a request) heard
 
 
 @dataclass(frozen=True)
@@ -131,14 +132,15 @@ class VisionEncoder:
         requests (of `running`) have work, a turn of about slice_s runs only once the forward passes
         since the last turn (`since_s`) have taken SHARE_AFTER times as long as it did, so decoding
         keeps more than half its pace and waits about slice_s at most; with nothing else to do,
-        encoding runs to the end (and owes nothing after). Returns whether a turn ran."""
+        encoding runs in long turns (ALONE_TURN_S: the engine hears of new requests and aborts between
+        them) and owes nothing after. Returns whether a turn ran."""
         self.want([m for r in requests for m in r.media if m.rows is None])
         live = {id(m) for r in requests for m in r.media}  # a cancelled request's images are not encoded on
         self._jobs = [j for j in self._jobs if any(id(m) in live for ms in j.media.values() for m in ms)]
         others = any(r.n_wanted > 0 and not _waits_for_image(r) for r in running)
         if not self._jobs or others and since_s < SHARE_AFTER * self.last_turn_s:
             return False
-        spent = self.advance(self.slice_s if others else None)
+        spent = self.advance(self.slice_s if others else ALONE_TURN_S)
         self.last_turn_s = spent if others else 0.0
         self.longest_turn_s = max(self.longest_turn_s, self.last_turn_s)
         return True

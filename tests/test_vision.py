@@ -233,11 +233,12 @@ def test_prompts_match_llama_cpp(vision_session, name):
 def test_encoding_takes_its_share_beside_other_work(tower, monkeypatch):
     """take_turn runs a turn of about slice_s only once the forward passes since the last one have
     taken SHARE_AFTER times as long as it did while other requests have work (decoding keeps more
-    than half its pace), and runs to the end (no budget) when nothing else waits. Mutations: a turn
-    every step, or a turn without a budget beside other work, each fail it."""
+    than half its pace), and in long turns (ALONE_TURN_S) when nothing else waits. Mutations: a turn
+    every step, or a turn of ALONE_TURN_S beside other work, each fail it."""
     import time
     from types import SimpleNamespace
 
+    from hearthlm.runtime import vision
     from hearthlm.runtime.vision import SHARE_AFTER
     enc = VisionEncoder(tower, Placement.single(get_backend("cpu"), tower.config.n_layer), slice_s=0.01)
     turns = []
@@ -245,8 +246,6 @@ def test_encoding_takes_its_share_beside_other_work(tower, monkeypatch):
     def run(job, budget_s, first=True):
         turns.append(budget_s)
         time.sleep(budget_s or 0)
-        if budget_s is None:
-            enc._jobs.remove(job)
     monkeypatch.setattr(enc, "_run", run)
     px = _normalized(rgb(REF["images"]["gradient"]["recipe"]), tower)
     waiting = SimpleNamespace(media=[Media(5, 16, b"img", px)], n_computed=5, n_wanted=30)
@@ -257,8 +256,9 @@ def test_encoding_takes_its_share_beside_other_work(tower, monkeypatch):
     assert not enc.take_turn([waiting, decoding], [waiting, decoding], below) and len(turns) == 1  # not yet
     enc.take_turn([waiting, decoding], [waiting, decoding], 1.1 * SHARE_AFTER * enc.last_turn_s)  # the passes since: long enough
     assert len(turns) == 2 and 0 < turns[1] <= 0.01
-    enc.take_turn([waiting], [waiting], 0.0)  # nothing else to do: to the end
-    assert turns[-1] is None and not enc.pending and enc.last_turn_s == 0  # alone: nothing owed after
+    monkeypatch.setattr(vision, "ALONE_TURN_S", 0.03)
+    enc.take_turn([waiting], [waiting], 0.0)  # nothing else to do: a long turn
+    assert 0.02 < turns[-1] <= 0.03 and enc.last_turn_s == 0  # alone: nothing owed after
 
 
 def test_session_refusals():
