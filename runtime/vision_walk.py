@@ -56,21 +56,21 @@ class Walk:
                 return None
             if not self._splits(st):
                 self._done(st, self._step(st))
-            elif left is None and self.row == 0:  # whole, as dispatch.walk runs it (timed: the rate)
-                t = time.perf_counter()
+                at_least_one = False
+                continue
+            n, per_row = st.node.shape[0], flops_per_row(st.node) / rates[st.node.op]
+            rows = n - self.row if left is None else max(MIN_ROWS, int(left / per_row))
+            if left is not None and not at_least_one and rows * per_row > 1.5 * left:  # not even a small block fits
+                return None
+            t, r0, r1 = time.perf_counter(), self.row, min(n, self.row + rows)
+            if r0 == 0 and r1 == n:  # whole, as dispatch.walk runs it
                 self._done(st, self._step(st))
-                self._learn(rates, st.node, st.node.shape[0], time.perf_counter() - t)
             else:
-                n, per_row = st.node.shape[0], flops_per_row(st.node) / rates[st.node.op]
-                rows = n - self.row if left is None else max(MIN_ROWS, int(left / per_row))
-                if not at_least_one and rows * per_row > 1.5 * left:  # not even the smallest block fits
-                    return None
-                t, r1 = time.perf_counter(), min(n, self.row + rows)
-                self._block(st, self.row, r1)
-                self._learn(rates, st.node, r1 - self.row, time.perf_counter() - t)
+                self._block(st, r0, r1)
                 self.row = r1
                 if r1 == n:
                     self._done(st, self.full)
+            self._learn(rates, st.node, r1 - r0, time.perf_counter() - t)
             at_least_one = False
         return [b.to_host(self.vals[j]) for j, b in self.cg.outputs]
 
