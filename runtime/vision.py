@@ -21,7 +21,7 @@ from hearthlm.runtime.vision_walk import RATE_GUESS, ROW_SOURCES, Walk
 
 MAX_IMAGES_PER_GRAPH = 8  # images of one size encoded in one graph at most (its scratch grows with them)
 SLICE_S = 0.05  # beside other work, a turn of the tower runs about this long
-SHARE_AFTER = 1.5  # ... once the other work has run this many times as long since the last turn (decoding: 60%)
+SHARE_AFTER = 2.0  # ... once the other work has run this many times as long since the last turn (decoding: 2/3)
 ALONE_TURN_S = 1.0  # with nothing else to do, turns this long: kernels whole, and news (an abort, a request) heard
 
 
