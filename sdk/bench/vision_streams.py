@@ -81,6 +81,7 @@ def bench_streams(a) -> dict:
             facts["alone"] = await _round(s, n, n_tokens, None)
             facts["beside"] = await _round(s, n, n_tokens, [_image(size, seed) for seed in range(1000)])
             facts["alone_after"] = await _round(s, n, n_tokens, None)  # the machine's drift between the two
+            facts["longest_turn_s"] = s.stats().get("image_longest_turn_s")  # the tower's longest turn beside decoding
     anyio.run(main)
     facts["ratio"] = facts["beside"]["tok_s"] / facts["alone"]["tok_s"]
     facts["host_after"] = host_line()
@@ -97,5 +98,6 @@ def print_streams(f: dict) -> None:
         r = f[k]
         print(f"{label:22}{r['tok_s']:>10.1f}{r['worst_gap_s']:>14.3f}{r['encode_s']:>10.2f}{r['images_encoded']:>8}")
     print(f"ratio (beside / alone): {f['ratio']:.2f}  (tower s: the tower's time during the streams; images: those "
-          "it finished)")
+          "it finished)" + (f"; the tower's longest turn beside them: {f['longest_turn_s']:.3f} s"
+                            if f.get("longest_turn_s") is not None else ""))
     print(f["host_after"].replace("cpu: ", "after: "))
