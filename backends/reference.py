@@ -373,7 +373,8 @@ class ReferenceBackend(Backend):
             # vision towers: in float64 where they multiply
             Op.PATCHIFY: lambda n, img: np.ascontiguousarray(array_ops.patchify(img, n.params["p"]), np.float32),
             Op.ATTN_FULL: lambda n, q, k, v, *seg: array_ops.attn_full(q, k, v, seg[0] if seg else None, np,
-                                                                       scale=n.params["scale"], dtype=np.float64),
+                                                                       scale=n.params["scale"], dtype=np.float64,
+                                                                       rows=n.params.get("rows")),
             Op.POOL_2D: lambda n, x: array_ops.pool_avg_2d(x.astype(np.float64), np, nx=n.params["nx"],
                                                            ny=n.params["ny"], k=n.params["k"]),
             # recurrent state: source 0 (the state cache) is updated in place

@@ -32,31 +32,33 @@ def pool_avg_2d(x, xp, *, nx: int, ny: int, k: int):
     return (g.sum(axis=(2, 4), dtype=xp.float32) / xp.float32(k * k)).reshape(b * oy * ox, e).astype(xp.float32)
 
 
-def attn_full(q, k, v, seg, xp, *, scale: float, dtype=None):
+def attn_full(q, k, v, seg, xp, *, scale: float, dtype=None, rows: tuple[int, int] | None = None):
     """softmax(q k^T * scale) v with no causal mask: each token sees every token of its run of
     equal `seg` values (an image; a window of one) and no other. q (n, H, d), k (n, H_kv, d),
     v (n, H_kv, dv) -> (n, H * dv). `dtype`: the precision of the products (the reference's float64).
+    `rows` (a, b): only query rows a..b, over all their keys -> (b - a, H * dv) (a tower run in turns).
     Computed in blocks of (heads, query rows) whose scores fit a cache on the host (numpy), spread
     over host_threads() threads there (numpy releases the GIL in its products and ufuncs)."""
     n, n_head, d = q.shape
     h_kv, dv = k.shape[1], v.shape[2]
     group = n_head // h_kv
     dt = dtype or xp.float32
-    out = xp.empty((n, n_head, dv), xp.float32)
-    if n == 0:
+    q0, q1 = rows if rows is not None else (0, n)
+    out = xp.empty((q1 - q0, n_head, dv), xp.float32)
+    if q1 == q0:
         return out.reshape(0, n_head * dv)
     cuts = [0] + [int(i) + 1 for i in xp.flatnonzero(seg[1:] != seg[:-1])] + [n] if seg is not None else [0, n]
     host = getattr(xp, "__name__", "") == "numpy"
     budget = HOST_BLOCK_FLOATS if host else ATTN_CHUNK_FLOATS
     blocks = []
     for lo, hi in zip(cuts[:-1], cuts[1:]):
-        m = hi - lo
-        if m == 0:
+        m, q_lo, q_hi = hi - lo, max(lo, q0), min(hi, q1)
+        if q_lo >= q_hi:
             continue
-        rows = min(m, max(1, budget // m))
-        heads = max(1, budget // (rows * m))  # several heads at once where the run is short
-        blocks += [(lo, hi, h0, min(h0 + heads, n_head), r0, min(r0 + rows, hi))
-                   for h0 in range(0, n_head, heads) for r0 in range(lo, hi, rows)]
+        rows_ = min(m, max(1, budget // m))
+        heads = max(1, budget // (rows_ * m))  # several heads at once where the run is short
+        blocks += [(lo, hi, h0, min(h0 + heads, n_head), r0, min(r0 + rows_, q_hi))
+                   for h0 in range(0, n_head, heads) for r0 in range(q_lo, q_hi, rows_)]
 
     def block(b) -> None:
         lo, hi, h0, h1, r0, r1 = b
@@ -69,7 +71,7 @@ def attn_full(q, k, v, seg, xp, *, scale: float, dtype=None):
         s -= s.max(axis=-1, keepdims=True)
         xp.exp(s, out=s)
         # normalized after the product: (r, dv) divisions instead of (r, m)
-        out[r0:r1, h0:h1] = (xp.matmul(s, vv) / s.sum(axis=-1, keepdims=True)).transpose(1, 0, 2)
+        out[r0 - q0:r1 - q0, h0:h1] = (xp.matmul(s, vv) / s.sum(axis=-1, keepdims=True)).transpose(1, 0, 2)
 
     n_threads = min(host_threads(), len(blocks)) if host else 1
     if n_threads > 1:
@@ -79,7 +81,7 @@ def attn_full(q, k, v, seg, xp, *, scale: float, dtype=None):
     else:
         for b in blocks:
             block(b)
-    return out.reshape(n, n_head * dv)
+    return out.reshape(q1 - q0, n_head * dv)
 
 
 def rope_multi(x, pos, xp, *, n_rot: int, base: float, freq_scale: float, neox: bool, comps, freqs=None,

@@ -95,7 +95,7 @@ class ModelRunner:
         runtime.vision.VisionEncoder, where requests bring images."""
         self.placement, self.memory, self.vision = placement, memory, vision
         self.n_embd = getattr(model, "n_embd_inp", model.config.n_embd) if vision is not None else 0  # rows' width
-        self._since_encode = 0.0  # seconds of forward passes since an image's last encoding stage
+        self._since_encode = 0.0  # seconds of forward passes since the vision tower's last turn
         self.causal = getattr(model, "causal", True)
         self.n_pos = getattr(model, "n_pos", 1)  # > 1: M-RoPE, position components fed as "rope_pos"
         self.max_blocks = -(-n_ctx // memory.block_size)  # block-table width at most; bucketed per step
@@ -137,11 +137,12 @@ class ModelRunner:
         return StepOutput(outs[0], outs[1] if shape.embd else None)
 
     def encode_images(self, requests: list, running: list) -> list[tuple[Any, HearthError]]:
-        """A stage of the images `requests` wait for, where it is their turn (VisionEncoder.take_turn:
-        no more time than the forward passes since the last); the requests to fail, with why,
-        where the tower failed."""
+        """A turn of the tower for the images `requests` wait for, where it is theirs (VisionEncoder.take_turn:
+        once the forward passes since the last have taken longer than it); the requests to fail, with
+        why, where the tower failed."""
         try:
-            self._since_encode = -self.vision.take_turn(requests, running, self._since_encode)
+            if self.vision.take_turn(requests, running, self._since_encode):
+                self._since_encode = 0.0
             return []
         except Exception as e:
             log.exception("image encoding failed")

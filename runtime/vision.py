@@ -1,36 +1,36 @@
 """Images through a vision tower (vLLM v1's encoder runner and encoder cache): each request's
 images (`request.Media`) are queued (`want`), those of one preprocessed size together in one
-graph, and encoded a stage (a few layers) at a time by `advance`, which the engine calls with
-the time its share of a step allows, so that decoding streams keep their pace beside a client
-sending images; the rows are kept in a bounded LRU keyed by the image's identity (decoded
-pixels, preprocessing, mmproj), so the same image asked about again is encoded once."""
+graph, which `advance` runs in turns (runtime.vision_walk: stopped between kernels, a big one in
+blocks of rows) of the time the engine's share of a step allows, so that decoding streams keep
+their pace beside a client sending images, and whole when nothing else runs; the rows are kept in
+a bounded LRU keyed by the image's identity (decoded pixels, preprocessing, mmproj), so the same
+image asked about again is encoded once."""
 from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from hearthlm.core import array_ops
-from hearthlm.runtime.dispatch import execute
 from hearthlm.runtime.graph_cache import GraphCache
 from hearthlm.runtime.placement import Placement
+from hearthlm.runtime.vision_walk import RATE_GUESS, ROW_SOURCES, Walk
 
 MAX_IMAGES_PER_GRAPH = 8  # images of one size encoded in one graph at most (its scratch grows with them)
-SLICE_S = 0.05  # a stage of the tower runs about this long (whole layers; at least one)
+SLICE_S = 0.05  # beside other work, a turn of the tower runs about this long
+SHARE_AFTER = 2.0  # ... once the other work has run this many times as long since the last turn (decoding: 2/3)
+ALONE_TURN_S = 1.0  # with nothing else to do, turns this long: kernels whole, and news (an abort, a request) heard
 
 
 @dataclass(frozen=True)
 class ImageBatch:
-    """The shape a tower's graph is built and cached for: images of one preprocessed size, and the
-    stage of the tower (layers lo..hi; hi -1: to the end, then the projector)."""
+    """The shape a tower's graph is built and cached for: images of one preprocessed size."""
     n_images: int
     height: int
     width: int
-    lo: int = 0
-    hi: int = -1
 
 
 class EncoderCache:
@@ -63,22 +63,19 @@ class EncoderCache:
 
 @dataclass(eq=False)
 class _Job:
-    """Images of one size encoded together, a stage at a time: `x` the last stage's output."""
+    """Images of one size encoded together: the tower's graph run part way (`walk`, made at its first turn)."""
     media: dict[bytes, list]  # image key -> the Media waiting for its rows
     pixels: np.ndarray        # (B, 3, H, W)
-    x: np.ndarray | None = None
-    layer: int = 0            # the next stage starts at this layer
-    feed: dict | None = None  # the graph's inputs but "x", made at its first stage
-    columns: list = field(default_factory=list)  # the stages' further outputs: columns appended to the rows
+    walk: Walk | None = None
 
 
 class VisionEncoder:
     def __init__(self, tower: Any, placement: Placement, *, cache_bytes: int = 256 << 20,
                  fusion: bool | None = None, slice_s: float = SLICE_S) -> None:
-        """`tower` provides build_graph(ImageBatch) -> Graph (input "pixels", or a stage's "x";
-        output the rows, or the stage's activations, then any columns to append to the rows),
-        inputs(pixels (B, 3, H, W)) -> the graph's other inputs, and config.n_layer; it runs on
-        `placement`."""
+        """`tower` provides build_graph(ImageBatch) -> Graph (input "pixels"; output the rows, then any
+        columns to append to them), inputs(pixels (B, 3, H, W)) -> the graph's other inputs, and
+        config.n_layer; it runs on `placement`. Beside other work the graph runs in turns of about
+        `slice_s` seconds (a big product in blocks of rows; 0: a block or a small kernel a turn)."""
         self.tower, self.n_layer = tower, tower.config.n_layer
         self.graphs = GraphCache(tower.build_graph, placement, fusion_on=fusion, max_graphs=64)
         # a host backend's threads (all of them for an encode, whatever the last step's tuner chose)
@@ -86,10 +83,11 @@ class VisionEncoder:
         self.cache = EncoderCache(cache_bytes)
         self.slice_s = slice_s
         self._jobs: list[_Job] = []
-        self._layer_s: dict[tuple, float] = {}  # seconds a layer takes, per image batch shape
+        self._rate = {op: RATE_GUESS for op in ROW_SOURCES}  # FLOP/s each row-split op kind last ran at
         self.images_encoded = 0
         self.encode_time_s = 0.0
-        self.last_stage_s = 0.0  # how long the last stage took (the engine's share of time follows it)
+        self.last_turn_s = 0.0  # the last turn beside other work (the engine's share of time follows it)
+        self.longest_turn_s = 0.0  # the longest turn beside other work (what decoding streams wait at most)
 
     def want(self, media: list) -> None:
         """Queue the encoding of `media` (request.Media) that have no rows: rows from the cache at
@@ -117,26 +115,35 @@ class VisionEncoder:
         return bool(self._jobs)
 
     def advance(self, budget_s: float | None = None) -> float:
-        """Run stages of the queued encodings, oldest first, until `budget_s` seconds are spent
-        (at least one stage; None: until none is left). Returns the seconds spent."""
-        t0 = time.perf_counter()
+        """Run the queued encodings, oldest first, for about `budget_s` seconds (a kernel or a block of
+        rows at least; None: to the end, each kernel whole). Returns the seconds spent."""
+        t0, first = time.perf_counter(), True
         while self._jobs:
-            self._stage(self._jobs[0])
-            if budget_s is not None and time.perf_counter() - t0 >= budget_s:
+            left = None if budget_s is None else budget_s - (time.perf_counter() - t0)
+            if left is not None and left <= 0 and not first:
                 break
+            self._run(self._jobs[0], left, first)
+            first = False
         return time.perf_counter() - t0
 
-    def take_turn(self, requests: list, running: list, since_s: float) -> float:
-        """The engine's step: queue the images `requests` wait for, then run a stage where it is
-        their turn. While other requests (of `running`) have work, a stage runs only once the
-        steps since the last one (`since_s`) have taken as long as it did, so decoding keeps at
-        least half its pace; with nothing else to do, encoding runs to the end. Returns the
-        seconds spent, or minus since_s where nothing ran (so the engine's count goes on)."""
+    def take_turn(self, requests: list, running: list, since_s: float) -> bool:
+        """The engine's step: queue the images `requests` wait for (forgetting those none waits for
+        now: a cancelled request's), then run a turn of the tower where it is theirs. While other
+        requests (of `running`) have work, a turn of about slice_s runs only once the forward passes
+        since the last turn (`since_s`) have taken SHARE_AFTER times as long as it did, so decoding
+        keeps more than half its pace and waits about slice_s at most; with nothing else to do,
+        encoding runs in long turns (ALONE_TURN_S: the engine hears of new requests and aborts between
+        them) and owes nothing after. Returns whether a turn ran."""
         self.want([m for r in requests for m in r.media if m.rows is None])
+        live = {id(m) for r in requests for m in r.media}  # a cancelled request's images are not encoded on
+        self._jobs = [j for j in self._jobs if any(id(m) in live for ms in j.media.values() for m in ms)]
         others = any(r.n_wanted > 0 and not _waits_for_image(r) for r in running)
-        if not self._jobs or others and since_s < self.last_stage_s:
-            return -since_s
-        return self.advance(0.0 if others else None)
+        if not self._jobs or others and since_s < SHARE_AFTER * self.last_turn_s:
+            return False
+        spent = self.advance(self.slice_s if others else ALONE_TURN_S)
+        self.last_turn_s = spent if others else 0.0
+        self.longest_turn_s = max(self.longest_turn_s, self.last_turn_s)
+        return True
 
     def drop_all(self, requests: list) -> list:
         """Forget the queued encodings (after a failure); the requests of `requests` that waited on them."""
@@ -153,38 +160,28 @@ class VisionEncoder:
         """Give each of `media` its rows now (cached, or encoded to the end)."""
         self.want(media)
         while any(m.rows is None for m in media):
-            self._stage(self._jobs[0])
+            self._run(self._jobs[0], None)
 
-    def _stage(self, job: _Job) -> None:
-        """The next few layers of `job` (about slice_s seconds' worth), or its last stage."""
+    def _run(self, job: _Job, budget_s: float | None, first: bool = True) -> None:
+        """`job`'s tower for about budget_s seconds (None: to the end), then its rows where it ended."""
         t0 = time.perf_counter()
         b, _, h, w = job.pixels.shape
-        per_layer = self._layer_s.get((b, h, w))
-        n = self.n_layer if per_layer is None and job.layer else 1 if per_layer is None else \
-            max(1, int(self.slice_s / per_layer))
-        hi = min(job.layer + n, self.n_layer)
-        cg = self.graphs.get(ImageBatch(b, h, w, job.layer, -1 if hi == self.n_layer else hi))
-        if job.feed is None:  # the tower's own inputs (positions, a resized table) once per job
-            job.feed = {"pixels": job.pixels, **self.tower.inputs(job.pixels)}
-        feed = dict(job.feed)
-        if job.x is not None:
-            feed["x"] = job.x
+        if job.walk is None:  # the tower's own inputs (positions, a resized table) once per job
+            cg = self.graphs.get(ImageBatch(b, h, w))
+            job.walk = Walk(cg, {"pixels": job.pixels, **self.tower.inputs(job.pixels)}, self.graphs.placement)
         n_threads = max(self._host.thread_counts()) if self._host is not None else 1
         if self._host is not None:
             self._host.use_threads(n_threads)
         with array_ops.using_host_threads(n_threads):  # attention's blocks over the same threads
-            out, *columns = execute(cg, feed, _no_cache)
-        job.columns += columns
-        dt = self.last_stage_s = time.perf_counter() - t0
-        if job.layer == 0 and hi < self.n_layer:  # the first stage times a layer (its patch embedding too)
-            self._layer_s[(b, h, w)] = dt / (hi - job.layer)
-        job.x, job.layer = out, hi
+            outs = job.walk.run(budget_s, self._rate, first)
+        dt = time.perf_counter() - t0
         self.encode_time_s += dt
-        if hi < self.n_layer:
+        if outs is None:
             return
         self._jobs.remove(job)
-        if job.columns:  # the rows, then what earlier layers computed for them (Qwen3-VL's deepstack)
-            out = np.concatenate([out, *job.columns], axis=1)
+        out, *columns = outs
+        if columns:  # the rows, then what earlier layers computed for them (Qwen3-VL's deepstack)
+            out = np.concatenate([out, *columns], axis=1)
         per = out.reshape(b, -1, out.shape[-1])
         for (key, ms), rows in zip(job.media.items(), per):
             if rows.shape[0] != ms[0].n:
@@ -198,7 +195,8 @@ class VisionEncoder:
     def stats(self) -> dict[str, Any]:
         return dict(images_encoded=self.images_encoded, image_encode_time_s=self.encode_time_s,
                     image_cache_bytes=self.cache.nbytes, image_cache_hits=self.cache.hits,
-                    image_cache_misses=self.cache.misses, images_queued=sum(len(j.media) for j in self._jobs))
+                    image_cache_misses=self.cache.misses, images_queued=sum(len(j.media) for j in self._jobs),
+                    image_longest_turn_s=self.longest_turn_s)
 
 
 def _waits_for_image(r) -> bool:
@@ -206,5 +204,3 @@ def _waits_for_image(r) -> bool:
     return any(m.rows is None and m.start <= r.n_computed < m.end for m in r.media)
 
 
-def _no_cache(node):
-    raise AssertionError(f"a vision tower reads no cache ({node.label})")

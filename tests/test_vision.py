@@ -230,26 +230,35 @@ def test_prompts_match_llama_cpp(vision_session, name):
     assert why is None, why
 
 
-def test_encoding_takes_at_most_half_the_time_beside_other_work(tower, monkeypatch):
-    """take_turn runs a stage only once the forward passes since the last one have taken as long
-    as it did while other requests have work (decoding keeps half its pace), and everything at
-    once when nothing else waits. Mutation: running a stage every step fails the first part."""
+def test_encoding_takes_its_share_beside_other_work(tower, monkeypatch):
+    """take_turn runs a turn of about slice_s only once the forward passes since the last one have
+    taken SHARE_AFTER times as long as it did while other requests have work (decoding keeps more
+    than half its pace), and in long turns (ALONE_TURN_S) when nothing else waits. Mutations: a turn
+    every step, or a turn of ALONE_TURN_S beside other work, each fail it."""
+    import time
     from types import SimpleNamespace
-    enc = VisionEncoder(tower, Placement.single(get_backend("cpu"), tower.config.n_layer))
-    stages = []
-    monkeypatch.setattr(enc, "_stage", lambda job: (stages.append(job), setattr(enc, "last_stage_s", 0.5),
-                                                    job.__setattr__("layer", job.layer + 1),
-                                                    enc._jobs.remove(job) if job.layer >= 4 else None))
+
+    from hearthlm.runtime import vision
+    from hearthlm.runtime.vision import SHARE_AFTER
+    enc = VisionEncoder(tower, Placement.single(get_backend("cpu"), tower.config.n_layer), slice_s=0.01)
+    turns = []
+
+    def run(job, budget_s, first=True):
+        turns.append(budget_s)
+        time.sleep(budget_s or 0)
+    monkeypatch.setattr(enc, "_run", run)
     px = _normalized(rgb(REF["images"]["gradient"]["recipe"]), tower)
     waiting = SimpleNamespace(media=[Media(5, 16, b"img", px)], n_computed=5, n_wanted=30)
     decoding = SimpleNamespace(media=[], n_computed=40, n_wanted=1)
-    spent = enc.take_turn([waiting, decoding], [waiting, decoding], 0.0)  # the first stage: at once
-    assert len(stages) == 1 and spent >= 0
-    assert enc.take_turn([waiting, decoding], [waiting, decoding], 0.2) == -0.2 and len(stages) == 1  # not yet
-    enc.take_turn([waiting, decoding], [waiting, decoding], 0.6)  # the passes since took longer than it
-    assert len(stages) == 2
-    enc.take_turn([waiting], [waiting], 0.0)  # nothing else to do: to the end
-    assert len(stages) == 4 and not enc.pending
+    assert enc.take_turn([waiting, decoding], [waiting, decoding], 0.0)  # the first turn: at once, on a budget
+    assert len(turns) == 1 and 0 < turns[0] <= 0.01 and enc.last_turn_s >= 0.01
+    below = 0.9 * SHARE_AFTER * enc.last_turn_s
+    assert not enc.take_turn([waiting, decoding], [waiting, decoding], below) and len(turns) == 1  # not yet
+    enc.take_turn([waiting, decoding], [waiting, decoding], 1.1 * SHARE_AFTER * enc.last_turn_s)  # the passes since: long enough
+    assert len(turns) == 2 and 0 < turns[1] <= 0.01
+    monkeypatch.setattr(vision, "ALONE_TURN_S", 0.03)
+    enc.take_turn([waiting], [waiting], 0.0)  # nothing else to do: a long turn
+    assert 0.02 < turns[-1] <= 0.03 and enc.last_turn_s == 0  # alone: nothing owed after
 
 
 def test_session_refusals():

@@ -67,8 +67,8 @@ def _prepared(vm, name: str, ref=REF):
 def test_tower_rows_match_llama_cpp(towers, backend, fam, name):
     """Each image through the tower gives llama.cpp's rows: the gradient (64x64: 16x16 patches, the 8x8 position
     table resized), the noise (32x32: the table at its own size) and the wide one (44x26 resized to 48x24: a
-    12x6 grid); Qwen3-VL's rows with its two deepstack layers' columns after the merger's, the tower run a layer
-    a stage (the columns carried between stages). Mutations: patches in row-major order (no 2x2 blocks), the
+    12x6 grid); Qwen3-VL's rows with its two deepstack layers' columns after the merger's, the tower run in
+    turns of a block or a kernel (the columns carried between turns). Mutations: patches in row-major order (no 2x2 blocks), the
     table resized without aligned corners, the RoPE turning every pair by the row, the second temporal kernel
     left out (qwen3vlmoe's rows too), or a deepstack column taken before its layer's FFN, each fail it."""
     ref, vm = FAMILIES[fam][2], towers[fam]
@@ -76,7 +76,9 @@ def test_tower_rows_match_llama_cpp(towers, backend, fam, name):
     pixels, n, key = _prepared(vm, name, ref)
     enc = VisionEncoder(vm, Placement.single(get_backend(backend), vm.config.n_layer), slice_s=0.0)
     m = Media(0, n, key, pixels)
-    enc.fill([m])
+    enc.want([m])
+    while enc.pending:  # turns of one block of rows or one small kernel: the tower stopped everywhere
+        enc.advance(1e-12)
     want = np.asarray(img["rows"], np.float32)
     assert m.rows.shape == want.shape == tuple(img["shape"])
     e = FAMILIES[fam][2]["n_embd"] // (1 + len(vm.pconfig.deepstack))

@@ -44,7 +44,9 @@ def _prepared(vm, name: str):
 
 def _encode(vm, backend: str, *media):
     enc = VisionEncoder(vm, Placement.single(get_backend(backend), vm.config.n_layer), slice_s=0.0)
-    enc.fill(list(media))
+    enc.want(list(media))
+    while enc.pending:  # turns of one block of rows or one small kernel: the tower stopped everywhere
+        enc.advance(1e-12)
     return enc
 
 
@@ -53,7 +55,7 @@ def _encode(vm, backend: str, *media):
 def test_tower_rows_match_llama_cpp(tower, backend, name):
     """Each image through the tower gives llama.cpp's rows: the gradient (224x224: 8x8 rows in four windows), the
     noise (112x112: 4x4 rows, one window) and the wide one (260x150 resized to 252x140: 9x5 rows, windows cut to
-    4x1, 1x4 and 1x1 at the edges), the tower run a layer a stage. Mutations: windows ignored (every layer over
+    4x1, 1x4 and 1x1 at the edges), the tower run in turns of a block or a kernel. Mutations: windows ignored (every layer over
     the whole image), the full-attention layers windowed too, the rows left in window order (no window_idx), the
     RoPE positions in raster order, or the FFN's gate and up swapped, each fail it. (Windows taken column-major
     give the same rows: test_windows_are_clip_cpps holds their order.)"""

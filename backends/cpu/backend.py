@@ -579,7 +579,7 @@ class CPUBackend(Backend):
             Op.SSM_CONV: _ssm_conv,
             Op.PATCHIFY: lambda n, img, out=None: _into(n, array_ops.patchify(img, n.params["p"]), out),
             Op.ATTN_FULL: lambda n, q, k, v, *seg, out=None: _into(n, array_ops.attn_full(
-                q, k, v, seg[0] if seg else None, np, scale=n.params["scale"]), out),
+                q, k, v, seg[0] if seg else None, np, scale=n.params["scale"], rows=n.params.get("rows")), out),
             Op.POOL_2D: lambda n, x, out=None: _into(n, array_ops.pool_avg_2d(
                 x, np, nx=n.params["nx"], ny=n.params["ny"], k=n.params["k"]), out),
             Op.SSM_SCAN: _ssm_scan,

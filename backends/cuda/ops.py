@@ -551,7 +551,7 @@ def patchify(node, img, out=None):
 
 def attn_full(node, q, k, v, *seg, out=None):
     return _into(array_ops.attn_full(_f(q), _f(k), _f(v), _i(seg[0]) if seg else None, cp,
-                                     scale=node.params["scale"]), out)
+                                     scale=node.params["scale"], rows=node.params.get("rows")), out)
 
 
 def pool_2d(node, x, out=None):

@@ -136,7 +136,7 @@ class VisionModel:
 
     def build_graph(self, shape: ImageBatch) -> Graph:
         """The tower for `shape`: input "pixels" (B, 3, H, W); output 0 the image rows, (B * n, n_embd_out),
-        or a stage's output; more outputs where the projector returns (output, [columns...]): columns of
+        more outputs where the projector returns (output, [columns...]): columns of
         the rows computed on the way (Qwen3-VL's deepstack), which the encoder appends to them."""
         g = Graph()
         w = Weights(g, self.weights, 0, where=self.path, arch=f"{self.config.projector} projector", views=self._views)

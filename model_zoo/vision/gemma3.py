@@ -54,9 +54,7 @@ def n_tokens(c, pc: Config, height: int, width: int) -> int:
 
 def build(c, pc: Config, g: Graph, w, shape: ImageBatch) -> Tensor:
     side = shape.height // c.patch_size
-    x, last = build_tower(c, g, w, shape, may_swap_ffn=True)
-    if not last:  # a stage of the tower (runtime.vision runs it a few layers at a time)
-        return x
+    x = build_tower(c, g, w, shape, may_swap_ffn=True)
     x = g.pool_2d(x, nx=side, ny=side, k=pc.n_merge, name="pooled")
     x = build_norm(g, x, w("mm.soft_emb_norm.weight", (c.n_embd,)), eps=c.eps, name="soft_emb_norm")
     n_text = n_embd_out(c, pc, w.tensors) if w.tensors is not None else c.n_embd

@@ -219,11 +219,9 @@ def _ffn(c, pc: Config, g: Graph, w, P: str, h: Tensor, il: int) -> Tensor:
 
 
 def build(c, pc: Config, g: Graph, w, shape: ImageBatch) -> Tensor:
-    """The rows (or a stage's output)."""
+    """The rows."""
     ny, nx = shape.height // c.patch_size, shape.width // c.patch_size
-    x, last = build_tower(c, g, w, shape, embed=_embedder(pc), body=_layers(pc))
-    if not last:  # a stage of the tower (runtime.vision runs it a few layers at a time)
-        return x
+    x = build_tower(c, g, w, shape, embed=_embedder(pc), body=_layers(pc))
     x = g.scale(g.pool_2d(x, nx=nx, ny=ny, k=pc.n_merge, name="pool"), math.sqrt(c.n_embd), "pooled")
     bias, scale = w(STD_BIAS, (c.n_embd,), optional=True), w("v.std_scale", (c.n_embd,), optional=True)
     if bias is not None and scale is not None:  # (x - std_bias) * std_scale

@@ -85,9 +85,7 @@ def inputs(c, pc: Config, pixels):
 
 
 def build(c, pc: Config, g: Graph, w, shape: ImageBatch) -> Tensor:
-    x, last = build_tower(c, g, w, shape, may_swap_ffn=True)
-    if not last:  # a stage of the tower (runtime.vision runs it a few layers at a time)
-        return x
+    x = build_tower(c, g, w, shape, may_swap_ffn=True)
     p, s = c.patch_size, pc.n_merge
     x = build_merge(g, x, n_images=shape.n_images, ny=shape.height // p, nx=shape.width // p, s=s)
     n_text = n_embd_out(c, pc, w.tensors) if w.tensors is not None else c.n_embd

@@ -170,9 +170,7 @@ def _embed(c, g: Graph, w, *, n_images: int, height: int, width: int) -> tuple[T
 
 
 def build(c, pc: Config, g: Graph, w, shape: ImageBatch) -> Tensor:
-    x, last = build_tower(c, g, w, shape, embed=_embed)
-    if not last:  # a stage of the tower (runtime.vision runs it a few layers at a time)
-        return x
+    x = build_tower(c, g, w, shape, embed=_embed)
     p, s = c.patch_size, pc.n_merge
     x = build_merge(g, x, n_images=shape.n_images, ny=shape.height // p, nx=shape.width // p, s=s)
     m = x.shape[1]

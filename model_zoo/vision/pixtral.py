@@ -153,12 +153,10 @@ def _layers(c, g: Graph, w, x: Tensor, *, seg: Tensor | None, layers: range, **_
 
 
 def build(c, pc: Config, g: Graph, w, shape: ImageBatch) -> Tensor:
-    """The rows, [IMG_BREAK]s among them (or a stage's output)."""
+    """The rows, [IMG_BREAK]s among them."""
     if c.act not in ("silu", "gelu"):  # the converter writes one of them (hidden_act)
         raise ModelLoadError(f"the pixtral projector's FFN needs clip.use_silu or clip.use_gelu, not {c.act}")
-    x, last = build_tower(c, g, w, shape, body=_layers)
-    if not last:  # a stage of the tower (runtime.vision runs it a few layers at a time)
-        return x
+    x = build_tower(c, g, w, shape, body=_layers)
     p, s, e = c.patch_size, pc.n_merge, c.n_embd
     if pc.merger:
         x = build_norm(g, x, w("mm.input_norm.weight", (e,)), eps=c.eps, name="mm_inp_normed")

@@ -142,9 +142,7 @@ def build(c, pc: Config, g: Graph, w, shape: ImageBatch) -> Tensor:
             x = g.add(x, linear(g, L, "ffn_down", y, (e, f), il), "layer_out", il)
         return _rms(g, w, x, "v.post_ln", e, c.eps, c.n_layer) if layers.stop == c.n_layer else x
 
-    x, last = build_tower(c, g, w, shape, embed=_embed, body=body)
-    if not last:
-        return x
+    x = build_tower(c, g, w, shape, embed=_embed, body=body)
     k2 = pc.n_merge * pc.n_merge
     x = g.reshape(x, (n // k2, k2 * e), "merged")
     n_text = n_embd_out(c, pc, w.tensors) if w.tensors is not None else c.n_embd

@@ -147,7 +147,7 @@ def _embed(c, g: Graph, w, *, n_images: int, height: int, width: int) -> tuple[T
 
 
 def build(c, pc: Config, g: Graph, w, shape: ImageBatch) -> tuple[Tensor, list[Tensor]]:
-    """The rows (or a stage's output), and the deepstack features of this stage's layers: columns
+    """The rows, and the deepstack features of the tower's layers: columns
     of the rows, after the merger's (llama.cpp concatenates them so)."""
     p = c.patch_size
     n = shape.n_images * (shape.height // p) * (shape.width // p)
@@ -167,9 +167,7 @@ def build(c, pc: Config, g: Graph, w, shape: ImageBatch) -> tuple[Tensor, list[T
                                  name="deepstack_norm", il=il)
             columns.append(_mlp(g, w, f, f"v.deepstack.{il}.fc1", f"v.deepstack.{il}.fc2", n_text, il))
 
-    x, last = build_tower(c, g, w, shape, embed=_embed, rope=rope, on_layer=deepstack)
-    if not last:  # a stage of the tower (runtime.vision runs it a few layers at a time)
-        return x, columns
+    x = build_tower(c, g, w, shape, embed=_embed, rope=rope, on_layer=deepstack)
     return _mlp(g, w, _merged(c, pc, g, x), "mm.0", "mm.2", n_text, -1), columns
 
 

@@ -27,28 +27,21 @@ def build_patches(c, g: Graph, w, *, n_images: int, height: int, width: int) -> 
 
 
 def build_tower(c, g: Graph, w, shape, *, may_swap_ffn: bool = False, embed=None, rope=None,
-                on_layer=None, body=None) -> tuple[Tensor, bool]:
-    """The tower, or the stage of it that `shape` (runtime.vision.ImageBatch) names: layers lo..hi,
-    from the pixels where lo is 0, else from the previous stage's output (input "x"). Returns the
-    output and whether it is the tower's last (post-LayerNorm'd: the projector follows).
+                on_layer=None, body=None) -> Tensor:
+    """The tower for `shape` (runtime.vision.ImageBatch) from the pixels to the last layer's output
+    (post-LayerNorm'd where the file has it: the projector follows).
     `embed(c, g, w, n_images=, height=, width=) -> (x, seg)`: the patch embedding (build_patches by
     default); `rope(q, k, il) -> (q, k)`: RoPE inside attention (Qwen's 2D), where the tower has it;
     `on_layer(x, il)`: sees each layer's output (Qwen3-VL's deepstack taps); `body`: the layers in place
     of build_vit's (a tower of another layer kind, Gemma 4's), called as build_vit is."""
-    p, hi = c.patch_size, c.n_layer if shape.hi < 0 else shape.hi
-    n = shape.n_images * (shape.height // p) * (shape.width // p)
-    if shape.lo == 0:
-        x, seg = (embed or build_patches)(c, g, w, n_images=shape.n_images, height=shape.height, width=shape.width)
-    else:
-        x, seg = g.input("x", (n, c.n_embd), F32), g.input("seg", (n,)) if shape.n_images > 1 else None
-    x = (body or build_vit)(c, g, w, x, seg=seg, may_swap_ffn=may_swap_ffn, layers=range(shape.lo, hi), rope=rope,
-                            on_layer=on_layer)
-    return x, hi == c.n_layer
+    x, seg = (embed or build_patches)(c, g, w, n_images=shape.n_images, height=shape.height, width=shape.width)
+    return (body or build_vit)(c, g, w, x, seg=seg, may_swap_ffn=may_swap_ffn, layers=range(c.n_layer), rope=rope,
+                               on_layer=on_layer)
 
 
 def build_vit(c, g: Graph, w, x: Tensor, *, seg: Tensor | None, may_swap_ffn: bool = False,
               layers: range | None = None, rope=None, on_layer=None) -> Tensor:
-    """The layers over patch embeddings x (n, n_embd) (`layers`: some of them, a stage), with the
+    """The layers over patch embeddings x (n, n_embd) (`layers`: some of them), with the
     pre-LayerNorm before the first and the post-LayerNorm after the last where the file has them.
     may_swap_ffn: old mmproj files of some projectors (llama.cpp's is_ffn_swapped list) hold
     ffn_up and ffn_down swapped, told by ffn_down's shape. `rope`, `on_layer`: as build_tower's."""

@@ -52,6 +52,10 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
                         "with --model (default gemma-3-270m); --threads default 2; --profile adds time per op kind")
     p.add_argument("--image-size", type=int, default=896, metavar="N",
                    help="with --image and no --mmproj: the random tower's image size (a multiple of 56; Gemma 3: 896)")
+    p.add_argument("--streams", type=int, default=0, metavar="N",
+                   help="with --image: N decoding streams' tokens/s alone, then beside a client sending new images "
+                        "back to back; the ratio and the worst gap between a stream's consecutive tokens "
+                        "(--decode-tokens each)")
     p.add_argument("--json-schema", default=None, metavar="FILE",
                    help="aggregate tokens/s constrained by this JSON schema vs unconstrained, same prompts, at the "
                         "--concurrency levels (default 1,16); pick a schema whose outputs outrun --decode-tokens")
@@ -86,6 +90,11 @@ def _embed(a: argparse.Namespace) -> None:
 
 
 def _image(a: argparse.Namespace) -> None:
+    if a.streams:
+        from hearthlm.bench.vision_streams import bench_streams, print_streams
+        facts = bench_streams(a)
+        print(json.dumps(facts, indent=2)) if a.json else print_streams(facts)
+        return
     from hearthlm.bench.vision import bench_image, print_image
     rows, facts = bench_image(a)
     if a.json:
