@@ -70,7 +70,8 @@ def _run(capsys, *extra: str) -> str:
     a = build_parser().parse_args(["bench", "--image", "--model", str(MODEL), "--image-size", "32", "--repeat", "2",
                                    "--n-ctx", "512", *extra])
     a.run(a)
-    return capsys.readouterr().out
+    # the table, without the log's lines (a first compile's warning, when no earlier test compiled the kernels)
+    return "\n".join(ln for ln in capsys.readouterr().out.splitlines() if " [warning  ] " not in ln)
 
 
 def test_command_prints_its_table(capsys, monkeypatch):
@@ -123,7 +124,8 @@ def test_streams_keep_their_share_beside_images(capsys, monkeypatch):
     a = build_parser().parse_args(["bench", "--image", "--model", str(MODEL), "--image-size", "448", "--streams", "4",
                                    "--decode-tokens", "440", "--json"])
     a.run(a)
-    f = json.loads(capsys.readouterr().out)
+    out = capsys.readouterr().out
+    f = json.loads(out[out.index("{"):])  # the JSON (a first compile's warning may precede it)
     assert f["alone"]["tokens"] == f["beside"]["tokens"] == 4 * 439
     assert f["beside"]["encode_s"] > 0.15 * f["beside"]["tokens"] / f["beside"]["tok_s"]  # the tower did run beside
     assert f["ratio"] >= 0.4, f
