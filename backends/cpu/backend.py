@@ -16,6 +16,7 @@ from gguf.constants import GGMLQuantizationType as T
 from hearthlm.backends.cpu import affinity, delta_net, dot, kvquant, ops, ssm
 from hearthlm.backends.cpu.ffn import ffn_glu
 from hearthlm.backends.cpu.halfs import NATIVE_HALF
+from hearthlm.backends.cpu.softmax import softmax_cols
 from hearthlm.backends.cpu.matmul import expert_matvecs, get_rows, matmul, matmul_add, start_pool
 from hearthlm.backends.cpu.qtypes import LAYOUT_VERSION, SUPPORTED_TYPES, PackedWeight, pack_weight
 from hearthlm.core import array_ops, kv_types
@@ -579,7 +580,7 @@ class CPUBackend(Backend):
             Op.SSM_CONV: _ssm_conv,
             Op.PATCHIFY: lambda n, img, out=None: _into(n, array_ops.patchify(img, n.params["p"]), out),
             Op.ATTN_FULL: lambda n, q, k, v, *seg, out=None: _into(n, array_ops.attn_full(
-                q, k, v, seg[0] if seg else None, np, scale=n.params["scale"]), out),
+                q, k, v, seg[0] if seg else None, np, scale=n.params["scale"], softmax=softmax_cols), out),
             Op.POOL_2D: lambda n, x, out=None: _into(n, array_ops.pool_avg_2d(
                 x, np, nx=n.params["nx"], ny=n.params["ny"], k=n.params["k"]), out),
             Op.SSM_SCAN: _ssm_scan,
