@@ -51,10 +51,9 @@ def test_blocks_and_threads_keep_softmax_attention(monkeypatch, block_floats, th
 @pytest.mark.parametrize("block_floats,threads", [(1 << 20, 1), (64, 3), (300, 2)])
 def test_cpu_transposed_softmax_keeps_softmax_attention(monkeypatch, block_floats, threads):
     """The cpu backend's path (scores transposed, each column's softmax in backends.cpu.softmax) over
-    the same runs, blocks and threads matches the written-out softmax; scores spread wide (
-    scale 20: scores past exp's float32 range without the max. Mutations: exp_cols's max taken over the first row only (no max pass),
-    the sums not reset per call (mx/sums reused across heads), or O^T divided by the sums of the
-    wrong axis, each fail it."""
+    the same runs, blocks and threads matches the written-out softmax; scale 20 puts scores past
+    exp's float32 range unless each column's max is taken off. Mutations: exp_cols's max pass
+    dropped (the first row's value kept), or the sums not zeroed before accumulating, each fail it."""
     from hearthlm.backends.cpu.softmax import softmax_cols
     rng = np.random.default_rng(8)
     q, k, v = (rng.standard_normal(s, dtype=np.float32) for s in ((37, 6, 8), (37, 2, 8), (37, 2, 8)))

@@ -16,9 +16,9 @@ from gguf.constants import GGMLQuantizationType as T
 from hearthlm.backends.cpu import affinity, delta_net, dot, kvquant, ops, ssm
 from hearthlm.backends.cpu.ffn import ffn_glu
 from hearthlm.backends.cpu.halfs import NATIVE_HALF
-from hearthlm.backends.cpu.softmax import softmax_cols
 from hearthlm.backends.cpu.matmul import expert_matvecs, get_rows, matmul, matmul_add, start_pool
 from hearthlm.backends.cpu.qtypes import LAYOUT_VERSION, SUPPORTED_TYPES, PackedWeight, pack_weight
+from hearthlm.backends.cpu.softmax import softmax_cols
 from hearthlm.core import array_ops, kv_types
 from hearthlm.core.backend import Backend
 from hearthlm.core.errors import BackendError, UnsupportedModelError

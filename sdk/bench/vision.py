@@ -4,8 +4,9 @@ engine), the first run apart (it builds the graph and packs the weights), then t
 --repeat runs. Time to first token: Session.generate of "describe this image" with a new image
 each round and max_tokens=1 (decoding, preprocessing, encoding, prefill and one sample). Without
 --mmproj the tower is a random-weight Gemma 3 SigLIP (hearthlm.bench.vision_files) paired with the
-text model, or with --tower qwen35 Qwen3.5-0.8B's tower and text model (vision_qwen.py), both random. --compare-llama-cpp runs the same file and pixels through libmtmd (vision_llama_cpp.py,
-in an interpreter with llama-cpp-python), its rounds in turn with hearthlm's."""
+text model, or with --tower qwen35 Qwen3.5-0.8B's tower and text model, both random (vision_qwen.py).
+--compare-llama-cpp runs the same file and pixels through libmtmd (vision_llama_cpp.py, in an
+interpreter with llama-cpp-python), its rounds in turn with hearthlm's."""
 from __future__ import annotations
 
 import json
@@ -113,12 +114,12 @@ def _category(op: str, name: str) -> str:
 
 
 class _Profiler:
-    """Kernel seconds by _category over one run of a compiled graph (its step functions wrapped, then restored)."""
+    """Kernel seconds by _category over runs of compiled graphs (their step functions wrapped, then restored)."""
 
-    def __init__(self, cg) -> None:
+    def __init__(self, graphs) -> None:
         from hearthlm.runtime import dispatch
-        self.cg, self.by = cg, defaultdict(float)
-        self.saved = [(st, st.fn) for st in cg.steps if st.kind is dispatch.KERNEL]
+        self.by = defaultdict(float)
+        self.saved = [(st, st.fn) for cg in graphs for st in cg.steps if st.kind is dispatch.KERNEL]
 
     def __enter__(self):
         for st, fn in self.saved:
@@ -155,14 +156,15 @@ def _encoder(mmproj: str, n_embd_text: int, threads: int):
 def _encode_once(vm, enc, rgb: np.ndarray, profile: dict | None = None) -> float:
     from hearthlm.model_zoo.vision.image import load_image
     from hearthlm.runtime.request import Media
-    from hearthlm.runtime.vision import ImageBatch
     pixels, n, key = vm.prepare(load_image(rgb))
     m = Media(start=0, n=n, key=key, pixels=pixels)
     if profile is None:
         t = time.perf_counter()
         enc.fill([m])
         return time.perf_counter() - t
-    with _Profiler(enc.graphs.get(ImageBatch(1, pixels.shape[1], pixels.shape[2]))) as p:
+    # every graph the encoder holds: an encode runs in stages of a few layers, a graph each (all
+    # compiled by the runs before this one)
+    with _Profiler([e.compiled for e in enc.graphs._graphs.values()]) as p:
         t = time.perf_counter()
         enc.fill([m])
         s = time.perf_counter() - t
