@@ -57,6 +57,7 @@ def attn_full(q, k, v, seg, xp, *, scale: float, dtype=None, softmax=None):
         if m == 0:
             continue
         rows = min(m, max(1, budget // m))
+        rows = -(-m // -(-m // rows))  # blocks of equal size: no short last block
         heads = max(1, budget // (rows * m))  # several heads at once where the run is short
         blocks += [(lo, hi, h0, min(h0 + heads, n_head), r0, min(r0 + rows, hi))
                    for h0 in range(0, n_head, heads) for r0 in range(lo, hi, rows)]
