@@ -102,29 +102,30 @@ def _qtype(name: str, shape: tuple[int, ...]) -> T | None:
     return T.Q6_K if name == "token_embd.weight" else T.Q4_K
 
 
-def _vocab(w: gguf.GGUFWriter) -> None:
+def _vocab(w: gguf.GGUFWriter, n_vocab: int) -> None:
     from hearthlm.model_zoo.tokenizer_bpe import _byte_to_unicode
     table = _byte_to_unicode()
     tokens = SPECIALS + [table[b] for b in range(256)] + [table[32] + "t"]  # llama.cpp needs a merge
     n_used = len(tokens)
-    tokens += [f"<|unused_{i}|>" for i in range(N_VOCAB - n_used)]
+    tokens += [f"<|unused_{i}|>" for i in range(n_vocab - n_used)]
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("qwen2")  # a pre-tokenizer both sides know
     w.add_token_list(tokens)
-    w.add_token_types([3] * len(SPECIALS) + [1] * 257 + [5] * (N_VOCAB - n_used))
+    w.add_token_types([3] * len(SPECIALS) + [1] * 257 + [5] * (n_vocab - n_used))
     w.add_token_merges([f"{table[32]} t"])
     w.add_eos_token_id(2)
     w.add_add_bos_token(False)
 
 
-def write_qwen35_text(path: str | os.PathLike, *, seed: int = 0) -> Path:
-    """The qwen35 text model at 0.8B's shapes: every tensor the architecture reads (model_zoo.tensors.specs)."""
+def write_qwen35_text(path: str | os.PathLike, *, seed: int = 0, md: dict | None = None, n_vocab: int = N_VOCAB) -> Path:
+    """The qwen35 text model at 0.8B's shapes (`md`: other qwen35 hyperparameters, a test's tiny
+    ones): every tensor the architecture reads (model_zoo.tensors.specs)."""
     from hearthlm.backends.random_blocks import random_blocks
     from hearthlm.model_zoo.models import get_architecture
     from hearthlm.model_zoo.tensors import specs
     arch = "qwen35"
     mod = get_architecture(arch)
-    md = {f"{arch}.{k}": v for k, v in TEXT_MD.items()}
+    md = {f"{arch}.{k}": v for k, v in (md or TEXT_MD).items()}
     cfg = mod.Config.from_gguf(md, arch)
     w = gguf.GGUFWriter(str(path), arch)
     w.add_name("Qwen3.5-0.8B shapes (random weights, hearthlm bench)")
@@ -135,9 +136,9 @@ def write_qwen35_text(path: str | os.PathLike, *, seed: int = 0) -> Path:
             w.add_float32(k, v)
         else:
             w.add_uint32(k, v)
-    _vocab(w)
+    _vocab(w, n_vocab)
     rng = np.random.default_rng(seed)
-    for s in specs(mod, cfg, N_VOCAB):
+    for s in specs(mod, cfg, n_vocab):
         if s.optional:  # no biases; output.weight tied to token_embd
             continue
         q = _qtype(s.name, s.shape)
