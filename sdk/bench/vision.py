@@ -95,7 +95,8 @@ def _category(op: str, name: str) -> str:
     if op.startswith("mul_mat"):
         for key, cat in (("attn_q", "matmul q/k/v"), ("attn_k", "matmul q/k/v"), ("attn_v", "matmul q/k/v"),
                          ("attn_out", "matmul attn_out"), ("ffn_up", "matmul ffn_up"), ("ffn_down", "matmul ffn_down"),
-                         ("inp_embd", "patch embedding"), ("mm_proj", "projection + soft_emb_norm")):
+                         ("inp_embd", "patch embedding"), ("mm_proj", "projection + soft_emb_norm"),
+                         ("mm.", "projection (merger MLP)")):
             if key in base:
                 return cat
     if base.startswith(("ln1", "ln2", "post_ln", "pre_ln")):
