@@ -32,13 +32,16 @@ def pool_avg_2d(x, xp, *, nx: int, ny: int, k: int):
     return (g.sum(axis=(2, 4), dtype=xp.float32) / xp.float32(k * k)).reshape(b * oy * ox, e).astype(xp.float32)
 
 
-def attn_full(q, k, v, seg, xp, *, scale: float, dtype=None, rows: tuple[int, int] | None = None):
+def attn_full(q, k, v, seg, xp, *, scale: float, dtype=None, rows: tuple[int, int] | None = None, softmax=None):
     """softmax(q k^T * scale) v with no causal mask: each token sees every token of its run of
     equal `seg` values (an image; a window of one) and no other. q (n, H, d), k (n, H_kv, d),
     v (n, H_kv, dv) -> (n, H * dv). `dtype`: the precision of the products (the reference's float64).
     `rows` (a, b): only query rows a..b, over all their keys -> (b - a, H * dv) (a tower run in turns).
     Computed in blocks of (heads, query rows) whose scores fit a cache on the host (numpy), spread
-    over host_threads() threads there (numpy releases the GIL in its products and ufuncs)."""
+    over host_threads() threads there (numpy releases the GIL in its products and ufuncs).
+    `softmax`: a backend's pass over float32 scores transposed, (h, m keys, r rows) -> exp(s - each
+    column's max) in place, returning the sums (h, 1, r); the products are then taken transposed too
+    (S^T = K Q^T, O^T = V^T P^T: BLAS's faster shapes on the host). Else the array module's passes."""
     n, n_head, d = q.shape
     h_kv, dv = k.shape[1], v.shape[2]
     group = n_head // h_kv
@@ -55,10 +58,14 @@ def attn_full(q, k, v, seg, xp, *, scale: float, dtype=None, rows: tuple[int, in
         m, q_lo, q_hi = hi - lo, max(lo, q0), min(hi, q1)
         if q_lo >= q_hi:
             continue
-        rows_ = min(m, max(1, budget // m))
+        span = q_hi - q_lo
+        rows_ = min(span, max(1, budget // m))
+        rows_ = -(-span // -(-span // rows_))  # blocks of equal size: no short last block
         heads = max(1, budget // (rows_ * m))  # several heads at once where the run is short
         blocks += [(lo, hi, h0, min(h0 + heads, n_head), r0, min(r0 + rows_, q_hi))
                    for h0 in range(0, n_head, heads) for r0 in range(q_lo, q_hi, rows_)]
+
+    fused = softmax is not None and dt is xp.float32
 
     def block(b) -> None:
         lo, hi, h0, h1, r0, r1 = b
@@ -67,6 +74,11 @@ def attn_full(q, k, v, seg, xp, *, scale: float, dtype=None, rows: tuple[int, in
         qq = q[r0:r1, h0:h1].transpose(1, 0, 2).astype(dt) * dt(scale)               # (h, r, d)
         kk = k[lo:hi, kv].transpose(1, 2, 0).astype(dt, copy=False)                  # (h, d, m)
         vv = v[lo:hi, kv].transpose(1, 0, 2).astype(dt, copy=False)                  # (h, m, dv)
+        if fused:
+            st = xp.matmul(kk.transpose(0, 2, 1), qq.transpose(0, 2, 1))                # (h, m, r)
+            sums = softmax(st)                                                       # (h, 1, r)
+            out[r0 - q0:r1 - q0, h0:h1] = (xp.matmul(vv.transpose(0, 2, 1), st) / sums).transpose(2, 0, 1)
+            return
         s = xp.matmul(qq, kk)                                                        # (h, r, m)
         s -= s.max(axis=-1, keepdims=True)
         xp.exp(s, out=s)

@@ -48,6 +48,40 @@ def test_blocks_and_threads_keep_softmax_attention(monkeypatch, block_floats, th
     np.testing.assert_allclose(got, _softmax_attention(q, k, v, seg, 0.35), rtol=0, atol=2e-6)
 
 
+@pytest.mark.parametrize("block_floats,threads", [(1 << 20, 1), (64, 3), (300, 2)])
+def test_cpu_transposed_softmax_keeps_softmax_attention(monkeypatch, block_floats, threads):
+    """The cpu backend's path (scores transposed, each column's softmax in backends.cpu.softmax) over
+    the same runs, blocks and threads matches the written-out softmax; scale 20 puts scores past
+    exp's float32 range unless each column's max is taken off. Mutations: exp_cols's max pass
+    dropped (the first row's value kept), or the sums not zeroed before accumulating, each fail it."""
+    from hearthlm.backends.cpu.softmax import softmax_cols
+    rng = np.random.default_rng(8)
+    q, k, v = (rng.standard_normal(s, dtype=np.float32) for s in ((37, 6, 8), (37, 2, 8), (37, 2, 8)))
+    seg = np.repeat(np.arange(3, dtype=np.int32), [20, 5, 12])
+    monkeypatch.setattr(array_ops, "HOST_BLOCK_FLOATS", block_floats)
+    with array_ops.using_host_threads(threads):
+        got = array_ops.attn_full(q, k, v, seg, np, scale=20.0, softmax=softmax_cols)
+    np.testing.assert_allclose(got, _softmax_attention(q, k, v, seg, 20.0), rtol=0, atol=2e-5)
+
+
+def test_cpu_backend_runs_the_transposed_softmax(monkeypatch):
+    """The cpu backend's ATTN_FULL kernel hands attn_full its column softmax. Mutation: the
+    kernel's lambda without softmax= fails it."""
+    from hearthlm.backends.cpu.softmax import softmax_cols
+    from hearthlm.core.graph import Op
+    seen, inner = [], array_ops.attn_full
+
+    def spy(*args, **kw):
+        seen.append(kw.get("softmax"))
+        return inner(*args, **kw)
+    monkeypatch.setattr(array_ops, "attn_full", spy)
+    q = np.ones((3, 2, 4), np.float32)
+    node = type("Node", (), {"params": {"scale": 0.5}, "shape": (3, 8)})()
+    got = get_backend("cpu").kernels[Op.ATTN_FULL](node, q, q, q)
+    assert seen == [softmax_cols]
+    np.testing.assert_allclose(got, np.ones((3, 8)), rtol=1e-6)
+
+
 def test_encoder_lends_attention_the_backends_threads(monkeypatch):
     """An encode on the cpu backend runs attn_full with as many threads as the backend's widest
     count (numba's), whatever the engine's last step chose. Mutation: VisionEncoder._encode

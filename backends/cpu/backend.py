@@ -18,6 +18,7 @@ from hearthlm.backends.cpu.ffn import ffn_glu
 from hearthlm.backends.cpu.halfs import NATIVE_HALF
 from hearthlm.backends.cpu.matmul import expert_matvecs, get_rows, matmul, matmul_add, start_pool
 from hearthlm.backends.cpu.qtypes import LAYOUT_VERSION, SUPPORTED_TYPES, PackedWeight, pack_weight
+from hearthlm.backends.cpu.softmax import softmax_cols
 from hearthlm.core import array_ops, kv_types
 from hearthlm.core.backend import Backend
 from hearthlm.core.errors import BackendError, UnsupportedModelError
@@ -579,7 +580,8 @@ class CPUBackend(Backend):
             Op.SSM_CONV: _ssm_conv,
             Op.PATCHIFY: lambda n, img, out=None: _into(n, array_ops.patchify(img, n.params["p"]), out),
             Op.ATTN_FULL: lambda n, q, k, v, *seg, out=None: _into(n, array_ops.attn_full(
-                q, k, v, seg[0] if seg else None, np, scale=n.params["scale"], rows=n.params.get("rows")), out),
+                q, k, v, seg[0] if seg else None, np, scale=n.params["scale"], rows=n.params.get("rows"),
+                softmax=softmax_cols), out),
             Op.POOL_2D: lambda n, x, out=None: _into(n, array_ops.pool_avg_2d(
                 x, np, nx=n.params["nx"], ny=n.params["ny"], k=n.params["k"]), out),
             Op.SSM_SCAN: _ssm_scan,

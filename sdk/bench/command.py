@@ -50,8 +50,11 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
                    help="a vision tower: one image's encode time (first run apart) and \"describe this image\" to "
                         "its first token; the tower is --mmproj, else a random Gemma 3 SigLIP at --image-size paired "
                         "with --model (default gemma-3-270m); --threads default 2; --profile adds time per op kind")
-    p.add_argument("--image-size", type=int, default=896, metavar="N",
-                   help="with --image and no --mmproj: the random tower's image size (a multiple of 56; Gemma 3: 896)")
+    p.add_argument("--image-size", type=int, default=None, metavar="N",
+                   help="with --image: the image's side (default the tower's: gemma3 896, a multiple of 56; qwen35 768)")
+    p.add_argument("--tower", default="gemma3", choices=["gemma3", "qwen35"],
+                   help="with --image and no --mmproj: gemma3 (SigLIP-400M, paired with --model) or qwen35 "
+                        "(Qwen3.5-0.8B's tower and a random text model at its shapes)")
     p.add_argument("--streams", type=int, default=0, metavar="N",
                    help="with --image: N decoding streams' tokens/s alone, then beside a client sending new images "
                         "back to back; the ratio and the worst gap between a stream's consecutive tokens "

@@ -4,8 +4,9 @@ engine), the first run apart (it builds the graph and packs the weights), then t
 --repeat runs. Time to first token: Session.generate of "describe this image" with a new image
 each round and max_tokens=1 (decoding, preprocessing, encoding, prefill and one sample). Without
 --mmproj the tower is a random-weight Gemma 3 SigLIP (hearthlm.bench.vision_files) paired with the
-text model. --compare-llama-cpp runs the same file and pixels through libmtmd (vision_llama_cpp.py,
-in an interpreter with llama-cpp-python), its rounds in turn with hearthlm's."""
+text model, or with --tower qwen35 Qwen3.5-0.8B's tower and text model, both random (vision_qwen.py).
+--compare-llama-cpp runs the same file and pixels through libmtmd (vision_llama_cpp.py, in an
+interpreter with llama-cpp-python), its rounds in turn with hearthlm's."""
 from __future__ import annotations
 
 import json
@@ -47,13 +48,26 @@ def _image(size: int, seed: int) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 256, (size, size, 3), dtype=np.uint8)
 
 
+def _files(a) -> tuple[str, str, str, int | None]:
+    """(text model, mmproj, prompt, image side or None: the tower's own) for --tower / --model / --mmproj."""
+    if getattr(a, "tower", "gemma3") == "qwen35" and not isinstance(getattr(a, "mmproj", None), (str, os.PathLike)):
+        from hearthlm.bench import vision_qwen
+        t = time.perf_counter()
+        text, mmproj = vision_qwen.cached_qwen35_pair()
+        if time.perf_counter() - t > 1:
+            print(f"wrote {text} and {mmproj}", file=sys.stderr)
+        return str(text), str(mmproj), vision_qwen.PROMPT, a.image_size or vision_qwen.QWEN35_VIT.image_size
+    text = _text_model(a)
+    return text, _mmproj(a, text), PROMPT, a.image_size
+
+
 def _text_model(a) -> str:
     model = PAIRED_TEXT_MODEL if a.model == DEFAULT_MODEL else a.model
     return str(resolve_model(model, filename=session_options(a).filename))
 
 
 def _mmproj(a, text_path: str) -> str:
-    """--mmproj, else the random Gemma 3 tower at --image-size for this text model's width."""
+    """--mmproj, else the random Gemma 3 tower at --image-size (896) for this text model's width."""
     given = getattr(a, "mmproj", None)
     if isinstance(given, (str, os.PathLike)):
         return str(given)
@@ -65,7 +79,7 @@ def _mmproj(a, text_path: str) -> str:
     if n_embd is None:
         raise InvalidRequestError(f"{text_path}: no {arch}.embedding_length to size the projection by")
     t = time.perf_counter()
-    path = cached_gemma3_mmproj(n_embd_text=int(n_embd), image_size=a.image_size)
+    path = cached_gemma3_mmproj(n_embd_text=int(n_embd), image_size=a.image_size or 896)
     if time.perf_counter() - t > 1:
         print(f"wrote {path} ({path.stat().st_size / 1e6:.0f} MB)", file=sys.stderr)
     return str(path)
@@ -81,7 +95,8 @@ def _category(op: str, name: str) -> str:
     if op.startswith("mul_mat"):
         for key, cat in (("attn_q", "matmul q/k/v"), ("attn_k", "matmul q/k/v"), ("attn_v", "matmul q/k/v"),
                          ("attn_out", "matmul attn_out"), ("ffn_up", "matmul ffn_up"), ("ffn_down", "matmul ffn_down"),
-                         ("inp_embd", "patch embedding"), ("mm_proj", "projection + soft_emb_norm")):
+                         ("inp_embd", "patch embedding"), ("mm_proj", "projection + soft_emb_norm"),
+                         ("mm.", "projection (merger MLP)")):
             if key in base:
                 return cat
     if base.startswith(("ln1", "ln2", "post_ln", "pre_ln")):
@@ -100,12 +115,12 @@ def _category(op: str, name: str) -> str:
 
 
 class _Profiler:
-    """Kernel seconds by _category over one run of a compiled graph (its step functions wrapped, then restored)."""
+    """Kernel seconds by _category over runs of compiled graphs (their step functions wrapped, then restored)."""
 
-    def __init__(self, cg) -> None:
+    def __init__(self, graphs) -> None:
         from hearthlm.runtime import dispatch
-        self.cg, self.by = cg, defaultdict(float)
-        self.saved = [(st, st.fn) for st in cg.steps if st.kind is dispatch.KERNEL]
+        self.by = defaultdict(float)
+        self.saved = [(st, st.fn) for cg in graphs for st in cg.steps if st.kind is dispatch.KERNEL]
 
     def __enter__(self):
         for st, fn in self.saved:
@@ -142,14 +157,15 @@ def _encoder(mmproj: str, n_embd_text: int, threads: int):
 def _encode_once(vm, enc, rgb: np.ndarray, profile: dict | None = None) -> float:
     from hearthlm.model_zoo.vision.image import load_image
     from hearthlm.runtime.request import Media
-    from hearthlm.runtime.vision import ImageBatch
     pixels, n, key = vm.prepare(load_image(rgb))
     m = Media(start=0, n=n, key=key, pixels=pixels)
     if profile is None:
         t = time.perf_counter()
         enc.fill([m])
         return time.perf_counter() - t
-    with _Profiler(enc.graphs.get(ImageBatch(1, pixels.shape[1], pixels.shape[2]))) as p:
+    # every graph the encoder holds: an encode runs in stages of a few layers, a graph each (all
+    # compiled by the runs before this one)
+    with _Profiler([e.compiled for e in enc.graphs._graphs.values()]) as p:
         t = time.perf_counter()
         enc.fill([m])
         s = time.perf_counter() - t
@@ -199,9 +215,9 @@ class _LlamaCpp:
 
 # ---- the measurement ---------------------------------------------------------------------
 
-async def _ttft(s, rgb: np.ndarray) -> float:
+async def _ttft(s, rgb: np.ndarray, prompt: str) -> float:
     t = time.perf_counter()
-    await s.generate(PROMPT, images=[rgb], max_tokens=1, temperature=0)
+    await s.generate(prompt, images=[rgb], max_tokens=1, temperature=0)
     return time.perf_counter() - t
 
 
@@ -213,8 +229,7 @@ def bench_image(a) -> tuple[list[dict], dict]:
     threads = a.threads or 2
     if "numba" not in sys.modules:  # the engine's threads (read once, at numba's import): both sides at `threads`
         os.environ["NUMBA_NUM_THREADS"] = str(threads)
-    text = _text_model(a)
-    mmproj = _mmproj(a, text)
+    text, mmproj, prompt, side = _files(a)
     from hearthlm.model_zoo.gguf_file import GGUFFile
     with GGUFFile.open(text) as f:
         n_embd = int(f.metadata[f"{f.metadata['general.architecture']}.embedding_length"])
@@ -224,7 +239,7 @@ def bench_image(a) -> tuple[list[dict], dict]:
     load_before = host_line()
     with tempfile.TemporaryDirectory(prefix="hearthlm-bench-image-") as tmp:
         vm, enc, load_s = _encoder(mmproj, n_embd, threads)
-        size = vm.config.image_size
+        size = side or vm.config.image_size
         images = [_image(size, seed) for seed in range(a.repeat + 1)]  # the warm-up's, then each round's
         import numba
         facts = dict(text_model=text, mmproj=mmproj, image_size=size, threads=threads, repeat=a.repeat,
@@ -237,7 +252,7 @@ def bench_image(a) -> tuple[list[dict], dict]:
             for i, px in enumerate(images):
                 np.save(Path(tmp) / f"{i}.npy", px)
             ref = _LlamaCpp(py, dict(model=text, mmproj=mmproj, threads=threads, n_ctx=N_CTX, n_batch=512,
-                                     prompt=PROMPT, images=[str(Path(tmp) / f"{i}.npy") for i in range(len(images))]),
+                                     prompt=prompt, images=[str(Path(tmp) / f"{i}.npy") for i in range(len(images))]),
                             tmp)
         ours, theirs = dict(encode=[], ttft=[]), dict(encode=[], ttft=[])
         for _ in range(a.repeat):  # rounds in turn: a noisy spell of a shared machine hits both
@@ -256,11 +271,11 @@ def bench_image(a) -> tuple[list[dict], dict]:
             t = time.perf_counter()
             async with Session.open(text, options=session_options(a, mmproj=mmproj, n_ctx=N_CTX, backend="cpu")) as s:
                 open_s = time.perf_counter() - t
-                await _ttft(s, images[0])  # warm-up: the prefill's graph and kernels
+                await _ttft(s, images[0], prompt)  # warm-up: the prefill's graph and kernels
                 if ref:
                     ref.ask(op="ttft", image=0)
                 for i in range(1, a.repeat + 1):
-                    ours["ttft"].append(await _ttft(s, images[i]))
+                    ours["ttft"].append(await _ttft(s, images[i], prompt))
                     if ref:
                         theirs["ttft"].append(ref.ask(op="ttft", image=i)["ttft_s"])
             return open_s
