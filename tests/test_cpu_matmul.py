@@ -190,31 +190,6 @@ def test_float_weights_a_token_a_lane(qtype):
         np.testing.assert_array_equal(y, matmul(w, x)[30:70])
 
 
-@pytest.mark.parametrize("qtype", [T.F16, T.BF16], ids=lambda t: t.name)
-@pytest.mark.parametrize("into", [False, True])
-def test_half_weights_of_many_columns_in_blas_tiles(qtype, into, monkeypatch):
-    """From HALF_TILES_MIN_TOKENS tokens and HALF_TILES_MIN_COLS columns, F16/BF16 rows are widened a
-    tile at a time and multiplied by BLAS (the tiles over threads): 600 rows are 2 full tiles and
-    a partial one; the result is the float64 product to float32 rounding, into a given buffer too.
-    Mutations: BF16 widened with << 8, the last partial tile skipped, or the path never taken
-    (the spy sees no call), each fail it."""
-    from hearthlm.backends.cpu import matmul as mm
-    seen, inner = [], mm._matmul_half_tiles
-    monkeypatch.setattr(mm, "_matmul_half_tiles", lambda *a: seen.append(1) or inner(*a))
-    rng = np.random.default_rng(int(qtype) + 21)
-    n_rows, n_cols = 600, mm.HALF_TILES_MIN_COLS + 52
-    raw = make_raw(qtype, n_rows, n_cols, rng)
-    ref_w = quants.dequantize(raw, qtype).reshape(n_rows, n_cols).astype(np.float64)
-    w = pack_weight(int(qtype), raw, (n_rows, n_cols))
-    x = rng.standard_normal((mm.HALF_TILES_MIN_TOKENS + 3, n_cols)).astype(np.float32)
-    out = np.full((x.shape[0], n_rows), np.nan, np.float32) if into else None
-    y = matmul(w, x, out=out)
-    assert seen and (y is out if into else True)
-    ref = x.astype(np.float64) @ ref_w.T
-    scale = np.abs(x).astype(np.float64) @ np.abs(ref_w).T
-    assert np.all(np.abs(y - ref) <= 1e-6 * n_cols ** 0.5 * scale + 1e-30)
-
-
 def test_pack_weight_rejects_mismatched_bytes():
     with pytest.raises(ValueError):
         pack_weight(int(T.Q4_1), np.zeros((4, 40), dtype=np.uint8), (4, 96))  # 96 cols need 60 bytes

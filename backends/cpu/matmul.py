@@ -29,12 +29,6 @@ SPLIT_MIN_MACS = 1 << 26  # a tiled matmul's multiply-adds from which its tiles 
 # even at 8 on 896x896, 4864x896, 1536x384)
 HALF_TOKENS_MIN = 8
 TILE_ROWS = 512  # rows dequantized per BLAS call (at most): big enough for BLAS, within L2-L3
-# F16/BF16 rows of many columns for many tokens: widened HALF_TILE_ROWS at a time and multiplied by
-# BLAS, the tiles over numba's thread count; matmul_tokens keeps a chunk of tokens x all columns in
-# L2, which past ~2048 columns holds too few tokens (measured on 2 cores, GFLOP per CPU-second:
-# 2304 x 3072 -> 768 (Qwen3.5's ffn_down) 78 -> 91, 4096 x 4304 -> 1152 (SigLIP's) 82 -> 88;
-# at 768 columns matmul_tokens stays ahead, 91 vs 88)
-HALF_TILES_MIN_TOKENS, HALF_TILES_MIN_COLS, HALF_TILE_ROWS = 256, 2048, 256
 
 
 _CODES = np.arange(32, dtype=np.float32)  # a nibble layout's code is its value (5-bit ones too)
@@ -56,8 +50,6 @@ def matmul(w: PackedWeight, x: np.ndarray, out: np.ndarray | None = None, xq=Non
         if xq is None or xq[0] != (w.n_pad, w.sub):
             xq = quantize_for(w, x)
         return _matmul_int(w, x.shape[0], xq[1], out)
-    if w.layout == "half" and x.shape[0] >= HALF_TILES_MIN_TOKENS and n_cols >= HALF_TILES_MIN_COLS:
-        return _matmul_half_tiles(w, x, out)
     if w.layout in ("f32", "half") and x.shape[0] >= HALF_TOKENS_MIN:
         y = np.empty((x.shape[0], n_rows), dtype=np.float32) if out is None else out
         start_pool()
@@ -181,25 +173,6 @@ def get_rows(w: PackedWeight, ids: np.ndarray) -> np.ndarray:
 def _matmul_half(w: PackedWeight, x: np.ndarray) -> np.ndarray:
     y = np.empty((x.shape[0], w.shape[0]), dtype=np.float32)  # (n_tokens, n_rows)
     halfs.dot_half(w.qs, w.ggml_type == GGMLQuantizationType.F16, x, y)
-    return y
-
-
-def _matmul_half_tiles(w: PackedWeight, x: np.ndarray, out: np.ndarray | None) -> np.ndarray:
-    y = np.empty((x.shape[0], w.shape[0]), dtype=np.float32) if out is None else out  # (n_tokens, n_rows)
-    f16 = w.ggml_type == GGMLQuantizationType.F16
-
-    def tile(r0: int) -> None:
-        bits = w.qs[r0:r0 + HALF_TILE_ROWS]
-        wt = bits.view(np.float16).astype(np.float32) if f16 else (bits.astype(np.uint32) << 16).view(np.float32)
-        np.matmul(x, wt.T, out=y[:, r0:r0 + HALF_TILE_ROWS])
-    starts = range(0, w.shape[0], HALF_TILE_ROWS)
-    n_threads = min(numba.get_num_threads(), len(starts))
-    if n_threads > 1:  # numpy releases the GIL in the widening and the product
-        with ThreadPoolExecutor(n_threads, thread_name_prefix="hearthlm-tiles") as ex:
-            list(ex.map(tile, starts))
-    else:
-        for r0 in starts:
-            tile(r0)
     return y
 
 
