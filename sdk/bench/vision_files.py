@@ -73,15 +73,11 @@ def check_shape(s: TowerShape) -> None:
                                   f"(patches of {s.patch_size}, pooled 4 x 4)")
 
 
-def write_gemma3_mmproj(path: str | os.PathLike, *, n_embd_text: int, shape: TowerShape = GEMMA3_SIGLIP,
-                        seed: int = 0) -> Path:
-    """Write a Gemma 3 mmproj of `shape` whose projection gives rows of `n_embd_text`; tensors
-    are streamed to the file one at a time (the 400M tower never sits in memory whole)."""
-    check_shape(shape)
-    path = Path(path)
+def mmproj_writer(path: Path, name: str, shape, *, n_embd_text: int, projector: str) -> gguf.GGUFWriter:
+    """A random-weight F16 mmproj's writer with the clip.* keys every tower shares (mean and std 0.5)."""
     w = gguf.GGUFWriter(path, "clip")
     w.add_type("mmproj")
-    w.add_name("Gemma3 Vision (random weights, hearthlm bench)")
+    w.add_name(f"{name} (random weights, hearthlm bench)")
     w.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
     w.add_clip_has_vision_encoder(True)
     w.add_vision_projection_dim(n_embd_text)
@@ -93,7 +89,17 @@ def write_gemma3_mmproj(path: str | os.PathLike, *, n_embd_text: int, shape: Tow
     w.add_vision_head_count(shape.n_head)
     w.add_vision_image_mean([0.5, 0.5, 0.5])
     w.add_vision_image_std([0.5, 0.5, 0.5])
-    w.add_clip_projector_type("gemma3")
+    w.add_clip_projector_type(projector)
+    return w
+
+
+def write_gemma3_mmproj(path: str | os.PathLike, *, n_embd_text: int, shape: TowerShape = GEMMA3_SIGLIP,
+                        seed: int = 0) -> Path:
+    """Write a Gemma 3 mmproj of `shape` whose projection gives rows of `n_embd_text`; tensors
+    are streamed to the file one at a time (the 400M tower never sits in memory whole)."""
+    check_shape(shape)
+    path = Path(path)
+    w = mmproj_writer(path, "Gemma3 Vision", shape, n_embd_text=n_embd_text, projector="gemma3")
     w.add_vision_attention_layernorm_eps(shape.eps)
     w.add_vision_use_gelu(True)
     # no clip.vision.projector.scale_factor: pooled 4 x 4 at every size, as Gemma 3 at 896 (the

@@ -20,7 +20,7 @@ import gguf
 import numpy as np
 from gguf.constants import GGMLQuantizationType as T
 
-from hearthlm.bench.vision_files import FORMAT, TowerShape, _cache_root, _values
+from hearthlm.bench.vision_files import FORMAT, TowerShape, _cache_root, _values, mmproj_writer
 from hearthlm.core.errors import InvalidRequestError
 
 QWEN35_VIT = TowerShape(image_size=768, patch_size=16, n_layer=12, n_embd=768, n_ff=3072, n_head=12)
@@ -63,21 +63,7 @@ def write_qwen35_mmproj(path: str | os.PathLike, *, n_embd_text: int = N_TEXT, s
         raise InvalidRequestError(f"image size {shape.image_size}: the Qwen3.5 tower takes a multiple of {cell} "
                                   f"(patches of {shape.patch_size}, merged 2 x 2)")
     path = Path(path)
-    w = gguf.GGUFWriter(path, "clip")
-    w.add_type("mmproj")
-    w.add_name("Qwen3.5 Vision (random weights, hearthlm bench)")
-    w.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
-    w.add_clip_has_vision_encoder(True)
-    w.add_vision_projection_dim(n_embd_text)
-    w.add_vision_image_size(shape.image_size)
-    w.add_vision_patch_size(shape.patch_size)
-    w.add_vision_embedding_length(shape.n_embd)
-    w.add_vision_feed_forward_length(shape.n_ff)
-    w.add_vision_block_count(shape.n_layer)
-    w.add_vision_head_count(shape.n_head)
-    w.add_vision_image_mean([0.5, 0.5, 0.5])
-    w.add_vision_image_std([0.5, 0.5, 0.5])
-    w.add_clip_projector_type("qwen3vl_merger")
+    w = mmproj_writer(path, "Qwen3.5 Vision", shape, n_embd_text=n_embd_text, projector="qwen3vl_merger")
     w.add_vision_use_gelu(True)
     w.add_vision_spatial_merge_size(2)
     w.add_vision_attention_layernorm_eps(shape.eps)

@@ -16,7 +16,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from hearthlm.core.errors import HearthError
 from hearthlm.options import SessionOptions, takes_options
 from hearthlm.serve import messages, ollama, openai, rerank, responses
-from hearthlm.serve.common import AUTH, APIError, ClientGone, Host, host_of, key_digest, status_of
+from hearthlm.serve.common import AUTH, APIError, ClientGone, Host, host_of, key_digest, replaying, status_of
 from hearthlm.serve.metrics import Metrics
 from hearthlm.serve.page import add_chat_page
 from hearthlm.serve.protocol import error_json
@@ -152,12 +152,4 @@ class BodyLimit:
         if too_big:
             resp = JSONResponse(error_json(413, f"the request body is over {self.limit} bytes"), status_code=413)
             return await resp(scope, receive, send)
-        body, replayed = b"".join(parts), False
-
-        async def replay():
-            nonlocal replayed
-            if not replayed:
-                replayed = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            return await receive()
-        await self.app(scope, replay, send)
+        await self.app(scope, replaying(b"".join(parts), receive), send)

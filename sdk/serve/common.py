@@ -117,6 +117,19 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
+def replaying(body: bytes, receive):
+    """An ASGI receive that gives `body`, already read whole, once, then defers to `receive`."""
+    replayed = False
+
+    async def replay():
+        nonlocal replayed
+        if not replayed:
+            replayed = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+    return replay
+
+
 def request_images(messages: Any) -> None:
     """Image parts of a request's messages may be data: URLs or http(s) URLs only (fetched where
     the server allows remote media): a request never names a file of the server's to read."""

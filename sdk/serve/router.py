@@ -27,7 +27,7 @@ from hearthlm.model_zoo.gguf_file import GGUFFile
 from hearthlm.model_zoo.resolve import is_mmproj
 from hearthlm.options import SessionOptions
 from hearthlm.serve.app import MAX_BODY_BYTES, _make
-from hearthlm.serve.common import AUTH, APIError, Host, check_key, host_of, status_of
+from hearthlm.serve.common import AUTH, APIError, Host, check_key, host_of, replaying, status_of
 from hearthlm.serve.protocol import error_json
 from hearthlm.session import Session
 
@@ -298,14 +298,7 @@ class Leases:
             data = None  # the route says what is wrong with it
         name = (data.get("model") or data.get("name")) if isinstance(data, dict) else None
         host: Router = scope["app"].state.host
-        replayed = False
-
-        async def replay():
-            nonlocal replayed
-            if not replayed:
-                replayed = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            return await receive()
+        replay = replaying(body, receive)
         if not isinstance(name, str) or not name:
             return await self.app(scope, replay, send)
         try:
