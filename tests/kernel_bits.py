@@ -40,16 +40,18 @@ def outputs() -> dict[str, np.ndarray]:
     q, k = f(n_tok, n_head, d), f(n_tok, n_kv, d)
     rope = (d, 10000.0, 1.0, True, np.zeros(0, np.float64), 1.0, np.zeros(0, np.int64))  # ..., no M-RoPE comps
     pos_1 = pos[:, None]  # the rope kernels' positions: one component
-    run("rope", ops.rope, q, pos_1, *rope, np.empty_like(q))
+    qr = np.empty_like(q)
+    run("rope", ops.rope, q, pos_1, *rope, qr, *ops.rope_table(n_tok, d, 1), result=qr)
     # caches of 64 slots: float16 bits, and q4_0 / q8_0 blocks (18 / 34 bytes per 32 values)
     slots = np.arange(n_tok, dtype=np.int64) * 7 + 3
     kc16 = F16_BITS(f(64, n_kv, d))
-    run("rope_set_rows f16", ops.rope_set_rows, k, pos_1, slots, *rope, kc16)
+    run("rope_set_rows f16", ops.rope_set_rows, k, pos_1, slots, *rope, kc16, *ops.rope_table(n_tok, d, 1), result=kc16)
     kc4 = np.zeros((64, n_kv, d // 32 * 18), np.uint8)
     vc4 = np.zeros((64, n_kv, d // 32 * 18), np.uint8)
     for cache in (kc4, vc4):
         ops.set_rows(cache, f(64, n_kv, d), np.arange(64, dtype=np.int64), Q4_0, 0)
-    run("rope_set_rows_q q4_0", ops.rope_set_rows_q, k, pos_1, slots, *rope, kc4, Q4_0, 0, result=kc4)
+    run("rope_set_rows_q q4_0", ops.rope_set_rows_q, k, pos_1, slots, *rope, kc4, Q4_0, 0, *ops.rope_table(n_tok, d, 1),
+        result=kc4)
     c8 = np.zeros((64, n_kv, d // 32 * 34), np.uint8)
     run("set_rows q8_0", ops.set_rows, c8, k, slots, Q8_0, 0, result=c8)
     vc16 = F16_BITS(f(64, n_kv, d))

@@ -99,6 +99,22 @@ def _rope_args(p) -> tuple:
             p.get("mscale", 1.0), _NO_COMPS if c is None else _freqs[("comps", c)])
 
 
+_angle_tables = threading.local()  # per thread: one thread's kernels run one at a time
+
+
+def _angles(args: tuple, n: int, n_comps: int) -> tuple[np.ndarray, np.ndarray]:
+    """The calling thread's angle table (ops.rope_table) for this RoPE kind, of n rows at least:
+    every layer's RoPE of a step reads the first layer's cos and sin (ops._rope_angles)."""
+    tables = getattr(_angle_tables, "d", None)
+    if tables is None:
+        tables = _angle_tables.d = {}
+    key = (*args[:4], id(args[4]), args[5], id(args[6]), n_comps)  # the arrays are _rope_args' own, kept
+    t = tables.get(key)
+    if t is None or t[0].shape[0] < n:
+        t = tables[key] = ops.rope_table(max(n, 16), args[0], n_comps)
+    return t
+
+
 def _pos_rows(pos: np.ndarray) -> np.ndarray:
     """Positions as the kernels take them: a row of components per token (one, for plain RoPE)."""
     return pos.reshape(-1, 1) if pos.ndim == 1 else np.ascontiguousarray(pos)
@@ -205,7 +221,8 @@ def _bind_rope(node):
     def k(x, pos, out=None):
         out = _buf(node, out)
         kern = ops.rope if x.shape[0] >= ops.PAR_MIN_ROWS else ops.rope_1
-        kern(np.ascontiguousarray(x, np.float32), _pos_rows(pos), *args, out)
+        pos = _pos_rows(pos)
+        kern(np.ascontiguousarray(x, np.float32), pos, *args, out, *_angles(args, x.shape[0], pos.shape[1]))
         return out
     return k
 
@@ -218,12 +235,13 @@ def _bind_rope_set_rows(node):
         _check_cache(node, cache, blocks)
         par = x.shape[0] >= ops.PAR_MIN_ROWS
         x, pos = np.ascontiguousarray(x, np.float32), _pos_rows(pos)
+        cs = _angles(args, x.shape[0], pos.shape[1])
         # RoPE-rotated into a float row, then stored (quantized, Hadamard-rotated, or narrowed to
         # float16 by bit arithmetic where the CPU has no conversion); else written in place
         if blocks or rot or (cache.dtype == np.float16 and not NATIVE_HALF):
-            (ops.rope_set_rows_q if par else ops.rope_set_rows_q_1)(x, pos, slots, *args, _bits(cache), kind, rot)
+            (ops.rope_set_rows_q if par else ops.rope_set_rows_q_1)(x, pos, slots, *args, _bits(cache), kind, rot, *cs)
         else:
-            (ops.rope_set_rows if par else ops.rope_set_rows_1)(x, pos, slots, *args, _bits(cache))
+            (ops.rope_set_rows if par else ops.rope_set_rows_1)(x, pos, slots, *args, _bits(cache), *cs)
         return cache
     return k
 

@@ -137,22 +137,42 @@ def glu_oai(gate, up, alpha, limit, out):
 
 
 @numba.njit(**_JIT)
-def _rope_token(x, ps, n_rot, base, freq_scale, neox, freqs, mscale, comps, out):
-    """x, out (n_heads, head_dim) of one token at position ps[0] (or, multi-position RoPE with
-    `comps` (n_rot/2) not empty, pair i at ps[comps[i]]); out may be x, or a KV cache row
-    (float16 bits: see halfs). `freqs` (n_rot/2; empty: from base and freq_scale) are scaled
-    RoPE's per-dimension frequencies, `mscale` its cos/sin magnitude."""
-    half = n_rot // 2
-    for j in range(n_rot, x.shape[1]):
-        for h in range(x.shape[0]):
-            out[h, j] = like(out, x[h, j])
-    for i in range(half):
+def _rope_angles(ps, n_rot, base, freq_scale, freqs, mscale, comps, cs, cp):
+    """cs (n_rot/2, 2): each pair's float32 (cos, sin) times mscale at the positions ps, unless cp
+    (the positions they were made for) already equals ps: a step's layers share one table per
+    RoPE kind, and only its first layer pays for pow, cos and sin. The values are those computed
+    in place before the table, bit for bit."""
+    same = True
+    for j in range(ps.shape[0]):
+        if cp[j] != ps[j]:
+            same = False
+    if same:
+        return
+    for i in range(n_rot // 2):
         p = ps[comps[i]] if comps.shape[0] else ps[0]
         if freqs.shape[0]:
             theta = np.float64(p) * freqs[i]
         else:
             theta = freq_scale * np.float64(p) * base ** (-2.0 * i / n_rot)
-        c, s = np.float32(mscale * math.cos(theta)), np.float32(mscale * math.sin(theta))
+        cs[i, 0], cs[i, 1] = np.float32(mscale * math.cos(theta)), np.float32(mscale * math.sin(theta))
+    for j in range(ps.shape[0]):
+        cp[j] = ps[j]
+
+
+@numba.njit(**_JIT)
+def _rope_token(x, ps, n_rot, base, freq_scale, neox, freqs, mscale, comps, out, cs, cp):
+    """x, out (n_heads, head_dim) of one token at position ps[0] (or, multi-position RoPE with
+    `comps` (n_rot/2) not empty, pair i at ps[comps[i]]); out may be x, or a KV cache row
+    (float16 bits: see halfs). `freqs` (n_rot/2; empty: from base and freq_scale) are scaled
+    RoPE's per-dimension frequencies, `mscale` its cos/sin magnitude. cs, cp: this token's row of
+    the angle table (rope_table)."""
+    half = n_rot // 2
+    _rope_angles(ps, n_rot, base, freq_scale, freqs, mscale, comps, cs, cp)
+    for j in range(n_rot, x.shape[1]):
+        for h in range(x.shape[0]):
+            out[h, j] = like(out, x[h, j])
+    for i in range(half):
+        c, s = cs[i, 0], cs[i, 1]
         i0, i1 = (i, i + half) if neox else (2 * i, 2 * i + 1)
         for h in range(x.shape[0]):
             x0, x1 = x[h, i0], x[h, i1]
@@ -160,50 +180,59 @@ def _rope_token(x, ps, n_rot, base, freq_scale, neox, freqs, mscale, comps, out)
             out[h, i1] = like(out, x0 * s + x1 * c)
 
 
+NO_POS = np.iinfo(np.int64).min  # a table row made for no position yet
+
+
+def rope_table(n_tokens: int, n_rot: int, n_comps: int) -> tuple[np.ndarray, np.ndarray]:
+    """An empty angle table for n_tokens: (cs (n_tokens, n_rot/2, 2) float32, cp (n_tokens, n_comps)
+    int64, the positions each row was made for)."""
+    return np.zeros((n_tokens, n_rot // 2, 2), np.float32), np.full((n_tokens, n_comps), NO_POS, np.int64)
+
+
 @numba.njit(parallel=True, **_JIT)
-def rope(x, pos, n_rot, base, freq_scale, neox, freqs, mscale, comps, out):
+def rope(x, pos, n_rot, base, freq_scale, neox, freqs, mscale, comps, out, cs, cp):
     """x, out (n_tokens, n_heads, head_dim); rotate the first n_rot dims of each head."""
     for t in prange(x.shape[0]):
-        _rope_token(x[t], pos[t], n_rot, base, freq_scale, neox, freqs, mscale, comps, out[t])
+        _rope_token(x[t], pos[t], n_rot, base, freq_scale, neox, freqs, mscale, comps, out[t], cs[t], cp[t])
 
 
 @numba.njit(**_JIT)
-def rope_1(x, pos, n_rot, base, freq_scale, neox, freqs, mscale, comps, out):
+def rope_1(x, pos, n_rot, base, freq_scale, neox, freqs, mscale, comps, out, cs, cp):
     for t in range(x.shape[0]):
-        _rope_token(x[t], pos[t], n_rot, base, freq_scale, neox, freqs, mscale, comps, out[t])
+        _rope_token(x[t], pos[t], n_rot, base, freq_scale, neox, freqs, mscale, comps, out[t], cs[t], cp[t])
 
 
 @numba.njit(parallel=True, **_JIT)
-def rope_set_rows(x, pos, slots, n_rot, base, freq_scale, neox, freqs, mscale, comps, cache):
+def rope_set_rows(x, pos, slots, n_rot, base, freq_scale, neox, freqs, mscale, comps, cache, cs, cp):
     """cache[slots[t]] = rope(x[t]): K goes into the cache rotated, with no rotated copy."""
     for t in prange(x.shape[0]):
-        _rope_token(x[t], pos[t], n_rot, base, freq_scale, neox, freqs, mscale, comps, cache[slots[t]])
+        _rope_token(x[t], pos[t], n_rot, base, freq_scale, neox, freqs, mscale, comps, cache[slots[t]], cs[t], cp[t])
 
 
 @numba.njit(**_JIT)
-def rope_set_rows_1(x, pos, slots, n_rot, base, freq_scale, neox, freqs, mscale, comps, cache):
+def rope_set_rows_1(x, pos, slots, n_rot, base, freq_scale, neox, freqs, mscale, comps, cache, cs, cp):
     for t in range(x.shape[0]):
-        _rope_token(x[t], pos[t], n_rot, base, freq_scale, neox, freqs, mscale, comps, cache[slots[t]])
+        _rope_token(x[t], pos[t], n_rot, base, freq_scale, neox, freqs, mscale, comps, cache[slots[t]], cs[t], cp[t])
 
 
 @numba.njit(parallel=True, **_JIT)
-def rope_set_rows_q(x, pos, slots, n_rot, base, freq_scale, neox, freqs, mscale, comps, cache, kind, rot):
+def rope_set_rows_q(x, pos, slots, n_rot, base, freq_scale, neox, freqs, mscale, comps, cache, kind, rot, cs, cp):
     """rope_set_rows into a cache of blocks of type `kind`, or one that is Hadamard-rotated by H_rot
     (kvquant): each token RoPE-rotated into a float row, then stored into its slot."""
     for t in prange(x.shape[0]):
         r = np.empty(x.shape[1:], np.float32)
         tmp = np.empty(x.shape[2], np.float32)
-        _rope_token(x[t], pos[t], n_rot, base, freq_scale, neox, freqs, mscale, comps, r)
+        _rope_token(x[t], pos[t], n_rot, base, freq_scale, neox, freqs, mscale, comps, r, cs[t], cp[t])
         for h in range(x.shape[1]):
             put_row(r[h], cache[slots[t], h], kind, rot, tmp)
 
 
 @numba.njit(**_JIT)
-def rope_set_rows_q_1(x, pos, slots, n_rot, base, freq_scale, neox, freqs, mscale, comps, cache, kind, rot):
+def rope_set_rows_q_1(x, pos, slots, n_rot, base, freq_scale, neox, freqs, mscale, comps, cache, kind, rot, cs, cp):
     r = np.empty(x.shape[1:], np.float32)
     tmp = np.empty(x.shape[2], np.float32)
     for t in range(x.shape[0]):
-        _rope_token(x[t], pos[t], n_rot, base, freq_scale, neox, freqs, mscale, comps, r)
+        _rope_token(x[t], pos[t], n_rot, base, freq_scale, neox, freqs, mscale, comps, r, cs[t], cp[t])
         for h in range(x.shape[1]):
             put_row(r[h], cache[slots[t], h], kind, rot, tmp)
 
