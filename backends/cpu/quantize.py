@@ -132,10 +132,11 @@ def dequant_nib(qs, d, m, sup, ms, c, sub, rows, out, values):
     for n in range(rows.shape[0]):
         r = rows[n]
         for g in range(qs.shape[1]):
-            for w in range(64):
-                code = nib_code(qs, r, g, w)
-                k = (g * 64 + w) // sub
-                out[n, g * 64 + w] = scale(d, sup, sub, r, k) * values[code] + offset(d, m, sup, ms, c, sub, r, k)
+            for e in range(64 // sub):
+                k = g * (64 // sub) + e
+                sc, of = scale(d, sup, sub, r, k), offset(d, m, sup, ms, c, sub, r, k)
+                for w in range(e * sub, (e + 1) * sub):
+                    out[n, g * 64 + w] = sc * values[nib_code(qs, r, g, w)] + of
 
 
 @numba.njit(**_JIT)
@@ -145,7 +146,8 @@ def dequant_i8(qs, d, m, sup, ms, c, sub, rows, out):
         r = rows[n]
         i = r & 15
         for g in range(qs.shape[1]):
-            for w in range(64):
-                k = (g * 64 + w) // sub
-                out[n, g * 64 + w] = (scale(d, sup, sub, r, k) * np.float32(qs[r >> 4, g, w >> 2, 4 * i + (w & 3)])
-                                      + offset(d, m, sup, ms, c, sub, r, k))
+            for e in range(64 // sub):  # a sub-block's scale and offset once, not per weight
+                k = g * (64 // sub) + e
+                sc, of = scale(d, sup, sub, r, k), offset(d, m, sup, ms, c, sub, r, k)
+                for w in range(e * sub, (e + 1) * sub):
+                    out[n, g * 64 + w] = sc * np.float32(qs[r >> 4, g, w >> 2, 4 * i + (w & 3)]) + of
