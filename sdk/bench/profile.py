@@ -1,7 +1,9 @@
 """`hearthlm bench --profile`: where a decode step's time goes at 1, 4, 16 and 64 tokens per
 step. n requests decode together (8-token prompts, or --context N tokens: decode after a long
 prompt; the steps timed are decode steps of n tokens); each step's wall time splits into kernels by op kind, the rest of the graph walk
-(Python per node), and the engine around it (plan, inputs, sampling, callbacks)."""
+(Python per node), and the engine around it (plan, inputs, sampling, callbacks). Per op kind also
+the weight bytes its kernels read per step and the rate they read them at, against the host's
+read bandwidth (backends.cpu.bandwidth): where a decode step falls short of the roofline."""
 from __future__ import annotations
 
 import time
@@ -10,6 +12,7 @@ from collections import defaultdict
 import anyio
 
 from hearthlm.bench import session_options
+from hearthlm.core.graph import Op
 from hearthlm.runtime import dispatch
 from hearthlm.runtime import runner as runner_mod
 from hearthlm.runtime.graph_cache import bucket
@@ -25,6 +28,7 @@ class _Acc:
     def reset(self) -> None:
         self.by_op: dict[int, dict[str, float]] = defaultdict(lambda: defaultdict(float))
         self.walk: dict[int, float] = defaultdict(float)   # execute() as a whole
+        self.bytes: dict[int, dict[str, float]] = defaultdict(lambda: defaultdict(float))  # weight bytes read
         self.steps: dict[int, int] = defaultdict(int)
         self.cur: dict[str, float] = {}  # the running step's by_op
 
@@ -38,12 +42,24 @@ def _timed_execute(acc: _Acc):
         for st in cg.steps:  # wraps each kernel once per graph; the walk itself is dispatch.execute
             if st.kind is dispatch.KERNEL and not getattr(st.fn, "_timed", False):
                 st.fn = _wrap(st.fn, acc, st.node.op.value)
+            if st.kind is dispatch.KERNEL and st.node.op not in _LOOKUPS:
+                acc.bytes[n][st.node.op.value] += sum(_nbytes(cg.steps[j].value) for j in st.srcs
+                                                      if cg.steps[j].kind is dispatch.STATIC)
         acc.cur = by_op
         outs = dispatch.execute(cg, feed, cache_of)
         acc.walk[n] += time.perf_counter() - t_walk
         acc.steps[n] += 1
         return outs
     return execute
+
+
+_LOOKUPS = {Op.GET_ROWS}  # read a few rows of their table, not all of it
+
+
+def _nbytes(w) -> int:
+    """A prepared weight's bytes (a backend's packed layout, or an array)."""
+    n = getattr(w, "nbytes", 0)
+    return int(n() if callable(n) else n)
 
 
 def _wrap(fn, acc: _Acc, name: str):
@@ -93,28 +109,46 @@ async def _run(a, levels: list[int], decode: int) -> list[dict]:
             if not k:
                 continue
             ops = {op: t / k for op, t in acc.by_op[n].items()}
+            mb = {op: b / k / 1e6 for op, b in acc.bytes[n].items() if b}
             kern = sum(ops.values())
             walk = acc.walk[n] / k
             total = step_t[n] / k
             rows.append(dict(tokens=n, steps=k, step_ms=1e3 * total, kernels_ms=1e3 * kern,
                              walk_python_ms=1e3 * (walk - kern), engine_python_ms=1e3 * (total - walk),
-                             tok_s=n / total, ops={op: 1e3 * t for op, t in sorted(ops.items(), key=lambda x: -x[1])}))
+                             tok_s=n / total, ops={op: 1e3 * t for op, t in sorted(ops.items(), key=lambda x: -x[1])},
+                             weight_mb=mb, weight_gb_s={op: mb[op] / 1e3 / ops[op] for op in mb if ops.get(op)}))
     return rows
 
 
 def run_profile(a) -> list[dict]:
     levels = [int(x) for x in (a.concurrency or "1,4,16,64").split(",")]
-    return anyio.run(_run, a, levels, min(a.decode_tokens, 48))
+    rows = anyio.run(_run, a, levels, min(a.decode_tokens, 48))
+    from hearthlm.backends.cpu.bandwidth import read_bandwidth_apart
+    bw = read_bandwidth_apart(a.threads)
+    for r in rows:
+        r["read_gb_s"] = bw / 1e9
+        r["roofline"] = sum(r["weight_mb"].values()) * 1e6 * r["tok_s"] / r["tokens"] / bw
+    return rows
 
 
 def print_profile(rows: list[dict], model: str) -> None:
     print(f"model: {model}  per decode step (ms), tokens per step = concurrent requests")
-    print(f"{'tokens':>6} {'step':>8} {'kernels':>8} {'walk py':>8} {'engine py':>9} {'tok/s':>8}")
+    if rows:
+        print(f"host read bandwidth {rows[0]['read_gb_s']:.1f} GB/s; roofline: weight bytes a step reads at that rate "
+              "over the step's time")
+    print(f"{'tokens':>6} {'step':>8} {'kernels':>8} {'walk py':>8} {'engine py':>9} {'tok/s':>8} {'weight MB':>9} "
+          f"{'roofline':>8}")
     for r in rows:
         print(f"{r['tokens']:>6} {r['step_ms']:>8.2f} {r['kernels_ms']:>8.2f} {r['walk_python_ms']:>8.2f} "
-              f"{r['engine_python_ms']:>9.2f} {r['tok_s']:>8.1f}")
+              f"{r['engine_python_ms']:>9.2f} {r['tok_s']:>8.1f} {sum(r['weight_mb'].values()):>9.1f} {r['roofline']:>8.2f}")
     ops = list(dict.fromkeys(op for r in rows for op in r["ops"]))
     print("\nkernel time per step by op (ms)")
     print(f"{'op':>18} " + " ".join(f"{r['tokens']:>8}" for r in rows))
     for op in ops:
         print(f"{op:>18} " + " ".join(f"{r['ops'].get(op, 0.0):>8.2f}" for r in rows))
+    print("\nweight MB read per step, and GB/s while reading them, by op")
+    print(f"{'op':>18} " + " ".join(f"{str(r['tokens']) + ' MB':>8} {'GB/s':>6}" for r in rows))
+    for op in ops:
+        if any(op in r["weight_mb"] for r in rows):
+            print(f"{op:>18} " + " ".join(f"{r['weight_mb'].get(op, 0.0):>8.1f} {r['weight_gb_s'].get(op, 0.0):>6.1f}"
+                                          for r in rows))
