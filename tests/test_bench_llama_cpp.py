@@ -88,7 +88,7 @@ def test_the_side_answers_each_command(fake):
         assert side.ask("load", path="/m.gguf", n_ctx=256, threads=3, n_batch=64)["load_s"] > 0
         assert side.ask("eval", ids=[5, 6])["s"] > 0
         r = side.ask("round", prompt=[10, 11, 12], decode_prompt=[20, 21], decode_tokens=5)
-        assert set(r) == {"prefill_tok_s", "ttft_s", "decode_tok_s", "peak_rss_mb"}
+        assert set(r) == {"prefill_tok_s", "ttft_s", "decode_tok_s", "tokens", "peak_rss_mb"} and r["tokens"] == 5
         assert 0 < r["decode_tok_s"] < 1 / 0.001 and r["prefill_tok_s"] < 3 / 0.001 and r["peak_rss_mb"] > 1
         s = side.ask("serial", prompts=[[1, 2], [3, 4, 5]], decode_tokens=4)
         assert s["counts"] == [4, 4] and len(s["ttft_s"]) == 2 and len(s["itl_s"]) == 6

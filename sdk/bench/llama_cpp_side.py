@@ -8,7 +8,7 @@ The first answer, before any command, is the build: {"llama_cpp_python": version
 "python"}. Commands ({"op": ...}):
   load {path, n_ctx, threads, n_batch, embedding?, n_seq_max?} -> {load_s}
   eval {ids} -> {s}                                  (a warm-up: the ids prefilled from an empty context)
-  round {prompt, decode_prompt, decode_tokens} -> {prefill_tok_s, ttft_s, decode_tok_s, peak_rss_mb}
+  round {prompt, decode_prompt, decode_tokens} -> {prefill_tok_s, ttft_s, decode_tok_s, tokens, peak_rss_mb}
   serial {prompts, decode_tokens} -> {wall_s, ttft_s: [..], itl_s: [..], counts: [..]}
       (requests arriving together, served one at a time as llama-cpp-python does)
   embed {inputs, batch, warm} -> {texts_s}
@@ -64,7 +64,7 @@ class Side:
             if n >= decode_tokens:
                 break
         decode_s = time.perf_counter() - t - first
-        return dict(prefill_tok_s=len(prompt) / prefill_s, ttft_s=first,
+        return dict(prefill_tok_s=len(prompt) / prefill_s, ttft_s=first, tokens=n,
                     decode_tok_s=(n - 1) / decode_s if n > 1 else 0.0, peak_rss_mb=peak_rss_mb())
 
     def serial(self, prompts: list[list[int]], decode_tokens: int) -> dict:
