@@ -32,6 +32,11 @@ def _log(**kw):
 def llama_print_system_info():
     return b"CPU : FAKE = 1 | "
 
+LLAMA_POOLING_TYPE_NONE, LLAMA_POOLING_TYPE_MEAN = 0, 1
+
+def llama_pooling_type(ctx):
+    return ctx
+
 def llama_get_embeddings_seq(ctx, i):
     return [float(i)]
 
@@ -40,16 +45,18 @@ class _Batch:
     def add_sequence(self, ids, i, logits): self.n += len(ids)
 
 class _Ctx:
-    ctx = None
+    def __init__(self, pooling):
+        self.ctx = pooling
     def kv_cache_clear(self): pass
     def decode(self, batch): _log(op="decode", tokens=batch.n)
 
 class Llama:
     def __init__(self, model_path, n_ctx, n_threads=None, n_threads_batch=None, n_batch=512, verbose=True, **kw):
-        self.n_batch, self._batch, self._ctx = n_batch, _Batch(), _Ctx()
+        self.n_batch, self._batch, self._ctx = n_batch, _Batch(), _Ctx(kw.get("pooling_type", 0))
         _log(op="init", path=model_path, n_ctx=n_ctx, threads=n_threads, threads_batch=n_threads_batch, **kw)
         print("llama.cpp chatter on stdout")  # must not reach the answers' channel
     def reset(self): pass
+    def close(self): pass
     def eval(self, ids):
         time.sleep(0.001)
         _log(op="eval", ids=list(ids))
@@ -100,8 +107,9 @@ def test_the_side_answers_each_command(fake):
     calls = fake()
     assert calls[0] == dict(op="init", path="/m.gguf", n_ctx=256, threads=3, threads_batch=3)
     assert [c["ids"] for c in calls if c["op"] in ("eval", "generate")][:3] == [[5, 6], [10, 11, 12], [20, 21]]
-    assert calls[-3] == dict(op="init", path="/e.gguf", n_ctx=2048, threads=1, threads_batch=1, embedding=True,
-                             n_ubatch=12, n_seq_max=32)
+    # the fake's file names no pooling: opened again with mean pooling, as hearthlm pools a decoder
+    assert calls[-4:-2] == [dict(op="init", path="/e.gguf", n_ctx=2048, threads=1, threads_batch=1, embedding=True,
+                                 n_ubatch=12, n_seq_max=32, **more) for more in ({}, dict(pooling_type=1))]
     assert [c["tokens"] for c in calls if c["op"] == "decode"] == [10, 5]  # n_batch 12: two texts, then one
 
 
@@ -160,8 +168,19 @@ def test_single_stream_rounds_in_turn_and_the_report(fake, capsys, smollm2_path)
     assert sum(c["op"] == "generate" for c in calls) == 2
     table = _bench(capsys, *common).splitlines()
     assert table[0].startswith(f"cpu: {cpu['cpu']}, ") and "load average" in table[0] and " at end" in table[0]
-    assert table[1].startswith("read bandwidth: ") and out["read_bandwidth_gb_s"] > 0
-    assert table[2] == f"llama.cpp: llama-cpp-python 0.0-fake in {sys.executable}: CPU : FAKE = 1"
+    head = table[:table.index(next(ln for ln in table if ln.startswith("model: ")))]
+    assert any(ln.startswith("read bandwidth: ") for ln in head) and out["read_bandwidth_gb_s"] > 0
+    assert f"llama.cpp: llama-cpp-python 0.0-fake in {sys.executable}: CPU : FAKE = 1" in head
+
+
+def test_a_busy_host_is_called_so():
+    """The header says when the 1-minute load reached the core count (llama.cpp's spinning OpenMP
+    threads then slow it several times over). Mutation: the check reading the 15-minute load fails it."""
+    host = dict(cpu="X", isa=["avx2"], cores=2)
+    quiet = yardstick.header_lines(dict(host=host, load_start=[0.5, 3.0, 3.0], load_end=[1.2, 3.0, 3.0]))
+    busy = yardstick.header_lines(dict(host=host, load_start=[0.5, 0.2, 0.1], load_end=[2.5, 0.5, 0.1]))
+    assert quiet[0] == "cpu: X, 2 cores, avx2 (no amx)  load average 0.50/3.00/3.00 at start, 1.20/3.00/3.00 at end"
+    assert len(quiet) == 1 and busy[1].startswith("busy host: 1-minute load 2.50 on 2 cores")
 
 
 def test_concurrency_against_llama_cpps_serial_rate(fake, capsys, smollm2_path):

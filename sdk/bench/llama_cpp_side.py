@@ -39,11 +39,18 @@ class Side:
 
     def load(self, path: str, n_ctx: int, threads: int, n_batch: int = 512, embedding: bool = False,
              n_seq_max: int = 1) -> dict:
-        from llama_cpp import Llama
+        import llama_cpp
         t = time.perf_counter()
         kw = dict(embedding=True, n_ubatch=n_batch, n_seq_max=n_seq_max) if embedding else {}
-        self.llm = Llama(model_path=path, n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads, n_batch=n_batch,
-                         verbose=False, **kw)
+
+        def open_(**more):
+            return llama_cpp.Llama(model_path=path, n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
+                                   n_batch=n_batch, verbose=False, **kw, **more)
+        self.llm = open_()
+        if embedding and llama_cpp.llama_pooling_type(self.llm._ctx.ctx) == llama_cpp.LLAMA_POOLING_TYPE_NONE:
+            # a decoder's file names no pooling: mean, as hearthlm pools it (no per-sequence embeddings else)
+            self.llm.close()
+            self.llm = open_(pooling_type=llama_cpp.LLAMA_POOLING_TYPE_MEAN)
         return dict(load_s=time.perf_counter() - t)
 
     def eval(self, ids: list[int]) -> dict:

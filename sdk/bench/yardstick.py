@@ -128,6 +128,10 @@ def header_lines(facts: dict) -> list[str]:
     lines = [f"cpu: {h['cpu']}, {h['cores']} cores, {' '.join(h['isa']) or 'no AVX2'}"
              + ("" if any(f.startswith("amx") for f in h["isa"]) else " (no amx)")
              + f"  load average {_load(facts.get('load_start'))} at start, {_load(facts.get('load_end'))} at end"]
+    busy = max((x[0] for x in (facts.get("load_start"), facts.get("load_end")) if x), default=0.0)
+    if busy >= h["cores"]:  # measured here: llama.cpp's 2 OpenMP threads 5-6x slower than its 1 at load 7 on 2 cores
+        lines.append(f"busy host: 1-minute load {busy:.2f} on {h['cores']} cores; figures (llama.cpp's spinning "
+                     "threads above all) are not comparable with a quiet run's")
     if facts.get("read_bandwidth_gb_s"):
         lines.append(f"read bandwidth: {facts['read_bandwidth_gb_s']:.1f} GB/s ({facts['bandwidth_threads']} threads)")
     b = facts.get("llama_cpp")
