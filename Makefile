@@ -50,23 +50,28 @@ test-ray: $(VENV)/.stamp-test
 	$(PIP) install -e '.[ray,dev]'
 	$(PY) -m pytest -q -m ray tests/test_ray.py
 
+# llama.cpp's side of --compare-llama-cpp runs in this interpreter (one with llama-cpp-python, e.g. the
+# shared build's); empty: $HEARTHLM_LLAMA_CPP_PYTHON, else .venv's own if it imports llama_cpp
+LLAMA_CPP_PYTHON ?=
+LCP := $(if $(LLAMA_CPP_PYTHON),--llama-cpp-python $(LLAMA_CPP_PYTHON))
+
 bench: $(VENV)/.stamp
-	$(VENV)/bin/hearthlm bench
+	$(VENV)/bin/hearthlm bench $(if $(LLAMA_CPP_PYTHON),--compare-llama-cpp $(LCP))
 
 # Hybrid models at real shapes (Qwen3.5-0.8B, LFM2-350M; random Q4_K_M-like weights, written once
-# to BENCH_DIR): prefill, decode and 16 streams, beside llama-cpp-python where it is importable
+# to BENCH_DIR): prefill, decode and 16 streams, beside llama-cpp-python in LLAMA_CPP_PYTHON
 BENCH_DIR ?= /tmp/hearthlm-bench
 bench-hybrid: $(VENV)/.stamp
 	$(PY) tests/parity/bench_models.py $(BENCH_DIR)
 	for m in qwen35-0.8b lfm2-350m; do \
-		$(VENV)/bin/hearthlm bench --model $(BENCH_DIR)/$$m.gguf --compare-llama-cpp --concurrency 1,16 || exit 1; done
+		$(VENV)/bin/hearthlm bench --model $(BENCH_DIR)/$$m.gguf --compare-llama-cpp $(LCP) --concurrency 1,16 || exit 1; done
 
 # Embedding throughput at all-MiniLM-L6's and bge-small's shapes (F16, Q8_0; random weights): texts/s
-# at batch 1 and 32 beside llama-cpp-python where it is importable
+# at batch 1 and 32 beside llama-cpp-python in LLAMA_CPP_PYTHON
 bench-embed: $(VENV)/.stamp
 	$(PY) tests/parity/bench_encoders.py $(BENCH_DIR)
 	for m in minilm-l6-f16 minilm-l6-q8_0 bge-small-f16 bge-small-q8_0; do \
-		$(VENV)/bin/hearthlm bench --embed --model $(BENCH_DIR)/$$m.gguf --n-ctx 512 --compare-llama-cpp || exit 1; done
+		$(VENV)/bin/hearthlm bench --embed --model $(BENCH_DIR)/$$m.gguf --n-ctx 512 --compare-llama-cpp $(LCP) || exit 1; done
 
 # 600 mixed requests (cancelled, timed out, invalid, too long, ...) at concurrency 24; the
 # suite runs 120 of them (tests/test_soak.py)

@@ -97,8 +97,9 @@ def test_command_prints_its_table(capsys, monkeypatch):
                     f"llama-cpp-python's mtmd bindings (${bench_vision.ENV_PYTHON}, else {LCP_PYTHON}): none here")
 def test_command_against_llama_cpp(capsys, monkeypatch):
     """--compare-llama-cpp adds llama.cpp's row (mtmd on the same file and pixels, its rounds in turn
-    with hearthlm's) and the ratio, and what llama.cpp's flash attention default resolved to.
-    Mutation: the ratio taken llama.cpp / hearthlm fails it."""
+    with hearthlm's) and the ratio, what llama.cpp's flash attention default resolved to, and the
+    build and the host. Mutations: the ratio taken llama.cpp / hearthlm, or the build's facts not
+    passed on from the child's first line, each fail it."""
     monkeypatch.setenv(bench_vision.ENV_PYTHON, LCP_PYTHON)
     out = json.loads(_run(capsys, "--mmproj", str(MMPROJ), "--compare-llama-cpp", "--json"))
     ours, theirs, ratio = out["rows"]
@@ -108,6 +109,9 @@ def test_command_against_llama_cpp(capsys, monkeypatch):
     assert len(out["llama_cpp_encode_rounds"]) == len(out["llama_cpp_ttft_rounds"]) == 2
     assert out["llama_cpp_image_tokens"] == out["image_tokens"] == 16
     assert theirs["flash_attn"] in ("enabled", "disabled") and out["mtmd_flash_attn_type"] == -1
+    # the one yardstick's facts (hearthlm.bench.yardstick): the build and the host
+    assert out["llama_cpp"]["python"] == LCP_PYTHON and "AVX" in out["llama_cpp"]["system_info"]
+    assert out["host"]["cpu"] and len(out["load_start"]) == len(out["load_end"]) == 3
 
 
 # a tower whose encode takes about a second here: long beside the tiny text model's steps (~1 ms)

@@ -51,7 +51,7 @@ def test_cli_bench_json_schema(smollm2_path):
             "--decode-tokens", "8", "--repeat", "1", "--n-ctx", "512", "--json")
     assert r.returncode == 0, r.stderr
     import json
-    rows = json.loads(r.stdout)
+    rows = json.loads(r.stdout)["rows"]  # beside the host and build facts
     assert [x["concurrency"] for x in rows] == [1, 2]
     for x in rows:
         assert x["plain_tokens_per_req"] == 8 and x["constrained_tokens_per_req"] == 8

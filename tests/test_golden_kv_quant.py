@@ -29,8 +29,12 @@ CASES = [(m, t) for m in REF for t in ("q8_0", "q4_0") if (m, t) != ("qwen2.5-co
 # first-step top-1 log-prob tolerance: a quantized cache moves these log-probs, llama.cpp's own by
 # up to 1.26 nats (q8_0, Qwen2.5's second case) and 2.34 (q4_0) from its f16 cache's, and its
 # kernel also rounds Q to 8 bits for the products with quantized K (ours keeps Q in float32)
-TOP1_TOL = {"q8_0": 0.5, "q4_0": 1.0}  # q4_0: Gemma 3's case 5 came out 0.92 nat off in one full-suite run
-# (0.75 and under alone; a near-tie of 0.08 nat between its two top tokens), llama.cpp's own q4_0 moves 2.34
+TOP1_TOL = {"q8_0": 0.5, "q4_0": 1.0}  # q4_0: Gemma 3's case 5 is 0.924 nat off (a near-tie of 0.08 nat
+# between its two top tokens), llama.cpp's own q4_0 moves 2.34. Once 0.92 in a fresh clone's full run and
+# 0.75 alone: the full run compiled the kernels in its process, the run alone loaded them from numba's cache,
+# and the two copies of the GLU differed in their last bits (reassociation; fixed by ops._JIT_ORDERED). Now
+# the same bits compiled or cached, alone or after other tests (tests/test_kernel_cache.py; threads, chunks
+# and neighbours: tests/test_invariance_real.py)
 # Qwen2.5's q8_0 case 1: ours -1.22 (AVX-512 host) for llama.cpp's -1.85, whose own q8_0 run moved it by 1.26
 TOP1_TOL_MODEL = {("qwen2.5-coder-0.5b-instruct", "q8_0"): 0.75}
 # q4_0's greedy path turns on the rounding of 4-bit K/V codes: a perturbation as small as rounding

@@ -11,7 +11,7 @@ def test_startup_run_reports_its_figures(tmp_path):
     assert all(r[k] > 0 for k in KEYS), r
     assert r["start_to_token_s"] > r["open_s"] + r["first_token_s"]  # the process start counts too
     assert r["weight_cache"] == {"cpu": "hit"} or r["weight_cache"] == {"cpu": "written"}
-    rows = bench_startup(path, repeat=1, n_ctx=64, compare=False)
+    rows = bench_startup(path, repeat=1, n_ctx=64)
     assert [x["engine"] for x in rows] == ["hearthlm"] and rows[0]["weight_cache"] == {"cpu": "hit"}
 
 

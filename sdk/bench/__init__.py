@@ -4,7 +4,8 @@ out of the package root beside Session. `command` parses the flags and picks the
 `profile` (time per op kind per decode step), `startup` (fresh processes; `prepare`),
 `speculative`, `roofline` (bytes read per token), and `vision` (--image: a vision tower's encode
 and time to first token; `vision_files` makes random towers at real shapes, `vision_llama_cpp`
-is llama.cpp's side)."""
+is llama.cpp's side for --image; `yardstick` runs `llama_cpp_side` for every other mode, in the
+interpreter --llama-cpp-python names, and gathers the host and build facts each report names)."""
 from __future__ import annotations
 
 import argparse

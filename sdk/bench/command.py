@@ -8,6 +8,7 @@ import json
 import anyio
 
 from hearthlm.bench import session_options
+from hearthlm.bench.yardstick import ENV_PYTHON, Report, header_lines
 from hearthlm.model_zoo.resolve import resolve_model
 
 KV_LIST_HELP = "bench takes a comma list (e.g. f16,q8_0) and measures each in turn"
@@ -23,7 +24,11 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--context", type=int, default=8, metavar="N",
                    help="prompt tokens before the decode measurement (decode after a long prompt: e.g. 1500)")
     p.add_argument("--threads", type=int, default=None, help="numba threads (default: all cores)")
-    p.add_argument("--compare-llama-cpp", action="store_true")
+    p.add_argument("--compare-llama-cpp", action="store_true",
+                   help="the same work through llama-cpp-python, in rounds taken in turn with hearthlm's")
+    p.add_argument("--llama-cpp-python", default=None, metavar="PATH",
+                   help="the interpreter whose llama-cpp-python runs llama.cpp's side, in a child process "
+                        f"(default ${ENV_PYTHON}, else this one if it imports llama_cpp)")
     p.add_argument("--concurrency", default=None,
                    help="comma-separated levels, e.g. 1,4,16: aggregate tokens/s, p50/p99 time to first "
                         "token and inter-token latency with that many concurrent generations")
@@ -82,14 +87,24 @@ def _path(a: argparse.Namespace) -> str:
     return str(resolve_model(a.model, filename=session_options(a).filename))
 
 
+def _emit(a: argparse.Namespace, report: Report, rows, show) -> None:
+    """--json: {"host", "load_start", "load_end", "llama_cpp" (the build, or null), "rows"}; else
+    the host and build lines, then show()'s table."""
+    facts = report.end()
+    if a.json:
+        print(json.dumps(dict(facts, rows=rows), indent=2))
+        return
+    for line in header_lines(facts):
+        print(line)
+    show()
+
+
 def _embed(a: argparse.Namespace) -> None:
     from hearthlm.bench.embed import bench_embed
-    rows = bench_embed(a, _path(a))
-    if a.json:
-        print(json.dumps(rows, indent=2))
-        return
-    _print_pairs(f"model: {a.model}  embeddings: texts of 16-128 tokens, texts/s (median of {a.repeat} rounds)",
-                 rows, ".2f")
+    report = Report()
+    rows = bench_embed(a, _path(a), report)
+    _emit(a, report, rows, lambda: _print_pairs(
+        f"model: {a.model}  embeddings: texts of 16-128 tokens, texts/s (median of {a.repeat} rounds)", rows, ".2f"))
 
 
 def _image(a: argparse.Namespace) -> None:
@@ -108,48 +123,48 @@ def _image(a: argparse.Namespace) -> None:
 
 def _profile(a: argparse.Namespace) -> None:
     from hearthlm.bench.profile import print_profile, run_profile
+    report = Report()
     rows = run_profile(a)
-    print(json.dumps(rows, indent=2)) if a.json else print_profile(rows, a.model)
+    _emit(a, report, rows, lambda: print_profile(rows, a.model))
 
 
 def _startup(a: argparse.Namespace) -> None:
     from hearthlm.bench.startup import bench_startup, first_run, print_rows
+    from hearthlm.bench.yardstick import LlamaCppSide, interpreter
     path, n_ctx = _path(a), session_options(a).n_ctx
-    rows = bench_startup(path, repeat=a.repeat, n_ctx=n_ctx)
+    report, py = Report(), interpreter(a)
+    if py:
+        with LlamaCppSide(py) as side:  # the build's facts (each timed start is a fresh process of its own)
+            report.build = side.build
+    rows = bench_startup(path, repeat=a.repeat, n_ctx=n_ctx, python=py)
     if a.first_run:
         rows.append(dict(engine="first run", **first_run(path, n_ctx)))
-    if a.json:
-        print(json.dumps(rows, indent=2))
-    else:
-        print_rows(rows, f"model: {a.model}  startup: medians of {a.repeat} fresh processes, 1 token each")
+    _emit(a, report, rows, lambda: print_rows(
+        rows, f"model: {a.model}  startup: medians of {a.repeat} fresh processes, 1 token each"))
 
 
 def _speculative(a: argparse.Namespace) -> None:
     from hearthlm.bench.speculative import run as run_spec
+    report = Report()
     rows = run_spec(a)
-    if a.json:
-        print(json.dumps(rows, indent=2))
-        return
-    _print_pairs(f"model: {a.model}  speculative: {a.speculative}  {a.decode_tokens} tokens", rows, ".3f")
+    _emit(a, report, rows, lambda: _print_pairs(
+        f"model: {a.model}  speculative: {a.speculative}  {a.decode_tokens} tokens", rows, ".3f"))
 
 
 def _json_schema(a: argparse.Namespace) -> None:
     from hearthlm.bench.speed import bench_json_schema
+    report = Report()
     rows = anyio.run(bench_json_schema, a)
-    if a.json:
-        print(json.dumps(rows, indent=2))
-        return
-    _print_pairs(f"model: {a.model}  schema: {a.json_schema}  max_tokens: {a.decode_tokens}", rows, ".3f")
+    _emit(a, report, rows, lambda: _print_pairs(
+        f"model: {a.model}  schema: {a.json_schema}  max_tokens: {a.decode_tokens}", rows, ".3f"))
 
 
 def _concurrency(a: argparse.Namespace) -> None:
     from hearthlm.bench.speed import concurrency_rows, with_load
-    rows = with_load(a, lambda: concurrency_rows(a)) if a.competing_load else concurrency_rows(a)
-    if a.json:
-        print(json.dumps(rows, indent=2))
-        return
-    _print_table(f"model: {a.model}  decode: {a.decode_tokens} tokens per request", rows,
-                 list(dict.fromkeys(c for r in rows for c in r)), 15, ".3f")
+    report = Report()
+    rows = with_load(a, lambda: concurrency_rows(a, report)) if a.competing_load else concurrency_rows(a, report)
+    _emit(a, report, rows, lambda: _print_table(f"model: {a.model}  decode: {a.decode_tokens} tokens per request", rows,
+                                                list(dict.fromkeys(c for r in rows for c in r)), 15, ".3f"))
 
 
 def _single(a: argparse.Namespace) -> None:
@@ -158,14 +173,12 @@ def _single(a: argparse.Namespace) -> None:
     if a.threads:
         import numba
         numba.set_num_threads(a.threads)
-    rows = with_load(a, lambda: single_rows(a)) if a.competing_load else single_rows(a)
-    if a.json:
-        print(json.dumps(rows, indent=2))
-        return
+    report = Report()
+    rows = with_load(a, lambda: single_rows(a, report)) if a.competing_load else single_rows(a, report)
     cols = ["engine", "backend", "load_s", "ttft_s", "prefill_tok_s", "decode_tok_s", "peak_rss_mb", "mb_per_token",
             "roofline"] + (["kv_bytes_per_token"] if len(kv_types(a)) > 1 else [])
-    _print_table(f"model: {a.model}  prompt: {a.prompt_tokens} tokens  decode: {a.decode_tokens} tokens", rows,
-                 cols, 13, ".2f")
+    _emit(a, report, rows, lambda: _print_table(
+        f"model: {a.model}  prompt: {a.prompt_tokens} tokens  decode: {a.decode_tokens} tokens", rows, cols, 13, ".2f"))
 
 
 def run_bench(a: argparse.Namespace) -> None:

@@ -1,18 +1,19 @@
 """`hearthlm bench --embed`: embedding throughput, texts/s, one text per call (batch 1) and 32
 texts per call (batch 32), on the model given (an encoder, or a decoder's embeddings). With
---compare-llama-cpp, llama-cpp-python (never a dependency) embeds the same token ids in its own
-process (embedding=True, the file's pooling), in rounds taken in turn with hearthlm's; each
-figure is the median of --repeat rounds. Each engine first embeds the texts once (warm-up)."""
+--compare-llama-cpp, llama-cpp-python (never a dependency) embeds the same token ids in the
+interpreter --llama-cpp-python names (hearthlm.bench.yardstick's child; embedding=True, the file's
+pooling), in rounds taken in turn with hearthlm's; each figure is the median of --repeat rounds.
+Each engine first embeds the texts once (warm-up)."""
 from __future__ import annotations
 
-import multiprocessing
+import sys
 import time
-from concurrent.futures import ProcessPoolExecutor
 
 import anyio
 import numpy as np
 
 from hearthlm.bench import session_options
+from hearthlm.bench.yardstick import NO_INTERPRETER, LlamaCppSide, interpreter
 from hearthlm.session import Session
 
 N_TEXTS = 64  # per round: 64 single calls, or 2 calls of 32
@@ -32,39 +33,6 @@ def _rate(embed, inputs: list[list[int]], batch: int) -> float:
     return len(inputs) / (time.perf_counter() - t0)
 
 
-def _llama_cpp_worker(path: str, inputs, batch: int, warm: bool) -> float | None:
-    try:
-        import llama_cpp
-    except ImportError:
-        return None
-    global _LLM
-    if "_LLM" not in globals():  # llama-cpp-python's defaults but for the sequences per decode
-        _LLM = llama_cpp.Llama(model_path=path, embedding=True, n_ctx=2048, n_batch=512, n_ubatch=512,
-                               n_seq_max=32, verbose=False)
-    llm = _LLM
-
-    def decode(seqs):
-        llm._batch.reset()
-        for i, ids in enumerate(seqs):
-            llm._batch.add_sequence(ids, i, False)
-        llm._ctx.kv_cache_clear()
-        llm._ctx.decode(llm._batch)
-        return [llama_cpp.llama_get_embeddings_seq(llm._ctx.ctx, i)[0] for i in range(len(seqs))]
-
-    def embed(batch_ids):  # llama-cpp-python's embed(list), on ids: decodes of up to n_batch tokens
-        out, group, n = [], [], 0
-        for ids in batch_ids:
-            if group and (n + len(ids) > llm.n_batch or len(group) >= 32):
-                out += decode(group)
-                group, n = [], 0
-            group.append(ids)
-            n += len(ids)
-        return out + decode(group)
-    if warm:
-        _rate(embed, inputs, batch)
-    return _rate(embed, inputs, batch)
-
-
 async def _rate_async(s: Session, inputs: list[list[int]], batch: int) -> float:
     t0 = time.perf_counter()
     for i in range(0, len(inputs), batch):
@@ -72,28 +40,40 @@ async def _rate_async(s: Session, inputs: list[list[int]], batch: int) -> float:
     return len(inputs) / (time.perf_counter() - t0)
 
 
-async def _bench(path: str, a, llama_ex) -> list[dict]:
+async def _bench(path: str, a, side) -> list[dict]:
     rows = []
     async with Session.open(path, options=session_options(a)) as s:
         inputs = texts(s.model.n_vocab)
         for batch in (1, 32):
             ours, theirs = [], []
             await _rate_async(s, inputs, batch)  # warm-up: the graphs of these shapes
+            if side is not None and batch == 1:  # llama-cpp-python's defaults but for the sequences per decode
+                side.ask("load", path=path, n_ctx=2048, threads=_threads(a), n_batch=512, embedding=True, n_seq_max=32)
             for rep in range(a.repeat):
                 ours.append(await _rate_async(s, inputs, batch))
-                if llama_ex is not None:
+                if side is not None:
                     theirs.append(await anyio.to_thread.run_sync(
-                        lambda: llama_ex.submit(_llama_cpp_worker, path, inputs, batch, rep == 0).result()))
+                        lambda: side.ask("embed", inputs=inputs, batch=batch, warm=rep == 0)["texts_s"]))
             row = dict(batch=batch, hearthlm_texts_s=float(np.median(ours)))
-            if theirs and theirs[0] is not None:
+            if theirs:
                 row.update(llama_cpp_texts_s=float(np.median(theirs)))
                 row.update(ratio=row["hearthlm_texts_s"] / row["llama_cpp_texts_s"])
             rows.append(row)
     return rows
 
 
-def bench_embed(a, path: str) -> list[dict]:
-    if not a.compare_llama_cpp:
+def _threads(a) -> int:
+    import os
+    return a.threads or len(os.sched_getaffinity(0))
+
+
+def bench_embed(a, path: str, report=None) -> list[dict]:
+    py = interpreter(a) if a.compare_llama_cpp else None
+    if a.compare_llama_cpp and py is None:
+        print(NO_INTERPRETER, file=sys.stderr)
+    if not py:
         return anyio.run(_bench, path, a, None)
-    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as ex:
-        return anyio.run(_bench, path, a, ex)
+    with LlamaCppSide(py) as side:
+        if report is not None:
+            report.build = side.build
+        return anyio.run(_bench, path, a, side)

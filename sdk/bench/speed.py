@@ -1,7 +1,8 @@
 """`hearthlm bench`'s throughput: prefill tokens/s (a 512-token prompt), decode tokens/s, load time,
 time to first token and peak RSS, single stream, and decode as a fraction of the memory
 roofline (hearthlm.bench.roofline: bytes read per token over the host's measured read bandwidth); `--compare-llama-cpp` runs the same work
-through llama-cpp-python when it is importable (never a dependency), in rounds taken in turn
+through llama-cpp-python (never a dependency) in the interpreter --llama-cpp-python names, as a child
+process (hearthlm.bench.yardstick, llama_cpp_side.py), in rounds taken in turn
 with hearthlm's, each figure the median of --repeat rounds. Each engine first runs
 a prompt of the same length with other tokens, as llama-bench warms up: the figures are steady
 state (hearthlm's first prompt of a new length also builds that shape's graph and loads its
@@ -15,7 +16,6 @@ import multiprocessing
 import resource
 import sys
 import time
-from concurrent.futures import ProcessPoolExecutor
 from contextlib import AsyncExitStack
 
 import anyio
@@ -23,6 +23,7 @@ import numpy as np
 
 from hearthlm.bench import kv_types, session_options
 from hearthlm.bench.roofline import gguf_bytes_per_token, hearthlm_bytes_per_token
+from hearthlm.bench.yardstick import NO_INTERPRETER, LlamaCppSide, interpreter
 from hearthlm.model_zoo.resolve import resolve_model
 from hearthlm.session import Session
 
@@ -61,39 +62,14 @@ async def _hearthlm_round(s, a, rep: int) -> dict:
                 decode_tok_s=(n - 1) / decode_s if n > 1 else 0.0)
 
 
-_llm = None  # the llama.cpp worker process's model, loaded by its first round
+def _llama_cpp_round(side, a, rep: int, n_vocab: int) -> dict:
+    return side.ask("round", prompt=_prompt(n_vocab, a.prompt_tokens, seed=10 + rep),
+                    decode_prompt=_decode_prompt(n_vocab, a, rep), decode_tokens=a.decode_tokens)
 
 
-def _llama_cpp_round(a, path: str, rep: int) -> dict | None:
-    global _llm
-    try:
-        from llama_cpp import Llama
-    except ImportError:
-        return None
-    out = {}
-    if _llm is None:
-        threads = a.threads or len(__import__("os").sched_getaffinity(0))
-        t0 = time.perf_counter()
-        _llm = Llama(model_path=path, n_ctx=session_options(a).n_ctx, n_threads=threads, n_batch=512, verbose=False)
-        out["load_s"] = time.perf_counter() - t0
-        _llm.eval(_prompt(_llm.n_vocab(), a.prompt_tokens, seed=1))  # warm-up
-    llm = _llm
-    prompt = _prompt(llm.n_vocab(), a.prompt_tokens, seed=10 + rep)
-    llm.reset()
-    t = time.perf_counter()
-    llm.eval(prompt)
-    prefill_s = time.perf_counter() - t
-    llm.reset()
-    t, first, n = time.perf_counter(), None, 0
-    for _tok in llm.generate(_decode_prompt(llm.n_vocab(), a, rep), temp=0.0, top_k=1):
-        if first is None:
-            first = time.perf_counter() - t
-        n += 1
-        if n >= a.decode_tokens:
-            break
-    decode_s = time.perf_counter() - t - first
-    return dict(out, prefill_tok_s=a.prompt_tokens / prefill_s, ttft_s=first, decode_tok_s=(n - 1) / decode_s,
-                peak_rss_mb=_peak_rss_mb())
+def _threads(a) -> int:
+    import os
+    return a.threads or len(os.sched_getaffinity(0))
 
 
 def _median_row(engine: str, backend: str, load_s: float, rounds: list[dict]) -> dict:
@@ -103,7 +79,7 @@ def _median_row(engine: str, backend: str, load_s: float, rounds: list[dict]) ->
                 peak_rss_mb=rounds[-1].get("peak_rss_mb", 0.0))
 
 
-async def _bench_single(a, ex, path: str) -> list[dict]:
+async def _bench_single(a, side, path: str, report=None) -> list[dict]:
     """Rounds of (hearthlm, llama.cpp) in turn, so that a noisy spell of a shared machine hits
     both; each figure is the median over the rounds. Several --kv-cache-type: a session each,
     open side by side, their rounds taken in turn too (the first of them also paired with llama.cpp)."""
@@ -119,7 +95,10 @@ async def _bench_single(a, ex, path: str) -> list[dict]:
         s = sessions[0]
         for x in sessions:
             await x.generate(_prompt(x.model.n_vocab, a.prompt_tokens, seed=1), max_tokens=2, temperature=0)  # warm-up
-        ours, ref = [[] for _ in kvs], []
+        ours, ref, ref_load = [[] for _ in kvs], [], None
+        if side is not None:
+            ref_load = side.ask("load", path=path, n_ctx=session_options(a).n_ctx, threads=_threads(a), n_batch=512)
+            side.ask("eval", ids=_prompt(s.model.n_vocab, a.prompt_tokens, seed=1))  # warm-up
         bws = []  # read bandwidth, measured each round: a shared machine's load varies
         for rep in range(a.repeat):
             if backend == "cpu":
@@ -128,13 +107,8 @@ async def _bench_single(a, ex, path: str) -> list[dict]:
             for i in range(len(kvs)):  # which type goes first turns with the rounds
                 j = (i + rep) % len(kvs)
                 ours[j].append(await _hearthlm_round(sessions[j], a, rep))
-            if ex is not None:
-                r = await anyio.to_thread.run_sync(lambda: ex.submit(_llama_cpp_round, a, path, rep).result())
-                if r is None:
-                    print("llama-cpp-python is not importable; skipping the comparison")
-                    ex = None
-                else:
-                    ref.append(r)
+            if side is not None:
+                ref.append(await anyio.to_thread.run_sync(lambda: _llama_cpp_round(side, a, rep, s.model.n_vocab)))
         ctx = a.context + a.decode_tokens / 2  # the decode rounds' mean context
         bpt = [hearthlm_bytes_per_token(x, ctx) for x in sessions]
         bpt.insert(1, gguf_bytes_per_token(s, ctx))
@@ -144,13 +118,13 @@ async def _bench_single(a, ex, path: str) -> list[dict]:
     for r in rows:
         r["peak_rss_mb"] = _peak_rss_mb()
     if ref:
-        rows.insert(1, _median_row("llama.cpp", "cpu", ref[0]["load_s"], ref))
+        rows.insert(1, _median_row("llama.cpp", "cpu", ref_load["load_s"], ref))
     for r, b in zip(rows, bpt):  # decode as a fraction of what the read bandwidth allows
         r["mb_per_token"] = b / 1e6
         if bw:
             r["roofline"] = r["decode_tok_s"] * b / bw
-    if bw:
-        print(f"read bandwidth: {bw / 1e9:.1f} GB/s ({a.threads or 'all'} threads)")
+    if bw and report is not None:  # the report's header names it
+        report.facts.update(read_bandwidth_gb_s=bw / 1e9, bandwidth_threads=a.threads or "all")
     if ref:
         rows.insert(2, dict(engine="ratio", backend="", **{
             k: rows[0][k] / rows[1][k] for k in ("prefill_tok_s", "decode_tok_s")}))
@@ -179,37 +153,19 @@ def _row(n: int, wall: float, counts, ttft, itl, engine: str) -> dict:
                 tokens=sum(counts))
 
 
-def _concurrency_llama_cpp(a, path: str, levels: list[int]) -> list[dict] | None:
+def _concurrency_llama_cpp(side, a, path: str, levels: list[int], n_vocab: int) -> list[dict]:
     """llama-cpp-python serves one request at a time: n requests arriving together are
     prefilled and decoded in turn; time to first token counts the wait for those before."""
-    try:
-        from llama_cpp import Llama
-    except ImportError:
-        return None
-    llm = Llama(model_path=path, n_ctx=session_options(a).n_ctx, n_threads=len(__import__("os").sched_getaffinity(0)),
-                n_batch=512, verbose=False)
+    side.ask("load", path=path, n_ctx=session_options(a).n_ctx, threads=_threads(a), n_batch=512)
     rows = []
     for n in levels:
-        ttft, itl, counts = [], [], []
-        t0 = time.perf_counter()
-        for i in range(n):
-            llm.reset()
-            last, k = None, 0
-            for _ in llm.generate(_concurrent_prompt(llm.n_vocab(), i), temp=0.0, top_k=1, reset=True):
-                now = time.perf_counter()
-                if k == 0:
-                    ttft.append(now - t0)
-                else:
-                    itl.append(now - last)
-                last, k = now, k + 1
-                if k >= a.decode_tokens:
-                    break
-            counts.append(k)
-        rows.append(_row(n, time.perf_counter() - t0, counts, ttft, itl, "llama.cpp"))
+        r = side.ask("serial", prompts=[_concurrent_prompt(n_vocab, i) for i in range(n)], decode_tokens=a.decode_tokens)
+        rows.append(_row(n, r["wall_s"], r["counts"], r["ttft_s"], r["itl_s"], "llama.cpp"))
     return rows
 
 
-async def _bench_concurrency(a) -> list[dict]:
+async def _bench_concurrency(a) -> tuple[list[dict], int]:
+    """The rows, and the model's vocabulary size (llama.cpp's side gets the same prompts)."""
     levels = [int(x) for x in a.concurrency.split(",")]
     rows = []
     # KV for every stream's prompt and output at once (the default, 4 x n_ctx, would preempt at 64)
@@ -241,7 +197,7 @@ async def _bench_concurrency(a) -> list[dict]:
             wall = anyio.current_time() - t
             rows.append(_row(n, wall, counts, ttft, itl, "hearthlm"))
             rows[-1]["preemptions"] = s.stats()["preemptions"] - preempted
-    return rows
+    return rows, s.model.n_vocab
 
 
 async def bench_json_schema(a) -> list[dict]:
@@ -332,26 +288,34 @@ def with_load(a, measure) -> list[dict]:
             + [dict(r, engine=f"{r['engine']} {tag}") if r["engine"] != "ratio" else r for r in loaded] + kept)
 
 
-def concurrency_rows(a) -> list[dict]:
-    rows = anyio.run(_bench_concurrency, a)
-    if a.compare_llama_cpp:
+def concurrency_rows(a, report=None) -> list[dict]:
+    rows, n_vocab = anyio.run(_bench_concurrency, a)
+    py = interpreter(a) if a.compare_llama_cpp else None
+    if a.compare_llama_cpp and py is None:
+        print(NO_INTERPRETER, file=sys.stderr)
+    elif py:
         levels = [int(x) for x in a.concurrency.split(",")]
-        with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as ex:
-            ref = ex.submit(_concurrency_llama_cpp, a, str(resolve_model(a.model, filename=session_options(a).filename)),
-                            levels).result()
-        if ref is None:
-            print("llama-cpp-python is not importable; skipping the comparison")
-        else:
-            rows += ref + [dict(engine="ratio", concurrency=h["concurrency"],
-                                aggregate_tok_s=h["aggregate_tok_s"] / r["aggregate_tok_s"],
-                                ttft_p50_s=h["ttft_p50_s"] / r["ttft_p50_s"])
-                           for h, r in zip(rows[:len(levels)], ref)]
+        path = str(resolve_model(a.model, filename=session_options(a).filename))
+        with LlamaCppSide(py) as side:
+            ref = _concurrency_llama_cpp(side, a, path, levels, n_vocab)
+            if report is not None:
+                report.build = side.build
+        rows += ref + [dict(engine="ratio", concurrency=h["concurrency"],
+                            aggregate_tok_s=h["aggregate_tok_s"] / r["aggregate_tok_s"],
+                            ttft_p50_s=h["ttft_p50_s"] / r["ttft_p50_s"])
+                       for h, r in zip(rows[:len(levels)], ref)]
     return rows
 
 
-def single_rows(a) -> list[dict]:
-    if a.compare_llama_cpp:
-        # llama.cpp in its own process: its own peak RSS, and no numba threads beside it
-        with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as ex:
-            return anyio.run(_bench_single, a, ex, str(resolve_model(a.model, filename=session_options(a).filename)))
-    return anyio.run(_bench_single, a, None, "")
+def single_rows(a, report=None) -> list[dict]:
+    py = interpreter(a) if a.compare_llama_cpp else None
+    if a.compare_llama_cpp and py is None:
+        print(NO_INTERPRETER, file=sys.stderr)
+    if not py:
+        return anyio.run(_bench_single, a, None, "", report)
+    # llama.cpp in its own process (that interpreter's build): its own peak RSS, no numba threads beside it
+    with LlamaCppSide(py) as side:
+        if report is not None:
+            report.build = side.build
+        return anyio.run(_bench_single, a, side, str(resolve_model(a.model, filename=session_options(a).filename)),
+                         report)

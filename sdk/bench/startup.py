@@ -1,9 +1,9 @@
 """`hearthlm bench --startup`: what a program that starts hearthlm per use feels. Each run is a
 fresh Python process that imports the engine, opens the model and generates one token; the
 parent times it from the moment it starts the process to the moment the child has the token,
-and the child reports its peak RSS (VmHWM). llama-cpp-python, when importable (never a
-dependency), does the same in its own fresh processes, in turn with hearthlm's runs so that a
-noisy spell of a shared machine hits both; each figure is the median over --repeat runs."""
+and the child reports its peak RSS (VmHWM). llama-cpp-python (never a dependency) does the same in
+fresh processes of the interpreter --llama-cpp-python names (llama_cpp_side.py --startup), in turn
+with hearthlm's runs so that a noisy spell of a shared machine hits both; each figure is the median over --repeat runs."""
 from __future__ import annotations
 
 import json
@@ -33,21 +33,6 @@ print(json.dumps(dict(t_token=t3, import_s=t1 - t0, open_s=t2 - t1, first_token_
                       weight_cache=stats.get("weight_cache"))))
 """
 
-_LLAMA_CPP = r"""
-import json, sys, time
-t0 = time.time()
-from llama_cpp import Llama
-t1 = time.time()
-llm = Llama(model_path=sys.argv[1], n_ctx=int(sys.argv[2]), verbose=False)
-t2 = time.time()
-llm.create_completion(sys.argv[3], max_tokens=1, temperature=0)
-t3 = time.time()
-with open("/proc/self/status") as f:
-    hwm = next(int(l.split()[1]) for l in f if l.startswith("VmHWM:")) / 1024
-print(json.dumps(dict(t_token=t3, import_s=t1 - t0, open_s=t2 - t1, first_token_s=t3 - t2, peak_rss_mb=hwm)))
-"""
-
-
 def peak_rss_mb() -> float:
     """This process's peak resident set (VmHWM: starts afresh at exec), in MiB."""
     try:
@@ -58,18 +43,17 @@ def peak_rss_mb() -> float:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def llama_cpp_importable() -> bool:
-    r = subprocess.run([sys.executable, "-c", "import llama_cpp"], capture_output=True)
-    return r.returncode == 0
-
-
-def run_once(engine: str, path: str, n_ctx: int, env: dict | None = None) -> dict:
-    """One fresh process of `engine` ("hearthlm" or "llama.cpp"): start to first token and its figures."""
-    code = _HEARTHLM if engine == "hearthlm" else _LLAMA_CPP
+def run_once(engine: str, path: str, n_ctx: int, env: dict | None = None, python: str | None = None) -> dict:
+    """One fresh process of `engine` ("hearthlm" or "llama.cpp", the latter llama_cpp_side.py --startup
+    in `python`): start to first token and its figures."""
+    if engine == "hearthlm":
+        cmd = [sys.executable, "-c", _HEARTHLM]
+    else:
+        from hearthlm.bench.yardstick import SIDE
+        cmd = [python or sys.executable, str(SIDE), "--startup"]
     cpu0 = _children_cpu()
     t = time.time()
-    r = subprocess.run([sys.executable, "-c", code, path, str(n_ctx), PROMPT], capture_output=True, text=True,
-                       env=env)
+    r = subprocess.run([*cmd, path, str(n_ctx), PROMPT], capture_output=True, text=True, env=env)
     if r.returncode != 0:
         raise RuntimeError(f"{engine} startup run failed ({r.returncode}): {r.stderr[-2000:]}")
     out = json.loads(r.stdout.strip().splitlines()[-1])
@@ -87,17 +71,18 @@ def _children_cpu() -> float:
 KEYS = ("start_to_token_s", "cpu_s", "import_s", "open_s", "first_token_s", "peak_rss_mb")
 
 
-def bench_startup(path: str, *, repeat: int = 5, n_ctx: int = 2048, compare: bool = True) -> list[dict]:
-    """Rows: hearthlm's medians, llama.cpp's and their ratio (when llama-cpp-python imports).
+def bench_startup(path: str, *, repeat: int = 5, n_ctx: int = 2048, python: str | None = None) -> list[dict]:
+    """Rows: hearthlm's medians, llama.cpp's and their ratio (when `python`, an interpreter with
+    llama-cpp-python, is given).
     One untimed run of each first: the page cache holds the model file, the packed-weight
     cache exists (a start after a fresh install is measured by `first_run`)."""
-    engines = ["hearthlm"] + (["llama.cpp"] if compare and llama_cpp_importable() else [])
+    engines = ["hearthlm"] + (["llama.cpp"] if python else [])
     runs: dict[str, list[dict]] = {e: [] for e in engines}
     for e in engines:
-        run_once(e, path, n_ctx)
+        run_once(e, path, n_ctx, python=python)
     for _ in range(repeat):
         for e in engines:
-            runs[e].append(run_once(e, path, n_ctx))
+            runs[e].append(run_once(e, path, n_ctx, python=python))
     rows = [dict(engine=e, **{k: float(np.median([r[k] for r in runs[e]])) for k in KEYS}) for e in engines]
     if "weight_cache" in runs["hearthlm"][-1]:
         rows[0]["weight_cache"] = runs["hearthlm"][-1]["weight_cache"]

@@ -5,8 +5,9 @@ engine), the first run apart (it builds the graph and packs the weights), then t
 each round and max_tokens=1 (decoding, preprocessing, encoding, prefill and one sample). Without
 --mmproj the tower is a random-weight Gemma 3 SigLIP (hearthlm.bench.vision_files) paired with the
 text model, or with --tower qwen35 Qwen3.5-0.8B's tower and text model, both random (vision_qwen.py).
---compare-llama-cpp runs the same file and pixels through libmtmd (vision_llama_cpp.py, in an
-interpreter with llama-cpp-python), its rounds in turn with hearthlm's."""
+--compare-llama-cpp runs the same file and pixels through libmtmd (vision_llama_cpp.py, in the
+interpreter --llama-cpp-python names, as every bench mode's llama.cpp side: hearthlm.bench.yardstick),
+its rounds in turn with hearthlm's."""
 from __future__ import annotations
 
 import json
@@ -22,12 +23,12 @@ import anyio
 import numpy as np
 
 from hearthlm.bench import session_options
+from hearthlm.bench.yardstick import ENV_PYTHON, cpu_facts, interpreter, load_average
 from hearthlm.core.errors import InvalidRequestError
 from hearthlm.model_zoo.resolve import DEFAULT_MODEL, resolve_model
 
 PAIRED_TEXT_MODEL = "gemma-3-270m"  # the text model --image opens when --model is left at the default
 PROMPT = "<start_of_turn>user\n<__media__>describe this image<end_of_turn>\n<start_of_turn>model\n"
-ENV_PYTHON = "HEARTHLM_LLAMA_CPP_PYTHON"  # an interpreter with llama-cpp-python, for --compare-llama-cpp
 N_CTX = 1024
 
 
@@ -175,14 +176,6 @@ def _encode_once(vm, enc, rgb: np.ndarray, profile: dict | None = None) -> float
 
 # ---- llama.cpp's side, a child process driven a line at a time ---------------------------
 
-def llama_cpp_python() -> str | None:
-    """An interpreter whose llama-cpp-python has the mtmd bindings: $HEARTHLM_LLAMA_CPP_PYTHON, else this one."""
-    for exe in (os.environ.get(ENV_PYTHON), sys.executable):
-        if exe and subprocess.run([exe, "-c", "import llama_cpp.mtmd_cpp"], capture_output=True).returncode == 0:
-            return exe
-    return None
-
-
 class _LlamaCpp:
     """vision_llama_cpp.py in `python`: init, then one JSON command a line ("encode", "ttft" with an image)."""
 
@@ -233,10 +226,11 @@ def bench_image(a) -> tuple[list[dict], dict]:
     from hearthlm.model_zoo.gguf_file import GGUFFile
     with GGUFFile.open(text) as f:
         n_embd = int(f.metadata[f"{f.metadata['general.architecture']}.embedding_length"])
-    py = llama_cpp_python() if a.compare_llama_cpp else None
+    py = interpreter(a, module="llama_cpp.mtmd_cpp") if a.compare_llama_cpp else None
     if a.compare_llama_cpp and py is None:
-        print(f"no interpreter with llama-cpp-python's mtmd bindings (set {ENV_PYTHON}); skipping the comparison")
-    load_before = host_line()
+        print(f"no interpreter with llama-cpp-python's mtmd bindings (--llama-cpp-python or ${ENV_PYTHON}); "
+              "skipping the comparison", file=sys.stderr)
+    load_before, load_start = host_line(), load_average()
     with tempfile.TemporaryDirectory(prefix="hearthlm-bench-image-") as tmp:
         vm, enc, load_s = _encoder(mmproj, n_embd, threads)
         size = side or vm.config.image_size
@@ -294,8 +288,10 @@ def bench_image(a) -> tuple[list[dict], dict]:
         rows.append(dict(engine="ratio", **{k: rows[0][k] / rows[1][k] for k in ("load_s", "first_encode_s", "encode_s",
                                                                                  "ttft_s", "session_open_s")}))
         facts.update(llama_cpp_python=info["llama_cpp_python"], mtmd_flash_attn_type=info["flash_attn_type"],
-                     llama_cpp_image_tokens=info["n_image_tokens"])
-    facts.update(host_before=load_before, host_after=host_line(), encode_rounds=ours["encode"],
+                     llama_cpp_image_tokens=info["n_image_tokens"],
+                     llama_cpp={k: info[k] for k in ("llama_cpp_python", "system_info", "python")})
+    facts.update(host=cpu_facts(), load_start=load_start, load_end=load_average(),
+                 host_before=load_before, host_after=host_line(), encode_rounds=ours["encode"],
                  ttft_rounds=ours["ttft"], llama_cpp_encode_rounds=theirs["encode"], llama_cpp_ttft_rounds=theirs["ttft"])
     if profile:
         facts["profile"] = dict(sorted(profile.items(), key=lambda kv: -kv[1]))
@@ -308,7 +304,10 @@ def print_image(rows: list[dict], facts: dict) -> None:
           + (f" (the session's engine: {facts['engine_threads']}, numba was imported first)"
              if facts.get("engine_threads", facts["threads"]) != facts["threads"] else "")
           + f"  medians of {facts['repeat']}")
-    print(facts["host_before"])
+    print(facts["host_before"] + f"  isa: {' '.join(facts['host']['isa']) or 'no AVX2'}")
+    b = facts.get("llama_cpp")
+    if b:
+        print(f"llama.cpp: llama-cpp-python {b['llama_cpp_python']} in {b['python']}: {b['system_info']}")
     cols = ["engine", "load_s", "first_encode_s", "encode_s", "ttft_s", "session_open_s", "flash_attn"]
     print("  ".join(f"{c:>14}" for c in cols))
     for r in rows:

@@ -8,7 +8,8 @@ files of (H, W, 3) uint8). It opens both files, encodes images[0] once and print
 llama_open_s (the text model), init_s (mtmd_init_from_file: the tower's weights and llama.cpp's
 warm-up graph reservation), first_encode_s, n_image_tokens, flash_attn_type (the mtmd context
 parameter, left at llama.cpp's default) and flash_attn (what clip.cpp's warm-up resolved it to,
-read from its log). Then it answers one JSON line per command line on stdin:
+read from its log), and the build (llama_cpp_side.build: llama_cpp_python, system_info, python).
+Then it answers one JSON line per command line on stdin:
 {"op": "encode"}: mtmd_encode_chunk of images[0]'s chunk -> {"encode_s"};
 {"op": "ttft", "image": i}: bitmap, mtmd_tokenize, mtmd_helper_eval_chunks and a greedy sample
 from an empty context -> {"ttft_s"}. It ends when stdin closes."""
@@ -22,6 +23,7 @@ import tempfile
 import time
 
 import numpy as np
+from llama_cpp_side import build  # beside this script: the build's facts, as every bench child reports them
 
 
 def _stderr_to(path: str) -> int:
@@ -109,7 +111,7 @@ def main() -> None:
     first = encode(c)
     print(json.dumps(dict(llama_open_s=open_s, init_s=init_s, first_encode_s=first,
                           n_image_tokens=mtmd.mtmd_input_chunk_get_n_tokens(c), flash_attn_type=fa_type,
-                          flash_attn=fa, llama_cpp_python=llama_cpp.__version__)), file=out, flush=True)
+                          flash_attn=fa, **build())), file=out, flush=True)
     for line in sys.stdin:
         cmd = json.loads(line)
         res = dict(encode_s=encode(c)) if cmd["op"] == "encode" else dict(ttft_s=ttft(images[cmd["image"]]))
