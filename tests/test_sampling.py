@@ -143,3 +143,26 @@ def test_seeded_reproducibility():
     assert a == b
     assert a != c
     assert len(set(a)) > 10  # a wide distribution, so the comparison above means something
+
+
+def test_top_k_ids_are_the_k_largest_in_id_order():
+    """top_k_ids over vocabulary-sized rows (a few -inf, heavy and flat tails, a NaN row that
+    takes the plain partition) gives np.argpartition's set, ids ascending. Mutations: the
+    final np.sort dropped fails it (partition order); so does returning every entry that
+    reaches the sampled threshold (more than k)."""
+    from hearthlm.runtime.sampling import top_k_ids
+    rng = np.random.default_rng(5)
+    for trial in range(40):
+        n, k = int(rng.choice([1000, 49152, 151936])), int(rng.choice([1, 5, 40, 200]))
+        x = (rng.standard_normal(n) * rng.uniform(0.3, 8)).astype(np.float32)
+        if trial % 4 == 0:
+            x[rng.integers(0, n, 50)] = -np.inf
+        if trial % 5 == 0:
+            x = np.round(x)  # many equal values: the set is then compared by value
+        if trial == 7:
+            x[::3] = np.nan
+        ids = top_k_ids(x, k)
+        assert len(ids) == k and np.all(np.diff(ids) > 0)
+        if trial == 7:
+            continue
+        assert np.array_equal(np.sort(x[ids]), np.sort(x[np.argpartition(-x, k - 1)[:k]]))
