@@ -146,10 +146,10 @@ def test_seeded_reproducibility():
 
 
 def test_top_k_ids_are_the_k_largest_in_id_order():
-    """top_k_ids over vocabulary-sized rows (a few -inf, heavy and flat tails, a NaN row that
-    takes the plain partition) gives np.argpartition's set, ids ascending. Mutations: the
-    final np.sort dropped fails it (partition order); so does returning every entry that
-    reaches the sampled threshold (more than k)."""
+    """top_k_ids over vocabulary-sized rows (a few -inf, many equal values, a NaN row that
+    takes the plain partition) gives the values of np.argpartition's k, ids ascending; among
+    entries equal to the k-th largest, the lowest ids. Mutations: the final np.sort dropped
+    fails it (ties come after the larger entries); so does taking the highest-id ties."""
     from hearthlm.runtime.sampling import top_k_ids
     rng = np.random.default_rng(5)
     for trial in range(40):
@@ -166,3 +166,6 @@ def test_top_k_ids_are_the_k_largest_in_id_order():
         if trial == 7:
             continue
         assert np.array_equal(np.sort(x[ids]), np.sort(x[np.argpartition(-x, k - 1)[:k]]))
+    x = np.zeros(49152, np.float32)
+    x[[7, 30000, 40000]] = 1.0
+    assert top_k_ids(x, 40).tolist() == sorted([7, 30000, 40000] + [i for i in range(39) if i != 7][:37])
