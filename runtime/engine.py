@@ -74,8 +74,7 @@ class Engine:
         ask otherwise (SamplingParams.speculative None; "off" opts out). `vision`: a vision tower
         (runtime.vision.VisionEncoder's `tower`) for requests with images, run where the output head
         is; its rows are kept in an LRU of image_cache_bytes. `after_callbacks`: called on the engine
-        thread after each round of request callbacks (a step's, an abort's, a failure's), where the
-        caller wakes its listeners once per round (sdk's _wake.flush)."""
+        thread after each round of request callbacks (a step's, an abort's, a failure's): sdk's _wake.flush."""
         self.model = model
         self.n_ctx = n_ctx
         self.max_queued_requests = max_queued_requests
@@ -219,14 +218,7 @@ class Engine:
                 req.on_finish("error", err)
             except Exception:  # the caller's callback; the others still get theirs
                 log.exception("on_finish callback failed")
-        self._callbacks_done()
-
-    def _callbacks_done(self) -> None:
-        if self._after_callbacks is not None:
-            try:
-                self._after_callbacks()
-            except Exception:  # the caller's hook: the engine goes on
-                log.exception("after_callbacks failed")
+        _after_round(self._after_callbacks)
 
     def _serve(self) -> None:
         while True:
@@ -245,7 +237,7 @@ class Engine:
                     return
                 self.step()
             finally:  # the round's callbacks have all been made
-                self._callbacks_done()
+                _after_round(self._after_callbacks)
 
     def _drop(self, ids: set[int], reason: str) -> None:
         for req in [r for r in [*self.running, *self.waiting] if r.id in ids]:
@@ -345,7 +337,7 @@ class Engine:
             r.n_computed += s.n_tokens - drafted  # a draft's rows count once they are kept
             if not r.kind.pools:  # an embedding's or a ranking's blocks are not cached
                 self.memory.after_step(r)  # blocks findable by later prompts; a state snapshot
-            finish, error = self._deliver(o)
+            finish, error = _deliver(o)
             if finish is None and o.kept:
                 r.n_computed += o.kept
                 self.memory.after_step(r)
@@ -357,14 +349,22 @@ class Engine:
             if finish is not None:
                 self._finish(r, finish, error)
 
-    @staticmethod
-    def _deliver(o: Outcome) -> tuple[str | None, BaseException | None]:
-        """The step's tokens to the request's callback, in order; one that raises fails its own
-        request only. Returns how the request finishes, if it does."""
-        try:
-            for t, lp in o.tokens:
-                o.req.on_token(t, lp)
-        except Exception as e:
-            return "error", HearthError(f"token callback failed: {type(e).__name__}: {e}")
-        return o.finish, o.error
 
+def _deliver(o: Outcome) -> tuple[str | None, BaseException | None]:
+    """The step's tokens to the request's callback, in order; one that raises fails its own
+    request only. Returns how the request finishes, if it does."""
+    try:
+        for t, lp in o.tokens:
+            o.req.on_token(t, lp)
+    except Exception as e:
+        return "error", HearthError(f"token callback failed: {type(e).__name__}: {e}")
+    return o.finish, o.error
+
+
+def _after_round(hook: Callable[[], None] | None) -> None:
+    """The engine's after_callbacks, where there is one; one that raises is logged, the engine goes on."""
+    if hook is not None:
+        try:
+            hook()
+        except Exception:
+            log.exception("after_callbacks failed")
