@@ -10,7 +10,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from typing import Any
+from typing import Any, Callable
 
 import threadpoolctl
 from threadpoolctl import threadpool_limits
@@ -59,7 +59,7 @@ class Engine:
                  max_queued_requests: int = 1024, fusion: bool | None = None, graph_cache: bool = True,
                  weight_cache=None, state_snapshots: int = 8, prompt_cache_dir=None,
                  prompt_cache_bytes: int = 1 << 30, kv_cache_type: str = "f16", draft=None, vision=None,
-                 image_cache_bytes: int = 256 << 20) -> None:
+                 image_cache_bytes: int = 256 << 20, after_callbacks: Callable[[], None] | None = None) -> None:
         """`model` provides build_graph(shape) -> Graph, weights, layer_memory, n_vocab, eog_ids.
         `placement`: a runtime.placement.Placement of layers over backends, or one backend
         (the trivial placement). `fusion`: None follows HEARTHLM_NO_FUSION; `graph_cache=False`
@@ -73,7 +73,8 @@ class Engine:
         `draft`: a runtime.draft.DraftModel, which then drafts for every request that does not
         ask otherwise (SamplingParams.speculative None; "off" opts out). `vision`: a vision tower
         (runtime.vision.VisionEncoder's `tower`) for requests with images, run where the output head
-        is; its rows are kept in an LRU of image_cache_bytes."""
+        is; its rows are kept in an LRU of image_cache_bytes. `after_callbacks`: called on the engine
+        thread after each round of request callbacks (a step's, an abort's, a failure's): sdk's _wake.flush."""
         self.model = model
         self.n_ctx = n_ctx
         self.max_queued_requests = max_queued_requests
@@ -106,6 +107,7 @@ class Engine:
         self._closing: str | None = None  # None, "finish" or "abort"
         self._failed: HearthError | None = None  # set when the loop itself broke: nothing runs any more
         self._thread: threading.Thread | None = None
+        self._after_callbacks = after_callbacks
         self.counters = dict(steps=0, tokens_computed=0, step_time_s=0.0, preemptions=0)
 
     # ---- caller side (any thread) -------------------------------------------------
@@ -216,6 +218,7 @@ class Engine:
                 req.on_finish("error", err)
             except Exception:  # the caller's callback; the others still get theirs
                 log.exception("on_finish callback failed")
+        _after_round(self._after_callbacks)
 
     def _serve(self) -> None:
         while True:
@@ -226,12 +229,15 @@ class Engine:
                 self._incoming.clear()
                 aborts, self._aborts = self._aborts, set()
                 closing = self._closing
-            self._drop(aborts, "abort")
-            if closing == "abort":
-                self._drop({r.id for r in [*self.running, *self.waiting]}, "closed")
-            if closing and not (self.running or self.waiting):
-                return
-            self.step()
+            try:
+                self._drop(aborts, "abort")
+                if closing == "abort":
+                    self._drop({r.id for r in [*self.running, *self.waiting]}, "closed")
+                if closing and not (self.running or self.waiting):
+                    return
+                self.step()
+            finally:  # the round's callbacks have all been made
+                _after_round(self._after_callbacks)
 
     def _drop(self, ids: set[int], reason: str) -> None:
         for req in [r for r in [*self.running, *self.waiting] if r.id in ids]:
@@ -331,7 +337,7 @@ class Engine:
             r.n_computed += s.n_tokens - drafted  # a draft's rows count once they are kept
             if not r.kind.pools:  # an embedding's or a ranking's blocks are not cached
                 self.memory.after_step(r)  # blocks findable by later prompts; a state snapshot
-            finish, error = self._deliver(o)
+            finish, error = _deliver(o)
             if finish is None and o.kept:
                 r.n_computed += o.kept
                 self.memory.after_step(r)
@@ -343,14 +349,22 @@ class Engine:
             if finish is not None:
                 self._finish(r, finish, error)
 
-    @staticmethod
-    def _deliver(o: Outcome) -> tuple[str | None, BaseException | None]:
-        """The step's tokens to the request's callback, in order; one that raises fails its own
-        request only. Returns how the request finishes, if it does."""
-        try:
-            for t, lp in o.tokens:
-                o.req.on_token(t, lp)
-        except Exception as e:
-            return "error", HearthError(f"token callback failed: {type(e).__name__}: {e}")
-        return o.finish, o.error
 
+def _deliver(o: Outcome) -> tuple[str | None, BaseException | None]:
+    """The step's tokens to the request's callback, in order; one that raises fails its own
+    request only. Returns how the request finishes, if it does."""
+    try:
+        for t, lp in o.tokens:
+            o.req.on_token(t, lp)
+    except Exception as e:
+        return "error", HearthError(f"token callback failed: {type(e).__name__}: {e}")
+    return o.finish, o.error
+
+
+def _after_round(hook: Callable[[], None] | None) -> None:
+    """The engine's after_callbacks, where there is one; one that raises is logged, the engine goes on."""
+    if hook is not None:
+        try:
+            hook()
+        except Exception:
+            log.exception("after_callbacks failed")

@@ -19,9 +19,17 @@ from hearthlm.runtime.batcher import StepPlan
 from hearthlm.runtime.constraint import GrammarError, MaskWorker
 from hearthlm.runtime.request import Kind, Request
 from hearthlm.runtime.runner import StepOutput
-from hearthlm.runtime.sampling import log_softmax_rows, sample, steer, top_logprobs, verify
+from hearthlm.runtime.sampling import log_softmax_rows, penalized, sample, steer, top_logprobs, verify
 
 TopLogprobs = list[tuple[int, float]] | None
+
+
+def plain(r: Request) -> bool:
+    """Whether a generation's next token follows from its row and sampling parameters alone: no
+    grammar, reasoning budget, log-probs, penalties, logit bias or min_tokens ban in play."""
+    p = r.params
+    return (r.matcher is None and r.think is None and not p.top_logprobs and not p.logit_bias
+            and r.n_generated >= p.min_tokens and not penalized(p))
 
 
 @dataclass
@@ -67,6 +75,7 @@ class OutputProcessor:
         the runner laid them out (runtime.batch): scored prompt positions, then the last row
         and one per draft token."""
         outcomes, row, off, now = [], 0, 0, time.perf_counter()
+        by_rule: list[tuple[Outcome, int]] = []  # (outcome, its row) of the plain generations
         for s in plan.seqs:
             r, o, first = s.req, Outcome(s.req), off
             off += s.n_tokens
@@ -84,12 +93,51 @@ class OutputProcessor:
                 row, o.finish = row + 1, "stop"
             elif r.kind is not Kind.GENERATE or r.max_tokens == 0:  # a prompt scored or cached, nothing generated
                 o.finish = "stop"
+            elif not r.draft and plain(r):  # its token by rule alone: with the others', below
+                by_rule.append((o, row))
+                row += 1
             else:
                 n = 1 + len(r.draft)
                 self.counters["spec_drafted_tokens"] += n - 1
                 self.emit(o, out.logits[row:row + n], masks.get(id(r)), now)
                 row += n
+        if by_rule:
+            self.emit_by_rule(by_rule, out.logits, now)
         return outcomes
+
+    def emit_by_rule(self, by_rule: list[tuple[Outcome, int]], logits: np.ndarray, now: float) -> None:
+        """The next token of each request whose row is sampled by its parameters alone (`plain`),
+        as emit would choose it: the greedy ones' argmax in one pass over their rows."""
+        greedy = [(o, j) for o, j in by_rule if o.req.params.greedy]
+        if greedy:  # over the rows' span: the rows of others in between cost less than a copy of these
+            at = np.fromiter((j for _, j in greedy), np.intp, len(greedy))
+            best = logits[at[0]:at[-1] + 1].argmax(axis=1)[at - at[0]].tolist()
+            for (o, _), tok in zip(greedy, best):
+                self._took(o, tok, now)
+        for o, j in by_rule:
+            if not o.req.params.greedy:
+                try:
+                    tok = sample(logits[j], o.req.params, o.req.rng, ())
+                except Exception as e:  # this request's sampling, not its neighbours'
+                    o.finish, o.error = "error", HearthError(f"sampling failed: {type(e).__name__}: {e}")
+                    continue
+                self._took(o, tok, now)
+
+    def _took(self, o: Outcome, tok: int, now: float) -> None:
+        """A plain request's sampled token: its stops, else appended; emit's steps for one row."""
+        r = o.req
+        if r.first_token_at is None:
+            r.first_token_at = now
+            self.ttft.append(now - r.arrival)
+        if (tok in self.eog and not r.params.ignore_eos) or tok in r.params.stop_token_ids:
+            o.finish = "stop"
+            return
+        r.append(tok)
+        r.n_generated += 1
+        self.counters["tokens_generated"] += 1
+        o.tokens.append((tok, None))
+        if r.n_generated >= r.max_tokens or len(r.tokens) >= self.n_ctx:
+            o.finish = "length"
 
     def emit(self, o: Outcome, rows: np.ndarray, masks: np.ndarray | None, now: float) -> None:
         """Sample the request's next token from rows[0], or, where it drafted, verify its draft

@@ -169,20 +169,39 @@ def apply_penalties(logits: np.ndarray, p: SamplingParams, history) -> np.ndarra
     return logits
 
 
+def top_k_ids(x: np.ndarray, k: int) -> np.ndarray:
+    """The ids of x's k largest entries (0 < k < len(x)), ascending; among entries equal to the
+    k-th largest, the lowest ids. np.argpartition over a vocabulary costs ~0.6 ms a row: here a
+    strided sample's k-th largest is a threshold that at least k entries reach, and the k-th
+    largest of those few hundred is x's (~35 us a row)."""
+    step = x.shape[0] // (64 * k)
+    sub = np.arange(x.shape[0])
+    if step >= 2:
+        sample = x[::step]
+        reach = np.flatnonzero(x >= np.partition(sample, len(sample) - k)[len(sample) - k])
+        sub = reach if len(reach) >= k else sub  # not so where a NaN is the threshold
+    vals = x[sub]
+    kth = np.partition(vals, len(vals) - k)[len(vals) - k]
+    above = sub[vals > kth]
+    ids = np.sort(np.concatenate([above, sub[vals == kth][:k - len(above)]]))
+    return ids if len(ids) == k else np.sort(np.argpartition(-x, k - 1)[:k])  # NaNs: as the partition has them
+
+
 def distribution(logits: np.ndarray, p: SamplingParams, history) -> tuple[np.ndarray, np.ndarray]:
     """(candidate ids, their probabilities) that sampling draws from: temperature, top_k, min_p
     and top_p applied to the penalized logits. Not for greedy parameters."""
     logits = apply_penalties(logits, p, history)
+    n = logits.shape[0]
+    # ids ascending, so that equal logits go lowest id first; top_k before the float64 arithmetic,
+    # which is monotone in the logits and so keeps the same candidates, on k of them only
+    cand = top_k_ids(logits, p.top_k) if p.top_k and p.top_k < n else np.arange(n)
     # the max comes off before dividing: logits / 1e-310 would overflow to inf (inf - inf: NaN)
-    z = logits.astype(np.float64)
+    z = logits[cand].astype(np.float64)
     with np.errstate(over="ignore"):  # far below the max: -inf, a probability of 0
-        z = (z - z.max()) / p.temperature
-    if p.top_k and p.top_k < z.shape[0]:
-        cand = np.argpartition(-z, p.top_k - 1)[: p.top_k]
-    else:
-        cand = np.arange(z.shape[0])
-    cand = cand[np.argsort(-z[cand], kind="stable")]  # descending
-    probs = np.exp(z[cand] - z[cand[0]])
+        z = (z - np.float64(logits.max())) / p.temperature
+    order = np.argsort(-z, kind="stable")  # descending
+    cand, z = cand[order], z[order]
+    probs = np.exp(z - z[0])
     probs /= probs.sum()
     keep = np.ones(len(cand), bool)
     if p.min_p > 0.0:

@@ -1,6 +1,10 @@
 """Delivery of engine events to the event loop without blocking the engine thread.
 anyio has no non-blocking "call soon from a foreign thread", so we use the running
-loop's own: asyncio's call_soon_threadsafe or trio's TrioToken.run_sync_soon."""
+loop's own: asyncio's call_soon_threadsafe or trio's TrioToken.run_sync_soon.
+A thread that delivers in rounds (the engine thread: a step's tokens for every request) holds
+its wake-ups until `flush` ends the round: each wake-up is a write to the loop's socket that
+lets the loop take the GIL, and sent token by token they made the engine and the loop take
+turns at it many times a step."""
 from __future__ import annotations
 
 import threading
@@ -12,6 +16,19 @@ import anyio
 import sniffio
 
 _wakers: "weakref.WeakKeyDictionary[Any, _Waker]" = weakref.WeakKeyDictionary()
+_local = threading.local()  # .held: channels put to since this thread's last flush (only once it has flushed)
+
+
+def flush() -> None:
+    """Ends a round of puts on this thread: the wake-ups held since the last call go out, one per
+    loop. From its first call on, this thread holds its wake-ups until the next call, so a thread
+    that calls it must call it after every round of puts (the engine: after each step's callbacks)."""
+    held, _local.held = getattr(_local, "held", None), []
+    by_waker: dict[int, tuple[_Waker, list[Channel]]] = {}
+    for ch in held or ():
+        by_waker.setdefault(id(ch._waker), (ch._waker, []))[1].append(ch)
+    for w, chans in by_waker.values():
+        w.notify(*chans)
 
 
 class _Waker:
@@ -24,10 +41,10 @@ class _Waker:
         self._lock = threading.Lock()
         self._dirty: list[Channel] = []
 
-    def notify(self, ch: "Channel") -> None:  # any thread
+    def notify(self, *chans: "Channel") -> None:  # any thread
         with self._lock:
-            self._dirty.append(ch)
-            if len(self._dirty) > 1:  # a wake-up is on its way, and will see this one
+            self._dirty.extend(chans)
+            if len(self._dirty) > len(chans):  # a wake-up is on its way, and will see these
                 return
         try:
             self._call(self._run)
@@ -75,7 +92,11 @@ class Channel:
         self._items.append(item)
         if not self._armed:
             self._armed = True
-            self._waker.notify(self)
+            held = getattr(_local, "held", None)
+            if held is not None:  # woken at the end of this thread's round
+                held.append(self)
+            else:
+                self._waker.notify(self)
 
     def _set(self) -> None:
         self._event.set()

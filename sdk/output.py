@@ -85,11 +85,13 @@ def _cut_at_stop(before: str, new: str, stops: list[str], *, final: bool) -> tup
     if final:
         return new, "", ""
     hold = 0
-    for s in stops:
-        for k in range(min(len(s) - 1, len(new)), 0, -1):
-            if new.endswith(s[:k]):
-                hold = max(hold, k)
+    for s in stops:  # the longest tail of new that begins s: it starts with s[0], within len(s) - 1 of the end
+        i = new.find(s[:1], max(len(new) - len(s) + 1, 0)) if s else -1
+        while i != -1:
+            if s.startswith(new[i:]):
+                hold = max(hold, len(new) - i)
                 break
+            i = new.find(s[0], i + 1)
     return new[:len(new) - hold], new[len(new) - hold:], ""
 
 

@@ -17,6 +17,7 @@ import numpy as np
 
 from hearthlm import act as _act
 from hearthlm._wake import Channel, loop_waker
+from hearthlm._wake import flush as wake_flush
 from hearthlm.backends import get_backend
 from hearthlm.core.errors import ContextLengthError, HearthError, InvalidRequestError, RequestTimeoutError, SessionClosedError
 from hearthlm.core.log import get_logger
@@ -133,7 +134,7 @@ class Session:
             engine = Engine(m, placement, n_ctx=n_ctx, kv_blocks=math.ceil(kv_tokens / 16),
                             weight_cache=WeightCache(wdir, m.file.identity()) if wdir else None,
                             kv_cache_type=kv_cache_type, draft=draft, vision=vision,
-                            image_cache_bytes=o.image_cache_bytes, **engine_opts)
+                            image_cache_bytes=o.image_cache_bytes, after_callbacks=wake_flush, **engine_opts)
         except BaseException:
             for f in (m, dm, vision):
                 if f is not None:

@@ -211,3 +211,35 @@ def test_a_requests_kind_and_fields_agree():
             request(kind, **{"max_tokens": 0, **kw})
     with pytest.raises(TypeError):  # no default: every maker says what it wants
         Request(prompt=[1], params=SamplingParams(), max_tokens=1, on_token=None, on_finish=None)
+
+
+def test_rows_by_rule_choose_as_emit_does(monkeypatch):
+    """A batch of plain requests (greedy and seeded sampling, one wanting EOG, one at its last
+    token) interleaved with ones emit handles (a draft, penalties, top log-probs, min_tokens
+    banning EOG): their tokens, finishes and generators' states are what emit alone gives each.
+    Mutations: the greedy rows' argmax read from the first len(rows) rows (not their own) fails
+    it; so does plain() ignoring min_tokens (the banned EOG taken by rule, finishing "stop")."""
+    import hearthlm.runtime.output as output_mod
+    rng = np.random.default_rng(3)
+    logits = (rng.standard_normal((12, V)) * 2).astype(np.float32)
+    logits[6, EOG] = logits[8, EOG] = 30.0  # request 5's row and request 7's (a draft takes 2 rows)
+
+    def batch():
+        sampled = dict(temperature=0.9, top_k=5, top_p=0.95, min_p=0.0)
+        reqs = [request(), request(params=SamplingParams(**sampled, seed=1)),
+                request(params=SamplingParams(temperature=0.0, repetition_penalty=1.5), prompt=(1, 2, 3, 4)),
+                request(), request(params=SamplingParams(temperature=0.0, top_logprobs=2)),
+                request(), request(params=SamplingParams(**sampled, seed=2), max_tokens=1),
+                request(params=SamplingParams(temperature=0.0, min_tokens=3))]
+        seqs = [decoding(r, [3] if i == 3 else []) for i, r in enumerate(reqs)]  # request 3 drafts a token
+        return reqs, seqs
+
+    got_reqs, seqs = batch()
+    got = process(seqs, logits)
+    monkeypatch.setattr(output_mod, "plain", lambda r: False)
+    want_reqs, seqs = batch()
+    want = process(seqs, logits)
+    assert [(o.tokens, o.finish, o.kept) for o in got] == [(o.tokens, o.finish, o.kept) for o in want]
+    assert [r.tokens for r in got_reqs] == [r.tokens for r in want_reqs]
+    assert [got_reqs[i].rng.random() for i in (1, 6)] == [want_reqs[i].rng.random() for i in (1, 6)]  # the seeded
+    assert got[5].finish == "stop" and got[7].finish is None and got[6].finish == "length"

@@ -39,7 +39,9 @@ def test_a_mixed_batch_is_laid_out_as_planned():
     """A decoding request with a 2-token draft (3 tokens, 3 output rows), a prompt chunk that
     does not end its prompt (no output row) and a scored prompt (one row per scored position).
     Mutations caught: only the last of a draft's rows output (`- len(r.draft)` dropped);
-    positions not starting at n_computed; KV slots ignoring the block table."""
+    positions not starting at n_computed; KV slots ignoring the block table; seq_off as the
+    running sum of k including each row's own (`np.cumsum(k[:-1])` made `k[1:]`); seq_len
+    without this step's tokens (`done + k` made `done`)."""
     run = runner()
     dec = admitted(run, [3, 4, 5, 6, 7, 8])
     dec.n_computed, dec.draft = 5, [9, 10]
@@ -60,6 +62,10 @@ def test_a_mixed_batch_is_laid_out_as_planned():
     assert all(s // BS == scratch for s in feed["slots"][n:]) and shape.n_tokens == 16
     assert shape.n_out >= 6 and feed["out_rows"].tolist() == [0, 1, 2, 8, 9, 10] + [0] * (shape.n_out - 6)
     assert not shape.embd
+    # each row's token range (recurrent layers), each token's horizon; padding tokens in a padding row
+    assert feed["seq_off"].tolist() == [0, 3, 8] + [n] * (shape.n_seqs - 2)
+    assert feed["seq_len"].tolist() == [8] * 3 + [5] * 5 + [4] * 4 + [1] * (shape.n_tokens - n)
+    assert shape.n_seqs > 3 and feed["tok_seq"][n:].tolist() == [3] * (shape.n_tokens - n)
 
 
 def test_logits_do_not_depend_on_the_batch():

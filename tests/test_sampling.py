@@ -143,3 +143,29 @@ def test_seeded_reproducibility():
     assert a == b
     assert a != c
     assert len(set(a)) > 10  # a wide distribution, so the comparison above means something
+
+
+def test_top_k_ids_are_the_k_largest_in_id_order():
+    """top_k_ids over vocabulary-sized rows (a few -inf, many equal values, a NaN row that
+    takes the plain partition) gives the values of np.argpartition's k, ids ascending; among
+    entries equal to the k-th largest, the lowest ids. Mutations: the final np.sort dropped
+    fails it (ties come after the larger entries); so does taking the highest-id ties."""
+    from hearthlm.runtime.sampling import top_k_ids
+    rng = np.random.default_rng(5)
+    for trial in range(40):
+        n, k = int(rng.choice([1000, 49152, 151936])), int(rng.choice([1, 5, 40, 200]))
+        x = (rng.standard_normal(n) * rng.uniform(0.3, 8)).astype(np.float32)
+        if trial % 4 == 0:
+            x[rng.integers(0, n, 50)] = -np.inf
+        if trial % 5 == 0:
+            x = np.round(x)  # many equal values: the set is then compared by value
+        if trial == 7:
+            x[::3] = np.nan
+        ids = top_k_ids(x, k)
+        assert len(ids) == k and np.all(np.diff(ids) > 0)
+        if trial == 7:
+            continue
+        assert np.array_equal(np.sort(x[ids]), np.sort(x[np.argpartition(-x, k - 1)[:k]]))
+    x = np.zeros(49152, np.float32)
+    x[[7, 30000, 40000]] = 1.0
+    assert top_k_ids(x, 40).tolist() == sorted([7, 30000, 40000] + [i for i in range(39) if i != 7][:37])
