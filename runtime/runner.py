@@ -209,8 +209,8 @@ class ModelRunner:
     def _lora(self, plan: StepPlan) -> tuple[str, ...]:
         """The LoRA adapters the step's graph carries: every live one where a request uses any (so
         that a change of who uses which only rewrites the "lora_scale" input), none otherwise (the
-        base graph). Graphs and prepared weights of adapters gone since are dropped."""
-        if self.adapters is None or not any(s.req.lora for s in plan.seqs):
+        base graph). Graphs and prepared weights of adapters gone since the last step are dropped."""
+        if self.adapters is None:
             return ()
         keys = tuple(sorted(self.adapters.live))
         if keys != self._lora_keys:
@@ -219,7 +219,7 @@ class ModelRunner:
                 self.graphs.forget(lambda shape: bool(gone & set(shape.lora)),
                                    lambda name: name.rpartition("@")[2] in gone)
             self._lora_keys = keys
-        return keys
+        return keys if any(s.req.lora for s in plan.seqs) else ()
 
     @staticmethod
     def _lora_scales(plan: StepPlan, shape: BatchShape) -> np.ndarray:

@@ -55,8 +55,8 @@ def lora(node, y, x, s, *ab, out=None):
         out = np.array(y, np.float32, order="C")
     elif not np.shares_memory(out, y):
         np.copyto(out, y)
-    o2 = out.reshape(n, -1)
-    x2 = np.ascontiguousarray(x, np.float32).reshape(n, -1)
+    o2 = out.reshape(n, y.shape[-1])
+    x2 = np.ascontiguousarray(x, np.float32).reshape(n, x.shape[-1])
     s2 = np.ascontiguousarray(s, np.float32)
     for i, (col, alpha) in enumerate(zip(node.params["cols"], node.params["alphas"])):
         if s2[:, col].any():
