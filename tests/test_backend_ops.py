@@ -343,7 +343,8 @@ def rope_multi(n, head_dim, n_rot, neox, n_comp, freqs=False):
 
 def lora(n, k=896, rows=67, ranks=(16, 8)):
     """Two LoRA adapters (alpha 32, and 0: the scale alone) on y; rows use one, both or none
-    (scale 0: untouched); a third column of scales that no adapter of this weight reads."""
+    (scale 0: untouched); a third column of scales that no adapter of this weight reads.
+    Mutation: the cpu backend applying only a node's first adapter fails these."""
     rng = rng_for("lora", n, k)
     y, x = f32(rng, n, rows), f32(rng, n, k, scale=1 / np.sqrt(k))
     s = np.zeros((n, 3), np.float32)

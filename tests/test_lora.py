@@ -81,9 +81,10 @@ def _runner(model_path, ads, backend):
     return m, ModelRunner(m, place, mem, n_ctx=128, max_batch_tokens=128, max_seqs=8, tune_threads=False)
 
 
-def _step(m, run, sets, decode: bool) -> np.ndarray:
-    """Row 0's logits of one step over PROMPTS-like requests with adapter sets `sets` (None: the base)."""
+def _step(m, run, sets, decode: bool, row: int = 0) -> np.ndarray:
+    """Request `row`'s logits of one step over requests with adapter sets `sets` (None: the base)."""
     prompts = [PROMPTS[0], PROMPTS[1], [5, 6, 7]]
+    prompts.insert(row, prompts.pop(0))  # the request of interest has PROMPTS[0] wherever it is
     rs = []
     for p, s in zip(prompts, sets):
         lora = tuple(sorted((m.adapters.names[k], v) for k, v in (s or {}).items()))
@@ -95,7 +96,7 @@ def _step(m, run, sets, decode: bool) -> np.ndarray:
     out = run.run(StepPlan([Scheduled(r, len(r.prompt) - r.n_computed, True) for r in rs], [])).logits
     for r in rs:
         run.memory.release(r)
-    return out[0].copy()
+    return out[row].copy()
 
 
 @pytest.mark.parametrize("backend", ["cpu", "reference"])
@@ -110,7 +111,7 @@ def test_a_row_is_the_same_whatever_the_others_use(qwen2, backend, decode):
     try:
         for mine in ({"a": 1.0}, None):
             alone = _step(m, run, [mine], decode)
-            mixes = [_step(m, run, [mine, *others], decode) for others in
+            mixes = [_step(m, run, [x, mine, y], decode, row=1) for x, y in
                      ([None, {"b": 1.0}], [{"a": 1.0, "b": 0.5}, None], [{"a": 2.0}, {"a": 1.0}], [None, None])]
             assert all(np.array_equal(mixes[0], x) for x in mixes[1:]), f"{mine}: rows depend on the others' adapters"
             if backend == "reference":
