@@ -96,3 +96,16 @@ def test_errors(server, files):
     with pytest.raises(openai.BadRequestError, match="lora entry"):
         _text(c, tiny, lora=[{"scale": 1.0}])
     assert _text(c, "a") == _text(c, f"{tiny}:a")
+
+
+def test_generate_cli_applies_its_lora(server, files):
+    """`hearthlm generate --lora a=PATH` applies a (scale 1, as llama-cli): its text is the server's
+    for model "a". Mutation: _generate leaving adapters out fails it."""
+    import subprocess
+    tiny, ads = files
+    out = subprocess.run([sys.executable, "-m", "hearthlm", "generate", "--model", tiny, "hello there", "--max-tokens",
+                          "12", "--temperature", "0", "--lora", f"a={ads['a']}"], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    c = client(server)
+    assert out.stdout[:-1] == _text(c, "a") != _text(c, tiny)
