@@ -15,7 +15,8 @@ import pytest
 
 from hearthlm import Session
 from hearthlm.backends import get_backend
-from hearthlm.core.errors import InvalidRequestError, ModelLoadError, ModelNotFoundError, UnsupportedModelError
+from hearthlm.bench.lora_files import write_lora
+from hearthlm.core.errors import InvalidRequestError, ModelLoadError, ModelNotFoundError
 from hearthlm.core.graph import Op
 from hearthlm.model_zoo.adapters import load_adapter
 from hearthlm.model_zoo.model import load_model
@@ -28,7 +29,6 @@ from hearthlm.runtime.sampling import SamplingParams
 
 sys.path.insert(0, str(Path(__file__).parent / "parity"))
 import golden  # noqa: E402
-from lora import write_lora  # noqa: E402
 from models import PROMPTS, write  # noqa: E402
 from record_lora import BASES, CASES, files  # noqa: E402
 

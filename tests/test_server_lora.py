@@ -10,13 +10,12 @@ from pathlib import Path
 import httpx
 import pytest
 
+from hearthlm.bench.lora_files import write_lora
+
 openai = pytest.importorskip("openai")
 
 from serve_util import live_server  # noqa: E402
 from tiny_gguf import write_tiny  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).parent / "parity"))
-from lora import write_lora  # noqa: E402
 
 KW = dict(max_tokens=12, temperature=0)
 

@@ -9,8 +9,9 @@ import sys
 import tempfile
 from pathlib import Path
 
+from hearthlm.bench.lora_files import write_lora
+
 sys.path.insert(0, str(Path(__file__).parent))
-from lora import write_lora  # noqa: E402
 from models import N_STEPS, PROMPTS, write  # noqa: E402
 
 OUT = Path(__file__).parent.parent / "data" / "lora_parity.json"

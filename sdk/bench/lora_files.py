@@ -1,7 +1,8 @@
-"""Random LoRA adapters for the tiny models (tests/parity/models.py), written as llama.cpp's
-convert_lora_to_gguf.py writes them: general.type "adapter", adapter.type "lora",
-adapter.lora.alpha, and `<base tensor>.lora_a` (rank, n_in) / `.lora_b` (n_out, rank) in numpy
-order (GGUF ne reversed) for each adapted 2-D weight of the base model."""
+"""Random LoRA adapters of a base model, written as llama.cpp's convert_lora_to_gguf.py writes
+them: general.type "adapter", adapter.type "lora", adapter.lora.alpha, and `<base tensor>.lora_a`
+(rank, n_in) / `.lora_b` (n_out, rank) in numpy order (GGUF ne reversed) for each adapted 2-D
+weight. `hearthlm bench --lora` times them at a real model's shapes; the tests write them for
+the tiny models (tests/parity/record_lora.py)."""
 from __future__ import annotations
 
 from pathlib import Path
