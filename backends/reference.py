@@ -328,15 +328,15 @@ def _swiglu_oai(node, g, u):
 
 
 def _lora(n, y, x, s, *ab):
-    """y plus, per adapter, scale * ((x a) b) on the rows whose scale is not 0 (float64 products)."""
+    """y plus, per adapter, scale * ((x a^T) b) on the rows whose scale is not 0 (float64 products)."""
     out = np.array(y, np.float32)
     for i, (col, alpha) in enumerate(zip(n.params["cols"], n.params["alphas"])):
         a, b = ab[2 * i], ab[2 * i + 1]
         sc = s[:, col].astype(np.float32)
         if alpha:
-            sc = sc * np.float32(alpha) / np.float32(a.shape[1])
+            sc = sc * np.float32(alpha) / np.float32(a.shape[0])
         rows = np.flatnonzero(sc)
-        d = (x[rows].astype(np.float64) @ a.astype(np.float64)) @ b.astype(np.float64)
+        d = (x[rows].astype(np.float64) @ a.T.astype(np.float64)) @ b.astype(np.float64)
         out[rows] += (d * sc[rows, None]).astype(np.float32)
     return out
 

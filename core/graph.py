@@ -105,10 +105,10 @@ class Op(enum.Enum):
     DIV = "div"              # (a, b) broadcast
     # (w (E, rows, cols), x (n, cols) or (n, k, cols), ids (n, k)) -> (n, k, rows): x @ w[ids].T (ggml's MUL_MAT_ID)
     MUL_MAT_ID = "mul_mat_id"
-    # (y (n, rows), x (n, cols), scales (n, S), a_0 (cols, r_0), b_0 (r_0, rows), a_1, b_1, ...) -> y plus, for
-    # each adapter i and row t with scales[t, cols[i]] != 0, s * ((x[t] a_i) b_i), s = scale * alpha_i / r_i
-    # (scale where alpha_i is 0; llama.cpp's build_lora_mm); A and B stored transposed from the GGUF's; params:
-    # cols, alphas. Rows without adapters are left as they are (LoRA adapters chosen per request)
+    # (y (n, rows), x (n, cols), scales (n, S), a_0 (r_0, cols), b_0 (r_0, rows), a_1, b_1, ...) -> y plus, for
+    # each adapter i and row t with scales[t, cols[i]] != 0, s * ((a_i x[t]) b_i), s = scale * alpha_i / r_i
+    # (scale where alpha_i is 0; llama.cpp's build_lora_mm); a as the GGUF's lora_a, b its lora_b transposed;
+    # params: cols, alphas. Rows without adapters are left as they are (LoRA adapters chosen per request)
     LORA = "lora", OpProps(inplace=(0,))
     # recurrent state (hybrid models). Source 0 is a layer's state cache (n_state_slots, ...): for
     # each sequence row i, the tokens [seq_off[i], seq_off[i+1]) run in order from the state in slot
@@ -213,10 +213,10 @@ class Graph:
 
     def lora(self, y: Tensor, x: Tensor, scales: Tensor, pairs, *, cols, alphas, name: str, il: int = -1) -> Tensor:
         """y + each adapter's low-rank product on the rows that use it (Op.LORA); pairs: (a, b) weight nodes,
-        a (cols, r), b (r, rows)."""
+        a (r, cols), b (r, rows)."""
         assert len(y.shape) == len(x.shape) == 2 and y.shape[0] == x.shape[0] == scales.shape[0], f"{name}"
         for a, b in pairs:
-            assert a.shape == (x.shape[1], b.shape[0]) and b.shape[1] == y.shape[1], f"{name}: {a.shape} {b.shape}"
+            assert a.shape == (b.shape[0], x.shape[1]) and b.shape[1] == y.shape[1], f"{name}: {a.shape} {b.shape}"
         srcs = (y, x, scales, *(t for p in pairs for t in p))
         return self._add(Op.LORA, srcs, y.shape, name, il, cols=tuple(int(c) for c in cols),
                          alphas=tuple(float(a) for a in alphas))

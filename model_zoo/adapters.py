@@ -29,7 +29,7 @@ class LoraAdapter:
     key: str    # unique per load ("name#n"): graphs, prepared weights and prefix blocks are keyed by it
     path: str
     alpha: float  # 0: the scale alone (llama.cpp's get_scale)
-    # base tensor name -> (A^T (n_in, r), B^T (r, n_out)), float32: the kernels' layout
+    # base tensor name -> (A (r, n_in) as the file's, B^T (r, n_out)), float32: the kernels' layout
     pairs: dict[str, tuple[QWeight, QWeight]] = field(default_factory=dict)
 
     @property
@@ -100,7 +100,7 @@ def load_adapter(path, name: str, model) -> LoraAdapter:
                 raise ModelLoadError(f"{path}: LoRA tensor {base!r} has shapes lora_a {sa}, lora_b {sb}; the model's "
                                      f"{base} is {tuple(w.shape)}, so want lora_a (rank, {n_in}), lora_b ({n_out}, rank)")
             a, b = _floats(path, ta), _floats(path, tb)
-            ad.pairs[base] = (_f32_weight(f"{base}.lora_a@{ad.key}", a.T), _f32_weight(f"{base}.lora_b@{ad.key}", b.T))
+            ad.pairs[base] = (_f32_weight(f"{base}.lora_a@{ad.key}", a), _f32_weight(f"{base}.lora_b@{ad.key}", b.T))
         return ad
     finally:
         f.close()

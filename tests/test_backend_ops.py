@@ -351,7 +351,7 @@ def lora(n, k=896, rows=67, ranks=(16, 8)):
     s[0::3, 0], s[1::3, 2], s[2::3, 0], s[2::3, 2], s[:, 1] = 1.0, 0.5, 0.7, 2.0, 3.0
     g = Graph()
     yi, xi, si = inputs(g, y=y, x=x, s=s)
-    pairs = [(g.weight(QWeight(f"a{r}", T.F32, (k, r), f32(rng, k, r).view(np.uint8).reshape(k, -1))),
+    pairs = [(g.weight(QWeight(f"a{r}", T.F32, (r, k), f32(rng, r, k).view(np.uint8).reshape(r, -1))),
               g.weight(QWeight(f"b{r}", T.F32, (r, rows), f32(rng, r, rows, scale=r ** -0.5).view(np.uint8)
                                .reshape(r, -1)))) for r in ranks]
     g.outputs.append(g.lora(yi, xi, si, pairs, cols=(0, 2)[:len(ranks)], alphas=(32.0, 0.0)[:len(ranks)], name="y_lora"))
@@ -652,7 +652,7 @@ CASES = [
                                   (64, 32, False, 3, False)]],
     *[case(moe_routing, n=n) for n in TOKENS],
     *[case(lora, n=n) for n in TOKENS],
-    case(lora, n=5, k=64, rows=4864, ranks=(32,)),  # rank >= 32: the CPU backend packs A as an f32 matrix
+    case(lora, n=5, k=200, rows=4864, ranks=(32,)),  # rank >= 32: B packed "f32"; 200 inputs: lanes and a tail
     *[case(mul_mat_id, qtype=t, n=n, per_slot=p) for t in (T.F32, T.Q8_0, T.Q5_0, T.Q4_K) for n in (0, 1, 5, 17)
       for p in (False, True)],
     *[case(kv_write, fused=f, n_kv=n_kv, d=d, scen=s) for f in (False, True) for _, n_kv, d in GQA for s in SCENARIOS],

@@ -1,10 +1,11 @@
 """LoRA adapters chosen per request (Op.LORA): each row's low-rank products, grouped by adapter.
 
 A row's result must not depend on what else is in the batch (a request's output is bitwise the
-same alone and beside others), so each row is computed on its own, in one fixed order: both
-products as sums of scaled rows (x_j times row j of A^T, then t_i times row i of B^T), which
-vectorize across the output without reordering any sum. Not BLAS over a group: its blocking
-follows the group's row count. No fastmath for the same reason."""
+same alone and beside others), so each row is computed on its own in one fixed order, whatever
+the row count or the threads: x a as L running sums (input j into sum j mod L, L fixed), added
+in order; then (x a) b, each output's sum in rank order. Both inner loops run across lanes (L
+inputs, the outputs), so they vectorize without reordering any sum; rows spread over the
+threads. Not BLAS over a group: its blocking follows the group's row count. No fastmath."""
 from __future__ import annotations
 
 import numba
@@ -12,32 +13,52 @@ import numpy as np
 
 from hearthlm.backends.cpu.qtypes import PackedWeight
 
+L = 128  # lanes of x a's sums
 
-@numba.njit(parallel=True, cache=True, nogil=True)
-def lora_rows(y, x, s, col, alpha, a, b):
-    """y[t] += s_t * ((x[t] a) b) for each row t whose scale s[t, col] is not 0; s_t = scale *
-    alpha / rank (scale where alpha is 0), in float32 as llama.cpp's get_scale.
-    y (n, n_out), x (n, n_in), s (n, S) float32; a (n_in, r), b (r, n_out) float32."""
-    n_in, r = a.shape
+
+def _lora_rows(y, x, s, col, alpha, a, b):
+    """y[t] += s_t * ((a x[t]) b) for each row t whose scale s[t, col] is not 0; s_t = that scale *
+    alpha / rank (alpha 0: the scale), in float32 as llama.cpp's get_scale. y (n, n_out), x (n, n_in),
+    s (n, S) float32; a (r, n_in) (the GGUF's lora_a), b (r, n_out) float32."""
+    r, n_in = a.shape
     n_out = b.shape[1]
+    nb = n_in // L
     for t in numba.prange(y.shape[0]):
-        scale = s[t, col]
-        if scale == 0:
+        sc = s[t, col]
+        if sc == 0:
             continue
         if alpha != 0:
-            scale = np.float32(np.float32(scale * np.float32(alpha)) / np.float32(r))
-        tmp = np.zeros(r, np.float32)
-        for j in range(n_in):
-            xj = x[t, j]
-            for i in range(r):
-                tmp[i] += a[j, i] * xj
+            sc = np.float32(np.float32(sc * alpha) / np.float32(r))
+        xt, yt = x[t], y[t]
+        tmp = np.empty(r, np.float32)
+        acc = np.empty(L, np.float32)
+        for i in range(r):
+            ai = a[i]
+            acc[:] = 0
+            for jb in range(nb):
+                seg, xs = ai[jb * L:(jb + 1) * L], xt[jb * L:(jb + 1) * L]
+                for q in range(L):
+                    acc[q] += seg[q] * xs[q]
+            tot = np.float32(0)
+            for q in range(L):
+                tot += acc[q]
+            for j in range(nb * L, n_in):
+                tot += ai[j] * xt[j]
+            tmp[i] = tot
         d = np.zeros(n_out, np.float32)
         for i in range(r):
-            ti = tmp[i]
+            ti, bi = tmp[i], b[i]
             for o in range(n_out):
-                d[o] += b[i, o] * ti
+                d[o] += bi[o] * ti
         for o in range(n_out):
-            y[t, o] += d[o] * scale
+            yt[o] += d[o] * sc
+
+
+# the same loops, so the same sums: threads for a step's worth of rows, one for a decoding row (a
+# parallel region's start, ~20 us, costs more than its products, ~5-12 us at Qwen2.5-0.5B's shapes)
+lora_rows = numba.njit(parallel=True, cache=True, nogil=True)(_lora_rows)
+lora_rows_1 = numba.njit(cache=True, nogil=True)(_lora_rows)
+PAR_MIN_MACS = 1 << 19  # multiply-adds of a call from which it goes parallel (over rows)
 
 
 def _f32(w) -> np.ndarray:
@@ -57,8 +78,8 @@ def lora(node, y, x, s, *ab, out=None):
         np.copyto(out, y)
     o2 = out.reshape(n, y.shape[-1])
     x2 = np.ascontiguousarray(x, np.float32).reshape(n, x.shape[-1])
-    s2 = np.ascontiguousarray(s, np.float32)
     for i, (col, alpha) in enumerate(zip(node.params["cols"], node.params["alphas"])):
-        if s2[:, col].any():
-            lora_rows(o2, x2, s2, col, np.float32(alpha), _f32(ab[2 * i]), _f32(ab[2 * i + 1]))
+        a, b = _f32(ab[2 * i]), _f32(ab[2 * i + 1])
+        big = n > 1 and n * a.shape[0] * (a.shape[1] + b.shape[1]) >= PAR_MIN_MACS
+        (lora_rows if big else lora_rows_1)(o2, x2, s, col, np.float32(alpha), a, b)
     return out

@@ -566,8 +566,8 @@ def lora(node, y, x, s, *ab, out=None):
     acc = _f(y).reshape(x2.shape[0], -1).copy()
     for i, (col, alpha) in enumerate(zip(node.params["cols"], node.params["alphas"])):
         a, b = (w.f if isinstance(w, CudaWeight) else _f(w) for w in ab[2 * i:2 * i + 2])
-        sc = s2[:, col:col + 1] * (f32(alpha) / f32(a.shape[1]) if alpha else f32(1.0))
-        acc += ((x2 @ a) @ b) * sc
+        sc = s2[:, col:col + 1] * (f32(alpha) / f32(a.shape[0]) if alpha else f32(1.0))
+        acc += ((x2 @ a.T) @ b) * sc
     return _into(acc.reshape(node.shape), out)
 
 
