@@ -29,7 +29,9 @@ class LoraAdapter:
     key: str    # unique per load ("name#n"): graphs, prepared weights and prefix blocks are keyed by it
     path: str
     alpha: float  # 0: the scale alone (llama.cpp's get_scale)
-    # base tensor name -> (A (r, n_in) as the file's, B^T (r, n_out)), float32: the kernels' layout
+    # base tensor name -> (A (r, n_in) as the file's, B^T (r, n_out)): the kernels' layout; F16 where the
+    # file's pair is F16 (half the bytes each token reads), else float32
+
     pairs: dict[str, tuple[QWeight, QWeight]] = field(default_factory=dict)
 
     @property
@@ -51,9 +53,10 @@ def _floats(path, t) -> np.ndarray:
             from e
 
 
-def _f32_weight(name: str, a: np.ndarray) -> QWeight:
-    a = np.ascontiguousarray(a, np.float32)
-    return QWeight(name, int(T.F32), a.shape, a.view(np.uint8).reshape(a.shape[0], -1))
+def _weight(name: str, a: np.ndarray) -> QWeight:
+    """An F32 or F16 record of a (a copy: the file closes)."""
+    a = np.ascontiguousarray(a, np.float16 if a.dtype == np.float16 else np.float32)
+    return QWeight(name, int(T.F16 if a.dtype == np.float16 else T.F32), a.shape, a.view(np.uint8).reshape(a.shape[0], -1))
 
 
 def load_adapter(path, name: str, model) -> LoraAdapter:
@@ -99,8 +102,11 @@ def load_adapter(path, name: str, model) -> LoraAdapter:
             if len(sa) != 2 or len(sb) != 2 or sa[1] != n_in or sb[0] != n_out or sa[0] != sb[1] or sa[0] == 0:
                 raise ModelLoadError(f"{path}: LoRA tensor {base!r} has shapes lora_a {sa}, lora_b {sb}; the model's "
                                      f"{base} is {tuple(w.shape)}, so want lora_a (rank, {n_in}), lora_b ({n_out}, rank)")
-            a, b = _floats(path, ta), _floats(path, tb)
-            ad.pairs[base] = (_f32_weight(f"{base}.lora_a@{ad.key}", a), _f32_weight(f"{base}.lora_b@{ad.key}", b.T))
+            if ta.ggml_type == tb.ggml_type == T.F16:
+                a, b = (t.raw().view(np.float16).reshape(t.shape) for t in (ta, tb))
+            else:
+                a, b = _floats(path, ta), _floats(path, tb)
+            ad.pairs[base] = (_weight(f"{base}.lora_a@{ad.key}", a), _weight(f"{base}.lora_b@{ad.key}", b.T))
         return ad
     finally:
         f.close()

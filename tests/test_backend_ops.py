@@ -341,19 +341,21 @@ def rope_multi(n, head_dim, n_rot, neox, n_comp, freqs=False):
     return g, {"x": x, "pos": pos}, {}
 
 
-def lora(n, k=896, rows=67, ranks=(16, 8)):
+def lora(n, k=896, rows=67, ranks=(16, 8), qtype=T.F32):
     """Two LoRA adapters (alpha 32, and 0: the scale alone) on y; rows use one, both or none
-    (scale 0: untouched); a third column of scales that no adapter of this weight reads.
-    Mutation: the cpu backend applying only a node's first adapter fails these."""
+    (scale 0: untouched); a third column of scales that no adapter of this weight reads. F16:
+    the adapters' matrices kept as halves. Mutation: the cpu backend applying only a node's first
+    adapter fails these."""
     rng = rng_for("lora", n, k)
+    dt = np.float16 if qtype == T.F16 else np.float32
     y, x = f32(rng, n, rows), f32(rng, n, k, scale=1 / np.sqrt(k))
     s = np.zeros((n, 3), np.float32)
     s[0::3, 0], s[1::3, 2], s[2::3, 0], s[2::3, 2], s[:, 1] = 1.0, 0.5, 0.7, 2.0, 3.0
     g = Graph()
     yi, xi, si = inputs(g, y=y, x=x, s=s)
-    pairs = [(g.weight(QWeight(f"a{r}", T.F32, (r, k), f32(rng, r, k).view(np.uint8).reshape(r, -1))),
-              g.weight(QWeight(f"b{r}", T.F32, (r, rows), f32(rng, r, rows, scale=r ** -0.5).view(np.uint8)
-                               .reshape(r, -1)))) for r in ranks]
+    pairs = [(g.weight(QWeight(f"a{r}{qtype.name}", qtype, (r, k), f32(rng, r, k).astype(dt).view(np.uint8).reshape(r, -1))),
+              g.weight(QWeight(f"b{r}{qtype.name}", qtype, (r, rows), f32(rng, r, rows, scale=r ** -0.5).astype(dt)
+                               .view(np.uint8).reshape(r, -1)))) for r in ranks]
     g.outputs.append(g.lora(yi, xi, si, pairs, cols=(0, 2)[:len(ranks)], alphas=(32.0, 0.0)[:len(ranks)], name="y_lora"))
     return g, {"y": y, "x": x, "s": s}, {}
 
@@ -653,6 +655,7 @@ CASES = [
     *[case(moe_routing, n=n) for n in TOKENS],
     *[case(lora, n=n) for n in TOKENS],
     case(lora, n=5, k=200, rows=4864, ranks=(32,)),  # rank >= 32: B packed "f32"; 200 inputs: lanes and a tail
+    *[case(lora, n=n, k=200, rows=4864, ranks=(32, 16), qtype=T.F16) for n in (1, 17)],
     *[case(mul_mat_id, qtype=t, n=n, per_slot=p) for t in (T.F32, T.Q8_0, T.Q5_0, T.Q4_K) for n in (0, 1, 5, 17)
       for p in (False, True)],
     *[case(kv_write, fused=f, n_kv=n_kv, d=d, scen=s) for f in (False, True) for _, n_kv, d in GQA for s in SCENARIOS],

@@ -11,6 +11,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
+from hearthlm.backends.cpu.halfs import f32
 from hearthlm.backends.cpu.qtypes import PackedWeight
 
 L = 128  # lanes of x a's sums
@@ -19,7 +20,8 @@ L = 128  # lanes of x a's sums
 def _lora_rows(y, x, s, col, alpha, a, b):
     """y[t] += s_t * ((a x[t]) b) for each row t whose scale s[t, col] is not 0; s_t = that scale *
     alpha / rank (alpha 0: the scale), in float32 as llama.cpp's get_scale. y (n, n_out), x (n, n_in),
-    s (n, S) float32; a (r, n_in) (the GGUF's lora_a), b (r, n_out) float32."""
+    s (n, S) float32; a (r, n_in) (the GGUF's lora_a), b (r, n_out): float32, or float16 bits (uint16),
+    widened as read."""
     r, n_in = a.shape
     n_out = b.shape[1]
     nb = n_in // L
@@ -38,18 +40,18 @@ def _lora_rows(y, x, s, col, alpha, a, b):
             for jb in range(nb):
                 seg, xs = ai[jb * L:(jb + 1) * L], xt[jb * L:(jb + 1) * L]
                 for q in range(L):
-                    acc[q] += seg[q] * xs[q]
+                    acc[q] += f32(seg[q]) * xs[q]
             tot = np.float32(0)
             for q in range(L):
                 tot += acc[q]
             for j in range(nb * L, n_in):
-                tot += ai[j] * xt[j]
+                tot += f32(ai[j]) * xt[j]
             tmp[i] = tot
         d = np.zeros(n_out, np.float32)
         for i in range(r):
             ti, bi = tmp[i], b[i]
             for o in range(n_out):
-                d[o] += bi[o] * ti
+                d[o] += f32(bi[o]) * ti
         for o in range(n_out):
             yt[o] += d[o] * sc
 
@@ -61,11 +63,12 @@ lora_rows_1 = numba.njit(cache=True, nogil=True)(_lora_rows)
 PAR_MIN_MACS = 1 << 19  # multiply-adds of a call from which it goes parallel (over rows)
 
 
-def _f32(w) -> np.ndarray:
-    """A prepared adapter matrix as float32 (a narrow one is kept as an array, a wide one packed "f32")."""
+def _values(w) -> np.ndarray:
+    """A prepared adapter matrix as the kernel reads it: float32, or F16 as its uint16 bits (a
+    narrow one is kept as a float32 array, a wide one packed "f32" or "half")."""
     if isinstance(w, PackedWeight):
-        assert w.layout == "f32", f"LoRA weights are float32, not {w.layout}"
-        return w.w
+        assert w.layout == "f32" or w.layout == "half" and w.ggml_type == 1, f"LoRA weights: {w.layout}"
+        return w.w if w.layout == "f32" else w.qs
     return np.ascontiguousarray(w, np.float32)
 
 
@@ -79,7 +82,7 @@ def lora(node, y, x, s, *ab, out=None):
     o2 = out.reshape(n, y.shape[-1])
     x2 = np.ascontiguousarray(x, np.float32).reshape(n, x.shape[-1])
     for i, (col, alpha) in enumerate(zip(node.params["cols"], node.params["alphas"])):
-        a, b = _f32(ab[2 * i]), _f32(ab[2 * i + 1])
+        a, b = _values(ab[2 * i]), _values(ab[2 * i + 1])
         big = n > 1 and n * a.shape[0] * (a.shape[1] + b.shape[1]) >= PAR_MIN_MACS
         (lora_rows if big else lora_rows_1)(o2, x2, s, col, np.float32(alpha), a, b)
     return out

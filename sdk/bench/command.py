@@ -63,6 +63,8 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
                    help="decode with N random LoRA adapters (stream i uses adapter i mod N) against the base alone, "
                         "aggregate tokens/s at the --concurrency levels (default 1,16), and each adapter's memory")
     p.add_argument("--lora-rank", type=int, default=16, metavar="R", help="the random adapters' rank")
+    p.add_argument("--lora-type", default="f16", choices=["f16", "f32"],
+                   help="the random adapters' type (convert_lora_to_gguf.py's --outtype; hearthlm keeps F16 at 2 bytes)")
     p.add_argument("--json-schema", default=None, metavar="FILE",
                    help="aggregate tokens/s constrained by this JSON schema vs unconstrained, same prompts, at the "
                         "--concurrency levels (default 1,16); pick a schema whose outputs outrun --decode-tokens")
@@ -152,7 +154,7 @@ def _lora(a: argparse.Namespace) -> None:
     if a.json:
         print(json.dumps(dict(rows=rows, **facts), indent=2))
         return
-    _print_pairs(f"model: {a.model}  LoRA: {a.lora_adapters} random rank-{a.lora_rank} adapters  decode: "
+    _print_pairs(f"model: {a.model}  LoRA: {a.lora_adapters} random rank-{a.lora_rank} {a.lora_type} adapters  decode: "
                  f"{a.decode_tokens} tokens per request (medians of {a.repeat} rounds)", rows, ".3f")
     _print_pairs("memory:", [facts], ".1f")
 

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import anyio
+import gguf
 import numpy as np
 
 from hearthlm.bench import session_options
@@ -31,8 +32,9 @@ async def bench_lora(a) -> tuple[list[dict], dict]:
     n_ad = a.lora_adapters
     kv = max(levels) * (64 + max(levels) + a.decode_tokens + 16)
     with tempfile.TemporaryDirectory() as d:
-        files = [write_lora(Path(d) / f"r{i}.gguf", path, seed=i, rank=a.lora_rank, alpha=2.0 * a.lora_rank, size=0.05)
-                 for i in range(n_ad)]
+        qtype = getattr(gguf.GGMLQuantizationType, a.lora_type.upper())
+        files = [write_lora(Path(d) / f"r{i}.gguf", path, seed=i, rank=a.lora_rank, alpha=2.0 * a.lora_rank, size=0.05,
+                            qtype=qtype) for i in range(n_ad)]
         opts = session_options(a, max_batch_tokens=512, max_seqs=max(levels), kv_cache_tokens=max(kv, 4096))
         async with Session.open(path, options=opts) as s:
             await s.generate([1000, 1001, 1002], max_tokens=2, temperature=0)
@@ -68,7 +70,7 @@ async def bench_lora(a) -> tuple[list[dict], dict]:
                 print(f"concurrency {n}: ratio {lo / b:.3f}", file=sys.stderr, flush=True)
             nbytes = [ad.nbytes for ad in s.model.adapters.live.values()]
     facts = dict(adapter_mb=float(np.mean(nbytes)) / 2**20, rss_per_adapter_loaded_mb=(rss1 - rss0) / n_ad,
-                 rss_per_adapter_after_use_mb=(rss2 - rss0) / n_ad, rank=a.lora_rank, load_avg=_load())
+                 rss_per_adapter_after_use_mb=(rss2 - rss0) / n_ad, rank=a.lora_rank, type=a.lora_type, load_avg=_load())
     return rows, facts
 
 
