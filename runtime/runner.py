@@ -103,7 +103,7 @@ class ModelRunner:
         self.graphs = GraphCache(memory.kv.typed(model.build_graph), placement, fusion_on=fusion, enabled=graph_cache,
                                  weight_cache=weight_cache)
         self.adapters = getattr(model, "adapters", None)  # model_zoo.adapters.AdapterSet: LoRA chosen per request
-        self._lora_keys: tuple[str, ...] = ()  # the live adapters of the last step that used any
+        self._lora_keys: tuple[str, ...] = ()  # the live adapters as the last step found them
         # weights packed at load, not at the first step: compiling the single-stream decode graph
         # binds what it reads (a later graph that reads more prepares it on first use)
         self.graphs.prepare(self.shape(n_tokens=1, n_seqs=1, n_out=1, need_blocks=1))

@@ -427,7 +427,9 @@ class Session:
         chat_template_kwargs (template variables, e.g. {"enable_thinking": False}), and for
         templates that think: the thinking comes apart in .reasoning (reasoning_format="none"
         leaves it in the text), reasoning_budget (tokens of thinking before it is closed for
-        the model and the answer begins)."""
+        the model and the answer begins); adapters ({name: scale}: LoRA adapters the session
+        holds, several at once, as llama.cpp's list; none: the base model; requests with
+        different adapters are batched together)."""
         async for c in self._stream(prompt, **kwargs):
             if not isinstance(c, int):
                 yield c
