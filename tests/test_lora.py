@@ -101,18 +101,23 @@ def _step(m, run, sets, decode: bool, row: int = 0) -> np.ndarray:
 
 @pytest.mark.parametrize("backend", ["cpu", "reference"])
 @pytest.mark.parametrize("decode", [False, True])
-def test_a_row_is_the_same_whatever_the_others_use(qwen2, backend, decode):
+@pytest.mark.parametrize("loaded", ["a", "ab"])
+def test_a_row_is_the_same_whatever_the_others_use(qwen2, backend, decode, loaded):
     """A request's logits are bitwise the same in a batch whatever adapters the other rows use (or
     none), for a request with an adapter and one without; alone they are too on the reference, and on
     the cpu as close as the base model's own are alone and batched (its matmuls' paths differ by row
-    count, adapters or not). Mutations: lora_rows reading scales of row 0 for every row (`s[0, col]`)
-    fails it; the runner filling every request's scales from row 0 (`off` not advanced) fails it."""
-    m, run = _runner(*qwen2, backend)
+    count, adapters or not). One adapter loaded (the cpu's one-adapter kernel) and two (its list
+    kernel). Mutations: either cpu kernel taking row 0's scale for every row (`s[0, col]`,
+    `s[0, cols[i]]`) fails it; the runner filling every request's scales from row 0 (`off` not
+    advanced) fails it."""
+    base, ads = qwen2
+    m, run = _runner(base, {n: p for n, p in ads.items() if n in loaded}, backend)
+    other = {"a": 0.5} if loaded == "a" else {"b": 1.0}
     try:
         for mine in ({"a": 1.0}, None):
             alone = _step(m, run, [mine], decode)
             mixes = [_step(m, run, [x, mine, y], decode, row=1) for x, y in
-                     ([None, {"b": 1.0}], [{"a": 1.0, "b": 0.5}, None], [{"a": 2.0}, {"a": 1.0}], [None, None])]
+                     ([None, other], [{"a": 2.0, **other}, None], [{"a": 2.0}, {"a": 1.0}], [None, None])]
             assert all(np.array_equal(mixes[0], x) for x in mixes[1:]), f"{mine}: rows depend on the others' adapters"
             if backend == "reference":
                 assert np.array_equal(alone, mixes[0])
