@@ -138,7 +138,12 @@ def _adapter(request: Request, name: str) -> str | None:
     host = host_of(request)
     if name in host.sessions or not name or name.endswith(":latest") and name[:-7] in host.sessions:
         return None
-    return host.resolve(name)[1]
+    try:
+        return host.resolve(name)[1]
+    except APIError as e:  # not an adapter either: _find names it in Ollama's words
+        if e.status != 404:
+            raise
+        return None
 
 
 def _find_adapted(request: Request, name: str) -> tuple[Session, str | None]:
