@@ -58,7 +58,7 @@ class Host:
             raise APIError(404, f"the model {name!r} does not exist; served: {sorted(self.sessions)}", "model_not_found")
         return s
 
-    def resolve(self, name: str | None) -> tuple[Session, str | None]:
+    def with_adapter(self, name: str | None) -> tuple[Session, str | None]:
         """A model name as OpenAI's `model` field names it, with a LoRA adapter where it names one
         (vLLM's convention): a served model's own name; "BASE:ADAPTER"; or an adapter's name alone,
         where one served model has it. (session, adapter name or None); 404 naming it otherwise."""

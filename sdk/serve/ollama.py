@@ -139,7 +139,7 @@ def _adapter(request: Request, name: str) -> str | None:
     if name in host.sessions or not name or name.endswith(":latest") and name[:-7] in host.sessions:
         return None
     try:
-        return host.resolve(name)[1]
+        return host.with_adapter(name)[1]
     except APIError as e:  # not an adapter either: _find names it in Ollama's words
         if e.status != 404:
             raise
@@ -149,7 +149,7 @@ def _adapter(request: Request, name: str) -> str | None:
 def _find_adapted(request: Request, name: str) -> tuple[Session, str | None]:
     """_find, or the session whose LoRA adapter the name chooses."""
     adapter = _adapter(request, name)
-    return (host_of(request).resolve(name)[0] if adapter else _find(request, name)[1]), adapter
+    return (host_of(request).with_adapter(name)[0] if adapter else _find(request, name)[1]), adapter
 
 
 def _adapter_cards(request: Request) -> list[dict[str, Any]]:

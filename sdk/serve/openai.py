@@ -49,7 +49,7 @@ async def list_models(request: Request):
 async def get_model(name: str, request: Request):
     host = host_of(request)
     if name not in host.names():
-        s, adapter = host.resolve(name)  # the 404
+        s, adapter = host.with_adapter(name)  # the 404
         if adapter is not None:
             return next((c for c in _adapter_cards(host) if c["id"] == name), _model_card(name))
     return _model_card(name)
@@ -57,7 +57,7 @@ async def get_model(name: str, request: Request):
 
 @router.post("/v1/chat/completions")
 async def chat(body: ChatRequest, request: Request):
-    s, adapter = host_of(request).resolve(body.model)
+    s, adapter = host_of(request).with_adapter(body.model)
     request_images(body.messages)
     tok = s.model.tokenizer
     kw = body.session_kwargs(tok) | body.adapter_kwargs(list(s.adapters), adapter)
@@ -91,7 +91,7 @@ async def chat(body: ChatRequest, request: Request):
 
 @router.post("/v1/completions")
 async def complete(body: CompletionRequest, request: Request):
-    s, adapter = host_of(request).resolve(body.model)
+    s, adapter = host_of(request).with_adapter(body.model)
     tok = s.model.tokenizer
     prompt, kw = body.prompt_arg(), body.session_kwargs(tok) | body.adapter_kwargs(list(s.adapters), adapter)
     echo_text = (prompt if isinstance(prompt, str) else s.detokenize(prompt)) if body.echo else ""
