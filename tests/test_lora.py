@@ -6,6 +6,7 @@ graph where no request uses one; prefix blocks keyed by adapter set; unloading w
 bad input refused by name while the session keeps serving."""
 import json
 import sys
+from collections import Counter
 from pathlib import Path
 
 import anyio
@@ -20,6 +21,7 @@ from hearthlm.core.errors import InvalidRequestError, ModelLoadError, ModelNotFo
 from hearthlm.core.graph import Op
 from hearthlm.model_zoo.adapters import load_adapter
 from hearthlm.model_zoo.model import load_model
+from hearthlm.runtime import fusion
 from hearthlm.runtime.batch import BatchShape
 from hearthlm.runtime.batcher import Scheduled, StepPlan
 from hearthlm.runtime.placement import Placement
@@ -150,6 +152,9 @@ def test_graphs_reused_when_only_the_assignment_changes(qwen2):
         lora = [n for n in g.nodes if n.op is Op.LORA]
         assert len(lora) == 7 * m.config.n_layer + 1  # a: 7 projections a layer; b: those and the LM head
         assert sum(len(n.params["cols"]) == 2 for n in lora) == 7 * m.config.n_layer
+        fused = Counter(n.op for n in fusion.fuse(g).nodes)  # the residual adds and the GLU still fused
+        assert fused[Op.MUL_MAT_ADD] == 2 * m.config.n_layer and fused[Op.GLU] == m.config.n_layer
+        assert fused[Op.LORA] == len(lora)
     finally:
         m.close()
 
