@@ -285,3 +285,40 @@ def test_adapter_weight_types(qwen2, tmp_path, qtype):
         assert got.nbytes * (2 if qtype == T.F16 else 1) == f32.nbytes
     finally:
         m.close()
+
+
+@pytest.mark.parametrize("half", [False, True])
+def test_cpu_kernel_rows_do_not_depend_on_the_batch(monkeypatch, half):
+    """The cpu kernel at Qwen2.5-0.5B's shapes (896 -> 4864, rank 16): a row alone (the one-thread
+    kernel, as a decoding stream) and among 17 rows using other adapters or none (the threaded one,
+    as a step of many streams), one adapter per node and two: bitwise the same. Mutation: the
+    threaded kernels summing x a in another order (the lanes' sums added last to first) fails it."""
+    from hearthlm.backends.cpu import lora as cpu_lora
+    from hearthlm.core.graph import Graph
+    rng = np.random.default_rng(0)
+    dt = np.float16 if half else np.float32
+    a = [(rng.standard_normal((16, 896)) / 30).astype(dt) for _ in range(2)]
+    b = [(rng.standard_normal((16, 4864)) / 4).astype(dt) for _ in range(2)]
+    x, y = rng.standard_normal((17, 896)).astype(np.float32), rng.standard_normal((17, 4864)).astype(np.float32)
+    s = np.zeros((17, 3), np.float32)
+    s[::2, 0], s[1::3, 2], s[5, 0], s[5, 2] = 1.0, 0.5, 2.0, 1.5
+    for n_ad in (1, 2):
+        g = Graph()
+        pairs = [(g.weight(_f32_weight(f"a{i}{half}", a[i])), g.weight(_f32_weight(f"b{i}{half}", b[i]))) for i in range(n_ad)]
+        node = g.lora(g.input("y", y.shape, np.float32), g.input("x", x.shape, np.float32), g.input("s", s.shape, np.float32),
+                      pairs, cols=(0, 2)[:n_ad], alphas=(32.0, 0.0)[:n_ad], name="y_lora")
+        ab = [m for i in range(n_ad) for m in (a[i], b[i])]
+        ab = [m.view(np.uint16) if half else m for m in ab]
+        monkeypatch.setattr(cpu_lora, "PAR_MIN_MACS", 1)
+        batch = cpu_lora.lora(node, y, x, s, *ab)
+        for t in (0, 5, 16):
+            monkeypatch.setattr(cpu_lora, "PAR_MIN_MACS", 1 << 60)
+            alone = cpu_lora.lora(node, y[t:t + 1], x[t:t + 1], s[t:t + 1], *ab)
+            assert np.array_equal(alone[0], batch[t]), (n_ad, t)
+        assert np.array_equal(batch[3], y[3]) and not np.array_equal(batch[0], y[0])  # row 3: no adapter
+
+
+def _f32_weight(name, m):
+    from hearthlm.core.weights import QWeight
+    t = T.F16 if m.dtype == np.float16 else T.F32
+    return QWeight(name, int(t), m.shape, np.ascontiguousarray(m).view(np.uint8).reshape(m.shape[0], -1))

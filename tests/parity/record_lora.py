@@ -1,7 +1,7 @@
 """Record llama.cpp's outputs with LoRA adapters on the tiny models once (CI never runs llama.cpp):
     python tests/parity/record_lora.py --llama-python /path/to/venv-with-llama-cpp-python/bin/python
 writes tests/data/lora_parity.json: per case (BASES x CASES) the greedy steps and top-5 as
-arch_parity.json's, with the adapters (written by lora.write_lora, seeds as ADAPTERS) set."""
+arch_parity.json's, with the adapters (hearthlm.bench.lora_files.write_lora, seeds as ADAPTERS) set."""
 import argparse
 import json
 import subprocess
