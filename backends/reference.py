@@ -327,6 +327,20 @@ def _swiglu_oai(node, g, u):
     return (x / (1.0 + np.exp(-node.params["alpha"] * x)) * (np.clip(u, -lim, lim) + 1.0)).astype(np.float32)
 
 
+def _lora(n, y, x, s, *ab):
+    """y plus, per adapter, scale * ((x a^T) b) on the rows whose scale is not 0 (float64 products)."""
+    out = np.array(y, np.float32)
+    for i, (col, alpha) in enumerate(zip(n.params["cols"], n.params["alphas"])):
+        a, b = ab[2 * i], ab[2 * i + 1]
+        sc = s[:, col].astype(np.float32)
+        if alpha:
+            sc = sc * np.float32(alpha) / np.float32(a.shape[0])
+        rows = np.flatnonzero(sc)
+        d = (x[rows].astype(np.float64) @ a.T.astype(np.float64)) @ b.astype(np.float64)
+        out[rows] += (d * sc[rows, None]).astype(np.float32)
+    return out
+
+
 class ReferenceBackend(Backend):
     name = "reference"
     # what gguf.quants dequantizes; prepare_weight names a type it cannot
@@ -366,6 +380,7 @@ class ReferenceBackend(Backend):
             Op.SUM_ROWS: lambda n, x: x.astype(np.float64).sum(axis=-1, keepdims=True).astype(np.float32),
             Op.DIV: lambda n, a, b: (a / b).astype(np.float32),
             Op.MUL_MAT_ID: lambda n, w, x, ids: mul_mat_id(w, x, ids),
+            Op.LORA: _lora,
             Op.SIGMOID: lambda n, x: sigmoid(x),
             Op.SOFTPLUS: lambda n, x: softplus(x),
             Op.CLAMP: lambda n, x: clamp(x, n.params["lo"], n.params["hi"]),

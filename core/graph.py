@@ -105,6 +105,11 @@ class Op(enum.Enum):
     DIV = "div"              # (a, b) broadcast
     # (w (E, rows, cols), x (n, cols) or (n, k, cols), ids (n, k)) -> (n, k, rows): x @ w[ids].T (ggml's MUL_MAT_ID)
     MUL_MAT_ID = "mul_mat_id"
+    # (y (n, rows), x (n, cols), scales (n, S), a_0 (r_0, cols), b_0 (r_0, rows), a_1, b_1, ...) -> y plus, for
+    # each adapter i and row t with scales[t, cols[i]] != 0, s * ((a_i x[t]) b_i), s = scale * alpha_i / r_i
+    # (scale where alpha_i is 0; llama.cpp's build_lora_mm); a as the GGUF's lora_a, b its lora_b transposed;
+    # params: cols, alphas. Rows without adapters are left as they are (LoRA adapters chosen per request)
+    LORA = "lora", OpProps(inplace=(0,))
     # recurrent state (hybrid models). Source 0 is a layer's state cache (n_state_slots, ...): for
     # each sequence row i, the tokens [seq_off[i], seq_off[i+1]) run in order from the state in slot
     # state_slot[i], which is left holding the state after them; tokens in no range (padding) give 0
@@ -175,6 +180,9 @@ class Graph:
         self.nodes: list[Tensor] = []
         self.inputs: dict[str, Tensor] = {}
         self.outputs: list[Tensor] = []
+        # (g, w, x, y, il) -> y with the step's LoRA adapters on it, or y: set by the model for steps
+        # whose requests use adapters (model_zoo.adapters), so every weight's product takes them
+        self.lora_hook = None
 
     def _add(self, op: Op, srcs, shape, name: str, il: int = -1, dtype=F32, **params) -> Tensor:
         t = Tensor(op, tuple(srcs), tuple(int(s) for s in shape), np.dtype(dtype), name, il, params)
@@ -200,7 +208,18 @@ class Graph:
 
     def mul_mat(self, w: Tensor, x: Tensor, name: str, il: int = -1) -> Tensor:
         assert x.shape[-1] == w.shape[1], f"{name}: {x.shape} @ {w.shape}.T"
-        return self._add(Op.MUL_MAT, (w, x), (*x.shape[:-1], w.shape[0]), name, il)
+        y = self._add(Op.MUL_MAT, (w, x), (*x.shape[:-1], w.shape[0]), name, il)
+        return y if self.lora_hook is None or w.op is not Op.WEIGHT else self.lora_hook(self, w, x, y, il)
+
+    def lora(self, y: Tensor, x: Tensor, scales: Tensor, pairs, *, cols, alphas, name: str, il: int = -1) -> Tensor:
+        """y + each adapter's low-rank product on the rows that use it (Op.LORA); pairs: (a, b) weight nodes,
+        a (r, cols), b (r, rows)."""
+        assert len(y.shape) == len(x.shape) == 2 and y.shape[0] == x.shape[0] == scales.shape[0], f"{name}"
+        for a, b in pairs:
+            assert a.shape == (b.shape[0], x.shape[1]) and b.shape[1] == y.shape[1], f"{name}: {a.shape} {b.shape}"
+        srcs = (y, x, scales, *(t for p in pairs for t in p))
+        return self._add(Op.LORA, srcs, y.shape, name, il, cols=tuple(int(c) for c in cols),
+                         alphas=tuple(float(a) for a in alphas))
 
     def rms_norm(self, x: Tensor, eps: float, name: str, il: int = -1) -> Tensor:
         return self._add(Op.RMS_NORM, (x,), x.shape, name, il, eps=float(eps))

@@ -14,6 +14,7 @@ from hearthlm.core.errors import HearthError, ModelLoadError
 from hearthlm.core.graph import Graph
 from hearthlm.core.layer_memory import LayerMemory
 from hearthlm.core.weights import QWeight
+from hearthlm.model_zoo.adapters import AdapterSet, lora_hook
 from hearthlm.model_zoo.gguf_file import GGUFFile
 from hearthlm.model_zoo.models import get_architecture
 from hearthlm.model_zoo.tensors import Weights
@@ -35,6 +36,7 @@ class Model:
     chat_template: str | None
     n_vocab: int
     _views: dict = field(default_factory=dict, repr=False)
+    adapters: AdapterSet = field(default_factory=AdapterSet)  # LoRA adapters, chosen per request
 
     @property
     def metadata(self) -> dict[str, Any]:
@@ -75,6 +77,9 @@ class Model:
     def build_graph(self, shape: BatchShape) -> Graph:
         """The architecture's forward pass for this batch shape; its logits are the first output."""
         g = Graph()
+        if shape.lora:  # the live adapters' products on every weight they adapt; a step without: today's graph
+            live = self.adapters.live  # one gone since (unloaded, used by no request) adapts nothing
+            g.lora_hook = lora_hook([live.get(k) for k in shape.lora], shape.n_tokens)
         w = Weights(g, self.weights, self.n_vocab, where=self.path, arch=self.arch_name, views=self._views)
         g.outputs.insert(0, self.arch.build(self.config, g, w, shape))
         return g

@@ -23,6 +23,7 @@ class BatchShape:
     embd: bool = False  # also output every token's final hidden state (embedding requests pool them)
     n_state: int = 0    # recurrent-state slots (hybrid models; 0: none)
     n_media: int = 0    # rows of the image-row input (a zero row, then the step's image rows; 0: no images)
+    lora: tuple[str, ...] = ()  # the LoRA adapters' keys the graph carries (all live ones; () where no request uses any)
 
 
 def one_token(block_size: int = 16, n_state: int = 0) -> BatchShape:

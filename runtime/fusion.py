@@ -67,6 +67,18 @@ def _attn(g, root, m, softcap: float):
                   name=root.name, il=root.layer)
 
 
+def _lora_mul_mat_add(g, root, m):
+    """A LoRA'd projection into the residual: the projection takes the residual (MUL_MAT_ADD), the
+    adapters' products go on after ((w x + r) + d, where llama.cpp adds (w x + d) + r)."""
+    lo, r = m["lora"], m["r"]
+    mm = lo.srcs[0]
+    if mm.op is not Op.MUL_MAT or mm.srcs[0].op is not Op.WEIGHT or not r.shape == root.shape == lo.shape:
+        return None
+    y = g.mul_mat_add(mm.srcs[0], mm.srcs[1], r, mm.name, mm.layer)
+    return g.lora(y, lo.srcs[1], lo.srcs[2], list(zip(lo.srcs[3::2], lo.srcs[4::2])), cols=lo.params["cols"],
+                  alphas=lo.params["alphas"], name=root.name, il=root.layer)
+
+
 RULES = [
     # RMSNorm then its weight: one pass over each row
     Rule("rms_norm_mul", P(Op.MUL, P(Op.RMS_NORM, X.x, name="norm"), X.w),
@@ -93,6 +105,11 @@ RULES = [
     Rule("mul_mat_add", P(Op.ADD, X.r, P(Op.MUL_MAT, X.w, X.x, name="mm")),
          lambda g, root, m: g.mul_mat_add(m["w"], m["x"], m["r"], root.name, root.layer)
          if m["r"].shape == root.shape == m["mm"].shape else None),
+    Rule("lora_mul_mat_add", P(Op.ADD, X.r, P(Op.LORA, name="lora", any_srcs=True)), _lora_mul_mat_add),
+    # a LoRA'd FFN's gate (ffn_glu cannot take the adapters' products): act(gate) * up in one pass
+    Rule("lora_glu", P(Op.MUL, P((Op.SILU, Op.GELU), X.g, name="act"), X.u),
+         lambda g, root, m: g.glu(m["g"], m["u"], "gelu" if m["act"].op is Op.GELU else "silu", root.name, root.layer)
+         if Op.LORA in (m["g"].op, m["u"].op) and m["g"].shape == m["u"].shape == root.shape else None),
     Rule("rms_norm_mul_add", P(Op.ADD, X.r, P(Op.RMS_NORM_MUL, X.x, X.w, name="norm")),
          lambda g, root, m: _norm_add(g, root, m) if m["r"].shape == root.shape == m["norm"].shape else None),
     # and chains of plain adds: one n-ary sum

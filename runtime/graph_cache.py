@@ -106,6 +106,14 @@ class GraphCache:
                   nodes=entry.n_fused, arena_bytes=cg.plan.arena_bytes, ms=round(dt * 1e3, 2))
         return cg
 
+    def forget(self, shapes: Callable[[BatchShape], bool], weights: Callable[[str], bool]) -> None:
+        """Drop the cached graphs whose shape `shapes` picks and the prepared weights `weights` picks by
+        name (an unloaded LoRA adapter's: its memory goes)."""
+        for sig in [s for s in self._graphs if shapes(s.shape)]:
+            del self._graphs[sig]
+        for st in self.stores.values():
+            st.forget(weights)
+
     def prepare(self, shape: BatchShape) -> None:
         """At load: compile the graph of `shape` (binding packs the weights it reads) and keep
         it, counting no miss: the first step of that shape then finds it ready."""

@@ -174,6 +174,7 @@ class Request:
     draft: list[int] = field(default_factory=list)  # this step's draft tokens, computed after `tokens`
     persisted: int = 0  # Kind.PREFILL: the tokens it wrote to the prompt cache
     media: list[Media] = field(default_factory=list)  # images in the prompt, in order
+    lora: tuple[tuple[str, float], ...] = ()  # LoRA adapters (key, scale) by key; (): the base model
 
     def __post_init__(self) -> None:
         self.kind = Kind(self.kind)

@@ -103,6 +103,8 @@ class ModelRunner:
         self.max_batch_tokens, self.max_seqs = max_batch_tokens, max_seqs
         self.graphs = GraphCache(memory.kv.typed(model.build_graph), placement, fusion_on=fusion, enabled=graph_cache,
                                  weight_cache=weight_cache)
+        self.adapters = getattr(model, "adapters", None)  # model_zoo.adapters.AdapterSet: LoRA chosen per request
+        self._lora_keys: tuple[str, ...] = ()  # the live adapters as the last step found them
         # weights packed at load, not at the first step: compiling the single-stream decode graph
         # binds what it reads (a later graph that reads more prepares it on first use)
         self.graphs.prepare(self.shape(n_tokens=1, n_seqs=1, n_out=1, need_blocks=1))
@@ -162,7 +164,8 @@ class ModelRunner:
         n_media = sum(min(m.end, s.req.n_computed + s.n_tokens) - max(m.start, s.req.n_computed) for _, s, m in media)
         shape = self.shape(n_tokens=plan.n_tokens, n_seqs=len(plan.seqs), need_blocks=need,
                            n_out=sum(len(scored(s)) + n_out(s) for s in plan.seqs),
-                           embd=any(s.req.kind is Kind.EMBED for s in plan.seqs), n_media=n_media)
+                           embd=any(s.req.kind is Kind.EMBED for s in plan.seqs), n_media=n_media,
+                           lora=self._lora(plan))
         n_pad, n_seqs, width = shape.n_tokens, shape.n_seqs, shape.max_blocks
         n, n_tok = len(plan.seqs), plan.n_tokens
         # per sequence, gathered in one pass; the arrays are then filled whole (a decode step of 64
@@ -214,7 +217,35 @@ class ModelRunner:
             feed["rope_pos"] = rope_pos
         if shape.n_media:
             self._media_inputs(feed, shape, media)
+        if shape.lora:
+            feed["lora_scale"] = self._lora_scales(plan, shape)
         return feed, shape
+
+    def _lora(self, plan: StepPlan) -> tuple[str, ...]:
+        """The LoRA adapters the step's graph carries: every live one where a request uses any (so
+        that a change of who uses which only rewrites the "lora_scale" input), none otherwise (the
+        base graph). Graphs and prepared weights of adapters gone since the last step are dropped."""
+        if self.adapters is None:
+            return ()
+        keys = tuple(sorted(self.adapters.live))
+        if keys != self._lora_keys:
+            gone = set(self._lora_keys) - set(keys)
+            if gone:
+                self.graphs.forget(lambda shape: bool(gone & set(shape.lora)),
+                                   lambda name: name.rpartition("@")[2] in gone)
+            self._lora_keys = keys
+        return keys if any(s.req.lora for s in plan.seqs) else ()
+
+    @staticmethod
+    def _lora_scales(plan: StepPlan, shape: BatchShape) -> np.ndarray:
+        """(n_tokens, adapters) each token's scale per adapter of shape.lora (0: not used; padding: none)."""
+        col = {k: i for i, k in enumerate(shape.lora)}
+        out, off = np.zeros((shape.n_tokens, len(shape.lora)), np.float32), 0
+        for s in plan.seqs:
+            for key, scale in s.req.lora:
+                out[off:off + s.n_tokens, col[key]] = scale
+            off += s.n_tokens
+        return out
 
     def _media_inputs(self, feed: dict, shape: BatchShape, media: list) -> None:
         """Image rows in place of their placeholder tokens (blocks.build_inp_embd), and each
@@ -235,7 +266,7 @@ class ModelRunner:
         feed.update(media_rows=rows, media_at=at, text_mask=text, seq_len=horizon.astype(np.int32))
 
     def shape(self, *, n_tokens: int, n_seqs: int, n_out: int, need_blocks: int, embd: bool = False,
-              n_media: int = 0) -> BatchShape:
+              n_media: int = 0, lora: tuple[str, ...] = ()) -> BatchShape:
         """The bucketed shape a step's graph is cached by. KV-length bucket: the fused attention
         reads only up to each token's position, so its graph takes the full width (one bucket);
         the unfused one gathers the whole width."""
@@ -248,7 +279,7 @@ class ModelRunner:
                           n_out=bucket(n_out, n_seqs_pad if n_out <= n_seqs_pad else n_tokens_pad) if n_out else 0,
                           n_slots=kv.n_slots, block_size=kv.block_size, embd=embd,
                           n_state=self.memory.state.n_slots if self.memory.hybrid else 0,
-                          n_media=bucket(n_media + 1) if n_media else 0)
+                          n_media=bucket(n_media + 1) if n_media else 0, lora=lora)
 
     def stats(self) -> dict[str, Any]:
         """The graph cache's counters, and the worker threads."""

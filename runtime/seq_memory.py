@@ -26,6 +26,12 @@ from hearthlm.runtime.request import Request
 KV_NAMES = ("cache_k", "cache_v")
 
 
+def _root(req: Request) -> int | None:
+    """The parent hash of a request's first block: its LoRA adapters' (keys and scales), so that only
+    requests with the same adapter set share prefix blocks; None for the base model."""
+    return hash(("lora", req.lora)) if req.lora else None
+
+
 class StateCache:
     """Per recurrent layer, one array per state kind (`dims[il]`: name -> per-slot shape, e.g.
     {"state_conv": (K-1, C), "state_ssm": (H, d_v, d_k)}), each of n_slots slots, float32, on
@@ -144,7 +150,7 @@ class SequenceMemory:
         bs, alloc = self.block_size, self.kv.allocator
         while len(req.block_hashes) < req.n_computed // bs:
             i = len(req.block_hashes)
-            h = block_hash(req.block_hashes[-1] if i else None, req.tokens[i * bs:(i + 1) * bs])
+            h = block_hash(req.block_hashes[-1] if i else _root(req), req.tokens[i * bs:(i + 1) * bs])
             alloc.register(req.blocks[i], h)
             req.block_hashes.append(h)
         if self.n_snapshots and req.n_computed == self._snapshot_boundary(req) and not req.pooling:
@@ -181,7 +187,7 @@ class SequenceMemory:
         At least one token is left to compute: its logits are needed. A hybrid model stops at
         the longest run of cached blocks that ends at a snapshot, and starts from its state."""
         bs, alloc = self.block_size, self.kv.allocator
-        h = None
+        h = _root(req)
         for i in range((len(req.tokens) - 1) // bs):
             h = block_hash(h, req.tokens[i * bs:(i + 1) * bs])
             b = alloc.take_cached(h)
@@ -197,7 +203,7 @@ class SequenceMemory:
                 snap = self._snaps[req.block_hashes[-1]]
                 self._snaps.move_to_end(req.block_hashes[-1])
                 self.state.copy(snap, req.state_slot)
-        if self.prompts is not None:
+        if self.prompts is not None and not req.lora:  # files on disk are keyed by tokens alone
             self._load_persisted(req)
         cut = next((m.start for m in req.media if m.bidirectional and m.start < len(req.blocks) * bs < m.end), None)
         if cut is not None and self.state is None:  # an image attending both ways is reused only whole
@@ -256,7 +262,7 @@ class SequenceMemory:
         """Write the computed prompt's full blocks (a hybrid model's: up to its state snapshot)
         to the prompt cache; the tokens written (0: none)."""
         bs = self.block_size
-        if self.prompts is None or req.n_computed < len(req.prompt):
+        if self.prompts is None or req.n_computed < len(req.prompt) or req.lora:
             return 0
         if self.state is not None:
             b = self._snapshot_boundary(req)

@@ -3,7 +3,7 @@ uploaded), or mapped from the packed-weight cache on disk (`weight_cache.WeightC
 backends that export their prepared weights). The records themselves are core.weights."""
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 from hearthlm.core.log import get_logger
 from hearthlm.core.weights import QWeight
@@ -48,6 +48,11 @@ class WeightStore:
                     self._fresh += 1  # one the file should hold (not a view of the model file)
             self._prepared[w.name], self._weights[w.name] = p, w
         return p
+
+    def forget(self, names: Callable[[str], bool]) -> None:
+        """Drop the prepared weights whose names `names` picks (prepared again if read again)."""
+        for n in [n for n in self._prepared if names(n)]:
+            del self._prepared[n], self._weights[n]
 
     def persist(self) -> bool:
         """Write the cache file if weights were prepared afresh, then serve every weight from

@@ -65,7 +65,7 @@ def run_chat(a: argparse.Namespace) -> int:
 async def _chat(a: argparse.Namespace) -> int:
     async with Session.open(a.model, options=from_args(a)) as s:
         sampling = dict(max_tokens=a.max_tokens, temperature=a.temperature, seed=a.seed,
-                        reasoning_budget=a.reasoning_budget)
+                        reasoning_budget=a.reasoning_budget, adapters={n: 1.0 for n in s.adapters} or None)
         chat = Chat(s, a.system, sampling)
         # Windows' asyncio has no add_signal_handler: there Ctrl-C ends the program (KeyboardInterrupt)
         sigint = anyio.open_signal_receiver(signal.SIGINT) if os.name == "posix" else nullcontext(None)

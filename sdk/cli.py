@@ -31,7 +31,8 @@ def _add_model_args(p: argparse.ArgumentParser, **kw) -> None:
 
 async def _generate(a: argparse.Namespace) -> None:
     async with Session.open(a.model, options=options.from_args(a)) as s:
-        kw = dict(max_tokens=a.max_tokens, temperature=a.temperature, seed=a.seed)
+        kw = dict(max_tokens=a.max_tokens, temperature=a.temperature, seed=a.seed,
+                  adapters={n: 1.0 for n in s.adapters} or None)  # --lora's, applied as llama-cli does
         images = [Path(p) for p in a.image or ()]
         if a.chat:
             parts = [{"type": "image", "image": p} for p in images] + [{"type": "text", "text": a.prompt}]

@@ -53,6 +53,21 @@ def _mmproj(text: str) -> str | bool:
     return False if text.strip().lower() in ("off", "none", "no", "false", "0") else text
 
 
+def _adapters(text: str) -> dict[str, str]:
+    """'NAME=PATH[,NAME=PATH...]': LoRA adapters by name."""
+    out = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        name, eq, path = part.partition("=")
+        if not eq or not name or not path:
+            raise argparse.ArgumentTypeError(f"{part!r}: expected NAME=PATH")
+        out[name] = path
+    return out
+
+
+def _adapters_ok(v) -> bool:
+    return v is None or isinstance(v, dict) and all(isinstance(k, str) and k and _path(p) for k, p in v.items())
+
+
 def _limits(text: str) -> TemplateLimits:
     """'seconds=2,steps=500000': TemplateLimits with those fields changed."""
     kw = {}
@@ -166,6 +181,11 @@ class SessionOptions:
         "the vision projector (an mmproj GGUF) that lets the model see images (default: one found beside "
         "the model, <model>.mmproj.gguf or a single mmproj*.gguf, or fetched with a Hub repo's model; "
         "'off' for none)", metavar="PATH")
+    adapters: dict | None = option(
+        None, Kind(_adapters_ok, "None or a dict of name -> path", _adapters),
+        "LoRA adapters (GGUF, as llama.cpp's convert_lora_to_gguf.py writes them) loaded at open, by name: "
+        "requests choose theirs per request (adapters={name: scale}; the server's lora field or model "
+        "'base:NAME')", flags=("--lora",), metavar="NAME=PATH[,NAME=PATH]")
     allow_remote_media: bool = option(
         False, BOOL, "fetch images given as http(s) URLs (off: a request can never make the process reach the "
         "network; data: URLs, bytes and, from Python, paths are read)")

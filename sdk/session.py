@@ -22,6 +22,7 @@ from hearthlm.backends import get_backend
 from hearthlm.core.errors import ContextLengthError, HearthError, InvalidRequestError, RequestTimeoutError, SessionClosedError
 from hearthlm.core.log import get_logger
 from hearthlm.model_zoo import reasoning
+from hearthlm.model_zoo.adapters import load_adapter
 from hearthlm.model_zoo.chat_template import MEDIA_MARKER, chat_media, split_media
 from hearthlm.model_zoo.hub import log_progress
 from hearthlm.model_zoo.model import Model, load_model
@@ -116,6 +117,8 @@ class Session:
         m = load_model(path)
         dm = vision = None
         try:  # the layers over the backends, once their count is known
+            for name, apath in (o.adapters or {}).items():
+                m.adapters.add(load_adapter(apath, name, m))
             vision = _open_vision(m, path, o.mmproj)
             placement = offload(backends, m.config.n_layer, n_gpu_layers)
             n_ctx = min(n_ctx, m.config.n_ctx_train)
@@ -172,6 +175,28 @@ class Session:
             if f is not None:
                 f.close()
         _give_back()
+
+    # ---- LoRA adapters ---------------------------------------------------------------
+    @property
+    def adapters(self) -> dict[str, str]:
+        """The LoRA adapters loaded, name -> path."""
+        return self.model.adapters.paths()
+
+    async def load_adapter(self, name: str, path) -> None:
+        """Load a LoRA adapter (GGUF) under `name`, for requests to choose (adapters={name: scale});
+        one already under that name is replaced (requests using it finish with it). ModelLoadError
+        naming the problem where the file is not a LoRA for this model."""
+        if not isinstance(name, str) or not name:
+            raise InvalidRequestError(f"an adapter name must be a non-empty string, not {name!r}")
+        if self._closed:
+            raise SessionClosedError("the session is closed")
+        ad = await anyio.to_thread.run_sync(lambda: load_adapter(path, name, self.model))
+        self.model.adapters.add(ad)
+
+    def unload_adapter(self, name: str) -> None:
+        """Unload a LoRA adapter: new requests can no longer choose it; its memory goes once the
+        requests using it end. InvalidRequestError for a name not loaded."""
+        self.model.adapters.remove(name)
 
     # ---- text ------------------------------------------------------------------------
     @property
@@ -403,7 +428,9 @@ class Session:
         chat_template_kwargs (template variables, e.g. {"enable_thinking": False}), and for
         templates that think: the thinking comes apart in .reasoning (reasoning_format="none"
         leaves it in the text), reasoning_budget (tokens of thinking before it is closed for
-        the model and the answer begins)."""
+        the model and the answer begins); adapters ({name: scale}: LoRA adapters the session
+        holds, several at once, as llama.cpp's list; none: the base model; requests with
+        different adapters are batched together)."""
         async for c in self._stream(prompt, **kwargs):
             if not isinstance(c, int):
                 yield c
@@ -490,7 +517,7 @@ class Session:
                       tool_choice: str | dict | None = None, n: int = 1, prompt_logprobs: int | None = None,
                       chat_template_kwargs: dict | None = None, reasoning_budget: int | None = None,
                       reasoning_format: str = "auto", images: Sequence[Any] | None = None,
-                      **sampling) -> AsyncIterator[Chunk | int]:
+                      adapters: dict[str, float] | None = None, **sampling) -> AsyncIterator[Chunk | int]:
         if self._closed:
             raise SessionClosedError("the session is closed")
         try:
@@ -502,6 +529,7 @@ class Session:
         max_tokens = 0 if score_only else max_tokens
         _check_choice_args(n, prompt_logprobs, reasoning_budget, reasoning_format, params, self.model.n_vocab)
         template_kwargs = _check_template_kwargs(chat_template_kwargs, messages)
+        lora = self.model.adapters.resolve(adapters)
         grammar = constraint.grammar_from_response_format(response_format) if response_format is not None else None
         plan = ToolPlan.make(self.model, tools, tool_choice)
         if plan is not None:
@@ -519,7 +547,7 @@ class Session:
         chan = Channel(loop_waker())
         limit = max_tokens if max_tokens is not None else max(self.n_ctx - len(ids), 0)
         reqs = [Request(prompt=ids, matcher=matchers[i], max_tokens=limit, kind=Kind.SCORE if score_only else Kind.GENERATE,
-                        media=media,
+                        media=media, lora=lora,
                         params=replace(params, seed=params.seed + i) if i and params.seed is not None else params,
                         on_token=lambda t, lp, i=i: chan.put((i, t, lp)),
                         on_finish=lambda reason, err, i=i: chan.put((i, reason, err)),
@@ -534,10 +562,16 @@ class Session:
                              if think is not None and reasoning_format == "auto" else None,
                              tools=ToolOutput(plan) if plan is not None else None) for i in range(n)]
         deadline = anyio.current_time() + timeout if timeout is not None else math.inf
-        self.engine.submit(reqs[0])  # the others once its prompt is computed: they find its KV blocks
-        submitted, first = 1, True
-        yield len(ids)
+        unheld = [self._hold_adapters(r) for r in reqs]  # each: once, at the end of its request
         try:
+            self.engine.submit(reqs[0])  # the others once its prompt is computed: they find its KV blocks
+        except BaseException:
+            for u in unheld:
+                u()
+            raise
+        submitted, first = 1, True
+        try:
+            yield len(ids)
             while not all(o.done for o in outs):
                 items = None
                 with anyio.move_on_after(deadline - anyio.current_time()):  # no yield inside
@@ -570,6 +604,28 @@ class Session:
             for o, r in zip(outs[:submitted], reqs):
                 if not o.done or o.stopped:
                     self.engine.abort(r.id)
+            for u in unheld[submitted:]:  # never submitted: no on_finish comes
+                u()
+
+    def _hold_adapters(self, req: Request):
+        """Hold the request's LoRA adapters (an unloaded one stays until released); released when the
+        request finishes (its on_finish, on the engine thread) or by calling what this returns."""
+        if not req.lora:
+            return lambda: None
+        sets, done = self.model.adapters, []
+        sets.hold(req.lora)
+
+        def release() -> None:
+            if not done:
+                done.append(True)
+                sets.release(req.lora)
+        finish = req.on_finish
+
+        def on_finish(reason, err) -> None:
+            release()
+            finish(reason, err)
+        req.on_finish = on_finish
+        return release
 
     async def _prompt(self, prompt, messages, images, plan, template_kwargs, reasoning_budget):
         """(ids, media, think, opened): the prompt as the engine gets it, images placed; think: the

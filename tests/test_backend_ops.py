@@ -31,7 +31,7 @@ from hearthlm.core.weights import QWeight
 
 # NMSE < 5e-4; else 1e-7
 PRODUCTS = {Op.MUL_MAT, Op.MUL_MAT_ADD, Op.FFN_GLU, Op.MUL_MAT_ID, Op.ATTN, Op.KQ, Op.KQV, Op.GATED_DELTA_NET,
-            Op.ATTN_FULL}
+            Op.ATTN_FULL, Op.LORA}
 NOT_KERNELS = {Op.INPUT, Op.WEIGHT, Op.CACHE, Op.COPY}  # bound leaves, and dispatch's copies
 FLOATS = [T.F32, T.F16, T.BF16]
 LEGACY = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0]
@@ -341,6 +341,25 @@ def rope_multi(n, head_dim, n_rot, neox, n_comp, freqs=False):
     return g, {"x": x, "pos": pos}, {}
 
 
+def lora(n, k=896, rows=67, ranks=(16, 8), qtype=T.F32):
+    """Two LoRA adapters (alpha 32, and 0: the scale alone) on y; rows use one, both or none
+    (scale 0: untouched); a third column of scales that no adapter of this weight reads. F16:
+    the adapters' matrices kept as halves. Mutation: the cpu backend applying only a node's first
+    adapter fails these."""
+    rng = rng_for("lora", n, k)
+    dt = np.float16 if qtype == T.F16 else np.float32
+    y, x = f32(rng, n, rows), f32(rng, n, k, scale=1 / np.sqrt(k))
+    s = np.zeros((n, 3), np.float32)
+    s[0::3, 0], s[1::3, 2], s[2::3, 0], s[2::3, 2], s[:, 1] = 1.0, 0.5, 0.7, 2.0, 3.0
+    g = Graph()
+    yi, xi, si = inputs(g, y=y, x=x, s=s)
+    pairs = [(g.weight(QWeight(f"a{r}{qtype.name}", qtype, (r, k), f32(rng, r, k).astype(dt).view(np.uint8).reshape(r, -1))),
+              g.weight(QWeight(f"b{r}{qtype.name}", qtype, (r, rows), f32(rng, r, rows, scale=r ** -0.5).astype(dt)
+                               .view(np.uint8).reshape(r, -1)))) for r in ranks]
+    g.outputs.append(g.lora(yi, xi, si, pairs, cols=(0, 2)[:len(ranks)], alphas=(32.0, 0.0)[:len(ranks)], name="y_lora"))
+    return g, {"y": y, "x": x, "s": s}, {}
+
+
 def moe_routing(n, n_exp=16, k=3):
     """The router's part of a MoE FFN: top_k (largest first), take, sum_rows, div."""
     x = f32(rng_for("moe", n), n, n_exp)
@@ -634,6 +653,9 @@ CASES = [
       for hd, nr, neox, nc, f in [(256, 64, True, 4, False), (128, 128, True, 4, False), (64, 64, True, 2, True),
                                   (64, 32, False, 3, False)]],
     *[case(moe_routing, n=n) for n in TOKENS],
+    *[case(lora, n=n) for n in TOKENS],
+    case(lora, n=5, k=200, rows=4864, ranks=(32,)),  # rank >= 32: B packed "f32"; 200 inputs: lanes and a tail
+    *[case(lora, n=n, k=200, rows=4864, ranks=(32, 16), qtype=T.F16) for n in (1, 17)],
     *[case(mul_mat_id, qtype=t, n=n, per_slot=p) for t in (T.F32, T.Q8_0, T.Q5_0, T.Q4_K) for n in (0, 1, 5, 17)
       for p in (False, True)],
     *[case(kv_write, fused=f, n_kv=n_kv, d=d, scen=s) for f in (False, True) for _, n_kv, d in GQA for s in SCENARIOS],

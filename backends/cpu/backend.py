@@ -16,6 +16,7 @@ from gguf.constants import GGMLQuantizationType as T
 from hearthlm.backends.cpu import affinity, delta_net, dot, kvquant, ops, ssm
 from hearthlm.backends.cpu.ffn import ffn_glu
 from hearthlm.backends.cpu.halfs import NATIVE_HALF
+from hearthlm.backends.cpu.lora import lora
 from hearthlm.backends.cpu.matmul import expert_matvecs, get_rows, matmul, matmul_add, start_pool
 from hearthlm.backends.cpu.qtypes import LAYOUT_VERSION, SUPPORTED_TYPES, PackedWeight, pack_weight
 from hearthlm.backends.cpu.softmax import softmax_cols
@@ -591,6 +592,7 @@ class CPUBackend(Backend):
             Op.SUM_ROWS: lambda n, x, out=None: np.sum(x, axis=-1, keepdims=True, out=out, dtype=np.float32),
             Op.DIV: _binary(np.divide),
             Op.MUL_MAT_ID: _mul_mat_id,
+            Op.LORA: lora,
             Op.SIGMOID: _unary(False),
             Op.SOFTPLUS: _unary(True),
             Op.CLAMP: _clamp,

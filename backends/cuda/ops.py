@@ -559,7 +559,20 @@ def pool_2d(node, x, out=None):
     return _into(array_ops.pool_avg_2d(_f(x), cp, nx=p["nx"], ny=p["ny"], k=p["k"]), out)
 
 
+def lora(node, y, x, s, *ab, out=None):
+    """Op.LORA: each adapter's products over all rows, times each row's scale (0 where the row does not
+    use it); alpha / rank as llama.cpp's get_scale. Plain cuBLAS: rows are not bitwise batch-invariant here."""
+    x2, s2 = _rows(x), _f(s)
+    acc = _f(y).reshape(x2.shape[0], -1).copy()
+    for i, (col, alpha) in enumerate(zip(node.params["cols"], node.params["alphas"])):
+        a, b = (w.f if isinstance(w, CudaWeight) else _f(w) for w in ab[2 * i:2 * i + 2])
+        sc = s2[:, col:col + 1] * (f32(alpha) / f32(a.shape[0]) if alpha else f32(1.0))
+        acc += ((x2 @ a.T) @ b) * sc
+    return _into(acc.reshape(node.shape), out)
+
+
 KERNELS = {
+    Op.LORA: lora,
     Op.GET_ROWS: get_rows, Op.MUL_MAT: mul_mat, Op.MUL_MAT_ADD: mul_mat_add, Op.FFN_GLU: ffn_glu,
     Op.RMS_NORM: rms_norm, Op.RMS_NORM_MUL: rms_norm, Op.RMS_NORM_MUL_ADD: rms_norm,
     Op.MUL: mul, Op.ADD: add, Op.ADD_N: add_n, Op.SCALE: scale,

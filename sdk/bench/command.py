@@ -64,6 +64,12 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
                    help="with --image: N decoding streams' tokens/s alone, then beside a client sending new images "
                         "back to back; the ratio and the worst gap between a stream's consecutive tokens "
                         "(--decode-tokens each)")
+    p.add_argument("--lora-adapters", type=int, default=0, metavar="N",
+                   help="decode with N random LoRA adapters (stream i uses adapter i mod N) against the base alone, "
+                        "aggregate tokens/s at the --concurrency levels (default 1,16), and each adapter's memory")
+    p.add_argument("--lora-rank", type=int, default=16, metavar="R", help="the random adapters' rank")
+    p.add_argument("--lora-type", default="f16", choices=["f16", "f32"],
+                   help="the random adapters' type (convert_lora_to_gguf.py's --outtype; hearthlm keeps F16 at 2 bytes)")
     p.add_argument("--json-schema", default=None, metavar="FILE",
                    help="aggregate tokens/s constrained by this JSON schema vs unconstrained, same prompts, at the "
                         "--concurrency levels (default 1,16); pick a schema whose outputs outrun --decode-tokens")
@@ -159,6 +165,17 @@ def _json_schema(a: argparse.Namespace) -> None:
         f"model: {a.model}  schema: {a.json_schema}  max_tokens: {a.decode_tokens}", rows, ".3f"))
 
 
+def _lora(a: argparse.Namespace) -> None:
+    from hearthlm.bench.lora import bench_lora
+    rows, facts = anyio.run(bench_lora, a)
+    if a.json:
+        print(json.dumps(dict(rows=rows, **facts), indent=2))
+        return
+    _print_pairs(f"model: {a.model}  LoRA: {a.lora_adapters} random rank-{a.lora_rank} {a.lora_type} adapters  decode: "
+                 f"{a.decode_tokens} tokens per request (medians of {a.repeat} rounds)", rows, ".3f")
+    _print_pairs("memory:", [facts], ".1f")
+
+
 def _concurrency(a: argparse.Namespace) -> None:
     from hearthlm.bench.speed import concurrency_rows, with_load
     report = Report()
@@ -183,9 +200,9 @@ def _single(a: argparse.Namespace) -> None:
 
 def run_bench(a: argparse.Namespace) -> None:
     """The first of --image, --embed, --profile, --startup, --speculative, --json-schema,
-    --concurrency given; else single-stream prefill and decode."""
+    --lora-adapters, --concurrency given; else single-stream prefill and decode."""
     for flag, measure in (("image", _image), ("embed", _embed), ("profile", _profile), ("startup", _startup),
-                          ("speculative", _speculative), ("json_schema", _json_schema),
+                          ("speculative", _speculative), ("json_schema", _json_schema), ("lora_adapters", _lora),
                           ("concurrency", _concurrency)):
         if getattr(a, flag):
             return measure(a)

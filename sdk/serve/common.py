@@ -58,6 +58,28 @@ class Host:
             raise APIError(404, f"the model {name!r} does not exist; served: {sorted(self.sessions)}", "model_not_found")
         return s
 
+    def with_adapter(self, name: str | None) -> tuple[Session, str | None]:
+        """A model name as OpenAI's `model` field names it, with a LoRA adapter where it names one
+        (vLLM's convention): a served model's own name; "BASE:ADAPTER"; or an adapter's name alone,
+        where one served model has it. (session, adapter name or None); 404 naming it otherwise."""
+        try:
+            return self.get(name), None
+        except APIError as e:
+            if e.status != 404 or not name:
+                raise
+            miss = e
+        base, sep, adapter = name.rpartition(":")
+        if sep and base in self.names():
+            s = self.get(base)
+            if adapter in s.adapters:
+                return s, adapter
+            raise APIError(404, f"the model {base!r} has no LoRA adapter {adapter!r}; loaded: {sorted(s.adapters)}",
+                           "model_not_found")
+        hits = [s for s in self.sessions.values() if name in s.adapters]
+        if len(hits) == 1:
+            return hits[0], name
+        raise miss
+
     # what the listings read; serve.router's Router (models loaded on demand) says more
     def names(self) -> list[str]:
         return list(self.sessions)

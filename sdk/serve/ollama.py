@@ -9,6 +9,7 @@ from __future__ import annotations
 import base64
 import binascii
 import json
+import os
 import time
 from collections import Counter
 from datetime import datetime, timezone
@@ -132,6 +133,36 @@ def _find(request: Request, name: str) -> tuple[str, Session]:
     return name, host.get(name)
 
 
+def _adapter(request: Request, name: str) -> str | None:
+    """The LoRA adapter a generation's model name chooses ("BASE:ADAPTER", or an adapter's name), or None."""
+    host = host_of(request)
+    if name in host.sessions or not name or name.endswith(":latest") and name[:-7] in host.sessions:
+        return None
+    try:
+        return host.with_adapter(name)[1]
+    except APIError as e:  # not an adapter either: _find names it in Ollama's words
+        if e.status != 404:
+            raise
+        return None
+
+
+def _find_adapted(request: Request, name: str) -> tuple[Session, str | None]:
+    """_find, or the session whose LoRA adapter the name chooses."""
+    adapter = _adapter(request, name)
+    return (host_of(request).with_adapter(name)[0] if adapter else _find(request, name)[1]), adapter
+
+
+def _adapter_cards(request: Request) -> list[dict[str, Any]]:
+    """The served models' LoRA adapters as /api/tags entries "BASE:ADAPTER" (the adapter's file)."""
+    out = []
+    for n, s in list(host_of(request).sessions.items()):
+        for a, path in s.adapters.items():
+            st = os.stat(path)
+            out.append(dict(name=f"{n}:{a}", model=f"{n}:{a}", modified_at=_iso(st.st_mtime), size=st.st_size,
+                            digest="", details=dict(_details(s), parent_model=n, format="gguf-lora")))
+    return out
+
+
 def _card(request: Request, name: str, s: Session) -> dict[str, Any]:
     """/api/tags' entry of a served model; its file facts read once per app."""
     state = request.app.state
@@ -147,17 +178,17 @@ def _card(request: Request, name: str, s: Session) -> dict[str, Any]:
 
 @router.post("/api/chat", dependencies=AUTH)
 async def chat(body: ChatBody, request: Request):
-    _, s = _find(request, body.model)
+    s, adapter = _find_adapted(request, body.model)
     if not body.messages:  # Ollama's "load the model" call
         return _loaded(body.model, message=dict(role="assistant", content=""))
     msgs = _messages(body.messages)
-    kw = _kwargs(s, body, msgs, tools=body.tools)
+    kw = _kwargs(s, body, msgs, tools=body.tools, adapter=adapter)
     return await _answer(request, s, body, kw, dict(messages=msgs), _chat_shape)
 
 
 @router.post("/api/generate", dependencies=AUTH)
 async def generate(body: GenerateBody, request: Request):
-    _, s = _find(request, body.model)
+    s, adapter = _find_adapted(request, body.model)
     for field, why in REFUSED.items():
         if getattr(body, field):
             raise APIError(400, f"{field} is not supported: {why}")
@@ -170,11 +201,12 @@ async def generate(body: GenerateBody, request: Request):
         images = _images(body.images, "images") if body.images else None
         if images and MEDIA_MARKER not in body.prompt:  # Ollama's raw prompts take the images first
             body.prompt = MEDIA_MARKER * len(images) + body.prompt
-        return await _answer(request, s, body, _kwargs(s, body, None), dict(prompt=body.prompt, images=images),
+        return await _answer(request, s, body, _kwargs(s, body, None, adapter=adapter),
+                             dict(prompt=body.prompt, images=images),
                              _gen_shape)
     msgs = ([dict(role="system", content=body.system)] if body.system else []) + \
         [_with_images(dict(role="user", content=body.prompt), body.images, "images")]
-    return await _answer(request, s, body, _kwargs(s, body, msgs), dict(messages=msgs), _gen_shape)
+    return await _answer(request, s, body, _kwargs(s, body, msgs, adapter=adapter), dict(messages=msgs), _gen_shape)
 
 
 @router.post("/api/embed", dependencies=AUTH)
@@ -203,7 +235,7 @@ async def embeddings(body: EmbeddingsBody, request: Request):
 @router.get("/api/tags", dependencies=AUTH)
 async def tags(request: Request):
     host = host_of(request)
-    return dict(models=[_card(request, n, host.describe(n)) for n in host.names()])
+    return dict(models=[_card(request, n, host.describe(n)) for n in host.names()] + _adapter_cards(request))
 
 
 @router.get("/api/ps", dependencies=AUTH)
@@ -283,7 +315,8 @@ def _with_images(m: dict, images: Any, where: str) -> dict:
     return dict(m, content=parts + ([{"type": "text", "text": m["content"]}] if m["content"] else []))
 
 
-def _kwargs(s: Session, body: _GenBody, messages: list[dict] | None, tools: list[dict] | None = None) -> dict:
+def _kwargs(s: Session, body: _GenBody, messages: list[dict] | None, tools: list[dict] | None = None,
+            adapter: str | None = None) -> dict:
     """Session keyword arguments, through the OpenAI route's ChatRequest (the same checks)."""
     fmt = body.format
     if fmt in (None, ""):
@@ -297,7 +330,7 @@ def _kwargs(s: Session, body: _GenBody, messages: list[dict] | None, tools: list
     req = ChatRequest(model=body.model, messages=messages or [], **(body.options or Options()).sampling(),
                       response_format=rf, tools=tools or None, chat_template_kwargs=_think(s, body, messages),
                       logprobs=body.logprobs, top_logprobs=body.top_logprobs)
-    return req.session_kwargs(s.model.tokenizer)
+    return req.session_kwargs(s.model.tokenizer) | req.adapter_kwargs(list(s.adapters), adapter)
 
 
 def _think(s: Session, body: _GenBody, messages) -> dict | None:

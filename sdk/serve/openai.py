@@ -34,24 +34,33 @@ def _model_card(name: str) -> dict[str, Any]:
     return dict(id=name, object="model", created=0, owned_by="hearthlm")
 
 
+def _adapter_cards(host) -> list[dict[str, Any]]:
+    """The loaded models' LoRA adapters, as vLLM lists them: the name, with the model as parent."""
+    return [dict(_model_card(a), parent=n) for n, s in list(host.sessions.items()) for a in s.adapters]
+
+
 @router.get("/v1/models")
 async def list_models(request: Request):
-    return {"object": "list", "data": [_model_card(n) for n in host_of(request).names()]}
+    host = host_of(request)
+    return {"object": "list", "data": [_model_card(n) for n in host.names()] + _adapter_cards(host)}
 
 
 @router.get("/v1/models/{name:path}")
 async def get_model(name: str, request: Request):
-    if name not in host_of(request).names():
-        host_of(request).get(name)  # the 404
+    host = host_of(request)
+    if name not in host.names():
+        s, adapter = host.with_adapter(name)  # the 404
+        if adapter is not None:
+            return next((c for c in _adapter_cards(host) if c["id"] == name), _model_card(name))
     return _model_card(name)
 
 
 @router.post("/v1/chat/completions")
 async def chat(body: ChatRequest, request: Request):
-    s = host_of(request).get(body.model)
+    s, adapter = host_of(request).with_adapter(body.model)
     request_images(body.messages)
     tok = s.model.tokenizer
-    kw = body.session_kwargs(tok)
+    kw = body.session_kwargs(tok) | body.adapter_kwargs(list(s.adapters), adapter)
     k = body.top_logprobs or 0
     if body.stream:
         def piece(c, first):
@@ -82,9 +91,9 @@ async def chat(body: ChatRequest, request: Request):
 
 @router.post("/v1/completions")
 async def complete(body: CompletionRequest, request: Request):
-    s = host_of(request).get(body.model)
+    s, adapter = host_of(request).with_adapter(body.model)
     tok = s.model.tokenizer
-    prompt, kw = body.prompt_arg(), body.session_kwargs(tok)
+    prompt, kw = body.prompt_arg(), body.session_kwargs(tok) | body.adapter_kwargs(list(s.adapters), adapter)
     echo_text = (prompt if isinstance(prompt, str) else s.detokenize(prompt)) if body.echo else ""
 
     def logprobs(c, first):

@@ -42,6 +42,27 @@ class _Sampling(_Body):
     min_tokens: int | None = None
     ignore_eos: bool | None = None
     speculative: str | None = None  # "ngram": prompt lookup; "draft": the server's draft model (its default); "off"
+    # llama-server's per-request LoRA: [{"id": index in the server's --lora list, or "name": ..., "scale": ...}]
+    lora: list[dict[str, Any]] | None = None
+
+    def adapter_kwargs(self, adapters: list[str], named: str | None = None) -> dict[str, Any]:
+        """Session.generate's `adapters` from the `lora` field (ids index `adapters`, the session's in
+        load order) and the adapter the model name chose (scale 1 unless the field gives another)."""
+        out = {named: 1.0} if named else {}
+        for e in self.lora or ():
+            if not isinstance(e, dict) or ("id" in e) == ("name" in e):
+                raise InvalidRequestError('each lora entry must be {"id": N, "scale": S} or {"name": ..., "scale": S}')
+            name = e.get("name")
+            if "id" in e:
+                i = e["id"]
+                if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < len(adapters):
+                    raise InvalidRequestError(f"lora id {i!r} is not one of the {len(adapters)} adapters loaded")
+                name = adapters[i]
+            scale = e.get("scale", 1.0)
+            if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+                raise InvalidRequestError(f"lora {name!r}: scale must be a number, got {scale!r}")
+            out[name] = float(scale)
+        return {"adapters": out} if out else {}
 
     def session_kwargs(self, tokenizer=None) -> dict[str, Any]:
         """Keyword arguments for Session.stream/generate; None means the Session's default."""

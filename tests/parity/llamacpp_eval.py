@@ -12,8 +12,15 @@ POOL = {"mean": llama_cpp.LLAMA_POOLING_TYPE_MEAN, "cls": llama_cpp.LLAMA_POOLIN
         "last": llama_cpp.LLAMA_POOLING_TYPE_LAST, "rank": llama_cpp.LLAMA_POOLING_TYPE_RANK}
 
 
-def run(path: str, prompts: list[list[int]], n_steps: int, **kw) -> list[dict]:
+def run(path: str, prompts: list[list[int]], n_steps: int, loras=(), **kw) -> list[dict]:
+    """`loras`: [(adapter path, scale), ...] set on the context (llama_set_adapters_lora)."""
     llm = Llama(model_path=path, n_ctx=256, n_threads=2, n_batch=256, logits_all=True, verbose=False, **kw)
+    if loras:
+        ads = [llama_cpp.llama_adapter_lora_init(llm.model, p.encode()) for p, _ in loras]
+        assert all(ads), f"llama.cpp refused an adapter of {loras}"
+        arr = (llama_cpp.llama_adapter_lora_p_ctypes * len(ads))(*ads)
+        scales = (llama_cpp.ctypes.c_float * len(ads))(*(s for _, s in loras))
+        assert llama_cpp.llama_set_adapters_lora(llm._ctx.ctx, arr, len(ads), scales) == 0
     out = []
     for prompt in prompts:
         llm.reset()
