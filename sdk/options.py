@@ -136,6 +136,10 @@ class SessionOptions:
     abort_on_close: bool = option(
         True, BOOL, "on close, abort the requests still running (their callers get SessionClosedError); "
         "off: let them finish first")
+    gc_freeze: bool = option(
+        True, BOOL, "after loading, take the objects then alive out of the garbage collector's full walks "
+        "(gc.freeze, undone at close): a collection would otherwise walk numba's and the model's ~160,000 "
+        "objects, stalling every thread (the app's event loop too) for 50-75 ms")
     fusion: bool | None = option(
         None, OPT_BOOL, "fused graphs; off runs them unfused (debugging) (default: on unless "
         "HEARTHLM_NO_FUSION=1)")

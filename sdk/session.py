@@ -16,6 +16,7 @@ import gguf
 import numpy as np
 
 from hearthlm import act as _act
+from hearthlm import gc_freeze
 from hearthlm._wake import Channel, loop_waker
 from hearthlm._wake import flush as wake_flush
 from hearthlm.backends import get_backend
@@ -74,6 +75,7 @@ class Session:
         self.engine = engine
         self.template_limits = template_limits
         self._closed = False
+        self._frozen = False  # froze the collector at open (gc_freeze): thaws it at close
         self._vocab: constraint.Vocabulary | None = None  # llguidance's view, built on first use
         self._vocab_lock = threading.Lock()
         self._head: np.ndarray | None = None  # a decoder reranker's head, dequantized on first use
@@ -97,6 +99,9 @@ class Session:
             o = SessionOptions.of(options, kwargs)
             s = await anyio.to_thread.run_sync(lambda: cls._load(model, o))
             s.template_limits = o.template_limits
+            if o.gc_freeze:
+                await anyio.to_thread.run_sync(gc_freeze.freeze)
+                s._frozen = True
             try:
                 yield s
             finally:
@@ -174,6 +179,9 @@ class Session:
         for f in (self._draft_file, self.vision):
             if f is not None:
                 f.close()
+        if self._frozen:
+            self._frozen = False
+            await anyio.to_thread.run_sync(gc_freeze.thaw)
         _give_back()
 
     # ---- LoRA adapters ---------------------------------------------------------------
