@@ -126,11 +126,7 @@ class OutputProcessor:
     def _took(self, o: Outcome, tok: int, now: float) -> None:
         """A plain request's sampled token: its stops, else appended; emit's steps for one row."""
         r = o.req
-        if r.first_token_at is None:
-            r.first_token_at = now
-            self.ttft.append(now - r.arrival)
-        if (tok in self.eog and not r.params.ignore_eos) or tok in r.params.stop_token_ids:
-            o.finish = "stop"
+        if self._arrived(o, tok, now):
             return
         r.append(tok)
         r.n_generated += 1
@@ -138,6 +134,18 @@ class OutputProcessor:
         o.tokens.append((tok, None))
         if r.n_generated >= r.max_tokens or len(r.tokens) >= self.n_ctx:
             o.finish = "length"
+
+    def _arrived(self, o: Outcome, tok: int, now: float) -> bool:
+        """A sampled token's arrival: the request's time to first token where it is its first; True
+        where it ends the generation (end of generation, a stop token), which then takes nothing."""
+        r = o.req
+        if r.first_token_at is None:
+            r.first_token_at = now
+            self.ttft.append(now - r.arrival)
+        if (tok in self.eog and not r.params.ignore_eos) or tok in r.params.stop_token_ids:
+            o.finish = "stop"
+            return True
+        return False
 
     def emit(self, o: Outcome, rows: np.ndarray, masks: np.ndarray | None, now: float) -> None:
         """Sample the request's next token from rows[0], or, where it drafted, verify its draft
@@ -153,11 +161,7 @@ class OutputProcessor:
             except Exception as e:  # this request's sampling, not its neighbours'
                 o.finish, o.error = "error", HearthError(f"sampling failed: {type(e).__name__}: {e}")
                 return
-            if r.first_token_at is None:
-                r.first_token_at = now
-                self.ttft.append(now - r.arrival)
-            if (tok in self.eog and not r.params.ignore_eos) or tok in r.params.stop_token_ids:
-                o.finish = "stop"
+            if self._arrived(o, tok, now):
                 return
             for t, lp in [(tok, tlp), *((t, None) for t in forced)]:
                 r.append(t)

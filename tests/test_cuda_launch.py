@@ -167,6 +167,9 @@ def _case(op: Op, n: int, qtype=T.Q8_0):
                                         seq_off, state_slot, name="c"),
         Op.SSM_SCAN: lambda: g.ssm_scan(g.cache("ss", (4, H, D, 32), 0), xh, f("dt", n, H), f("A", 1, H),
                                         f("B", n, 2, 32), f("C", n, 2, 32), seq_off, state_slot, name="y"),
+        Op.LORA: lambda: g.lora(f("y", n, 16), x, f("ls", n, 2), [(g.weight(_weight("la", T.F32, 8, E)),
+                                                                  g.weight(_weight("lb", T.F32, 8, 16)))],
+                                cols=(1,), alphas=(16.0,), name="l"),  # one rank-8 adapter, E -> 16
         Op.PATCHIFY: lambda: g.patchify(f("img", 1, 3, 4, 4 * n), 4, "p"),  # n patches of 4x4
         Op.ATTN_FULL: lambda: g.attn_full(xh, f("kf", n, HKV, D), f("vf", n, HKV, D), scale=0.25, seg=i("segs", n),
                                           name="a"),

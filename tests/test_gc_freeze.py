@@ -1,7 +1,8 @@
 """Session.open freezes the objects alive after loading (sdk/gc_freeze.py), so that the
 collector's full walks skip numba's and the model's: without it a gen-2 collection in any thread
 held the GIL 50-75 ms, and tests/test_event_loop.py's 2,000-message chat phase stalled the loop
-72-117 ms in 10 runs of 10 here. Closing thaws; other open sessions keep the freeze."""
+72-117 ms in 12 of 15 runs here (whichever files were restored: it is where a collection lands).
+Closing thaws; other open sessions keep the freeze."""
 from __future__ import annotations
 
 import gc

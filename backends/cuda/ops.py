@@ -563,7 +563,7 @@ def lora(node, y, x, s, *ab, out=None):
     """Op.LORA: each adapter's products over all rows, times each row's scale (0 where the row does not
     use it); alpha / rank as llama.cpp's get_scale. Plain cuBLAS: rows are not bitwise batch-invariant here."""
     x2, s2 = _rows(x), _f(s)
-    acc = _f(y).reshape(x2.shape[0], -1).copy()
+    acc = _f(y).reshape(x2.shape[0], node.shape[-1]).copy()  # not -1: an empty batch has no width to infer
     for i, (col, alpha) in enumerate(zip(node.params["cols"], node.params["alphas"])):
         a, b = (w.f if isinstance(w, CudaWeight) else _f(w) for w in ab[2 * i:2 * i + 2])
         sc = s2[:, col:col + 1] * (f32(alpha) / f32(a.shape[0]) if alpha else f32(1.0))
