@@ -105,7 +105,11 @@ def write_gemma3_mmproj(path: str | os.PathLike, *, n_embd_text: int, shape: Tow
     # no clip.vision.projector.scale_factor: pooled 4 x 4 at every size, as Gemma 3 at 896 (the
     # converter writes one only for a checkpoint whose image_seq_length is not 256)
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
-    tensors = gemma3_tensors(shape, n_embd_text)
+    return write_tensors(w, path, gemma3_tensors(shape, n_embd_text), seed)
+
+
+def write_tensors(w, path: Path, tensors, seed: int) -> Path:
+    """The mmproj's tensors (name, shape, dtype, ones?) as random values by seed; the file closed."""
     for name, shp, dt, _ in tensors:
         w.add_tensor_info(name, shp, np.dtype(dt), int(np.prod(shp)) * np.dtype(dt).itemsize)
     w.write_header_to_file()

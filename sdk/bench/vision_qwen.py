@@ -20,7 +20,7 @@ import gguf
 import numpy as np
 from gguf.constants import GGMLQuantizationType as T
 
-from hearthlm.bench.vision_files import FORMAT, TowerShape, _cache_root, _values, mmproj_writer
+from hearthlm.bench.vision_files import FORMAT, TowerShape, _cache_root, mmproj_writer, write_tensors
 from hearthlm.core.errors import InvalidRequestError
 
 QWEN35_VIT = TowerShape(image_size=768, patch_size=16, n_layer=12, n_embd=768, n_ff=3072, n_head=12)
@@ -69,16 +69,7 @@ def write_qwen35_mmproj(path: str | os.PathLike, *, n_embd_text: int = N_TEXT, s
     w.add_vision_attention_layernorm_eps(shape.eps)
     w.add_vision_is_deepstack_layers([False] * shape.n_layer)
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
-    tensors = qwen3vl_tensors(shape, n_embd_text)
-    for name, shp, dt, _ in tensors:
-        w.add_tensor_info(name, shp, np.dtype(dt), int(np.prod(shp)) * np.dtype(dt).itemsize)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_ti_data_to_file()
-    for name, shp, dt, one in tensors:
-        w.write_tensor_data(_values(seed, name, shp, dt, one=one))
-    w.close()
-    return path
+    return write_tensors(w, path, qwen3vl_tensors(shape, n_embd_text), seed)
 
 
 def _qtype(name: str, shape: tuple[int, ...]) -> T | None:
