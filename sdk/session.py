@@ -160,9 +160,8 @@ class Session:
         from hearthlm.runtime.draft import DraftModel
         if why := vocab_mismatch(m.tokenizer, dm.tokenizer):
             raise InvalidRequestError(f"the draft model cannot draft for this model: {why}")
-        if not dm.causal or getattr(dm, "state_dims", None) and any(dm.state_dims):
-            raise InvalidRequestError("the draft model must be a decoder whose layers all keep a KV cache "
-                                      "(its drafts are rolled back where the model rejects them)")
+        if not dm.causal:
+            raise InvalidRequestError("the draft model must be a decoder: an encoder does not generate")
         dm.set_context(min(n_ctx, dm.config.n_ctx_train))
         opts = {k: v for k, v in engine_opts.items() if k in ("max_batch_tokens", "max_seqs", "fusion")}
         return DraftModel(dm, placement, n_ctx=min(n_ctx, dm.config.n_ctx_train), kv_blocks=kv_blocks,
