@@ -16,6 +16,7 @@ import pytest
 from hearthlm import Session
 from hearthlm.backends import reference
 from hearthlm.backends.cpu import delta_net, ssm
+from hearthlm.runtime.draft import DraftModel
 from hearthlm.runtime.speculative import NgramDrafter
 
 sys.path.insert(0, str(Path(__file__).parent / "parity"))
@@ -179,8 +180,7 @@ async def test_draft_model_greedy_identical(models, target, draft, penalty):
     penalty the draft does not apply (drafts kept in part: the draft model's own state rolled
     back too); a KV-only model of other weights. Plain decoding's tokens and log-probs, also
     batched beside a plain request; the draft's KV blocks and both rollback pools come back.
-    Mutation: the draft model's _sync not rolling its state back (setting n_computed alone)
-    fails the penalty cases."""
+    (The draft model's own rollback is checked by the next test: here it changes acceptance only.)"""
     ps = [prompt(2, 30), prompt(9, 17)]
     kw = dict(max_tokens=24, frequency_penalty=penalty, **GREEDY)
     async with Session.open(models[target], n_ctx=256, draft_model=models[draft], draft_p_min=0.0) as s:
@@ -205,3 +205,31 @@ async def test_draft_model_greedy_identical(models, target, draft, penalty):
         assert drafted > 0
     assert st["draft_kv_blocks_used"] == 0 and st["state_rollback_slots_used"] == 0
     assert draft_mem.get("state_rollback_slots_used", 0) == 0
+
+
+@pytest.mark.parametrize("variant", ["qwen35", "granitehybrid"])
+async def test_a_hybrid_drafts_own_greedy_continuations_after_rollbacks(models, variant, monkeypatch):
+    """A hybrid model drafting for itself, the target under a repetition penalty the draft does
+    not apply: drafts kept in part and rolled back often, and each draft equals what the model
+    alone generates greedily after the same tokens, so the draft's state after every rollback
+    is exactly the kept tokens'.
+    Mutation: the draft model's _sync not rolling its state back (n_computed set alone) fails it."""
+    seen = []
+    propose = DraftModel.propose
+
+    def recording(self, items):
+        propose(self, items)
+        seen.extend((list(r.tokens), list(r.draft)) for r, _ in items if r.draft)
+    monkeypatch.setattr(DraftModel, "propose", recording)
+    kw = dict(max_tokens=30, frequency_penalty=1.5, temperature=0, ignore_eos=True)
+    p = prompt(4, 21)
+    async with Session.open(models[variant], n_ctx=256, draft_model=models[variant], draft_p_min=0.0) as s:
+        ref = await s.generate(p, speculative="off", **kw)
+        got = await s.generate(p, **kw)
+    assert got.token_ids == ref.token_ids
+    partly = sum(0 < sum(a == b for a, b in zip(d, got.token_ids[len(t) - len(p):])) < len(d) for t, d in seen)
+    assert partly >= 1, (partly, seen)
+    async with Session.open(models[variant], n_ctx=256) as d:
+        for tokens, proposed in seen:
+            alone = await d.generate(tokens, max_tokens=len(proposed), temperature=0, ignore_eos=True)
+            assert alone.token_ids == proposed, (len(tokens), proposed, alone.token_ids)
