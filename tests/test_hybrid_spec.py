@@ -16,7 +16,12 @@ import pytest
 from hearthlm import Session
 from hearthlm.backends import reference
 from hearthlm.backends.cpu import delta_net, ssm
+from hearthlm.backends.reference import ReferenceBackend
 from hearthlm.runtime.draft import DraftModel
+from hearthlm.runtime.kv_cache import KVCache
+from hearthlm.runtime.request import Kind, Request
+from hearthlm.runtime.sampling import SamplingParams
+from hearthlm.runtime.seq_memory import SequenceMemory, StateCache
 from hearthlm.runtime.speculative import NgramDrafter
 
 sys.path.insert(0, str(Path(__file__).parent / "parity"))
@@ -84,6 +89,44 @@ def test_snapshots_are_the_states_of_the_prefixes(op, backend):
     assert np.array_equal(st[[0, 3]], init[[0, 3]])
 
 
+# ---- the rollback interface (runtime.seq_memory) ---------------------------------------------
+
+def test_reserve_and_rollback():
+    """reserve_rollback gives a slot per position while the pool lasts (a prefix of them);
+    rollback(req, n) makes the slot holding the state after n tokens the request's own (its old
+    slot back to the pool), gives back the rest, and with no snapshot at n starts over from 0
+    with a zeroed state; release gives rollback slots back too.
+    Mutation: rollback not swapping the slot in (the state left after the rejected drafts) fails it."""
+    be = ReferenceBackend()
+    state = StateCache([{"s": (2,)}], 2 + 1 + 3, [be])  # scratch, 2 sequences, 3 rollback slots
+    mem = SequenceMemory(KVCache([(1, 4)], 8, 4, [be]), state, n_rollback=3)
+    req = Request(prompt=[1, 2, 3], params=SamplingParams(), max_tokens=8, kind=Kind.GENERATE, on_token=lambda *a: None,
+                  on_finish=lambda *a: None)
+    assert mem.admit(req) and mem.grow(req, 8)
+    req.n_computed = 3
+    assert mem.reserve_rollback(req, range(3, 7)) == 3  # 4 asked, the pool holds 3
+    assert sorted(req.state_snaps) == [3, 4, 5]
+    for n, slot in req.state_snaps.items():  # as the kernels would leave them
+        state.arrays[("s", 0)][slot] = n
+    own = req.state_slot
+    state.arrays[("s", 0)][own] = 6
+    req.n_computed = 6  # the step ran 3 more tokens; the target keeps 1 of them: 4 in all
+    assert mem.rollback(req, 4) == 4 and req.n_computed == 4
+    assert state.arrays[("s", 0)][req.state_slot].tolist() == [4, 4] and req.state_slot != own
+    assert req.state_snaps == {} and mem.stats()["state_rollback_slots_used"] == 0
+    assert mem.reserve_rollback(req, range(4, 5)) == 1
+    req.n_computed = 5
+    assert mem.rollback(req, 5) == 5 and mem.stats()["state_rollback_slots_used"] == 0  # all kept: no change
+    req.n_computed = 6
+    assert mem.rollback(req, 5) == 0  # no snapshot there: from the start
+    assert not state.arrays[("s", 0)][req.state_slot].any()
+    assert mem.reserve_rollback(req, range(0, 2)) == 2
+    mem.release(req)
+    assert mem.stats()["state_rollback_slots_used"] == 0 and mem.stats()["state_slots_used"] == 0
+    plain = SequenceMemory(KVCache([(1, 4)], 8, 4, [be]))  # no recurrent state: every position "reserved"
+    assert plain.reserve_rollback(req, range(0, 10)) == 10 and req.state_snaps == {}
+
+
 # ---- the engine: greedy identity with drafts kept and rejected ---------------------------------
 
 class Oracle:
@@ -140,6 +183,28 @@ async def test_ngram_greedy_identical_alone_and_batched(models, variant, monkeyp
     drafted = st["spec_drafted_tokens"] - before["spec_drafted_tokens"]
     kept = st["spec_accepted_tokens"] - before["spec_accepted_tokens"]
     assert 0 < kept < drafted, (drafted, kept)
+    assert st["state_rollback_slots_used"] == 0 and st["state_slots_used"] == 0
+
+
+async def test_preempted_speculating_requests(models, monkeypatch):
+    """Five speculating requests in a KV cache too small for all: some are preempted mid-draft
+    (their rollback slots given back) and recomputed; every output equals plain decoding's.
+    Mutation: release() not giving rollback slots back fails it (slots held at the end)."""
+    prompts = [prompt(i, 30) for i in range(5)]
+    async with Session.open(models["qwen35"], n_ctx=128) as s:
+        ref = [await s.generate(p, max_tokens=40, **GREEDY) for p in prompts]
+    _oracle(monkeypatch, [p + r.token_ids for p, r in zip(prompts, ref)])
+    async with Session.open(models["qwen35"], n_ctx=128, kv_cache_tokens=160) as s:
+        out = [None] * 5
+
+        async def one(i):
+            out[i] = await s.generate(prompts[i], max_tokens=40, speculative="ngram", **GREEDY)
+        async with anyio.create_task_group() as tg:
+            for i in range(5):
+                tg.start_soon(one, i)
+        st = s.stats()
+    assert st["preemptions"] > 0
+    assert [o.token_ids for o in out] == [r.token_ids for r in ref]
     assert st["state_rollback_slots_used"] == 0 and st["state_slots_used"] == 0
 
 
