@@ -157,14 +157,16 @@ def _lps(c):
     return [t[0][1] for t in c.top_logprobs]
 
 
-@pytest.mark.parametrize("variant", HYBRIDS)
-async def test_ngram_greedy_identical_alone_and_batched(models, variant, monkeypatch):
+@pytest.mark.parametrize("variant,backend", [(v, "cpu") for v in HYBRIDS] + [("qwen35", "reference")])
+async def test_ngram_greedy_identical_alone_and_batched(models, variant, backend, monkeypatch):
     """Two speculating requests beside two plain ones, and one alone: tokens equal plain decoding's,
-    log-probs within 1e-3; drafts kept and rejected; no rollback slot or state slot held after.
+    log-probs within 5e-3 (a batch's rows, a prompt chunk's among them, take other matmul paths than
+    one decode row: lfm2's random logits move by up to ~1e-3 with them, speculating or not; alone
+    the gap is below 1e-4); drafts kept and rejected; no rollback slot or state slot held after.
     Mutation: rollback() not going back to the snapshot (the state left after the rejected
     drafts) fails it; so does the runner filling snap_slot one token late."""
     prompts = [prompt(i, 20 + 7 * i) for i in range(4)]
-    async with Session.open(models[variant], n_ctx=256) as s:
+    async with Session.open(models[variant], n_ctx=256, backend=backend) as s:
         ref = [await s.generate(p, max_tokens=24, **GREEDY) for p in prompts]
         _oracle(monkeypatch, [p + r.token_ids for p, r in zip(prompts, ref)])
         before = s.stats()
@@ -179,7 +181,8 @@ async def test_ngram_greedy_identical_alone_and_batched(models, variant, monkeyp
         st = s.stats()
     for got, want in [(alone, ref[0]), *zip(out, ref)]:
         assert got.token_ids == want.token_ids
-        assert _lps(got) == pytest.approx(_lps(want), abs=1e-3)
+        assert _lps(got) == pytest.approx(_lps(want), abs=5e-3)
+    assert _lps(alone) == pytest.approx(_lps(ref[0]), abs=1e-4)
     drafted = st["spec_drafted_tokens"] - before["spec_drafted_tokens"]
     kept = st["spec_accepted_tokens"] - before["spec_accepted_tokens"]
     assert 0 < kept < drafted, (drafted, kept)
@@ -189,7 +192,8 @@ async def test_ngram_greedy_identical_alone_and_batched(models, variant, monkeyp
 async def test_preempted_speculating_requests(models, monkeypatch):
     """Five speculating requests in a KV cache too small for all: some are preempted mid-draft
     (their rollback slots given back) and recomputed; every output equals plain decoding's.
-    Mutation: release() not giving rollback slots back fails it (slots held at the end)."""
+    Mutation: rollback() not swapping the snapshot in fails it (release() not freeing rollback
+    slots is the unit test's)."""
     prompts = [prompt(i, 30) for i in range(5)]
     async with Session.open(models["qwen35"], n_ctx=128) as s:
         ref = [await s.generate(p, max_tokens=40, **GREEDY) for p in prompts]
@@ -231,7 +235,7 @@ async def test_sampled_tokens_are_scored_by_the_plain_model(models, monkeypatch)
     for i, (a, b) in enumerate(zip(got.top_logprobs, plain)):
         want = {t: lp for t, lp in (b[2] or [])}
         for t, lp in a:
-            assert t in want and abs(lp - want[t]) < 1e-3, (i, a, b)
+            assert t in want and abs(lp - want[t]) < 5e-3, (i, a, b)  # decode rows against a prompt's
 
 
 # ---- the draft model: hybrid targets, hybrid drafts ---------------------------------------------
@@ -261,7 +265,8 @@ async def test_draft_model_greedy_identical(models, target, draft, penalty):
         draft_mem = s.engine.draft.memory.stats()
     for a, b in [(got, ref[0]), *zip(out, ref)]:
         assert a.token_ids == b.token_ids
-        assert _lps(a) == pytest.approx(_lps(b), abs=1e-3)
+        assert _lps(a) == pytest.approx(_lps(b), abs=5e-3)  # batched rows: see the n-gram test
+    assert _lps(got) == pytest.approx(_lps(ref[0]), abs=1e-4)
     drafted, kept = st["spec_drafted_tokens"], st["spec_accepted_tokens"]
     if target == draft:
         assert (kept >= 0.9 * drafted) if penalty == 0 else (0 < kept < drafted), (drafted, kept)
