@@ -189,6 +189,23 @@ async def test_ngram_greedy_identical_alone_and_batched(models, variant, backend
     assert st["state_rollback_slots_used"] == 0 and st["state_slots_used"] == 0
 
 
+async def test_rollback_slots_bound_the_drafts(models, monkeypatch):
+    """SessionOptions.rollback_slots: 2 slots, drafts of at most 2 tokens a step (the same
+    output); 0, none drafted on a hybrid.
+    Mutation: the engine not cutting a draft to the slots reserve_rollback gave fails it."""
+    p = prompt(6, 25)
+    async with Session.open(models["lfm2"], n_ctx=256) as s:
+        ref = await s.generate(p, max_tokens=30, **GREEDY)
+    _oracle(monkeypatch, [p + ref.token_ids])
+    for n in (2, 0):
+        async with Session.open(models["lfm2"], n_ctx=256, rollback_slots=n) as s:
+            got = await s.generate(p, max_tokens=30, speculative="ngram", **GREEDY)
+            st = s.stats()
+        assert got.token_ids == ref.token_ids
+        drafted = st["spec_drafted_tokens"]
+        assert (drafted == 0) if n == 0 else (0 < drafted <= 2 * (st["steps"] - 1)), (n, drafted, st["steps"])
+
+
 async def test_preempted_speculating_requests(models, monkeypatch):
     """Five speculating requests in a KV cache too small for all: some are preempted mid-draft
     (their rollback slots given back) and recomputed; every output equals plain decoding's.
