@@ -16,7 +16,8 @@ reserves rollback slots first (`reserve_rollback`): the recurrent kernels copy t
 each drafted position there as they run the verification rows (their `snap_slot` input, filled
 by the runner from `req.state_snaps`), and `rollback(req, n)` then makes the state the one after
 exactly n tokens, as plain decoding would have left it (vLLM's per-position Mamba states for
-speculation; llama.cpp keeps whole per-sequence state copies instead)."""
+speculation; llama.cpp's server keeps a few per-position states per sequence, llama_n_rs_seq, and
+past them restores a checkpoint taken before the step and replays the kept tokens)."""
 from __future__ import annotations
 
 import weakref
