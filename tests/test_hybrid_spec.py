@@ -255,6 +255,43 @@ async def test_sampled_tokens_are_scored_by_the_plain_model(models, monkeypatch)
             assert t in want and abs(lp - want[t]) < 5e-3, (i, a, b)  # decode rows against a prompt's
 
 
+async def test_rejection_sampling_on_a_hybrid_keeps_the_distribution(models, monkeypatch):
+    """tests/test_speculative.py's rejection test through a hybrid's engine: top-4 sampling at
+    temperature 1, the second token drafted (the greedy one, after the greedy first): 1,600 draws
+    of (first, second) come out as the model's own joint distribution, computed exactly from the
+    prompt log-probs of each prefix (5 sigma per outcome).
+    Mutation: sampling.verify keeping every draft token fails it, and so does its resampling
+    without taking the rejected draft out."""
+    p = prompt(8, 20)
+    kw = dict(temperature=1.0, top_k=4, top_p=1.0, min_p=0.0, ignore_eos=True)
+    async with Session.open(models["qwen35"], n_ctx=256) as s:
+        g = (await s.generate(p, max_tokens=2, **GREEDY)).token_ids
+
+        async def top4(prefix):  # the top-k sampling distribution after `prefix`
+            lps = (await s.generate(prefix + [3], max_tokens=0, prompt_logprobs=4)).prompt_logprobs[len(prefix)][2]
+            w = {t: np.exp(lp) for t, lp in lps}
+            return {t: v / sum(w.values()) for t, v in w.items()}
+        first = await top4(p)
+        want = {(a, b): pa * pb for a, pa in first.items() for b, pb in (await top4(p + [a])).items()}
+        assert g[0] in first
+        monkeypatch.setattr(NgramDrafter, "propose", lambda self, tokens, limit: [g[1]] if tokens == p + g[:1] else [])
+        got: dict = {}
+
+        async def draw(j):
+            for c in await s.generate_n(p, n=16, seed=16 * j, max_tokens=3, speculative="ngram", **kw):
+                got[tuple(c.token_ids[:2])] = got.get(tuple(c.token_ids[:2]), 0) + 1
+        for half in (0, 50):  # 800 requests at a time: under the engine's queue bound
+            async with anyio.create_task_group() as tg:
+                for j in range(half, half + 50):
+                    tg.start_soon(draw, j)
+        st = s.stats()
+    n = sum(got.values())
+    assert n == 1600 and set(got) <= set(want), set(got) - set(want)
+    assert 0 < st["spec_accepted_tokens"] < st["spec_drafted_tokens"]
+    for k, q in want.items():
+        assert abs(got.get(k, 0) / n - q) < 5 * np.sqrt(q * (1 - q) / n) + 1e-9, (k, got.get(k, 0) / n, q)
+
+
 # ---- the draft model: hybrid targets, hybrid drafts ---------------------------------------------
 
 @pytest.mark.parametrize("target,draft,penalty", [("lfm2", "lfm2", 0.0), ("qwen35", "qwen35", 1.5),
