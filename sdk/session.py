@@ -114,7 +114,8 @@ class Session:
         engine_opts = dict(max_batch_tokens=o.max_batch_tokens, max_seqs=o.max_seqs,
                            max_queued_requests=o.max_queued_requests, fusion=o.fusion,
                            prompt_cache_dir=_prompt_dir(o.prompt_cache, o.prompt_cache_dir, o.weight_cache),
-                           prompt_cache_bytes=o.prompt_cache_bytes, rollback_slots=o.rollback_slots)
+                           prompt_cache_bytes=o.prompt_cache_bytes,
+                           rollback_slots=o.rollback_slots if o.rollback_slots is not None else 16 if o.draft_model else 4)
         backends = ({o.backend: get_backend(o.backend)} if o.device is None
                     else open_device(o.device, n_gpu_layers, get_backend))
         path = resolve_model(model, filename=o.filename, progress=progress or log_progress(log),
