@@ -51,8 +51,9 @@ def test_tokens_match_llama_cpp(name):
 @pytest.mark.parametrize("backend", ["cpu", "reference"])
 @pytest.mark.parametrize("name", [n for n in NAMES if "greedy" in rec(n)])
 async def test_decoder_matches_llama_cpp(monkeypatch, name, backend):
-    """Mutation: qwen3moe.moe_ffn not renormalizing the chosen experts' weights (norm_w=False) fails
-    qwen3vlmoe-vision."""
+    """Mutations: qwen3moe.moe_ffn not renormalizing the chosen experts' weights (norm_w=False) fails
+    qwen3vlmoe-vision; gemma4 without its per-expert down scales (down_s=None), or its router input not
+    divided by sqrt(n_embd), fails gemma4-moe."""
     monkeypatch.setattr(golden, "TOP1_LOGPROB_TOL", 0.05)  # F32 weights on both sides
     failures = []
     async with Session.open(str(DIR / f"{name}.gguf"), backend=backend, n_ctx=256, weight_cache=False) as s:

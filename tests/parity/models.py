@@ -74,6 +74,15 @@ VARIANTS = {  # name -> (architecture, extra metadata, extra F32 tensors by name
                           "embedding_length_per_layer_input": 32, "feed_forward_length": [96, 96, 96, 96, 192, 192],
                           "expert_count": None},
                {"rope_freqs.weight": np.array([1.0] * 8 + [1e10] * 8)}),
+    # Gemma 4 26B-A4B's layout: experts beside the dense FFN in every layer (router scale, fused gate/up, per-expert
+    # output scales), full layers with fewer K/V heads and a wider head, no per-layer inputs or shared K/V
+    "gemma4-moe": ("gemma4", {"block_count": 4, "attention.sliding_window_pattern": [True, False] * 2,
+                              "attention.head_count_kv": [2, 1, 2, 1], "attention.key_length": 32,
+                              "attention.value_length": 32, "attention.key_length_swa": 16,
+                              "attention.value_length_swa": 16, "rope.dimension_count": 32,
+                              "rope.dimension_count_swa": 16, "rope.freq_base_swa": 10000.0,
+                              "embedding_length_per_layer_input": 0},  # llama.cpp requires the key
+                   {"rope_freqs.weight": np.array([1.0] * 8 + [1e10] * 8)}),
     # sliding (window 4) and full layers alternating, YaRN; attention sinks, router and expert biases
     "gpt-oss": ("gpt-oss", {"block_count": 4, "attention.sliding_window": 4, "rope.scaling.type": "yarn",
                             "rope.scaling.factor": 4.0, "rope.scaling.original_context_length": 64}, {}),
@@ -105,7 +114,7 @@ def _vocab(w: gguf.GGUFWriter, n_vocab: int = N_VOCAB) -> None:
 # llama.cpp settings per variant for its reference run: Gemma 4 attends with scale 1 over RMS-normed Q
 # and K (scores up to head_dim), where an f16 K/V cache's rounding moves lower-ranked log-probs by up
 # to 0.08 nat in llama.cpp itself: its f32 cache is the exact semantics (ours: f16 on cpu, f32 on reference)
-LLAMA_KW = {"gemma4": {"type_k": 0, "type_v": 0}}
+LLAMA_KW = {"gemma4": {"type_k": 0, "type_v": 0}, "gemma4-moe": {"type_k": 0, "type_v": 0}}
 
 
 def _add(w: gguf.GGUFWriter, key: str, v) -> None:
