@@ -173,7 +173,8 @@ def _per_layer_inputs(c: Config, g, w, inp, x):
     """Per token and layer, the table's row (times sqrt(n_ple)) plus the RMS-normed projection of the
     embeddings (divided by sqrt(n_embd)), the sum divided by sqrt(2) (llama.cpp's project_per_layer_inputs)."""
     e, n, width = c.n_embd, x.shape[0], c.n_layer * c.n_ple
-    rows = g.scale(g.get_rows(w("per_layer_token_embd.weight", (w.n_vocab, width)), inp.tokens, "ple_rows"),
+    table = w("per_layer_token_embd.weight", (w.n_vocab, width), by_row=True)  # left in the file: rows read per step
+    rows = g.scale(g.get_rows(table, inp.tokens, "ple_rows"),
                    math.sqrt(c.n_ple), "ple_rows_scaled")
     proj = g.scale(g.mul_mat(w("per_layer_model_proj.weight", (width, e)), x, "ple_proj_all"), 1.0 / math.sqrt(e),
                    "ple_proj_scaled")
