@@ -1,4 +1,4 @@
-"""Gemma 4 (text; E2B, E4B and the dense larger ones): Gemma 3's layer (embeddings scaled by
+"""Gemma 4 (text; E2B, E4B, 12B, 31B and 26B-A4B): Gemma 3's layer (embeddings scaled by
 sqrt(n_embd), per-head Q/K RMSNorm, norms before and after attention and FFN, GeGLU) with
 - sliding and full layers by the file's per-layer pattern, each kind with its own head size, K/V head
   count (the file's per-layer attention.head_count_kv) and RoPE (full layers: rope_freqs'
@@ -16,7 +16,8 @@ sqrt(n_embd), per-head Q/K RMSNorm, norms before and after attention and FFN, Ge
 - image rows that attend both ways (Media.bidirectional: gemma4v's rows unless the model is E2B/E4B; gemma4uv's) do so
   in the sliding layers only, the full ones stay causal (llama.cpp's LLAMA_NON_CAUSAL_TYPE_SWA_ONLY);
   image rows take token 0's per-layer row (the runner's id for them; llama.cpp's TAG_GEMMA4_IMG_PADDING).
-Reference: llama.cpp src/models/gemma4.cpp."""
+12B (converted from Gemma4UnifiedForConditionalGeneration) is 31B's layout; its file's suppress_tokens are the
+tokenizer's (never generated). Reference: llama.cpp src/models/gemma4.cpp."""
 from __future__ import annotations
 
 import dataclasses
