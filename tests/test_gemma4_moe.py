@@ -10,9 +10,12 @@ import pytest
 
 from hearthlm import Session
 from hearthlm.core.errors import ModelLoadError
+from hearthlm.core.graph import Graph
 
 sys.path.insert(0, str(Path(__file__).parent / "parity"))
+sys.path.insert(0, str(Path(__file__).parent))
 from models import VARIANTS, write  # noqa: E402
+from test_cuda_launch import fake_ops  # noqa: E402,F401 (the fixture)
 
 
 def _split_gate_up(src: Path, dst: Path) -> Path:
@@ -81,3 +84,36 @@ def test_experts_need_their_width(tmp_path):
     arch, md, tensors = VARIANTS["gemma4-moe"]
     with pytest.raises(ModelLoadError, match=r"expert_feed_forward_length"):
         load_model(write(tmp_path / "bad.gguf", (arch, {**md, "expert_feed_forward_length": None}, tensors)))
+
+
+def test_the_cuda_backend_has_every_op_of_the_moe_graph(tmp_path, fake_ops):
+    """No GPU here: the cuda ops module over numpy standing in for cupy (test_cuda_launch's fixture). Every op
+    of gemma4-moe's fused graph (prefill and decode shapes) has a cuda kernel, and the two the experts add where
+    other MoE files have none run as they should there: the fused gate/up product's halves (SLICE of a 3-d
+    array) and each chosen expert's down scale (GET_ROWS of the (E, 1) float vector).
+    Mutation: cuda's slice_ taking x[:, start:stop] (the wrong axis) fails it."""
+    from hearthlm.core.graph import Op
+    from hearthlm.model_zoo.model import load_model
+    from hearthlm.runtime import fusion
+    from hearthlm.runtime.batch import BatchShape
+    ops, _fake, _launches = fake_ops
+    m = load_model(write(tmp_path / "m.gguf", "gemma4-moe"))
+    try:
+        used = set()
+        for n in (1, 8):
+            g = fusion.fuse(m.build_graph(BatchShape(n_tokens=n, n_seqs=1, max_blocks=4, n_out=1, n_slots=64,
+                                                     block_size=16, n_state=0)))
+            used |= {node.op for node in g.nodes}
+    finally:
+        m.close()
+    assert {Op.MUL_MAT_ID, Op.SLICE, Op.GET_ROWS} <= used
+    assert used - {Op.INPUT, Op.WEIGHT, Op.CACHE, Op.COPY} <= set(ops.KERNELS), "ops without a cuda kernel"
+    gu = np.arange(3 * 2 * 8, dtype=np.float32).reshape(3, 2, 8)  # (n_tokens, k, 2 * n_ff)
+    g = Graph()
+    x = g.input("gu", gu.shape, dtype=np.float32)
+    for lo, hi in ((0, 4), (4, 8)):
+        np.testing.assert_array_equal(ops.KERNELS[Op.SLICE](g.slice(x, lo, hi, "half"), gu), gu[..., lo:hi])
+    s = np.array([[0.5], [2.0], [3.0], [4.0]], np.float32)  # (E, 1)
+    ids = np.array([3, 0, 0, 2], np.int32)
+    rows = g.get_rows(g.input("s", s.shape, dtype=np.float32), g.input("ids", ids.shape), "down_s")
+    np.testing.assert_array_equal(ops.KERNELS[Op.GET_ROWS](rows, s, ids), s[ids])
