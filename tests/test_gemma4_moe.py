@@ -11,6 +11,7 @@ import pytest
 from hearthlm import Session
 from hearthlm.core.errors import ModelLoadError
 from hearthlm.core.graph import Graph
+from hearthlm.core.weights import QWeight
 
 sys.path.insert(0, str(Path(__file__).parent / "parity"))
 sys.path.insert(0, str(Path(__file__).parent))
@@ -117,3 +118,18 @@ def test_the_cuda_backend_has_every_op_of_the_moe_graph(tmp_path, fake_ops):
     ids = np.array([3, 0, 0, 2], np.int32)
     rows = g.get_rows(g.input("s", s.shape, dtype=np.float32), g.input("ids", ids.shape), "down_s")
     np.testing.assert_array_equal(ops.KERNELS[Op.GET_ROWS](rows, s, ids), s[ids])
+
+
+def test_bench_counts_the_chosen_experts_bytes():
+    """The roofline and profile count of stacked experts (a backend's tuple of prepared weights) what a step's
+    tokens can choose, n_tokens x k of E, not nothing (a tuple has no nbytes) nor all of them.
+    Mutation: read_bytes returning _nbytes(v) for experts fails it (0 counted)."""
+    from hearthlm.bench.roofline import read_bytes
+    g = Graph()
+    experts = g.weight(QWeight("e", 0, (8, 4, 32), np.zeros((32, 128), np.uint8)))
+    one = np.zeros((4, 32), np.float32)  # 512 bytes an expert
+    for n, want in ((1, 2 * 512), (3, 6 * 512), (16, 8 * 512)):
+        node = g.mul_mat_id(experts, g.input(f"x{n}", (n, 32), dtype=np.float32), g.input(f"ids{n}", (n, 2)), "up")
+        assert read_bytes(node, tuple(one for _ in range(8))) == want
+    assert read_bytes(g.mul_mat(g.weight(QWeight("w", 0, (4, 32), np.zeros((4, 128), np.uint8))),
+                                g.input("x", (1, 32), dtype=np.float32), "mm"), one) == 512
