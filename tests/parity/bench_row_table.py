@@ -25,8 +25,10 @@ async def main(path: str, mode: str, cache: str) -> None:
         t1 = time.perf_counter()
         c = await s.generate([2, 1000, 2000, 3000], max_tokens=4, temperature=0)
         t2 = time.perf_counter()
+        d = await s.generate([2, 7000, 8000], max_tokens=32, temperature=0, ignore_eos=True)
+        decode = len(d.token_ids) / (time.perf_counter() - t2)  # 32 steps after a 3-token prompt
         rss = _rss_mb()
-    print(json.dumps({"mode": mode, "open_s": round(t1 - t0, 2), "generate_s": round(t2 - t1, 2),
+    print(json.dumps({"mode": mode, "open_s": round(t1 - t0, 2), "generate_s": round(t2 - t1, 2), "decode_tok_s": round(decode, 2),
                       "rss_mb": round(rss), "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
                       "tokens": c.token_ids, "cache_files_mb": round(sum(
                           os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(cache) for f in fs) / 2**20)}))
