@@ -40,3 +40,19 @@ def test_rows_read_from_the_file_equal_the_reference(qtype):
     assert cpu.kernels[Op.GET_ROWS](node, p, np.zeros(0, np.int32)).shape == (0, n_cols)
     with pytest.raises(IndexError):
         cpu.kernels[Op.GET_ROWS](node, p, np.array([n_rows], np.int32))
+
+
+def test_an_older_caches_packed_copy_is_not_mapped():
+    """A weight cache written before the table was a RowTable holds it packed: the table is still read by row
+    (the copy would be paged in as rows are looked up), other weights still come from the cache.
+    Mutation: WeightStore.get mapping a RowTable from the cache like any weight fails it."""
+    from hearthlm.runtime.weights import WeightStore
+
+    class Cache:  # one entry per name, as weight_cache.WeightCache.load gives them
+        def load(self, backend):
+            entry = ({"kind": "vector", "_type": 0, "_shape": [4, 32]}, {"v": np.ones((4, 32), np.float32)})
+            return {"table": entry, "plain": entry}, "hit"
+    raw = np.zeros((4, 128), np.uint8)
+    store = WeightStore(get_backend("cpu"), Cache())
+    assert type(store.get(RowTable("table", 0, (4, 32), raw))).__name__ == "FileRows"
+    assert np.array_equal(store.get(QWeight("plain", 0, (4, 32), raw)), np.ones((4, 32), np.float32))
