@@ -5,8 +5,9 @@ the interpreter of llama-cpp-python 0.3.36 (../shared/tools/llama-cpp-build.sh; 
 
 writes tests/data/converted/<name>.json: the token ids of TEXTS as llama.cpp tokenizes them (with and
 without its special tokens, and with special-token text parsed), then for a decoder the greedy steps
-with top-5 log-probs from each text's ids (and the ids its samplers suppress, where the file names some), for an encoder each text's pooled embedding and, where the
-file has a rank head, the rerank pairs as llama-server builds them and their scores."""
+with top-5 log-probs from each text's ids (and the ids its samplers suppress, where the file names
+some), for an encoder each text's pooled embedding and, where the file has a rank head, the rerank
+pairs as llama-server builds them and their scores."""
 import ctypes
 import json
 import sys
