@@ -536,6 +536,9 @@ class Session:
         max_tokens, stops, timeout = _check_limits(None if score_only else max_tokens, stop, timeout)
         max_tokens = 0 if score_only else max_tokens
         _check_choice_args(n, prompt_logprobs, reasoning_budget, reasoning_format, params, self.model.n_vocab)
+        if self.model.tokenizer.suppress_ids:  # the file's banned ids (Gemma 4 12B's), as llama.cpp's samplers ban them
+            params = replace(params, logit_bias=params.logit_bias + tuple(
+                (t, -math.inf) for t in self.model.tokenizer.suppress_ids))
         template_kwargs = _check_template_kwargs(chat_template_kwargs, messages)
         lora = self.model.adapters.resolve(adapters)
         grammar = constraint.grammar_from_response_format(response_format) if response_format is not None else None
