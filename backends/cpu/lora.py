@@ -65,9 +65,10 @@ def _adapter(y, x, rows, nr, sc, alpha, a, b, acc, abuf):
     s = np.empty(nr, np.float32)
     for q in range(nr):
         s[q] = sc[q] if alpha == 0 else np.float32(np.float32(sc[q] * alpha) / np.float32(r))
-    d, bbuf = np.empty(OB, np.float32), np.empty((r if nr > 1 else 0, OB), np.float32)
-    for o0 in range(0, n_out, OB):
-        w = min(OB, n_out - o0)
+    ob = n_out if nr == 1 else OB  # one row reads b whole, a row after another (a stream the prefetcher follows)
+    d, bbuf = np.empty(ob, np.float32), np.empty((r if nr > 1 else 0, ob), np.float32)
+    for o0 in range(0, n_out, ob):
+        w = min(ob, n_out - o0)
         if nr > 1:
             for i in range(r):
                 _widen(b[i, o0:o0 + w], bbuf[i, :w])
