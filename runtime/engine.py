@@ -91,6 +91,8 @@ class Engine:
             raise InvalidRequestError("a draft model needs a target whose layers all keep a KV cache: "
                                       "a recurrent state cannot be rolled back past rejected drafts")
         self.draft = draft
+        if hasattr(draft, "attach"):  # a head drafter (runtime.draft_heads) runs on this engine's memory
+            draft.attach(self.memory, self.placement, n_ctx=n_ctx, max_seqs=max_seqs, fusion=fusion)
         self.batcher = Batcher(self.memory, max_batch_tokens=max_batch_tokens, max_seqs=max_seqs,
                                whole=not self.causal)
         self.max_batch_tokens, self.max_seqs = max_batch_tokens, max_seqs
@@ -297,6 +299,8 @@ class Engine:
             job = self.output.start_masks(plan)  # constrained rows' masks are filled while the forward pass runs
             try:
                 out = self.runner.run(plan)
+                if out.hidden is not None and hasattr(self.draft, "observe"):  # the rows its next drafts start from
+                    self.draft.observe(plan, out.hidden)
             finally:  # the matchers are not touched again before their masks are done
                 masks = self.output.join_masks(job)
             # counted before the update wakes the callers, so their stats() see this step

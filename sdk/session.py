@@ -160,6 +160,8 @@ class Session:
         from hearthlm.runtime.draft import DraftModel
         if why := vocab_mismatch(m.tokenizer, dm.tokenizer):
             raise InvalidRequestError(f"the draft model cannot draft for this model: {why}")
+        if hasattr(dm.arch, "bind"):  # an assistant that runs on the target's state (Gemma 4's)
+            return _assistant(m, dm, p_min)
         if not dm.causal or getattr(dm, "state_dims", None) and any(dm.state_dims):
             raise InvalidRequestError("the draft model must be a decoder whose layers all keep a KV cache "
                                       "(its drafts are rolled back where the model rejects them)")
@@ -726,6 +728,18 @@ class Session:
     def _tail_text(self, ids: list[int]) -> str:
         """The end of a rendered prompt as text, special tokens spelled out."""
         return b"".join(self.model.tokenizer.token_bytes(t, special=True) for t in ids[-8:]).decode("utf-8", "replace")
+
+
+def _assistant(m: Model, dm: Model, p_min: float):
+    """A draft model that runs on the target's state (Gemma 4's assistant), bound to this target:
+    ModelLoadError naming what does not fit (architecture, hidden size, head sizes, vocabulary)."""
+    from hearthlm.core.errors import ModelLoadError
+    from hearthlm.runtime.draft_heads import AssistantDrafter
+    if dm.n_vocab != m.n_vocab:
+        raise ModelLoadError(f"the assistant's vocabulary has {dm.n_vocab} tokens; this model's {m.n_vocab}")
+    bound = replace(dm, config=dm.arch.bind(dm.config, m))
+    return AssistantDrafter(bound, embd=m.weights["token_embd.weight"], scale=math.sqrt(m.config.n_embd),
+                            p_min=p_min, n_vocab=m.n_vocab)
 
 
 def _open_vision(m: Model, path, mmproj):
