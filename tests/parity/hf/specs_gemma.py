@@ -170,3 +170,6 @@ SPECS = {
                                  final_logit_softcapping=None)),
                              **GEMMA4_TOKENS),
 }
+# the same made for a target of another width (48): refused by the 32-wide "gemma4" (tests/test_draft_heads.py)
+SPECS["gemma4-assistant-wide"] = dict(SPECS["gemma4-assistant"], config=dict(SPECS["gemma4-assistant"]["config"],
+                                                                             backbone_hidden_size=48))
