@@ -45,8 +45,7 @@ async def test_assistant_drafts_equal_llama_cpps(monkeypatch):
     makes them with the assistant context on the target's (heads.json).
     Mutation: the drafts' horizon one further (seq_len = pos + 1: the target's stale slot of the
     drafted position attended) fails it; so does a draft's hidden input taken from the target's last
-    row instead of the one that predicted the token (observe keeping hidden[at + k - 1] only... with no
-    drafts kept they agree, see the next test), and the sliding layers reading the full layer's cache."""
+    row instead of the one that predicted the token, and the sliding layers reading the full layer's cache."""
     rec = json.loads((DATA / "heads.json").read_text())["gemma4_assistant"]
     seen = _recording(monkeypatch, k=4)
     async with Session.open(TARGET, n_ctx=512, draft_model=HELPER, draft_p_min=0.0) as s:
@@ -57,11 +56,11 @@ async def test_assistant_drafts_equal_llama_cpps(monkeypatch):
 
 async def test_greedy_is_identical_whether_drafts_are_rejected_or_kept(monkeypatch):
     """Plain decoding, the assistant's own drafts (random weights: all rejected), and drafts replaced by
-    the target's true continuation (all kept): the same tokens and log-probs; the assistant's drafts
+    the target's true continuation then a wrong token (partly kept): the same tokens and log-probs; the assistant's drafts
     after kept ones equal its drafts after the same tokens in the run that kept none (so it started
     from the hidden row of the kept draft that predicted the last token).
-    Mutation: observe keeping the step's last row for every request (not the kept draft's) fails the
-    last assertion; the runner not asking for hidden rows (wants_hidden ignored) drafts nothing."""
+    Mutation: observe keeping the step's last row only (d = 0, not the rows of the drafts) fails the last
+    assertion (and the first test); the runner not asking for hidden rows (wants_hidden ignored) drafts nothing."""
     prompt = [2] + [5 + (i * 11) % 60 for i in range(40)]
     async with Session.open(TARGET, n_ctx=512) as s:
         ref = await s.generate(prompt, max_tokens=40, **GREEDY)
@@ -73,13 +72,16 @@ async def test_greedy_is_identical_whether_drafts_are_rejected_or_kept(monkeypat
     assert got.token_ids == ref.token_ids
     assert [t[0][1] for t in got.top_logprobs] == pytest.approx([t[0][1] for t in ref.top_logprobs], abs=1e-4)
     assert st["spec_drafted_tokens"] >= 40 and st["draft_steps"] > 0
-    kept = _recording(monkeypatch, replace=lambda r: truth[len(r.tokens):len(r.tokens) + len(r.draft)])
+    def two_true(r):  # the target's next two tokens, then one it rejects: two of three drafts kept
+        d = truth[len(r.tokens):len(r.tokens) + len(r.draft)]
+        return d[:2] + [(t + 1) % 384 for t in d[2:3]]
+    kept = _recording(monkeypatch, replace=two_true)
     async with Session.open(TARGET, n_ctx=512, draft_model=HELPER, draft_p_min=0.0) as s:
         got = await s.generate(prompt, max_tokens=40, **GREEDY)
         st = s.stats()
     assert got.token_ids == ref.token_ids
     assert [t[0][1] for t in got.top_logprobs] == pytest.approx([t[0][1] for t in ref.top_logprobs], abs=1e-4)
-    assert st["spec_accepted_tokens"] >= 20 and st["steps"] < 30, st
+    assert st["spec_accepted_tokens"] >= 20 and st["steps"] < 25, st
     after_kept = [n for n in kept if n not in (len(prompt) + 1,) and n - 1 not in kept]  # the step before kept drafts
     assert len(after_kept) >= 3, (sorted(kept), sorted(rejected))
     for n in after_kept:
