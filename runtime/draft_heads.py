@@ -1,12 +1,16 @@
-"""Drafts from heads that run on the target's own state (llama.cpp's draft-mtp, common/speculative.cpp):
-Gemma 4's assistant (model_zoo.models.gemma4_assistant) reads the target's K/V cache and its last hidden
-state. The engine hands this drafter each step's hidden rows (`observe`: the output-normed hidden state of
-the rows a drafting request may continue from); `propose` then drafts for all speculating requests in
-batched one-token steps: the first from [the target's embedding of the request's last token, the hidden
-row that predicted it], each next from [the drafted token's, the head's own next hidden state], all at the
-last token's position (llama.cpp: "the same position for all draft tokens" with a shared cache).
+"""Drafts from heads that run on the target's own state (llama.cpp's draft-mtp, common/speculative.cpp).
+The engine hands these drafters each step's hidden rows (`observe`: the target's output-normed hidden
+state, what llama.cpp calls h_nextn); `propose` drafts for all their speculating requests in batched steps.
 Drafting stops at the first token below p_min confidence or an end-of-generation token; the target
-verifies the drafts as for any drafter (runtime.speculative) and nothing is to roll back here."""
+verifies the drafts as for any drafter (runtime.speculative).
+- Gemma 4's assistant (AssistantDrafter; model_zoo.models.gemma4_assistant) reads the target's K/V cache:
+  its first draft from [the target's embedding of the request's last token, the hidden row that predicted
+  it], each next from [the drafted token's, the head's own next hidden state], all at the last token's
+  position (llama.cpp: "the same position for all draft tokens" with a shared cache); nothing to roll back.
+- Qwen3.5's MTP block (MTPDrafter; model_zoo.models.qwen35_mtp) keeps a K/V cache of its own, a draft
+  model's memory (runtime.draft): its row at position q takes token q and the target's hidden row q - 1,
+  so after each target step it catches up over the kept tokens (the rows it drafted from its own hidden
+  state are recomputed from the target's, as llama.cpp's process() does), then drafts one token a step."""
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -18,10 +22,10 @@ from hearthlm.backends.reference import dequantize
 from hearthlm.core.weights import QWeight
 from hearthlm.runtime.batcher import Scheduled, StepPlan
 from hearthlm.runtime.dispatch import execute
-from hearthlm.runtime.draft import P_MIN, DraftModel
+from hearthlm.runtime.draft import P_MIN, DraftModel, DraftSeq
 from hearthlm.runtime.placement import Placement
 from hearthlm.runtime.request import Kind, Request
-from hearthlm.runtime.runner import ModelRunner
+from hearthlm.runtime.runner import ModelRunner, open_memory
 from hearthlm.runtime.seq_memory import SequenceMemory
 from hearthlm.runtime.speculative import K_MAX, DraftLength
 
@@ -126,4 +130,112 @@ class AssistantDrafter:
 def _row(r: Request) -> SimpleNamespace:
     """The runner's view of a request for one draft row at its last token's position, over its blocks."""
     return SimpleNamespace(kind=Kind.DRAFT, tokens=r.tokens, draft=[], n_computed=len(r.tokens) - 1, blocks=r.blocks,
-                           media=(), prompt_logprobs=None, lora=(), state_slot=None, max_tokens=0, spec=None)
+                           media=(), prompt_logprobs=None, lora=(), state_slot=None, max_tokens=0, spec=None,
+                           state_snaps={})
+
+
+def _rows(w: QWeight, ids: np.ndarray) -> np.ndarray:
+    """Rows `ids` of a (quantized) table as float32."""
+    return dequantize(QWeight(w.name, w.ggml_type, (len(ids), w.shape[1]), w.raw[ids]))
+
+
+def _rms(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+    x = x.astype(np.float32)
+    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + np.float32(eps)) * weight
+
+
+class MTPSeq(DraftSeq):
+    """One request's MTP side: its view in the head's memory (DraftSeq), the target's hidden rows for
+    positions [h_lo, h_lo + len(h)), the head's own last hidden row (at position mtp_pos), and how many
+    leading positions the head computed from the target's rows (`valid`; those after are redone)."""
+    wants_hidden = True
+
+    def __init__(self, k_max: int, drafter: "MTPDrafter", n_embd: int) -> None:
+        super().__init__(k_max)
+        self.drafter = drafter
+        self.seq.head = self  # the head's rows find their hidden inputs through it
+        self.h, self.h_lo = np.zeros((0, n_embd), np.float32), 0
+        self.h_mtp: np.ndarray | None = None
+        self.mtp_pos = -1
+        self.valid = 0
+        self.t_end = 0  # the target's rows are its kept tokens' before this position
+
+    def target_row(self, q: int) -> np.ndarray | None:
+        """The target's hidden row at position q, where it is a kept token's (before the last one)."""
+        return self.h[q - self.h_lo] if self.h_lo <= q < min(self.h_lo + len(self.h), self.t_end) else None
+
+
+class MTPDrafter(DraftModel):
+    """Drafts for the speculating requests of one target engine with its own MTP block (`head`:
+    qwen35_mtp.head(model)), whose K/V is a draft model's memory. `embd`: the table the head embeds
+    tokens with; `enorm`, `hnorm`: its input norms (the normed halves of its input are made here)."""
+
+    def __init__(self, head: Any, placement: Placement, *, embd: QWeight, enorm: QWeight, hnorm: QWeight, n_ctx: int,
+                 kv_blocks: int | None = None, max_batch_tokens: int = 512, max_seqs: int = 64,
+                 fusion: bool | None = None, kv_cache_type: str = "f16", k_max: int = K_MAX, p_min: float = P_MIN) -> None:
+        self.n_ctx, self.max_batch_tokens = n_ctx, max_batch_tokens
+        self.memory = open_memory(head, placement, n_ctx=n_ctx, kv_blocks=kv_blocks, max_seqs=max_seqs,
+                                  kv_cache_type=kv_cache_type)
+        self.runner = ModelRunner(head, placement, self.memory, n_ctx=n_ctx, max_batch_tokens=max_batch_tokens,
+                                  max_seqs=max_seqs, fusion=fusion, tune_threads=False)
+        self.k_max, self.p_min = k_max, p_min
+        self.n_vocab, self.eog, self.steps = head.n_vocab, frozenset(head.eog_ids), 0
+        self.embd, self.eps, self.n_embd = embd, head.config.norm_eps, head.config.n_embd
+        self.enorm, self.hnorm = dequantize(enorm), dequantize(hnorm)
+
+    def new_seq(self) -> MTPSeq:
+        return MTPSeq(self.k_max, self, self.n_embd)
+
+    def observe(self, plan: StepPlan, hidden: np.ndarray) -> None:
+        """The target's hidden rows of this step's positions, after the kept ones before them."""
+        at = 0
+        for s in plan.seqs:
+            spec, k, c = s.req.spec, s.n_tokens, s.req.n_computed
+            if isinstance(spec, MTPSeq) and spec.drafter is self:
+                keep = c - spec.h_lo
+                if 0 <= keep <= len(spec.h):
+                    spec.h = np.concatenate([spec.h[:keep], hidden[at:at + k]])
+                else:  # a prefix the target took from its cache: the head has no rows there (zeros)
+                    spec.h, spec.h_lo = hidden[at:at + k].copy(), c
+            at += k
+
+    def _sync(self, r: Request, spec: MTPSeq, limit: int) -> bool:
+        """As a draft model's, less the rows the head drafted from its own hidden state."""
+        spec.seq.n_computed = min(spec.seq.n_computed, spec.valid)
+        spec.t_end = len(r.tokens) - 1
+        ok = super()._sync(r, spec, limit)
+        spec.valid = spec.seq.n_computed
+        drop = spec.valid - 1 - spec.h_lo  # rows before the one the next row takes are done with
+        if drop > 0:
+            spec.h, spec.h_lo = spec.h[drop:], spec.h_lo + drop
+        return ok
+
+    def _forward(self, batch: list[Scheduled]) -> np.ndarray:
+        plan = StepPlan(batch, [])
+        feed, shape = self.runner.inputs(plan)
+        toks, hs = [], []
+        for sch in batch:
+            s, spec = sch.req, sch.req.head
+            for q in range(s.n_computed, s.n_computed + sch.n_tokens):
+                h = spec.target_row(q - 1)
+                if h is None:
+                    h = spec.h_mtp if q - 1 == spec.mtp_pos and spec.h_mtp is not None else np.zeros(self.n_embd, np.float32)
+                elif q == spec.valid:
+                    spec.valid = q + 1
+                toks.append(s.tokens[q])
+                hs.append(h)
+        eh = np.zeros((shape.n_tokens, 2 * self.n_embd), np.float32)
+        n = len(toks)
+        eh[:n, :self.n_embd] = _rms(_rows(self.embd, np.array(toks, np.int64)), self.enorm, self.eps)
+        eh[:n, self.n_embd:] = _rms(np.stack(hs), self.hnorm, self.eps)
+        feed["inp_eh"] = eh
+        logits, h_next = execute(self.runner.graphs.get(shape), feed, self.memory.cache_of)[:2]
+        row = 0
+        for sch in batch:
+            s = sch.req
+            if sch.wants_logits:
+                s.head.h_mtp, s.head.mtp_pos = h_next[row].copy(), s.n_computed + sch.n_tokens - 1
+                row += 1
+            s.n_computed += sch.n_tokens
+        self.steps += 1
+        return logits

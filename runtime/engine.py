@@ -59,7 +59,8 @@ class Engine:
                  max_queued_requests: int = 1024, fusion: bool | None = None, graph_cache: bool = True,
                  weight_cache=None, state_snapshots: int = 8, prompt_cache_dir=None,
                  prompt_cache_bytes: int = 1 << 30, kv_cache_type: str = "f16", draft=None, vision=None,
-                 image_cache_bytes: int = 256 << 20, after_callbacks: Callable[[], None] | None = None) -> None:
+                 image_cache_bytes: int = 256 << 20, after_callbacks: Callable[[], None] | None = None,
+                 mtp=None) -> None:
         """`model` provides build_graph(shape) -> Graph, weights, layer_memory, n_vocab, eog_ids.
         `placement`: a runtime.placement.Placement of layers over backends, or one backend
         (the trivial placement). `fusion`: None follows HEARTHLM_NO_FUSION; `graph_cache=False`
@@ -74,7 +75,8 @@ class Engine:
         ask otherwise (SamplingParams.speculative None; "off" opts out). `vision`: a vision tower
         (runtime.vision.VisionEncoder's `tower`) for requests with images, run where the output head
         is; its rows are kept in an LRU of image_cache_bytes. `after_callbacks`: called on the engine
-        thread after each round of request callbacks (a step's, an abort's, a failure's): sdk's _wake.flush."""
+        thread after each round of request callbacks (a step's, an abort's, a failure's): sdk's _wake.flush.
+        `mtp`: a runtime.draft_heads.MTPDrafter of the model's own MTP block, for speculative="mtp"."""
         self.model = model
         self.n_ctx = n_ctx
         self.max_queued_requests = max_queued_requests
@@ -90,7 +92,7 @@ class Engine:
         if draft is not None and (self.memory.hybrid or not self.causal):
             raise InvalidRequestError("a draft model needs a target whose layers all keep a KV cache: "
                                       "a recurrent state cannot be rolled back past rejected drafts")
-        self.draft = draft
+        self.draft, self.mtp = draft, mtp
         if hasattr(draft, "attach"):  # a head drafter (runtime.draft_heads) runs on this engine's memory
             draft.attach(self.memory, self.placement, n_ctx=n_ctx, max_seqs=max_seqs, fusion=fusion)
         self.batcher = Batcher(self.memory, max_batch_tokens=max_batch_tokens, max_seqs=max_seqs,
@@ -144,6 +146,11 @@ class Engine:
             if self.draft is None:
                 raise InvalidRequestError("speculative='draft' needs a session opened with draft_model=")
             req.spec = self.draft.new_seq()
+        elif how == "mtp":
+            if self.mtp is None:
+                raise InvalidRequestError("speculative='mtp' needs a model with multi-token-prediction (MTP, nextn) "
+                                          "layers: this model has none")
+            req.spec = self.mtp.new_seq()
         if req.spec is not None and (self.memory.hybrid or not self.causal):
             raise InvalidRequestError("speculative decoding needs a model whose layers all keep a KV cache: "
                                       "a recurrent state cannot be rolled back past rejected drafts")
@@ -195,6 +202,8 @@ class Engine:
         c.update(self.output.stats())  # grammar masks' time per token
         if self.draft is not None:
             c.update(self.draft.stats())
+        if self.mtp is not None:
+            c.update(mtp_steps=self.mtp.steps)
         c.update(healthy=self._failed is None, engine_error=str(self._failed) if self._failed else None)
         return c
 
@@ -251,8 +260,8 @@ class Engine:
         elif req in self.waiting:
             self.waiting.remove(req)
         try:
-            if self.draft is not None and req.spec is not None and not isinstance(req.spec, NgramDrafter):
-                self.draft.release(req.spec)
+            if req.spec is not None and not isinstance(req.spec, NgramDrafter):
+                getattr(req.spec, "drafter", self.draft).release(req.spec)
             self.batcher.release(req)
         finally:  # the caller hears of it even if releasing broke (then the loop fails the rest)
             try:
@@ -263,22 +272,22 @@ class Engine:
     def _draft(self) -> None:
         """Draft tokens for the speculating requests that are decoding (their last token is the
         only one left to compute); a grammar keeps only the prefix it accepts."""
-        drafting, by_model = [], []
+        drafting, by_model = [], {}
         for r in self.running:
             if r.spec is None or r.n_wanted != 1 or r.draft:
                 continue
             room = min(r.max_tokens - r.n_generated, self.n_ctx - len(r.tokens)) - 1
             if isinstance(r.spec, NgramDrafter):
                 r.draft = r.spec.propose(r.tokens, room)
-            else:
-                by_model.append((r, room))
+            else:  # the session's draft model, or the model's own heads
+                by_model.setdefault(getattr(r.spec, "drafter", self.draft), []).append((r, room))
             drafting.append(r)
-        if by_model:
+        for drafter, items in by_model.items():
             try:  # all of them in batched steps of the draft model
-                self.draft.propose(by_model)
+                drafter.propose(items)
             except Exception:  # drafts only save time: without them the step goes on as usual
                 log.exception("the draft model failed; this step runs without drafts")
-                for r, _ in by_model:
+                for r, _ in items:
                     r.draft = []
         for r in drafting:
             if r.draft and r.matcher is not None:
@@ -299,8 +308,9 @@ class Engine:
             job = self.output.start_masks(plan)  # constrained rows' masks are filled while the forward pass runs
             try:
                 out = self.runner.run(plan)
-                if out.hidden is not None and hasattr(self.draft, "observe"):  # the rows its next drafts start from
-                    self.draft.observe(plan, out.hidden)
+                for d in (self.draft, self.mtp) if out.hidden is not None else ():
+                    if hasattr(d, "observe"):  # the rows its next drafts start from
+                        d.observe(plan, out.hidden)
             finally:  # the matchers are not touched again before their masks are done
                 masks = self.output.join_masks(job)
             # counted before the update wakes the callers, so their stats() see this step

@@ -139,9 +139,12 @@ class Session:
                 draft = cls._draft(m, dm, offload(backends, dm.config.n_layer, n_gpu_layers), n_ctx=n_ctx,
                                    kv_blocks=math.ceil(kv_tokens / 16), wdir=wdir, kv_cache_type=kv_cache_type,
                                    p_min=float(o.draft_p_min), **engine_opts)
+            mtp = _mtp(m, placement, n_ctx=n_ctx, kv_blocks=math.ceil(kv_tokens / 16), kv_cache_type=kv_cache_type,
+                       p_min=float(o.draft_p_min), **{k: v for k, v in engine_opts.items()
+                                                      if k in ("max_batch_tokens", "max_seqs", "fusion")})
             engine = Engine(m, placement, n_ctx=n_ctx, kv_blocks=math.ceil(kv_tokens / 16),
                             weight_cache=WeightCache(wdir, m.file.identity()) if wdir else None,
-                            kv_cache_type=kv_cache_type, draft=draft, vision=vision,
+                            kv_cache_type=kv_cache_type, draft=draft, vision=vision, mtp=mtp,
                             image_cache_bytes=o.image_cache_bytes, after_callbacks=wake_flush, **engine_opts)
         except BaseException:
             for f in (m, dm, vision):
@@ -740,6 +743,21 @@ def _assistant(m: Model, dm: Model, p_min: float):
     bound = replace(dm, config=dm.arch.bind(dm.config, m))
     return AssistantDrafter(bound, embd=m.weights["token_embd.weight"], scale=math.sqrt(m.config.n_embd),
                             p_min=p_min, n_vocab=m.n_vocab)
+
+
+def _mtp(m: Model, placement, *, p_min: float, **opts):
+    """The model's own multi-token-prediction block as a drafter (speculative="mtp"), where it has one:
+    its K/V beside the output head."""
+    if m.arch_name != "qwen35" or not getattr(m.config, "n_nextn", 0):
+        return None
+    from hearthlm.model_zoo.models import qwen35_mtp
+    from hearthlm.runtime.draft_heads import MTPDrafter
+    from hearthlm.runtime.placement import Placement
+    head = qwen35_mtp.head(m)
+    at = f"blk.{head.config.block}.nextn."
+    where = Placement({b: placement.backends[b] for b in (placement.host, placement.output)}, [placement.output])
+    return MTPDrafter(head, where, embd=m.weights[qwen35_mtp.embeddings_of(head)], enorm=m.weights[at + "enorm.weight"],
+                      hnorm=m.weights[at + "hnorm.weight"], p_min=p_min, **opts)
 
 
 def _open_vision(m: Model, path, mmproj):
