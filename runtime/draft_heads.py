@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from hearthlm.backends.reference import dequantize
+from hearthlm.core.errors import InvalidRequestError
 from hearthlm.core.weights import QWeight
 from hearthlm.runtime.batcher import Scheduled, StepPlan
 from hearthlm.runtime.dispatch import execute
@@ -28,6 +29,24 @@ from hearthlm.runtime.request import Kind, Request
 from hearthlm.runtime.runner import ModelRunner, open_memory
 from hearthlm.runtime.seq_memory import SequenceMemory
 from hearthlm.runtime.speculative import K_MAX, DraftLength
+
+
+def new_spec(how: str, draft: Any, mtp: Any) -> Any:
+    """A speculating request's side of its drafter: "draft", the session's draft model (or assistant);
+    "mtp", the model's own MTP block. InvalidRequestError where the session has none."""
+    if how == "draft" and draft is None:
+        raise InvalidRequestError("speculative='draft' needs a session opened with draft_model=")
+    if how == "mtp" and mtp is None:
+        raise InvalidRequestError("speculative='mtp' needs a model with multi-token-prediction (MTP, nextn) layers "
+                                  "(Qwen3.5's): this model has none")
+    return (draft if how == "draft" else mtp).new_seq()
+
+
+def observe(plan: StepPlan, hidden: np.ndarray | None, *drafters: Any) -> None:
+    """The target's hidden rows of a step to the drafters that draft from them."""
+    for d in drafters if hidden is not None else ():
+        if hasattr(d, "observe"):
+            d.observe(plan, hidden)
 
 
 class HeadSeq(DraftLength):
@@ -161,8 +180,8 @@ class MTPSeq(DraftSeq):
         self.t_end = 0  # the target's rows are its kept tokens' before this position
 
     def target_row(self, q: int) -> np.ndarray | None:
-        """The target's hidden row at position q, where it is a kept token's (before the last one)."""
-        return self.h[q - self.h_lo] if self.h_lo <= q < min(self.h_lo + len(self.h), self.t_end) else None
+        """The target's hidden row at position q, where it has one."""
+        return self.h[q - self.h_lo] if self.h_lo <= q < self.h_lo + len(self.h) else None
 
 
 class MTPDrafter(DraftModel):
@@ -217,11 +236,13 @@ class MTPDrafter(DraftModel):
         for sch in batch:
             s, spec = sch.req, sch.req.head
             for q in range(s.n_computed, s.n_computed + sch.n_tokens):
-                h = spec.target_row(q - 1)
+                h = spec.target_row(q - 1) if q - 1 < spec.t_end else None
+                if q - 1 < spec.t_end:  # a kept token's row: the target's (zeros before the first, or where
+                    spec.valid = max(spec.valid, q + 1)  # the target took a prefix from its cache)
+                elif q - 1 == spec.mtp_pos:  # a drafted token's: the block's own output before it
+                    h = spec.h_mtp
                 if h is None:
-                    h = spec.h_mtp if q - 1 == spec.mtp_pos and spec.h_mtp is not None else np.zeros(self.n_embd, np.float32)
-                elif q == spec.valid:
-                    spec.valid = q + 1
+                    h = np.zeros(self.n_embd, np.float32)
                 toks.append(s.tokens[q])
                 hs.append(h)
         eh = np.zeros((shape.n_tokens, 2 * self.n_embd), np.float32)

@@ -18,6 +18,7 @@ from threadpoolctl import threadpool_limits
 from hearthlm.core.errors import ContextLengthError, EngineFailedError, HearthError, InvalidRequestError, QueueFull, SessionClosedError
 from hearthlm.core.log import get_logger
 from hearthlm.runtime.batcher import Batcher, StepPlan
+from hearthlm.runtime.draft_heads import new_spec, observe
 from hearthlm.runtime.output import Outcome, OutputProcessor
 from hearthlm.runtime.placement import Placement
 from hearthlm.runtime.request import Kind, Request, check_media
@@ -142,15 +143,8 @@ class Engine:
             raise ContextLengthError(f"prompt ({n} tokens) + max_tokens ({req.max_tokens}) exceeds the "
                                      f"context of {self.n_ctx} tokens")
         how = req.params.speculative or ("draft" if self.draft is not None and req.kind is Kind.GENERATE else None)
-        if how == "draft":
-            if self.draft is None:
-                raise InvalidRequestError("speculative='draft' needs a session opened with draft_model=")
-            req.spec = self.draft.new_seq()
-        elif how == "mtp":
-            if self.mtp is None:
-                raise InvalidRequestError("speculative='mtp' needs a model with multi-token-prediction (MTP, nextn) "
-                                          "layers: this model has none")
-            req.spec = self.mtp.new_seq()
+        if how in ("draft", "mtp"):  # the session's draft model, or the model's own MTP block
+            req.spec = new_spec(how, self.draft, self.mtp)
         if req.spec is not None and (self.memory.hybrid or not self.causal):
             raise InvalidRequestError("speculative decoding needs a model whose layers all keep a KV cache: "
                                       "a recurrent state cannot be rolled back past rejected drafts")
@@ -308,9 +302,7 @@ class Engine:
             job = self.output.start_masks(plan)  # constrained rows' masks are filled while the forward pass runs
             try:
                 out = self.runner.run(plan)
-                for d in (self.draft, self.mtp) if out.hidden is not None else ():
-                    if hasattr(d, "observe"):  # the rows its next drafts start from
-                        d.observe(plan, out.hidden)
+                observe(plan, out.hidden, self.draft, self.mtp)  # the rows head drafters start from
             finally:  # the matchers are not touched again before their masks are done
                 masks = self.output.join_masks(job)
             # counted before the update wakes the callers, so their stats() see this step

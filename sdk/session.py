@@ -755,6 +755,9 @@ def _mtp(m: Model, placement, *, p_min: float, **opts):
     from hearthlm.runtime.placement import Placement
     head = qwen35_mtp.head(m)
     at = f"blk.{head.config.block}.nextn."
+    if missing := [n for n in (at + "enorm.weight", at + "hnorm.weight") if n not in m.weights]:
+        from hearthlm.core.errors import ModelLoadError
+        raise ModelLoadError(f"{m.path}: nextn_predict_layers is {m.config.n_nextn} but tensor {missing[0]!r} is missing")
     where = Placement({b: placement.backends[b] for b in (placement.host, placement.output)}, [placement.output])
     return MTPDrafter(head, where, embd=m.weights[qwen35_mtp.embeddings_of(head)], enorm=m.weights[at + "enorm.weight"],
                       hnorm=m.weights[at + "hnorm.weight"], p_min=p_min, **opts)
