@@ -28,7 +28,9 @@ from hearthlm.runtime.placement import Placement
 from hearthlm.runtime.request import Kind, Request
 from hearthlm.runtime.runner import ModelRunner, open_memory
 from hearthlm.runtime.seq_memory import SequenceMemory
-from hearthlm.runtime.speculative import K_MAX, DraftLength
+from hearthlm.runtime.speculative import DraftLength
+
+K_MAX = 3  # draft tokens at most per step: llama.cpp's default (--draft-max) for draft-mtp; each costs a full LM head
 
 
 def new_spec(how: str, draft: Any, mtp: Any) -> Any:

@@ -7,7 +7,7 @@ self-copying model), and the MTP block's eh_proj passes the token half through (
 predicts the same. Every matrix is still multiplied as in the real model: the cost is the real shapes',
 the acceptance is made, and says nothing about acceptance on real text.
 Decode rate: tokens after the first over the time from the first to the last.
-  python tests/parity/bench_mtp.py [--tokens 128] [--repeat 3] [--backend cpu]"""
+  python tests/parity/bench_mtp.py [--tokens 128] [--repeat 3] [--backend cpu] [--k 3]"""
 from __future__ import annotations
 
 import argparse
@@ -87,6 +87,7 @@ async def main(a) -> None:
         write(path)
     prompt = [1 + (i * 7919) % 5000 for i in range(64)]
     async with Session.open(str(path), n_ctx=1024, backend=a.backend, draft_p_min=0.0) as s:
+        s.engine.mtp.k_max = a.k
         await decode_rate(s, prompt, a.tokens, "off")  # compile, warm: every step shape the rounds meet
         await decode_rate(s, prompt, a.tokens, "mtp")
         plain, mtp = [], []
@@ -105,4 +106,5 @@ if __name__ == "__main__":
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--backend", default="cpu")
+    ap.add_argument("--k", type=int, default=3, help="draft tokens at most per step (runtime.draft_heads.K_MAX)")
     anyio.run(main, ap.parse_args())
