@@ -134,7 +134,7 @@ class AssistantDrafter:
             self.steps += 1
             later = []
             for i, (r, limit, _, _) in enumerate(live):
-                tok, p = DraftModel._greedy(logits[i])
+                tok, p = _greedy(logits[i])
                 if p < self.p_min or tok >= self.n_vocab:
                     continue  # not confident enough: this request's draft ends here
                 r.draft.append(tok)
@@ -153,6 +153,12 @@ def _row(r: Request) -> SimpleNamespace:
     return SimpleNamespace(kind=Kind.DRAFT, tokens=r.tokens, draft=[], n_computed=len(r.tokens) - 1, blocks=r.blocks,
                            media=(), prompt_logprobs=None, lora=(), state_slot=None, max_tokens=0, spec=None,
                            state_snaps={})
+
+
+def _greedy(row: np.ndarray) -> tuple[int, float]:
+    """The head's argmax and its probability, in float32 (over a 248K vocabulary float64 took 4 ms a row)."""
+    tok = int(np.argmax(row))
+    return tok, 1.0 / float(np.exp(row - row[tok]).sum(dtype=np.float32))
 
 
 def _rows(w: QWeight, ids: np.ndarray) -> np.ndarray:
@@ -206,6 +212,8 @@ class MTPDrafter(DraftModel):
 
     def new_seq(self) -> MTPSeq:
         return MTPSeq(self.k_max, self, self.n_embd)
+
+    _greedy = staticmethod(_greedy)
 
     def observe(self, plan: StepPlan, hidden: np.ndarray) -> None:
         """The target's hidden rows of this step's positions, after the kept ones before them."""
