@@ -20,6 +20,7 @@ from hearthlm import gc_freeze
 from hearthlm._wake import Channel, loop_waker
 from hearthlm._wake import flush as wake_flush
 from hearthlm.backends import get_backend
+from hearthlm.core import errors as _errors
 from hearthlm.core.errors import ContextLengthError, HearthError, InvalidRequestError, RequestTimeoutError, SessionClosedError
 from hearthlm.core.log import get_logger
 from hearthlm.model_zoo import reasoning
@@ -120,6 +121,9 @@ class Session:
         path = resolve_model(model, filename=o.filename, progress=progress or log_progress(log),
                              mmproj=o.mmproj is None)
         m = load_model(path)
+        if hasattr(m.arch, "bind"):  # it runs on a target's state: alone it has no input
+            m.close()
+            raise _errors.ModelLoadError(f"{path}: a {m.arch_name} model drafts for its target: pass it as draft_model=")
         dm = vision = None
         try:  # the layers over the backends, once their count is known
             for name, apath in (o.adapters or {}).items():
@@ -736,10 +740,9 @@ class Session:
 def _assistant(m: Model, dm: Model, p_min: float):
     """A draft model that runs on the target's state (Gemma 4's assistant), bound to this target:
     ModelLoadError naming what does not fit (architecture, hidden size, head sizes, vocabulary)."""
-    from hearthlm.core.errors import ModelLoadError
     from hearthlm.runtime.draft_heads import AssistantDrafter
     if dm.n_vocab != m.n_vocab:
-        raise ModelLoadError(f"the assistant's vocabulary has {dm.n_vocab} tokens; this model's {m.n_vocab}")
+        raise _errors.ModelLoadError(f"the assistant's vocabulary has {dm.n_vocab} tokens; this model's {m.n_vocab}")
     bound = replace(dm, config=dm.arch.bind(dm.config, m))
     return AssistantDrafter(bound, embd=m.weights["token_embd.weight"], scale=math.sqrt(m.config.n_embd),
                             p_min=p_min, n_vocab=m.n_vocab)
@@ -756,8 +759,7 @@ def _mtp(m: Model, placement, *, p_min: float, **opts):
     head = qwen35_mtp.head(m)
     at = f"blk.{head.config.block}.nextn."
     if missing := [n for n in (at + "enorm.weight", at + "hnorm.weight") if n not in m.weights]:
-        from hearthlm.core.errors import ModelLoadError
-        raise ModelLoadError(f"{m.path}: nextn_predict_layers is {m.config.n_nextn} but tensor {missing[0]!r} is missing")
+        raise _errors.ModelLoadError(f"{m.path}: nextn_predict_layers is {m.config.n_nextn} but tensor {missing[0]!r} is missing")
     where = Placement({b: placement.backends[b] for b in (placement.host, placement.output)}, [placement.output])
     return MTPDrafter(head, where, embd=m.weights[qwen35_mtp.embeddings_of(head)], enorm=m.weights[at + "enorm.weight"],
                       hnorm=m.weights[at + "hnorm.weight"], p_min=p_min, **opts)

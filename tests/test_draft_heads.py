@@ -105,8 +105,8 @@ def _patched(src: str, dst: Path, key: str, change, item: int = 0) -> str:
 
 async def test_an_assistant_that_does_not_fit_is_refused(tmp_path):
     """Another hidden size (an assistant made for width 48, the target's 32): ModelLoadError naming both;
-    another vocabulary (one token's text changed): InvalidRequestError; a model that is no assistant asked
-    for "mtp" or a session without one: InvalidRequestError, and the session keeps serving.
+    another vocabulary (one token's text changed): InvalidRequestError; the assistant opened as a model:
+    ModelLoadError; "draft" asked of a session without a draft model: InvalidRequestError, and it keeps serving.
     Mutation: bind() not comparing the widths opens the session (the first assertion fails)."""
     with pytest.raises(ModelLoadError, match="hidden size 48.*32"):
         async with Session.open(TARGET, n_ctx=512, draft_model=str(DATA / "gemma4-assistant-wide.gguf")):
@@ -114,6 +114,9 @@ async def test_an_assistant_that_does_not_fit_is_refused(tmp_path):
     other = _patched(HELPER, tmp_path / "vocab.gguf", "tokenizer.ggml.tokens", lambda b: b.upper(), item=7)
     with pytest.raises(InvalidRequestError, match="vocabulary|token"):
         async with Session.open(TARGET, n_ctx=512, draft_model=other):
+            pass
+    with pytest.raises(ModelLoadError, match="draft_model="):  # alone it has no input
+        async with Session.open(HELPER, n_ctx=512):
             pass
     async with Session.open(TARGET, n_ctx=512) as s:
         with pytest.raises(InvalidRequestError, match="draft_model"):
