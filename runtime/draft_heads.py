@@ -213,6 +213,10 @@ class MTPDrafter(DraftModel):
     def new_seq(self) -> MTPSeq:
         return MTPSeq(self.k_max, self, self.n_embd)
 
+    def stats(self) -> dict[str, Any]:
+        mem = self.memory.stats()
+        return dict(mtp_steps=self.steps, mtp_kv_blocks_used=mem["kv_blocks_used"], mtp_kv_blocks_total=mem["kv_blocks_total"])
+
     _greedy = staticmethod(_greedy)
 
     def observe(self, plan: StepPlan, hidden: np.ndarray) -> None:

@@ -194,10 +194,8 @@ class Engine:
             time_to_first_token_s=ttft[len(ttft) // 2] if ttft else None)
         c.update(self.runner.stats())  # graph cache hits/misses, nodes unfused/fused, build/reuse times; threads
         c.update(self.output.stats())  # grammar masks' time per token
-        if self.draft is not None:
-            c.update(self.draft.stats())
-        if self.mtp is not None:
-            c.update(mtp_steps=self.mtp.steps)
+        for d in (self.draft, self.mtp):  # a draft model's (or assistant's) counts; the MTP block's
+            c.update(d.stats() if d is not None else {})
         c.update(healthy=self._failed is None, engine_error=str(self._failed) if self._failed else None)
         return c
 

@@ -122,3 +122,48 @@ async def test_an_assistant_that_does_not_fit_is_refused(tmp_path):
         with pytest.raises(InvalidRequestError, match="draft_model"):
             await s.generate([2, 5, 6], max_tokens=2, speculative="draft")
         assert len((await s.generate([2, 5, 6], max_tokens=3, **GREEDY)).token_ids) == 3
+
+
+async def test_assistant_and_plain_requests_batch_together(monkeypatch):
+    """Requests drafting with the assistant (the drafts then replaced by the target's next two tokens and a
+    wrong one: partly kept), with n-gram drafts and not at all, at once: each one's greedy output is what it
+    gets alone, and so is each of the assistant's proposals (by request and length): each draft starts
+    from its own request's hidden row.
+    Mutation: AssistantDrafter.observe taking every request's rows from the batch's start fails it."""
+    import anyio
+    prompts = [[2] + [5 + (i * 7 + 3 * j) % 60 for i in range(20 + 9 * j)] for j in range(5)]
+    modes = [None, "off", None, "ngram", None]
+    async with Session.open(TARGET, n_ctx=512) as s:
+        alone = [(await s.generate(p, max_tokens=24, temperature=0, ignore_eos=True)).token_ids for p in prompts]
+    truth = {tuple(p): list(p) + a for p, a in zip(prompts, alone)}
+    seen: dict[tuple, list[int]] = {}
+    propose = dh.AssistantDrafter.propose
+
+    def recording(self, items):
+        propose(self, items)
+        for r, _ in items:
+            seen[(tuple(r.prompt), len(r.tokens))] = list(r.draft)
+            d = truth[tuple(r.prompt)][len(r.tokens):len(r.tokens) + len(r.draft)]
+            r.draft = d[:2] + [(x + 1) % 384 for x in d[2:3]]
+    monkeypatch.setattr(dh.AssistantDrafter, "propose", recording)
+    runs = []
+    for together in (False, True):
+        seen.clear()
+        async with Session.open(TARGET, n_ctx=512, draft_model=HELPER, draft_p_min=0.0) as s:
+            out = [None] * len(prompts)
+
+            async def one(i):
+                out[i] = (await s.generate(prompts[i], max_tokens=24, speculative=modes[i], temperature=0,
+                                           ignore_eos=True)).token_ids
+            if together:
+                async with anyio.create_task_group() as tg:
+                    for i in range(len(prompts)):
+                        tg.start_soon(one, i)
+            else:
+                for i in range(len(prompts)):
+                    await one(i)
+            st = s.stats()
+        assert out == alone
+        assert st["spec_accepted_tokens"] >= 20
+        runs.append(dict(seen))
+    assert len(runs[1]) >= 15 and runs[1] == runs[0]
