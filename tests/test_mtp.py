@@ -150,24 +150,41 @@ async def test_the_blocks_rows_after_its_own_kept_drafts_are_a_fresh_runs(monkey
 
 
 @hybrid_spec
-async def test_mtp_and_plain_requests_batch_together():
-    """Requests speculating with the block, with n-gram drafts and not at all, at once: each one's
-    greedy output is what it gets alone.
-    Mutation: MTPDrafter.observe taking every request's rows from the batch's start (at = 0 for each)
-    fails it."""
+async def test_mtp_and_plain_requests_batch_together(monkeypatch):
+    """Requests speculating with the block, with n-gram drafts and not at all, one after another and
+    at once: each one's greedy output is what it gets alone, and so is each of the block's proposals
+    (by request and length): its rows come from its own request's hidden states.
+    Mutation: MTPDrafter.observe appending the batch's first rows (hidden[0:k]) for every request fails it."""
     import anyio
     prompts = [[2] + [5 + (i * 7 + 3 * j) % 60 for i in range(20 + 9 * j)] for j in range(5)]
-    async with Session.open(QWEN35, n_ctx=512, draft_p_min=0.0) as s:
-        alone = [(await s.generate(p, max_tokens=24, temperature=0, ignore_eos=True)).token_ids for p in prompts]
-        out = [None] * len(prompts)
+    modes = ["mtp", "off", "mtp", "ngram", "mtp"]
+    seen: dict[tuple, list[int]] = {}
+    propose = dh.MTPDrafter.propose
 
-        async def one(i):
-            mode = ["mtp", "off", "mtp", "ngram", "mtp"][i]
-            out[i] = (await s.generate(prompts[i], max_tokens=24, speculative=mode, temperature=0,
-                                       ignore_eos=True)).token_ids
-        async with anyio.create_task_group() as tg:
-            for i in range(len(prompts)):
-                tg.start_soon(one, i)
-        st = s.stats()
-    assert out == alone
-    assert st["mtp_steps"] > 0 and st["mtp_kv_blocks_used"] == 0
+    def recording(self, items):
+        propose(self, items)
+        for r, _ in items:
+            seen[(tuple(r.prompt), len(r.tokens))] = list(r.draft)
+    monkeypatch.setattr(dh.MTPDrafter, "propose", recording)
+    runs = []
+    for together in (False, True):
+        seen.clear()
+        async with Session.open(QWEN35, n_ctx=512, draft_p_min=0.0) as s:
+            out = [None] * len(prompts)
+
+            async def one(i):
+                out[i] = (await s.generate(prompts[i], max_tokens=24, speculative=modes[i], temperature=0,
+                                           ignore_eos=True)).token_ids
+            if together:
+                async with anyio.create_task_group() as tg:
+                    for i in range(len(prompts)):
+                        tg.start_soon(one, i)
+            else:
+                for i in range(len(prompts)):
+                    await one(i)
+            plain = [(await s.generate(p, max_tokens=24, temperature=0, ignore_eos=True)).token_ids for p in prompts]
+            st = s.stats()
+        assert out == plain
+        assert st["mtp_steps"] > 0 and st["mtp_kv_blocks_used"] == 0
+        runs.append(dict(seen))
+    assert len(runs[1]) >= 15 and runs[1] == runs[0]
