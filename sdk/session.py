@@ -751,7 +751,7 @@ def _assistant(m: Model, dm: Model, p_min: float):
 def _mtp(m: Model, placement, *, p_min: float, **opts):
     """The model's own multi-token-prediction block as a drafter (speculative="mtp"), where it has one:
     its K/V beside the output head."""
-    if m.arch_name != "qwen35" or not getattr(m.config, "n_nextn", 0):
+    if m.arch_name not in ("qwen35", "qwen35moe") or not getattr(m.config, "n_nextn", 0):
         return None
     from hearthlm.model_zoo.models import qwen35_mtp
     from hearthlm.runtime.draft_heads import MTPDrafter

@@ -17,7 +17,7 @@ from hearthlm.core.errors import InvalidRequestError, ModelLoadError
 from hearthlm.runtime import draft_heads as dh
 
 DATA = Path(__file__).parent / "data" / "converted"
-TARGET, HELPER = str(DATA / "gemma4.gguf"), str(DATA / "gemma4-assistant.gguf")
+TARGET, HELPER = str(DATA / "gemma4.gguf"), str(DATA / "drafts" / "gemma4-assistant.gguf")
 GREEDY = dict(temperature=0, ignore_eos=True, top_logprobs=1)
 
 
@@ -109,7 +109,7 @@ async def test_an_assistant_that_does_not_fit_is_refused(tmp_path):
     ModelLoadError; "draft" asked of a session without a draft model: InvalidRequestError, and it keeps serving.
     Mutation: bind() not comparing the widths opens the session (the first assertion fails)."""
     with pytest.raises(ModelLoadError, match="hidden size 48.*32"):
-        async with Session.open(TARGET, n_ctx=512, draft_model=str(DATA / "gemma4-assistant-wide.gguf")):
+        async with Session.open(TARGET, n_ctx=512, draft_model=str(DATA / "drafts" / "gemma4-assistant-wide.gguf")):
             pass
     other = _patched(HELPER, tmp_path / "vocab.gguf", "tokenizer.ggml.tokens", lambda b: b.upper(), item=7)
     with pytest.raises(InvalidRequestError, match="vocabulary|token"):

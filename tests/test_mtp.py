@@ -45,14 +45,16 @@ def _recording(monkeypatch, k: int | None = None, replace=None) -> dict[int, lis
 
 
 @hybrid_spec
-async def test_mtp_drafts_equal_llama_cpps(monkeypatch):
+@pytest.mark.parametrize("arch", ["qwen35", "qwen35moe"])
+async def test_mtp_drafts_equal_llama_cpps(monkeypatch, arch):
     """Eight proposals of four tokens along the target's greedy run, as llama.cpp's draft-mtp makes them
-    (heads.json); the drafts are then dropped, so the target runs as without them.
+    (heads.json), for the dense block and the MoE one (its FFN the experts and the shared expert); the
+    drafts are then dropped, so the target runs as without them.
     Mutation: the block's row q taking the target's row q (not q - 1) fails it; so does the hidden half
     normed by enorm (not hnorm)."""
-    rec = json.loads((DATA / "heads.json").read_text())["qwen35_mtp"]
+    rec = json.loads((DATA / "heads.json").read_text())[f"{arch}_mtp"]
     seen = _recording(monkeypatch, k=4, replace=lambda r: [])
-    async with Session.open(QWEN35, n_ctx=512, draft_p_min=0.0) as s:
+    async with Session.open(str(DATA / f"{arch}.gguf"), n_ctx=512, draft_p_min=0.0) as s:
         got = await s.generate(rec["prompt"], max_tokens=20, speculative="mtp", **GREEDY)
     assert got.token_ids[:8] == [p["tokens"][-1] for p in rec["points"]]
     for p in rec["points"]:

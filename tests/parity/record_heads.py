@@ -1,7 +1,7 @@
 """Record llama.cpp's drafts from a model's own heads, once, as common/speculative.cpp's draft-mtp
 makes them (greedy, every head token kept: p_min 0): for Gemma 4's assistant (a context of the
 assistant with ctx_other = the target's, the target's unmasked nextn rows as its hidden input, every
-draft token at the last token's position) and Qwen3.5's MTP block (an LLAMA_CONTEXT_TYPE_MTP context of
+draft token at the last token's position) and Qwen3.5's MTP block, dense and MoE (an LLAMA_CONTEXT_TYPE_MTP context of
 the same model, fed each target batch's tokens with the target's rows shifted by one, process(); its
 drafted cells removed before the target's next batch, as the server does). The target decodes a prompt
 greedily, one token a step; before each step DRAFTS tokens are drafted from its state.
@@ -134,7 +134,7 @@ def mtp(target: str) -> dict:
 
 if __name__ == "__main__":
     out = dict(llama_cpp_python=L.__version__,
-               gemma4_assistant=assistant(str(DATA / "gemma4.gguf"), str(DATA / "gemma4-assistant.gguf")),
-               qwen35_mtp=mtp(str(DATA / "qwen35.gguf")))
+               gemma4_assistant=assistant(str(DATA / "gemma4.gguf"), str(DATA / "drafts" / "gemma4-assistant.gguf")),
+               qwen35_mtp=mtp(str(DATA / "qwen35.gguf")), qwen35moe_mtp=mtp(str(DATA / "qwen35moe.gguf")))
     (DATA / "heads.json").write_text(json.dumps(out))
     print(json.dumps(out)[:2000])

@@ -168,7 +168,7 @@ SPECS = {
                                  GEMMA4, hidden_size=16, num_hidden_layers=2, hidden_size_per_layer_input=0,
                                  layer_types=["sliding_attention", "full_attention"], num_kv_shared_layers=2, vocab_size_per_layer_input=0,
                                  final_logit_softcapping=None)),
-                             **GEMMA4_TOKENS),
+                             folder="drafts", **GEMMA4_TOKENS),
 }
 # the same made for a target of another width (48): refused by the 32-wide "gemma4" (tests/test_draft_heads.py)
 SPECS["gemma4-assistant-wide"] = dict(SPECS["gemma4-assistant"], config=dict(SPECS["gemma4-assistant"]["config"],
