@@ -107,7 +107,8 @@ class AssistantDrafter:
     # ---- the target engine's thread -------------------------------------------------------
     def observe(self, plan: StepPlan, hidden: np.ndarray) -> None:
         """After the target's forward pass (before its update): keep each drafting request's rows a
-        next draft may start from, its last token's and its drafts' (one of them predicts the next token)."""
+        next draft may start from, its last token's and its drafts' (one of them predicts the next token:
+        1 + drafts rows a request, a small copy)."""
         at = 0
         for s in plan.seqs:
             spec, k = s.req.spec, s.n_tokens
@@ -116,7 +117,6 @@ class AssistantDrafter:
                 spec.h_rows = hidden[at + k - 1 - d:at + k].copy()
                 spec.h_pos = s.req.n_computed + k - 1 - d
             at += k
-        # what is copied is small: 1 + drafts rows per drafting request
 
     def propose(self, items: list[tuple[Request, int]]) -> None:
         """Set r.draft for each (request, room): at most min(its k, room) tokens."""
@@ -144,8 +144,7 @@ class AssistantDrafter:
 
     def _embed(self, toks: np.ndarray) -> np.ndarray:
         """The target's embedding rows of `toks`, scaled: (n, n_target) float32."""
-        w = self.embd
-        return dequantize(QWeight(w.name, w.ggml_type, (len(toks), w.shape[1]), w.raw[toks])) * np.float32(self.scale)
+        return _rows(self.embd, toks) * np.float32(self.scale)
 
 
 def _row(r: Request) -> SimpleNamespace:

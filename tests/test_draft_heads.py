@@ -167,3 +167,17 @@ async def test_assistant_and_plain_requests_batch_together(monkeypatch):
         assert st["spec_accepted_tokens"] >= 20
         runs.append(dict(seen))
     assert len(runs[1]) >= 15 and runs[1] == runs[0]
+
+
+async def test_sampled_with_the_assistant_is_a_seeded_run():
+    """Sampling with the assistant's drafts (verified by rejection sampling: runtime.sampling.verify, whose
+    distribution test_speculative checks): the length asked, the same run twice with a seed, drafts made.
+    Mutation: the engine not handing the step's hidden rows to the assistant (draft_heads.observe a no-op)
+    fails it: nothing is drafted."""
+    prompt = [2] + [5 + (i * 11) % 60 for i in range(30)]
+    async with Session.open(TARGET, n_ctx=512, draft_model=HELPER, draft_p_min=0.0) as s:
+        a = await s.generate(prompt, max_tokens=24, temperature=0.9, seed=3, ignore_eos=True)
+        b = await s.generate(prompt, max_tokens=24, temperature=0.9, seed=3, ignore_eos=True)
+        st = s.stats()
+    assert len(a.token_ids) == 24 and a.token_ids == b.token_ids
+    assert st["spec_drafted_tokens"] > 0
