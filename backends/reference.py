@@ -204,21 +204,29 @@ def l2_norm(x, eps):
     return (x64 / np.maximum(np.sqrt((x64 * x64).sum(axis=-1, keepdims=True)), eps)).astype(np.float32)
 
 
-def ssm_conv(state, x, w, seq_off, state_slot):
+def ssm_conv(state, x, w, seq_off, state_slot, snap=None):
     """state (S, K-1, C), x (n, C), w (C, K) -> y (n, C). Row i's tokens [seq_off[i], seq_off[i+1])
     convolve over xx = [state[slot]; x[those]] (y[t0 + j] = sum_k w[:, k] * xx[j + k]), and the
-    state keeps xx's last K-1 rows. Padding tokens (in no range) give 0."""
+    state keeps xx's last K-1 rows. Padding tokens (in no range) give 0. `snap` (n,): where
+    snap[t] >= 0, the state after token t is also written to that slot."""
     k = w.shape[1]
     y = np.zeros(x.shape, np.float32)
     for i, slot in enumerate(state_slot):
         t0, t1 = int(seq_off[i]), int(seq_off[i + 1])
         xx = np.concatenate([state[slot], x[t0:t1]]).astype(np.float64)  # (K-1 + L, C)
         y[t0:t1] = sum(w[:, j].astype(np.float64) * xx[j:j + t1 - t0] for j in range(k))
+        for t in _snapped(snap, t0, t1):
+            state[snap[t]] = xx[t - t0 + 1:t - t0 + k]
         state[slot] = xx[t1 - t0:]
     return y
 
 
-def ssm_scan(state, x, dt, a, b, c, seq_off, state_slot):
+def _snapped(snap, t0: int, t1: int) -> list[int]:
+    """The tokens of [t0, t1) whose state is snapshotted."""
+    return [] if snap is None else [t for t in range(t0, t1) if snap[t] >= 0]
+
+
+def ssm_scan(state, x, dt, a, b, c, seq_off, state_slot, snap=None):
     """Mamba-2's selective scan (ggml's SSM_SCAN where A has one value per head), token by token.
     state (S, H, P, N), x (n, H, P), dt (n, H), a (H,) or (1, H), b and c (n, G, N) -> y (n, H, P)."""
     h = x.shape[1]
@@ -232,6 +240,8 @@ def ssm_scan(state, x, dt, a, b, c, seq_off, state_slot):
             bt, ct = b[t][group].astype(np.float64), c[t][group].astype(np.float64)  # (H, N)
             s = s * np.exp(dt_sp * a64)[:, None, None] + (x[t] * dt_sp[:, None])[:, :, None] * bt[:, None, :]
             y[t] = np.einsum("hpn,hn->hp", s, ct)
+            if snap is not None and snap[t] >= 0:
+                state[snap[t]] = s
         state[slot] = s
     return y
 
@@ -239,12 +249,14 @@ def ssm_scan(state, x, dt, a, b, c, seq_off, state_slot):
 DELTA_CHUNK = 64  # tokens per chunk of the chunked form (build_delta_net_chunking's CS)
 
 
-def gated_delta_net(state, q, k, v, g, beta, seq_off, state_slot, scale, chunked=False):
+def gated_delta_net(state, q, k, v, g, beta, seq_off, state_slot, scale, chunked=False, snap=None):
     """The gated delta rule (ggml's GATED_DELTA_NET), for each row i over tokens [seq_off[i],
     seq_off[i+1]) from state[state_slot[i]] (S, H_v, d_v, d_k), which is left holding the state
     after them. Per v-head h and token t, with key head kh = h % H_k:
         S = exp(g[t,h]) S;  S += outer((v[t,h] - S k) beta[t,h], k);  out[t,h] = S (q scale)
-    q, k (n, H_k, d_k), v (n, H_v, d_v), g, beta (n, H_v) -> out (n, H_v, d_v); padding tokens 0."""
+    q, k (n, H_k, d_k), v (n, H_v, d_v), g, beta (n, H_v) -> out (n, H_v, d_v); padding tokens 0.
+    `snap` (n,): where snap[t] >= 0, the state after token t is also written to that slot (token
+    by token, not chunked)."""
     h_k, h_v = q.shape[1], v.shape[1]
     # h % H_k (tiled), not GQA's h // (H_v / H_k): the unfused llama.cpp graph repeats q/k with
     # ggml_repeat_4d, and the fused ggml kernels (cpu ops.cpp, cuda) read iq1 = iv1 % neq1
@@ -257,7 +269,13 @@ def gated_delta_net(state, q, k, v, g, beta, seq_off, state_slot, scale, chunked
         t0, t1 = int(seq_off[i]), int(seq_off[i + 1])
         if t1 > t0:
             s = state[slot].astype(np.float64)  # (H_v, d_v, d_k), updated in place by run
-            out[t0:t1] = run(s, qq[t0:t1], kk[t0:t1], vv[t0:t1], gg[t0:t1], bb[t0:t1])
+            if _snapped(snap, t0, t1):  # token by token (the same sums as _delta_steps over the row)
+                for t in range(t0, t1):
+                    out[t:t + 1] = _delta_steps(s, *(z[t:t + 1] for z in (qq, kk, vv, gg, bb)))
+                    if snap[t] >= 0:
+                        state[snap[t]] = s
+            else:
+                out[t0:t1] = run(s, qq[t0:t1], kk[t0:t1], vv[t0:t1], gg[t0:t1], bb[t0:t1])
             state[slot] = s
     return out.astype(np.float32)
 
@@ -393,10 +411,12 @@ class ReferenceBackend(Backend):
             Op.POOL_2D: lambda n, x: array_ops.pool_avg_2d(x.astype(np.float64), np, nx=n.params["nx"],
                                                            ny=n.params["ny"], k=n.params["k"]),
             # recurrent state: source 0 (the state cache) is updated in place
-            Op.SSM_CONV: lambda n, state, x, w, off, slot: ssm_conv(state, x, w, off, slot),
-            Op.SSM_SCAN: lambda n, state, x, dt, a, b, c, off, slot: ssm_scan(state, x, dt, a, b, c, off, slot),
-            Op.GATED_DELTA_NET: lambda n, state, q, k, v, g, b, off, slot: gated_delta_net(
-                state, q, k, v, g, b, off, slot, n.params["scale"]),
+            # (an optional last source: the per-token snapshot slots)
+            Op.SSM_CONV: lambda n, state, x, w, off, slot, *snap: ssm_conv(state, x, w, off, slot, *snap),
+            Op.SSM_SCAN: lambda n, state, x, dt, a, b, c, off, slot, *snap: ssm_scan(state, x, dt, a, b, c, off, slot,
+                                                                                      *snap),
+            Op.GATED_DELTA_NET: lambda n, state, q, k, v, g, b, off, slot, *snap: gated_delta_net(
+                state, q, k, v, g, b, off, slot, n.params["scale"], snap=snap[0] if snap else None),
             # fused: each rounds where its unfused chain rounds, so fused == unfused here
             Op.RMS_NORM_MUL_ADD: lambda n, x, w, r: (rms_norm(x, n.params["eps"]) * w).astype(np.float32) + r,
             Op.FFN_GLU: lambda n, wg, wu, x: _act(n, _mm(wg, x)) * _mm(wu, x),

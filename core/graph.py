@@ -112,7 +112,9 @@ class Op(enum.Enum):
     LORA = "lora", OpProps(inplace=(0,))
     # recurrent state (hybrid models). Source 0 is a layer's state cache (n_state_slots, ...): for
     # each sequence row i, the tokens [seq_off[i], seq_off[i+1]) run in order from the state in slot
-    # state_slot[i], which is left holding the state after them; tokens in no range (padding) give 0
+    # state_slot[i], which is left holding the state after them; tokens in no range (padding) give 0.
+    # An optional last source snap_slot (n,): where snap_slot[t] >= 0, the state after token t is
+    # also copied to that slot (per-position snapshots of speculative verification rows)
     # (state (S, K-1, C), x (n, C), w (C, K), seq_off (n_seqs+1,), state_slot (n_seqs,)) -> (n, C):
     # causal depthwise conv over [state; x] (ggml's SSM_CONV), the last K-1 rows kept as the state
     SSM_CONV = "ssm_conv", OpProps(updates_state=True)
@@ -339,28 +341,31 @@ class Graph:
         return self._add(Op.ADD_N, tuple(xs), np.broadcast_shapes(*(x.shape for x in xs)), name, il)
 
     # recurrent state: `state` is a cache node; seq_off (n_seqs+1,), state_slot (n_seqs,) inputs
+    # snap_slot (n_tokens,) or None: the slot each token's state is also copied to (-1: none)
     def ssm_conv(self, state: Tensor, x: Tensor, w: Tensor, seq_off: Tensor, state_slot: Tensor, *, name: str,
-                 il: int = -1) -> Tensor:
+                 il: int = -1, snap_slot: Tensor | None = None) -> Tensor:
         n, c = x.shape
         assert w.shape == (c, state.shape[1] + 1) and state.shape[2] == c, f"{name}: {x.shape} {w.shape} {state.shape}"
-        return self._add(Op.SSM_CONV, (state, x, w, seq_off, state_slot), (n, c), name, il)
+        return self._add(Op.SSM_CONV, (state, x, w, seq_off, state_slot, *_snap(snap_slot, n)), (n, c), name, il)
 
     def gated_delta_net(self, state: Tensor, q: Tensor, k: Tensor, v: Tensor, gate: Tensor, beta: Tensor,
-                        seq_off: Tensor, state_slot: Tensor, *, scale: float, name: str, il: int = -1) -> Tensor:
+                        seq_off: Tensor, state_slot: Tensor, *, scale: float, name: str, il: int = -1,
+                        snap_slot: Tensor | None = None) -> Tensor:
         n, h_k, d_k = q.shape
         h_v, d_v = v.shape[1:]
         assert k.shape == q.shape and gate.shape == beta.shape == (n, h_v) and h_v % h_k == 0, f"{name}"
         assert state.shape[1:] == (h_v, d_v, d_k), f"{name}: state {state.shape}"
-        return self._add(Op.GATED_DELTA_NET, (state, q, k, v, gate, beta, seq_off, state_slot), v.shape, name, il,
-                         scale=float(scale))
+        return self._add(Op.GATED_DELTA_NET, (state, q, k, v, gate, beta, seq_off, state_slot, *_snap(snap_slot, n)),
+                         v.shape, name, il, scale=float(scale))
 
     def ssm_scan(self, state: Tensor, x: Tensor, dt: Tensor, a: Tensor, b: Tensor, c: Tensor, seq_off: Tensor,
-                 state_slot: Tensor, *, name: str, il: int = -1) -> Tensor:
+                 state_slot: Tensor, *, name: str, il: int = -1, snap_slot: Tensor | None = None) -> Tensor:
         n, h, p = x.shape
         g, d_state = b.shape[1:]
         assert dt.shape == (n, h) and a.shape[-1] == h and c.shape == b.shape and h % g == 0, f"{name}"
         assert state.shape[1:] == (h, p, d_state), f"{name}: state {state.shape}"
-        return self._add(Op.SSM_SCAN, (state, x, dt, a, b, c, seq_off, state_slot), x.shape, name, il)
+        return self._add(Op.SSM_SCAN, (state, x, dt, a, b, c, seq_off, state_slot, *_snap(snap_slot, n)), x.shape,
+                         name, il)
 
     # vision towers
     def patchify(self, img: Tensor, p: int, name: str) -> Tensor:
@@ -434,3 +439,11 @@ class Graph:
             where = backends[i] if backends else ""
             rows.append(f"{i:>4}  {t.label:<24} {t.op.value:<16} {str(t.shape):<22} {str(t.dtype):<8} {where}")
         return "\n".join(rows)
+
+
+def _snap(snap_slot: Tensor | None, n: int) -> tuple[Tensor, ...]:
+    """A recurrent op's optional snapshot-slot source, checked against its token count."""
+    if snap_slot is None:
+        return ()
+    assert snap_slot.shape == (n,), f"snap_slot {snap_slot.shape} for {n} tokens"
+    return (snap_slot,)

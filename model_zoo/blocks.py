@@ -20,6 +20,7 @@ class Inputs:
     shape: BatchShape
     seq_off: Tensor | None = None     # (n_seqs + 1,) each sequence row's token range (hybrid models)
     state_slot: Tensor | None = None  # (n_seqs,) each row's recurrent-state slot (hybrid models)
+    snap_slot: Tensor | None = None   # (n_tokens,) a slot the state after each token is also copied to, -1: none
     seq_len: Tensor | None = None     # (n_tokens,) the length of each token's sequence (encoders: non-causal);
                                       # causal with images: each token's horizon, its last visible position + 1
     causal: bool = True
@@ -47,6 +48,7 @@ def build_inputs(g: Graph, shape: BatchShape, *, causal: bool = True, n_pos: int
     if shape.n_state:
         inp.seq_off = g.input("seq_off", (shape.n_seqs + 1,))
         inp.state_slot = g.input("state_slot", (shape.n_seqs,))
+        inp.snap_slot = g.input("snap_slot", (shape.n_tokens,))
     if not causal or shape.n_media:
         inp.seq_len = g.input("seq_len", (shape.n_tokens,))
     if n_pos > 1:
@@ -67,7 +69,7 @@ def build_conv(g: Graph, inp: Inputs, x: Tensor, w: Tensor, *, il: int, bias: Te
     state (LFM2's short conv; the conv before Mamba-2's scan and Qwen3.5's delta rule), then
     the bias and activation where the architecture has them. x (n_tokens, C), w (C, K)."""
     state = build_state(g, inp, "state_conv", (w.shape[1] - 1, x.shape[1]), il=il)
-    y = g.ssm_conv(state, x, w, inp.seq_off, inp.state_slot, name=name, il=il)
+    y = g.ssm_conv(state, x, w, inp.seq_off, inp.state_slot, name=name, il=il, snap_slot=inp.snap_slot)
     if bias is not None:
         y = g.add(y, bias, f"{name}_b", il)
     return g.silu(y, f"{name}_silu", il) if act == "silu" else y

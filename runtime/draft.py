@@ -4,7 +4,9 @@ as extra rows of its own step (as for prompt lookup, runtime.speculative) and ro
 rejects. The draft model has a model runner of its own (runtime.runner) and its own sequence
 memory (a KV block table per request, released with the request), run from the target
 engine's thread, all speculating requests batched: one catch-up step (the tokens the target
-kept since the last draft, or the whole prompt the first time), then one-token steps.
+kept since the last draft, or the whole prompt the first time), then one-token steps. A
+recurrent (hybrid) draft model keeps its state after each drafted position in rollback slots
+(runtime.seq_memory), as the target does, and goes back to the one the target's verdict leaves.
 Drafting stops at the draft's first token below p_min confidence (llama.cpp's --draft-p-min)."""
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ import numpy as np
 from hearthlm.runtime.batcher import Scheduled, StepPlan
 from hearthlm.runtime.placement import Placement
 from hearthlm.runtime.request import Kind, Request
-from hearthlm.runtime.runner import ModelRunner, open_memory
+from hearthlm.runtime.runner import ROLLBACK_SLOTS, ModelRunner, open_memory
 from hearthlm.runtime.sampling import SamplingParams
 from hearthlm.runtime.speculative import K_MAX, DraftLength
 
@@ -41,11 +43,13 @@ class DraftModel:
     def __init__(self, model: Any, placement: Placement, *, n_ctx: int, kv_blocks: int | None = None,
                  max_batch_tokens: int = 512, max_seqs: int = 64, fusion: bool | None = None, weight_cache=None,
                  kv_cache_type: str = "f16", k_max: int = K_MAX, p_min: float = P_MIN,
-                 n_vocab: int | None = None) -> None:
-        """`n_vocab`: the target's vocabulary (drafts beyond it are not proposed)."""
+                 n_vocab: int | None = None, rollback_slots: int = ROLLBACK_SLOTS) -> None:
+        """`n_vocab`: the target's vocabulary (drafts beyond it are not proposed). `rollback_slots`:
+        a recurrent draft model's state slots for its states after drafted positions, shared by the
+        requests (each drafts at most one token more than it gets)."""
         self.n_ctx, self.max_batch_tokens = n_ctx, max_batch_tokens
         self.memory = open_memory(model, placement, n_ctx=n_ctx, kv_blocks=kv_blocks, max_seqs=max_seqs,
-                                  kv_cache_type=kv_cache_type)
+                                  kv_cache_type=kv_cache_type, rollback_slots=rollback_slots)
         self.runner = ModelRunner(model, placement, self.memory, n_ctx=n_ctx, max_batch_tokens=max_batch_tokens,
                                   max_seqs=max_seqs, fusion=fusion, weight_cache=weight_cache, tune_threads=False)
         self.k_max, self.p_min = k_max, p_min
@@ -72,7 +76,8 @@ class DraftModel:
         pending = []
         for r, room in items:
             limit = min(r.spec.k, room, self.n_ctx - len(r.tokens))  # the draft's context may be shorter
-            if limit > 0 and self._sync(r, r.spec, limit):
+            limit = self._sync(r, r.spec, limit) if limit > 0 else 0
+            if limit > 0:
                 pending.append((r, r.spec.seq, limit))
         budget = self.max_batch_tokens
         while pending:  # catch-up chunks (a long prompt over several steps), then one token a step
@@ -100,15 +105,18 @@ class DraftModel:
                     later.append(item)
             pending = later
 
-    def _sync(self, r: Request, spec: DraftSeq, limit: int) -> bool:
+    def _sync(self, r: Request, spec: DraftSeq, limit: int) -> int:
         """Roll the draft's view back to the longest prefix it shares with the request's tokens
-        (what it computed beyond is overwritten later), take its blocks: False if they are not
-        to be had (no draft this step)."""
+        (K/V computed beyond is overwritten later; a recurrent draft model's state goes back to
+        the rollback point reserved when it drafted), take its blocks and this round's rollback
+        points. Returns how many tokens it may draft: 0 if its blocks are not to be had."""
         s, mem = spec.seq, self.memory
         n = 0
         upto = min(s.n_computed, len(r.tokens) - 1)  # the last token is fed again: its logits draft
         while n < upto and s.tokens[n] == r.tokens[n]:
             n += 1
+        if spec.admitted:
+            n = mem.rollback(s, n)
         del s.tokens[n:]
         s.tokens.extend(r.tokens[n:])
         s.n_computed = n
@@ -118,7 +126,11 @@ class DraftModel:
             spec.admitted = True
         else:
             mem.after_step(s)  # full blocks of verified tokens findable by later prompts
-        return mem.grow(s, len(s.tokens) + limit - 1)
+        if not mem.grow(s, len(s.tokens) + limit - 1):
+            return 0
+        # the state after the request's tokens and after each draft token fed back (all but the last)
+        n0 = len(r.tokens)
+        return 1 + mem.reserve_rollback(s, range(n0, n0 + limit - 1))
 
     def _forward(self, batch: list[Scheduled]) -> np.ndarray:
         out = self.runner.run(StepPlan(batch, [])).logits

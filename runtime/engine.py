@@ -22,7 +22,7 @@ from hearthlm.runtime.draft_heads import new_spec, observe
 from hearthlm.runtime.output import Outcome, OutputProcessor
 from hearthlm.runtime.placement import Placement
 from hearthlm.runtime.request import Kind, Request, check_media
-from hearthlm.runtime.runner import ModelRunner, open_memory
+from hearthlm.runtime.runner import ROLLBACK_SLOTS, ModelRunner, open_memory
 from hearthlm.runtime.speculative import NgramDrafter
 from hearthlm.runtime.vision import VisionEncoder
 
@@ -61,6 +61,7 @@ class Engine:
                  weight_cache=None, state_snapshots: int = 8, prompt_cache_dir=None,
                  prompt_cache_bytes: int = 1 << 30, kv_cache_type: str = "f16", draft=None, vision=None,
                  image_cache_bytes: int = 256 << 20, after_callbacks: Callable[[], None] | None = None,
+                 rollback_slots: int = ROLLBACK_SLOTS,
                  mtp=None) -> None:
         """`model` provides build_graph(shape) -> Graph, weights, layer_memory, n_vocab, eog_ids.
         `placement`: a runtime.placement.Placement of layers over backends, or one backend
@@ -68,7 +69,8 @@ class Engine:
         rebuilds every step. `weight_cache`: a runtime.weight_cache.WeightCache of the model's file
         (packed weights mapped from disk, written there when packed afresh), or None.
         A hybrid model (`model.state_dims`: per layer, its recurrent state's shapes) gets a state
-        slot per running sequence and `state_snapshots` slots of prefix states.
+        slot per running sequence, `state_snapshots` slots of prefix states and `rollback_slots`
+        for speculating requests' states after drafted positions (runtime.seq_memory).
         `prompt_cache_dir`: where persisted prompt prefixes are kept (runtime.prompt_cache), at
         most prompt_cache_bytes of them, keyed by the model file (`model.file.identity()`) and
         this cache's layout; None for none. `kv_cache_type`: the K/V element type (core.kv_types).
@@ -86,13 +88,12 @@ class Engine:
         self.memory = open_memory(model, self.placement, n_ctx=n_ctx, kv_blocks=kv_blocks, block_size=block_size,
                                   max_seqs=max_seqs, state_snapshots=state_snapshots,
                                   prompt_cache_dir=prompt_cache_dir, prompt_cache_bytes=prompt_cache_bytes,
-                                  kv_cache_type=kv_cache_type)
+                                  kv_cache_type=kv_cache_type, rollback_slots=rollback_slots)
         self.kv = self.memory.kv
         # an encoder (model.causal False) attends over each input whole: one step computes all of it
         self.causal = getattr(model, "causal", True)
-        if draft is not None and (self.memory.hybrid or not self.causal):
-            raise InvalidRequestError("a draft model needs a target whose layers all keep a KV cache: "
-                                      "a recurrent state cannot be rolled back past rejected drafts")
+        if draft is not None and not self.causal:
+            raise InvalidRequestError("this model is an encoder: it does not generate, so nothing is drafted for it")
         self.draft, self.mtp = draft, mtp
         if hasattr(draft, "attach"):  # a head drafter (runtime.draft_heads) runs on this engine's memory
             draft.attach(self.memory, self.placement, n_ctx=n_ctx, max_seqs=max_seqs, fusion=fusion)
@@ -145,9 +146,6 @@ class Engine:
         how = req.params.speculative or ("draft" if self.draft is not None and req.kind is Kind.GENERATE else None)
         if how in ("draft", "mtp"):  # the session's draft model, or the model's own MTP block
             req.spec = new_spec(how, self.draft, self.mtp)
-        if req.spec is not None and (self.memory.hybrid or not self.causal):
-            raise InvalidRequestError("speculative decoding needs a model whose layers all keep a KV cache: "
-                                      "a recurrent state cannot be rolled back past rejected drafts")
         if req.media:
             check_media(req, self.runner.vision is not None, mrope=self.runner.n_pos > 1)
         bad = [t for i, t in enumerate(req.prompt) if not 0 <= t < self.model.n_vocab and not req.in_media(i)]
@@ -284,6 +282,8 @@ class Engine:
         for r in drafting:
             if r.draft and r.matcher is not None:
                 r.draft = r.draft[:r.matcher.valid_prefix(r.draft)]
+            if r.draft:  # a recurrent state's rollback points: after the last token and each draft but the last
+                del r.draft[self.memory.reserve_rollback(r, range(len(r.tokens), len(r.tokens) + len(r.draft))):]
 
     def step(self) -> None:
         """plan -> run -> process -> update: the batcher plans which requests advance (after
@@ -338,14 +338,13 @@ class Engine:
         blocks findable by later prompts; its new tokens are delivered; what finished is released."""
         for s, o in zip(plan.seqs, outcomes):
             r, drafted = s.req, len(s.req.draft)
-            r.n_computed += s.n_tokens - drafted  # a draft's rows count once they are kept
+            r.n_computed += s.n_tokens
+            if drafted or r.state_snaps:  # rejected drafts' rows dropped: K/V overwritten later, a state rolled back
+                self.memory.rollback(r, r.n_computed - drafted + (o.kept if o.finish is None else 0))
             if not r.kind.pools:  # an embedding's or a ranking's blocks are not cached
                 self.memory.after_step(r)  # blocks findable by later prompts; a state snapshot
             finish, error = _deliver(o)
-            if finish is None and o.kept:
-                r.n_computed += o.kept
-                self.memory.after_step(r)
-            elif finish == "stop" and r.kind is Kind.PREFILL:
+            if finish == "stop" and r.kind is Kind.PREFILL:
                 r.persisted = self.memory.persist(r)
             if drafted:
                 r.spec.feedback(drafted, o.kept if finish is None else 0)

@@ -155,6 +155,9 @@ class Request:
     blocks: list[int] = field(default_factory=list)   # KV blocks, in position order
     block_hashes: list[int] = field(default_factory=list)  # hashes of the full blocks registered so far
     state_slot: int | None = None                    # recurrent-state slot (hybrid models), while admitted
+    # tokens computed -> a state slot holding the state after them: where a speculating request's
+    # state can be rolled back to (SequenceMemory.reserve_rollback / rollback)
+    state_snaps: dict[int, int] = field(default_factory=dict)
     n_generated: int = 0
     n_preempted: int = 0
     first_token_at: float | None = None

@@ -31,6 +31,9 @@ from hearthlm.runtime.threads import ThreadTuner
 log = get_logger("hearthlm.runner")
 ENCODER_STEP = 16  # an encoder step's token bucket (its inputs are whole: coarser padding would be all waste)
 MIN_KV_BLOCKS = 16  # smallest KV-length bucket of unfused graphs (256 tokens at block size 16)
+# a hybrid model's state slots shared by speculating requests for the states after drafted
+# positions (one per drafted token in flight; a host's untouched zero pages cost nothing)
+ROLLBACK_SLOTS = 16
 
 
 def _check_kv_fits(kv_dims: list[tuple[int, int]], n_slots: int, placement: Placement,
@@ -54,18 +57,20 @@ def _check_kv_fits(kv_dims: list[tuple[int, int]], n_slots: int, placement: Plac
 
 def open_memory(model: Any, placement: Placement, *, n_ctx: int, kv_blocks: int | None = None,
                 block_size: int = 16, max_seqs: int = 64, state_snapshots: int = 8, prompt_cache_dir=None,
-                prompt_cache_bytes: int = 1 << 30, kv_cache_type: str = "f16") -> SequenceMemory:
+                prompt_cache_bytes: int = 1 << 30, kv_cache_type: str = "f16",
+                rollback_slots: int = ROLLBACK_SLOTS) -> SequenceMemory:
     """The model's sequence memory: a paged KV cache of at least one context (each layer's K/V
     on the backend that runs its attention), and for a hybrid model (recurrent layers in
     `model.layer_memory`) a state
-    slot per running sequence plus `state_snapshots` slots of prefix states and a scratch slot.
+    slot per running sequence plus `state_snapshots` slots of prefix states, `rollback_slots` for
+    speculation (runtime.seq_memory) and a scratch slot.
     With `prompt_cache_dir`, prompt prefixes persist there, keyed by the model file and this
     cache's layout."""
     n_blocks = max(kv_blocks or 0, -(-n_ctx // block_size)) + 1  # + the scratch block
     layers = model.layer_memory  # core.layer_memory: what each layer keeps, as its architecture declares
     kv_dims = layer_memory.kv_dims(layers)
     state_dims = layer_memory.state_dims(layers) if any(m.state for m in layers) else None
-    n_state = max_seqs + 1 + state_snapshots if state_dims else 0  # + the scratch slot
+    n_state = max_seqs + 1 + state_snapshots + rollback_slots if state_dims else 0  # + the scratch slot
     _check_kv_fits(kv_dims, n_blocks * block_size, placement, state_dims, n_state, kv_cache_type)
     kv = KVCache(kv_dims, n_blocks, block_size, placement.layer_backends(), kv_cache_type)
     state = StateCache(state_dims, n_state, placement.layer_backends()) if state_dims else None
@@ -75,7 +80,8 @@ def open_memory(model: Any, placement: Placement, *, n_ctx: int, kv_blocks: int 
                    kv=kv.key())  # q8_0 and f16 files never mix
         prompts = PromptCache(prompt_cache_dir, key, block_size=block_size, hybrid=state is not None,
                               max_bytes=prompt_cache_bytes)
-    return SequenceMemory(kv, state, n_snapshots=state_snapshots if state_dims else 0, prompts=prompts)
+    return SequenceMemory(kv, state, n_snapshots=state_snapshots if state_dims else 0,
+                          n_rollback=rollback_slots if state_dims else 0, prompts=prompts)
 
 
 @dataclass
@@ -202,6 +208,11 @@ class ModelRunner:
         slots[:n_tok] = block_table[of_tok, p // bs] * bs + p % bs
         state_slot = np.zeros(n_seqs, np.int32)  # padding rows: the scratch slot 0
         state_slot[:n] = [s.req.state_slot or 0 for s in plan.seqs]
+        snap_slot = np.full(n_pad, -1, np.int32)  # the state after token t also to slot snap_slot[t]
+        for i, s in enumerate(plan.seqs):
+            for m, slot in s.req.state_snaps.items():  # m tokens computed: after token m - 1
+                if s.req.n_computed < m <= s.req.n_computed + s.n_tokens:
+                    snap_slot[seq_off[i] + m - 1 - s.req.n_computed] = slot
         seq_len = np.ones(n_pad, np.int32)  # encoders: each token sees its sequence's first seq_len positions
         seq_len[:n_tok] = (done + k)[of_tok]
         rope_pos = np.zeros((n_pad, self.n_pos), np.int32) if self.n_pos > 1 else None
@@ -212,7 +223,7 @@ class ModelRunner:
             if rope_pos is not None:  # after an image, no longer the sequence index
                 rope_pos[a:a + s.n_tokens] = rope_positions(r.media, r.n_computed, r.n_computed + s.n_tokens, self.n_pos)
         feed = dict(tokens=tokens, pos=pos, tok_seq=tok_seq, slots=slots, block_table=block_table,
-                    seq_off=seq_off, state_slot=state_slot, seq_len=seq_len,
+                    seq_off=seq_off, state_slot=state_slot, snap_slot=snap_slot, seq_len=seq_len,
                     out_rows=np.asarray(out_rows + [0] * (shape.n_out - len(out_rows)), np.int32))
         if rope_pos is not None:
             feed["rope_pos"] = rope_pos

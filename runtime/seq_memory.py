@@ -8,7 +8,16 @@ cached KV blocks are reused only up to a boundary where a snapshot of the state 
 exactly those tokens. A snapshot is taken at the last block boundary of each prompt (the batcher
 ends a prefill chunk there), kept in a bounded number of snapshot slots (least recently used
 goes first) and dropped with the KV block it ends at (vLLM's hybrid cache manager, llama.cpp's
-llama_memory_hybrid). Anything else is recomputed."""
+llama_memory_hybrid). Anything else is recomputed.
+
+Speculative decoding computes drafted tokens that may be rejected: the K/V of a rejected one is
+simply overwritten later, but a recurrent state has moved past it. So a speculating request
+reserves rollback slots first (`reserve_rollback`): the recurrent kernels copy the state after
+each drafted position there as they run the verification rows (their `snap_slot` input, filled
+by the runner from `req.state_snaps`), and `rollback(req, n)` then makes the state the one after
+exactly n tokens, as plain decoding would have left it (vLLM's per-position Mamba states for
+speculation; llama.cpp's server keeps a few per-position states per sequence, llama_n_rs_seq, and
+past them restores a checkpoint taken before the step and replays the kept tokens)."""
 from __future__ import annotations
 
 import weakref
@@ -78,7 +87,9 @@ class SequenceMemory:
     waits), grown as it computes, released on finish, cancel, timeout, preemption or fault."""
 
     def __init__(self, kv: KVCache, state: StateCache | None = None, *, n_snapshots: int = 0,
-                 prompts: PromptCache | None = None) -> None:
+                 n_rollback: int = 0, prompts: PromptCache | None = None) -> None:
+        """`n_snapshots`: state slots of prompt-prefix snapshots; `n_rollback`: state slots that
+        speculating requests share for the states after their drafted positions."""
         self.kv = kv
         self.state = state
         self.prompts = prompts  # persisted prefixes on disk, or None
@@ -90,6 +101,10 @@ class SequenceMemory:
         if None in self._snap_free:
             raise ValueError(f"{n_snapshots} snapshots do not fit {state.n_slots} state slots")
         self.n_snapshots = len(self._snap_free)
+        self._rollback_free = [state.alloc() for _ in range(n_rollback)] if state is not None else []
+        if None in self._rollback_free:
+            raise ValueError(f"{n_rollback} rollback slots do not fit {state.n_slots} state slots")
+        self.n_rollback = len(self._rollback_free)
         kv.allocator.on_drop = _weakly(self._drop_snapshot)  # no cycle: the KV arrays go when the engine does
         self.reused_tokens = 0  # prompt tokens taken from the prefix cache instead of computed
         self.snapshots_taken = 0
@@ -134,6 +149,7 @@ class SequenceMemory:
     def release(self, req: Request) -> None:
         """Free the request's blocks and slot; it would recompute from scratch (prefix cache permitting)."""
         self.kv.allocator.free(req.blocks)
+        self._free_rollback(req)
         if req.state_slot is not None:
             self.state.free(req.state_slot)
         req.blocks, req.block_hashes, req.n_computed, req.state_slot = [], [], 0, None
@@ -142,6 +158,45 @@ class SequenceMemory:
         """Admission could not go through (no blocks): give back what admit took."""
         self.reused_tokens -= req.n_computed
         self.release(req)
+
+    # ---- speculation: rolling back past rejected drafts -------------------------------------
+    def reserve_rollback(self, req: Request, positions: range) -> int:
+        """Before a step that computes tokens speculatively: a slot for the request's state after
+        each of `positions` tokens (ascending), which the step's recurrent kernels fill as they
+        pass there, so that rollback() can return to any of them. Returns how many positions (a
+        prefix of them) got one: all where the model has no recurrent state, fewer when the shared
+        rollback slots run short (the caller drafts less). Earlier reservations are given back."""
+        self._free_rollback(req)
+        if self.state is None:
+            return len(positions)
+        for p in positions:
+            if not self._rollback_free:
+                break
+            req.state_snaps[p] = self._rollback_free.pop()
+        return len(req.state_snaps)
+
+    def rollback(self, req: Request, n: int) -> int:
+        """The request keeps its first n computed tokens (n <= n_computed): the K/V past them is
+        left to be overwritten, and a recurrent state goes back to the one after n tokens (a slot
+        reserve_rollback gave, whose index becomes the request's; its old slot goes to the pool).
+        Where no slot holds that state, the request starts again from nothing (a bug upstream;
+        correct, only slower). Gives back every rollback slot; returns the new n_computed."""
+        # blocks past n must not be findable by later prompts: they are to be rewritten
+        assert len(req.block_hashes) * self.block_size <= n <= req.n_computed, (n, req.n_computed)
+        if self.state is not None and n < req.n_computed:
+            slot = req.state_snaps.pop(n, None)
+            if slot is None:
+                n = 0
+                self.state.zero(req.state_slot)
+            else:
+                req.state_slot, req.state_snaps[n] = slot, req.state_slot
+        self._free_rollback(req)
+        req.n_computed = n
+        return n
+
+    def _free_rollback(self, req: Request) -> None:
+        self._rollback_free.extend(req.state_snaps.values())
+        req.state_snaps.clear()
 
     # ---- the engine's side --------------------------------------------------------------
     def after_step(self, req: Request) -> None:
@@ -169,10 +224,11 @@ class SequenceMemory:
         if self.prompts is not None:
             st.update(self.prompts.stats())
         if self.state is not None:
-            total = self.state.n_slots - 1 - self.n_snapshots  # less scratch and snapshots
+            total = self.state.n_slots - 1 - self.n_snapshots - self.n_rollback  # less scratch, snapshots, rollback
             st.update(state_slots_used=total - self.state.n_free, state_slots_total=total,
                       state_cache_bytes=self.state.nbytes, state_snapshots=len(self._snaps),
-                      state_snapshots_taken=self.snapshots_taken)
+                      state_snapshots_taken=self.snapshots_taken,
+                      state_rollback_slots_used=self.n_rollback - len(self._rollback_free))
         return st
 
     # ---- prefix reuse -------------------------------------------------------------------

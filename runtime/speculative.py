@@ -2,7 +2,8 @@
 prompt_lookup): the tokens that followed the latest earlier occurrence of the sequence's last
 n tokens are proposed as its next ones; the engine computes them as extra query rows of the
 sequence in one forward pass, keeps the prefix the target model agrees with (runtime.sampling
-.verify) and rolls the KV of the rest back (their slots are simply overwritten later).
+.verify) and rolls the KV of the rest back (their slots are simply overwritten later; a hybrid
+model's recurrent state goes back to its snapshot after the last kept token: runtime.seq_memory).
 Pays where outputs repeat their input: code edits, extraction, summaries, RAG answers."""
 from __future__ import annotations
 

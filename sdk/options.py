@@ -179,6 +179,10 @@ class SessionOptions:
         0.75, Kind(lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v <= 1,
                    "a number in [0, 1]", float),
         "drafting stops at the draft model's first token below this probability", metavar="P")
+    rollback_slots: int = option(
+        16, INT0, "hybrid models (recurrent layers): state slots that speculating requests share for their "
+        "states after drafted positions, so that rejected drafts roll back (a draft is no longer than the "
+        "free slots; 0: no speculation on hybrids)", metavar="N")
 
     mmproj: str | os.PathLike | bool | None = option(
         None, Kind(lambda v: v is None or isinstance(v, bool) or _path(v), "None, False or a path", _mmproj),

@@ -115,7 +115,7 @@ class Session:
         engine_opts = dict(max_batch_tokens=o.max_batch_tokens, max_seqs=o.max_seqs,
                            max_queued_requests=o.max_queued_requests, fusion=o.fusion,
                            prompt_cache_dir=_prompt_dir(o.prompt_cache, o.prompt_cache_dir, o.weight_cache),
-                           prompt_cache_bytes=o.prompt_cache_bytes)
+                           prompt_cache_bytes=o.prompt_cache_bytes, rollback_slots=o.rollback_slots)
         backends = ({o.backend: get_backend(o.backend)} if o.device is None
                     else open_device(o.device, n_gpu_layers, get_backend))
         path = resolve_model(model, filename=o.filename, progress=progress or log_progress(log),
@@ -169,11 +169,10 @@ class Session:
             raise InvalidRequestError(f"the draft model cannot draft for this model: {why}")
         if hasattr(dm.arch, "bind"):  # an assistant that runs on the target's state (Gemma 4's)
             return _assistant(m, dm, p_min)
-        if not dm.causal or getattr(dm, "state_dims", None) and any(dm.state_dims):
-            raise InvalidRequestError("the draft model must be a decoder whose layers all keep a KV cache "
-                                      "(its drafts are rolled back where the model rejects them)")
+        if not dm.causal:
+            raise InvalidRequestError("the draft model must be a decoder: an encoder does not generate")
         dm.set_context(min(n_ctx, dm.config.n_ctx_train))
-        opts = {k: v for k, v in engine_opts.items() if k in ("max_batch_tokens", "max_seqs", "fusion")}
+        opts = {k: v for k, v in engine_opts.items() if k in ("max_batch_tokens", "max_seqs", "fusion", "rollback_slots")}
         return DraftModel(dm, placement, n_ctx=min(n_ctx, dm.config.n_ctx_train), kv_blocks=kv_blocks,
                           weight_cache=WeightCache(wdir, dm.file.identity()) if wdir else None,
                           kv_cache_type=kv_cache_type, p_min=p_min, n_vocab=m.n_vocab, **opts)

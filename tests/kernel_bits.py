@@ -75,18 +75,19 @@ def outputs() -> dict[str, np.ndarray]:
     run("dot_half", halfs.dot_half, wh, True, x[:3], np.empty((3, 96), np.float32))
     # recurrences: 2 sequences of 3 tokens, states updated in place (a copy each run)
     seq_off, slot = np.array([0, 3, 6], np.int32), np.array([1, 0], np.int32)
+    snap = np.zeros(0, np.int32)  # no per-token snapshots
     st = f(2, 8, 16, 32) * 0.1
     xs, dt, a, b, c = f(6, 8, 16), f(6, 8), -np.abs(f(8)), f(6, 2, 32), f(6, 2, 32)
-    run("ssm_scan", ssm.ssm_scan, st.copy(), xs, dt, a, b, c, seq_off, slot, np.empty((6, 8, 16), np.float32))
+    run("ssm_scan", ssm.ssm_scan, st.copy(), xs, dt, a, b, c, seq_off, slot, snap, np.empty((6, 8, 16), np.float32))
     cs = f(2, 3, 128)
-    run("ssm_conv", ssm.ssm_conv, cs.copy(), f(6, 128), f(4, 128), seq_off, slot, np.empty((6, 128), np.float32))
+    run("ssm_conv", ssm.ssm_conv, cs.copy(), f(6, 128), f(4, 128), seq_off, slot, snap, np.empty((6, 128), np.float32))
     run("l2_norm", ssm.l2_norm, x, 1e-6, np.empty_like(x))
     run("act softplus", ssm.act, x, True, np.empty_like(x))
     ds = f(2, 4, 32, 32) * 0.1
     qd, kd = f(6, 2, 32) * 0.2, f(6, 2, 32) * 0.2
     gd, beta = -np.abs(f(6, 4)), np.abs(f(6, 4)) * 0.1
     run("gated_delta_net", delta_net.gated_delta_net, ds.copy(), qd, kd, f(6, 4, 32), gd, beta, seq_off, slot,
-        0.18, np.empty((6, 4, 32), np.float32))
+        snap, 0.18, np.empty((6, 4, 32), np.float32))
     return out
 
 

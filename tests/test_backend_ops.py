@@ -189,12 +189,14 @@ def check(be, g: Graph, feed, caches=None):
 
 
 def check_untouched_slots(g: Graph, feed, caches, states):
-    """A state slot that no sequence row with tokens names is left exactly as it was (sources
-    -2 and -1 of a state op are seq_off and state_slot)."""
+    """A state slot that no sequence row with tokens names, nor any token's snapshot, is left
+    exactly as it was."""
     for n in g.nodes:
         if n.op.props.updates_state:
-            name, seq_off, slots = n.srcs[0].name, feed[n.srcs[-2].name], feed[n.srcs[-1].name]
+            src = {s.name: feed[s.name] for s in n.srcs if s.name in ("seq_off", "state_slot", "snap_slot")}
+            name, seq_off, slots = n.srcs[0].name, src["seq_off"], src["state_slot"]
             ran = {int(s) for i, s in enumerate(slots) if seq_off[i + 1] > seq_off[i]}
+            ran |= {int(s) for s in src.get("snap_slot", ()) if s >= 0}
             kept = [s for s in range(len(caches[name])) if s not in ran]
             assert np.array_equal(states[name][kept], caches[name][kept]), f"{n.label}: slots {kept} changed"
 
@@ -485,15 +487,28 @@ BATCHES = {
     "decode": ([0, 1], [2], 1),
     "uneven": ([0, 1, 6, 6, 9], [3, 1, 0, 4], 12),  # 1, 5, 0 and 3 tokens, then 3 of padding; slot 2 unnamed
     "prefill": ([0, 17], [1], 17),
+    "spec": ([0, 1, 5, 8], [3, 1, 0], 9),  # with snapshots: SNAPS
 }
+# per batch, each token's snapshot slot (-1: none): row 1's verification rows keep the states
+# after its tokens 1 and 2 in free slots 2 and 4 (speculative decoding's rollback points)
+SNAPS = {"spec": [-1, 2, 4, -1, -1, -1, -1, -1, -1]}
 
 
-def conv_graph(w: QWeight, x, seq_off, state_slot, state):
+def _snap(feed: dict, batch: str) -> dict:
+    """feed, with the batch's snap_slot input where it has snapshots."""
+    if batch in SNAPS:
+        feed["snap_slot"] = np.asarray(SNAPS[batch], np.int32)
+    return feed
+
+
+def conv_graph(w: QWeight, x, seq_off, state_slot, state, batch=""):
     """One SSM_CONV call: x (n, C) through the conv kernel w (C, K) from the state caches."""
-    feed = {"x": x, "seq_off": np.asarray(seq_off, np.int32), "state_slot": np.asarray(state_slot, np.int32)}
+    feed = _snap({"x": x, "seq_off": np.asarray(seq_off, np.int32), "state_slot": np.asarray(state_slot, np.int32)},
+                 batch)
     g = Graph()
-    xi, oi, si = inputs(g, **feed)
-    g.outputs.append(g.ssm_conv(g.cache("state_conv", state.shape, 0), xi, g.weight(w), oi, si, name="conv"))
+    xi, oi, si, *snap = inputs(g, **feed)
+    g.outputs.append(g.ssm_conv(g.cache("state_conv", state.shape, 0), xi, g.weight(w), oi, si, name="conv",
+                                snap_slot=snap[0] if snap else None))
     return g, feed, {"state_conv": state}
 
 
@@ -501,7 +516,7 @@ def ssm_conv(c, k, batch, qtype=T.F32):
     """LFM2's short convolution (C 1024, K 3) and Mamba-2's (C = d_inner + 2 G N = 3328, K 4)."""
     seq_off, slots, n = BATCHES[batch]
     rng = rng_for("conv", c, k, batch)
-    return conv_graph(qweight(qtype, c, k), f32(rng, n, c), seq_off, slots, f32(rng, N_STATE_SLOTS, k - 1, c))
+    return conv_graph(qweight(qtype, c, k), f32(rng, n, c), seq_off, slots, f32(rng, N_STATE_SLOTS, k - 1, c), batch)
 
 
 @lru_cache(maxsize=None)
@@ -519,16 +534,17 @@ def scan_tokens(rng, n, h, p, n_state, n_group):
     return {"x": f32(rng, n, h, p), "dt": dt, "B": f32(rng, n, n_group, n_state), "C": f32(rng, n, n_group, n_state)}
 
 
-def scan_graph(h, tokens, seq_off, state_slot, state, a_input=False):
+def scan_graph(h, tokens, seq_off, state_slot, state, a_input=False, batch=""):
     """One SSM_SCAN call; A the (H,) weight, or with a_input an input of shape (1, H)."""
-    feed = dict(tokens, seq_off=np.asarray(seq_off, np.int32), state_slot=np.asarray(state_slot, np.int32))
+    feed = _snap(dict(tokens, seq_off=np.asarray(seq_off, np.int32), state_slot=np.asarray(state_slot, np.int32)),
+                 batch)
     if a_input:
         feed["A"] = dequantize(ssm_a(h)).reshape(1, h)
     g = Graph()
     ins = dict(zip(feed, inputs(g, **feed)))
     a = ins["A"] if a_input else g.weight(ssm_a(h))
     g.outputs.append(g.ssm_scan(g.cache("state_ssm", state.shape, 0), ins["x"], ins["dt"], a, ins["B"], ins["C"],
-                                ins["seq_off"], ins["state_slot"], name="scan"))
+                                ins["seq_off"], ins["state_slot"], name="scan", snap_slot=ins.get("snap_slot")))
     return g, feed, {"state_ssm": state}
 
 
@@ -537,7 +553,7 @@ def ssm_scan(h, p, n_state, n_group, batch, a_input=False):
     seq_off, slots, n = BATCHES[batch]
     rng = rng_for("scan", h, p, n_state, n_group, batch)
     return scan_graph(h, scan_tokens(rng, n, h, p, n_state, n_group), seq_off, slots,
-                      f32(rng, N_STATE_SLOTS, h, p, n_state), a_input)
+                      f32(rng, N_STATE_SLOTS, h, p, n_state), a_input, batch)
 
 
 # Gated DeltaNet: (H_k, H_v, d_k, d_v) of Qwen3.5-0.8B, a GQA-like one (H_v = 2 H_k, as Qwen3-Next),
@@ -557,13 +573,14 @@ def delta_tokens(rng, n, h_k, h_v, d_k, d_v):
             "gate": gate.astype(np.float32), "beta": (1 / (1 + np.exp(-f32(rng, n, h_v)))).astype(np.float32)}
 
 
-def delta_graph(tokens, seq_off, state_slot, state, scale):
+def delta_graph(tokens, seq_off, state_slot, state, scale, batch=""):
     """One GATED_DELTA_NET call from the state caches (S, H_v, d_v, d_k)."""
-    feed = dict(tokens, seq_off=np.asarray(seq_off, np.int32), state_slot=np.asarray(state_slot, np.int32))
+    feed = _snap(dict(tokens, seq_off=np.asarray(seq_off, np.int32), state_slot=np.asarray(state_slot, np.int32)),
+                 batch)
     g = Graph()
-    q, k, v, gate, beta, off, slot = inputs(g, **feed)
+    q, k, v, gate, beta, off, slot, *snap = inputs(g, **feed)
     g.outputs.append(g.gated_delta_net(g.cache("state_dn", state.shape, 0), q, k, v, gate, beta, off, slot,
-                                       scale=scale, name="delta_net"))
+                                       scale=scale, name="delta_net", snap_slot=snap[0] if snap else None))
     return g, feed, {"state_dn": state}
 
 
@@ -572,7 +589,7 @@ def delta_net(shape, batch):
     seq_off, slots, n = DELTA_BATCHES[batch]
     rng = rng_for("delta", shape, batch)
     return delta_graph(delta_tokens(rng, n, h_k, h_v, d_k, d_v), seq_off, slots,
-                       f32(rng, N_STATE_SLOTS, h_v, d_v, d_k, scale=0.5), d_k ** -0.5)
+                       f32(rng, N_STATE_SLOTS, h_v, d_v, d_k, scale=0.5), d_k ** -0.5, batch)
 
 
 # ---- vision towers ----

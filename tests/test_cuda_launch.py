@@ -115,8 +115,9 @@ def _experts(qtype, n_exp=3, rows=16):
     return QWeight("exps", w.ggml_type, (n_exp, rows, E), w.raw)
 
 
-def _case(op: Op, n: int, qtype=T.Q8_0):
-    """(graph node of `op` over n tokens, values of its inputs by name)."""
+def _case(op: Op, n: int, qtype=T.Q8_0, snap: bool = False):
+    """(graph node of `op` over n tokens, values of its inputs by name); `snap`: a recurrent op
+    with its per-token snapshot slots."""
     g = Graph()
     f = lambda name, *shape: g.input(name, shape, np.float32)  # noqa: E731
     i = lambda name, *shape: g.input(name, shape)  # noqa: E731
@@ -126,6 +127,7 @@ def _case(op: Op, n: int, qtype=T.Q8_0):
     kc, vc = g.cache("kc", (N_SLOTS, HKV, D), 0), g.cache("vc", (N_SLOTS, HKV, D), 0)
     rope = dict(n_rot=D, base=10000.0, freq_scale=1.0, neox=True)
     seq_off, state_slot = i("seq_off", 3), i("state_slot", 2)  # two sequence rows, 4 state slots
+    sn = i("snap", n) if snap else None
     node = {
         Op.GET_ROWS: lambda: g.get_rows(w("emb", 50, E), i("ids", n), "r"),
         Op.MUL_MAT: lambda: g.mul_mat(w("w", 40, E), x, "y"),
@@ -164,9 +166,10 @@ def _case(op: Op, n: int, qtype=T.Q8_0):
         Op.CLAMP: lambda: g.clamp(x, -0.5, 0.75, "c"),
         Op.L2_NORM: lambda: g.l2_norm(xh, 1e-6, "n"),
         Op.SSM_CONV: lambda: g.ssm_conv(g.cache("sc", (4, 3, E), 0), x, g.weight(_weight("conv", T.F32, E, 4)),
-                                        seq_off, state_slot, name="c"),
+                                        seq_off, state_slot, name="c", snap_slot=sn),
         Op.SSM_SCAN: lambda: g.ssm_scan(g.cache("ss", (4, H, D, 32), 0), xh, f("dt", n, H), f("A", 1, H),
-                                        f("B", n, 2, 32), f("C", n, 2, 32), seq_off, state_slot, name="y"),
+                                        f("B", n, 2, 32), f("C", n, 2, 32), seq_off, state_slot, name="y",
+                                        snap_slot=sn),
         Op.LORA: lambda: g.lora(f("y", n, 16), x, f("ls", n, 2), [(g.weight(_weight("la", T.F32, 8, E)),
                                                                   g.weight(_weight("lb", T.F32, 8, 16)))],
                                 cols=(1,), alphas=(16.0,), name="l"),  # one rank-8 adapter, E -> 16
@@ -176,13 +179,14 @@ def _case(op: Op, n: int, qtype=T.Q8_0):
         Op.POOL_2D: lambda: g.pool_2d(f("xp", 4 * n, E), nx=2, ny=2, k=2, name="p"),  # n images of 2x2 patches
         Op.GATED_DELTA_NET: lambda: g.gated_delta_net(  # d_k 32, d_v 16; 4 v-heads over 2 key heads
             g.cache("sd", (4, H, D, 32), 0), f("q", n, HKV, 32), f("k", n, HKV, 32), xh, f("gate", n, H),
-            f("beta", n, H), seq_off, state_slot, scale=32 ** -0.5, name="o"),
+            f("beta", n, H), seq_off, state_slot, scale=32 ** -0.5, name="o", snap_slot=sn),
     }[op]()
     feed = {"seq": np.arange(n, dtype=np.int32) % 2, "pos": np.arange(n, dtype=np.int32) % 10 + 1,
             "bt": np.array([[5, 2, 7], [1, 6, 3]], np.int32), "ids": np.arange(n, dtype=np.int32) * 3,
             "ids2": (np.arange(2 * n, dtype=np.int32) % 3).reshape(n, 2),  # 3 experts; 8 router columns
             "seq_off": np.array([0, min(n, 2), n], np.int32), "state_slot": np.array([1, 3], np.int32),
-            "segs": np.arange(n, dtype=np.int32) // 3}  # attention runs of 3 tokens
+            "segs": np.arange(n, dtype=np.int32) // 3,  # attention runs of 3 tokens
+            "snap": np.where(np.arange(n) % 2 == 0, 2, -1).astype(np.int32)}  # state slots 1, 3 run; 2 free
     feed["slots"] = np.array([feed["bt"][s, p // BS] * BS + p % BS for s, p in zip(feed["seq"], feed["pos"])],
                              np.int32).reshape(n)
     return node, feed
@@ -217,6 +221,30 @@ def test_launches(fake_ops, op, n):
     assert y.shape == node.shape
     if n == 0:
         assert launches == [], "an empty batch launched kernels"
+
+
+@pytest.mark.parametrize("n", [0, 3, 12], ids=lambda n: f"{n}tok")
+@pytest.mark.parametrize("op", [Op.SSM_CONV, Op.SSM_SCAN, Op.GATED_DELTA_NET], ids=lambda op: op.value)
+def test_state_ops_with_snapshots_launch(fake_ops, op, n):
+    """A recurrent op with its snapshot slots (speculative verification rows) passes them and
+    has_snap = 1 to its kernel; without, a pointer and 0.
+    Mutation: ops._snap passing has_snap as a Python int fails it (and a missing argument too)."""
+    ops, cp, launches = fake_ops
+    for snap in (True, False):
+        node, feed = _case(op, n, snap=snap)
+        calls = []
+        real = ops._launch
+        ops._launch = lambda file, fn, grid, block, args: (calls.append(args), real(file, fn, grid, block, args))
+        try:
+            assert ops.KERNELS[op](node, *_values(node, feed, cp)).shape == node.shape
+        finally:
+            ops._launch = real
+        args = calls[0]
+        flag = next(j for j, a in enumerate(args) if type(a) is np.int32)  # has_snap: the first scalar
+        assert int(args[flag]) == int(snap)
+        if snap:
+            assert np.array_equal(args[flag - 1], feed["snap"])
+    assert len(launches) == (0 if n == 0 else 2)
 
 
 @pytest.mark.parametrize("qtype", [T(t) for t in QUANT_KERNELS], ids=lambda t: t.name)

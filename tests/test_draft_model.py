@@ -160,13 +160,7 @@ async def test_refusals(models, tmp_path):
     with pytest.raises(InvalidRequestError, match="cannot draft for this model: token 200 is '<|other|>'"):
         async with Session.open(target, draft_model=other_vocab):
             pass
-    hybrid = str(write_parity(tmp_path / "lfm2.gguf", "lfm2"))
-    with pytest.raises(InvalidRequestError, match="keep a KV cache"):  # a recurrent draft cannot roll back
-        async with Session.open(target, draft_model=hybrid):
-            pass
-    with pytest.raises(InvalidRequestError, match="keep a KV cache"):  # nor a recurrent target
-        async with Session.open(hybrid, draft_model=hybrid):
-            pass
+    # recurrent drafts and targets roll their states back now: tests/test_hybrid_spec.py
     with pytest.raises(InvalidRequestError, match="draft_p_min"):
         async with Session.open(target, draft_model=draft, draft_p_min=2):
             pass

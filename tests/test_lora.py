@@ -291,8 +291,9 @@ def test_adapter_weight_types(qwen2, tmp_path, qtype):
 def test_cpu_kernel_rows_do_not_depend_on_the_batch(monkeypatch, half):
     """The cpu kernel at Qwen2.5-0.5B's shapes (896 -> 4864, rank 16): a row alone (the one-thread
     kernel, as a decoding stream) and among 17 rows using other adapters or none (the threaded one,
-    as a step of many streams), one adapter per node and two: bitwise the same. Mutation: the
-    threaded one-adapter kernel's alpha times 1.0000001 (a last-bit change there only) fails it."""
+    as a step of many streams, an adapter's rows sharing its widened weights), one adapter per node and
+    two: bitwise the same. Mutation: the shared-weights path's x a products times 1.0000001 (a last-bit
+    change there only) fails it."""
     from hearthlm.backends.cpu import lora as cpu_lora
     from hearthlm.core.graph import Graph
     rng = np.random.default_rng(0)

@@ -436,43 +436,48 @@ def _state(node, state):
     return state
 
 
-def _ranges(node, seq_off, slots, out):
-    """(seq_off, state_slot) as the kernels take them, and y with its padding tokens (in no
-    range: before seq_off[0] or from seq_off[-1] on) zeroed; the kernels write the rest."""
+def _ranges(node, seq_off, slots, out, snap=()):
+    """(seq_off, state_slot, snap) as the kernels take them (snap empty where the op has none),
+    and y with its padding tokens (in no range: before seq_off[0] or from seq_off[-1] on) zeroed;
+    the kernels write the rest."""
     seq_off, slots = np.ascontiguousarray(seq_off, np.int32), np.ascontiguousarray(slots, np.int32)
+    snap = np.ascontiguousarray(snap[0], np.int32) if snap else _NO_SNAP
     y = _buf(node, out)
     lo, hi = (int(seq_off[0]), int(seq_off[-1])) if len(slots) else (0, 0)
     y[:lo] = 0
     y[hi:] = 0
-    return seq_off, slots, y
+    return seq_off, slots, snap, y
 
 
-def _ssm_conv(node, state, x, w, seq_off, slots, out=None):
-    seq_off, slots, y = _ranges(node, seq_off, slots, out)
+_NO_SNAP = np.zeros(0, np.int32)
+
+
+def _ssm_conv(node, state, x, w, seq_off, slots, *snap, out=None):
+    seq_off, slots, snap, y = _ranges(node, seq_off, slots, out, snap)
     # w (C, K) is float32 here (prepare_weight keeps narrow matrices so); as (K, C) the
     # kernel's loop over channels reads it contiguously (a copy of C*K floats a call)
     w_t = np.ascontiguousarray(np.asarray(w, np.float32).T)
-    ssm.ssm_conv(_state(node, state), np.ascontiguousarray(x, np.float32), w_t, seq_off, slots, y)
+    ssm.ssm_conv(_state(node, state), np.ascontiguousarray(x, np.float32), w_t, seq_off, slots, snap, y)
     return y
 
 
-def _ssm_scan(node, state, x, dt, a, b, c, seq_off, slots, out=None):
-    seq_off, slots, y = _ranges(node, seq_off, slots, out)
+def _ssm_scan(node, state, x, dt, a, b, c, seq_off, slots, *snap, out=None):
+    seq_off, slots, snap, y = _ranges(node, seq_off, slots, out, snap)
     if isinstance(a, PackedWeight):  # A stored as (1, H): packed as a float matrix
         if a.layout != "f32":
             raise BackendError(f"{node.label}: A must be a float32 weight")
         a = a.w
     f = lambda v: np.ascontiguousarray(v, np.float32)  # noqa: E731
-    ssm.ssm_scan(_state(node, state), f(x), f(dt), f(a).reshape(-1), f(b), f(c), seq_off, slots, y)
+    ssm.ssm_scan(_state(node, state), f(x), f(dt), f(a).reshape(-1), f(b), f(c), seq_off, slots, snap, y)
     return y
 
 
-def _gated_delta_net(node, state, q, k, v, g, beta, seq_off, slots, out=None):
-    seq_off, slots, y = _ranges(node, seq_off, slots, out)
+def _gated_delta_net(node, state, q, k, v, g, beta, seq_off, slots, *snap, out=None):
+    seq_off, slots, snap, y = _ranges(node, seq_off, slots, out, snap)
     f = lambda a: np.ascontiguousarray(a, np.float32)  # noqa: E731
     par = len(slots) * v.shape[1] >= ops.PAR_MIN_ROWS  # tasks: (sequence, v-head) pairs
     (delta_net.gated_delta_net if par else delta_net.gated_delta_net_1)(
-        _state(node, state), f(q), f(k), f(v), f(g), f(beta), seq_off, slots, node.params["scale"], y)
+        _state(node, state), f(q), f(k), f(v), f(g), f(beta), seq_off, slots, snap, node.params["scale"], y)
     return y
 
 

@@ -18,7 +18,7 @@ from .ops import _JIT
 
 
 @numba.njit(inline="always", **_JIT)
-def _head(state, q, k, v, g, beta, seq_off, state_slot, scale, out, job):
+def _head(state, q, k, v, g, beta, seq_off, state_slot, snap, scale, out, job):
     """Row i = job // H_v's tokens through v-head h = job % H_v, in place on its state."""
     n_heads = v.shape[1]
     i, h = job // n_heads, job % n_heads
@@ -42,18 +42,21 @@ def _head(state, q, k, v, g, beta, seq_off, state_slot, scale, out, job):
                 s[j, c] = x
                 o += x * qt[c]
             out[t, h, j] = o * scale
+        if snap.shape[0] > 0 and snap[t] >= 0:  # the state after t (a drafted position's)
+            state[snap[t], h] = s
 
 
 @numba.njit(parallel=True, **_JIT)
-def gated_delta_net(state, q, k, v, g, beta, seq_off, state_slot, scale, out):
+def gated_delta_net(state, q, k, v, g, beta, seq_off, state_slot, snap, scale, out):
     """state (S, H_v, d_v, d_k) float32, updated in place; q, k (n, H_k, d_k), v, out
-    (n, H_v, d_v), g, beta (n, H_v); seq_off (n_seqs+1,), state_slot (n_seqs,). Writes the
-    rows' tokens of out only (the caller zeroes padding)."""
+    (n, H_v, d_v), g, beta (n, H_v); seq_off (n_seqs+1,), state_slot (n_seqs,); snap (n,) or
+    empty: where snap[t] >= 0 the state after token t is also copied there. Writes the rows'
+    tokens of out only (the caller zeroes padding)."""
     for job in prange(state_slot.shape[0] * v.shape[1]):
-        _head(state, q, k, v, g, beta, seq_off, state_slot, np.float32(scale), out, job)
+        _head(state, q, k, v, g, beta, seq_off, state_slot, snap, np.float32(scale), out, job)
 
 
 @numba.njit(**_JIT)
-def gated_delta_net_1(state, q, k, v, g, beta, seq_off, state_slot, scale, out):
+def gated_delta_net_1(state, q, k, v, g, beta, seq_off, state_slot, snap, scale, out):
     for job in range(state_slot.shape[0] * v.shape[1]):
-        _head(state, q, k, v, g, beta, seq_off, state_slot, np.float32(scale), out, job)
+        _head(state, q, k, v, g, beta, seq_off, state_slot, snap, np.float32(scale), out, job)

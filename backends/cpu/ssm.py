@@ -3,7 +3,9 @@ and Mamba-2's selective scan (SSM_SCAN) over a batch of sequence rows, each runn
 in order from its state slot and leaving the state after them there; and the row and
 elementwise ops those layers use (L2_NORM, SIGMOID, SOFTPLUS). A batch is one compiled call:
 tasks are sequence rows (the conv) or (sequence row, head) pairs, never a Python loop per token.
-The state arrays are float32 and updated in place; a row with no tokens leaves its slot alone."""
+The state arrays are float32 and updated in place; a row with no tokens leaves its slot alone.
+`snap` (n,) int32, or empty for none: where snap[t] >= 0, the state after token t is also
+copied to slot snap[t] (speculative verification rows: the state after each drafted position)."""
 from __future__ import annotations
 
 import math
@@ -16,7 +18,7 @@ from .ops import _JIT, fexp
 
 
 @numba.njit(inline="always", **_JIT)
-def _conv_task(state, x, w_t, seq_off, state_slot, y, i, c0, c1):
+def _conv_task(state, x, w_t, seq_off, state_slot, snap, y, i, c0, c1):
     """Row i's tokens over channels c0..c1. xx = [state[slot] (K-1 rows); x[t0:t1]] is read in
     place (row r of xx: the state's below K-1, else a token's); w_t is the kernel as (K, C)."""
     km1 = state.shape[1]
@@ -30,6 +32,13 @@ def _conv_task(state, x, w_t, seq_off, state_slot, y, i, c0, c1):
             row = s[r] if r < km1 else x[t0 + r - km1]
             for c in range(c0, c1):
                 y[t, c] += w_t[k, c] * row[c]
+        if snap.shape[0] > 0 and snap[t] >= 0:  # the state after t: xx's rows t - t0 + 1 .. t - t0 + K-1
+            d = state[snap[t]]
+            for r in range(km1):
+                q = t - t0 + 1 + r
+                row = s[q] if q < km1 else x[t0 + q - km1]
+                for c in range(c0, c1):
+                    d[r, c] = row[c]
     # the state becomes xx's last K-1 rows; ascending, row r reads row L + r > r, not yet written
     n = t1 - t0
     if n > 0:
@@ -41,13 +50,13 @@ def _conv_task(state, x, w_t, seq_off, state_slot, y, i, c0, c1):
 
 
 @numba.njit(**_JIT)
-def ssm_conv(state, x, w_t, seq_off, state_slot, y):
-    """state (S, K-1, C), x (n, C), w_t (K, C), seq_off (n_seqs+1,), state_slot (n_seqs,); y (n, C)
+def ssm_conv(state, x, w_t, seq_off, state_slot, snap, y):
+    """state (S, K-1, C), x (n, C), w_t (K, C), seq_off (n_seqs+1,), state_slot (n_seqs,), snap; y (n, C)
     for the tokens in a range (padding rows are the caller's). Serial: a prange over (row, channel
     block) measured 5x slower at 16 decode rows and 3x at a 512-token prompt (6144 channels, 2
     cores); the work is a few MACs per value, memory-bound either way."""
     for i in range(state_slot.shape[0]):
-        _conv_task(state, x, w_t, seq_off, state_slot, y, i, 0, x.shape[1])
+        _conv_task(state, x, w_t, seq_off, state_slot, snap, y, i, 0, x.shape[1])
 
 
 @numba.njit(inline="always", **_JIT)
@@ -57,7 +66,7 @@ def _softplus(v):
 
 
 @numba.njit(parallel=True, **_JIT)
-def ssm_scan(state, x, dt, a, b, c, seq_off, state_slot, y):
+def ssm_scan(state, x, dt, a, b, c, seq_off, state_slot, snap, y):
     """state (S, H, P, N), x (n, H, P), dt (n, H), a (H,), b and c (n, G, N), y (n, H, P).
     As ggml_compute_forward_ssm_scan_f32's Mamba-2 branch (one A per head): per token,
     dt_sp = softplus(dt) (threshold 20), dA = exp(dt_sp * A[h]), state = state * dA + B * (x * dt_sp),
@@ -80,6 +89,8 @@ def ssm_scan(state, x, dt, a, b, c, seq_off, state_slot, y):
                     s[p, n] = v
                     acc += v * c[t, g, n]
                 y[t, h, p] = acc
+            if snap.shape[0] > 0 and snap[t] >= 0:
+                state[snap[t], h] = s
 
 
 @numba.njit(inline="always", **_JIT)

@@ -508,16 +508,22 @@ def _n_rows(x, state_slot) -> int:
     return int(state_slot.shape[0]) if x.shape[0] else 0
 
 
-def ssm_conv(node, state, x, w, seq_off, state_slot, out=None):
+def _snap(snap: tuple, seq_off):
+    """(snap, has_snap) for a state kernel: its optional per-token snapshot slots (a recurrent op's
+    last source), or a pointer never read (seq_off's) and 0."""
+    return (_i(snap[0]), i32(1)) if snap else (_i(seq_off), i32(0))
+
+
+def ssm_conv(node, state, x, w, seq_off, state_slot, *snap, out=None):
     n, n_ch = x.shape
     y = cp.zeros((n, n_ch), cp.float32)  # padding tokens stay 0
     _launch("ssm.cu", "ssm_conv", (_n_rows(x, state_slot), _cdiv(n_ch, 128)), (128,),
-            (_state(node, state), _f(x), _dense(node, w), _i(seq_off), _i(state_slot), y, i32(n_ch),
-             i32(state.shape[1])))
+            (_state(node, state), _f(x), _dense(node, w), _i(seq_off), _i(state_slot), *_snap(snap, seq_off), y,
+             i32(n_ch), i32(state.shape[1])))
     return _into(y, out)
 
 
-def ssm_scan(node, state, x, dt, a, b, c, seq_off, state_slot, out=None):
+def ssm_scan(node, state, x, dt, a, b, c, seq_off, state_slot, *snap, out=None):
     n, n_head, d_head = x.shape
     n_group, d_state = b.shape[1:]
     if d_state > SCAN_MAX_STATE:
@@ -525,22 +531,23 @@ def ssm_scan(node, state, x, dt, a, b, c, seq_off, state_slot, out=None):
     y = cp.zeros(x.shape, cp.float32)  # padding tokens stay 0
     _launch("ssm.cu", "ssm_scan", (_n_rows(x, state_slot), n_head, _cdiv(d_head, SCAN_ROWS * SCAN_WARPS)),
             (32, SCAN_WARPS),
-            (_state(node, state), _f(x), _f(dt), _dense(node, a), _f(b), _f(c), _i(seq_off), _i(state_slot), y,
-             i32(n_head), i32(d_head), i32(n_group), i32(d_state)))
+            (_state(node, state), _f(x), _f(dt), _dense(node, a), _f(b), _f(c), _i(seq_off), _i(state_slot),
+             *_snap(snap, seq_off), y, i32(n_head), i32(d_head), i32(n_group), i32(d_state)))
     return _into(y, out)
 
 
 GDN_MAX_DK, GDN_MAX_DV, GDN_WARPS = 128, 128, 16  # delta_net.cu's 32 * GDN_MAX_KL, GDN_WARPS * GDN_MAX_RW
 
 
-def gated_delta_net(node, state, q, k, v, g, beta, seq_off, state_slot, out=None):
+def gated_delta_net(node, state, q, k, v, g, beta, seq_off, state_slot, *snap, out=None):
     n, h_k, d_k = q.shape
     h_v, d_v = v.shape[1:]
     if d_k > GDN_MAX_DK or d_v > GDN_MAX_DV:
         raise BackendError(f"{node.label}: head dims {d_k}/{d_v} > {GDN_MAX_DK}/{GDN_MAX_DV} in the cuda delta net")
     y = cp.zeros((n, h_v, d_v), cp.float32)  # padding tokens stay 0
     _launch("delta_net.cu", "gated_delta_net", (_n_rows(q, state_slot), h_v), (32, min(GDN_WARPS, d_v)),
-            (_state(node, state), _f(q), _f(k), _f(v), _f(g), _f(beta), _i(seq_off), _i(state_slot), y,
+            (_state(node, state), _f(q), _f(k), _f(v), _f(g), _f(beta), _i(seq_off), _i(state_slot),
+             *_snap(snap, seq_off), y,
              i32(h_k), i32(h_v), i32(d_k), i32(d_v), f32(node.params["scale"])))
     return _into(y, out)
 

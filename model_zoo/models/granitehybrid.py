@@ -80,7 +80,7 @@ def build_mamba2(c: Config, g, w, inp, h, il: int):
                "ssm_dt_b", il)
     state = build_state(g, inp, "state_ssm", (hd, p, c.d_state), il=il)
     y = g.ssm_scan(state, x, dt, L("ssm_a", (hd, 1), flat=True), bb, cc, inp.seq_off, inp.state_slot, name="ssm_scan",
-                   il=il)  # (n, hd, p)
+                   il=il, snap_slot=inp.snap_slot)  # (n, hd, p)
     d = g.reshape(L("ssm_d", (hd, 1), flat=True), (hd, 1), "ssm_d_2d", il)
     y = g.add(y, g.mul(x, d, "ssm_dx", il), "mamba2_y_add_d", il)
     z = g.reshape(g.slice(zxbcdt, 0, di, "ssm_z", il), (n, hd, p), "ssm_z_3d", il)

@@ -99,7 +99,8 @@ def build_delta_net(c: Config, g, w, inp, h, il: int):
     gate = g.mul(g.softplus(alpha, "a_softplus", il), L("ssm_a", (hv,)), "gate", il)  # log-decay: A = -exp(A_log)
     state = build_state(g, inp, "state_ssm", (hv, dv, c.d_state), il=il)
     o = g.gated_delta_net(state, q, k, v, gate, beta, inp.seq_off, inp.state_slot,
-                          scale=1.0 / math.sqrt(c.d_state), name="delta_net", il=il)  # (n, hv, dv)
+                          scale=1.0 / math.sqrt(c.d_state), name="delta_net", il=il,
+                          snap_slot=inp.snap_slot)  # (n, hv, dv)
     z = g.reshape(g.mul_mat(L("attn_gate.weight", (c.d_inner, e)), h, "z", il), (n, hv, dv), "z_3d", il)
     o = g.mul(build_norm(g, o, L("ssm_norm.weight", (dv,)), eps=c.norm_eps, name="delta_norm", il=il),
               g.silu(z, "z_silu", il), "delta_gated", il)

@@ -3,11 +3,14 @@ step. n requests decode together (8-token prompts, or --context N tokens: decode
 prompt; the steps timed are decode steps of n tokens); each step's wall time splits into kernels by op kind, the rest of the graph walk
 (Python per node), and the engine around it (plan, inputs, sampling, callbacks). Per op kind also
 the weight bytes its kernels read per step and the rate they read them at, against the host's
-read bandwidth (backends.cpu.bandwidth): where a decode step falls short of the roofline."""
+read bandwidth (backends.cpu.bandwidth): where a decode step falls short of the roofline. With
+--lora-adapters N, request i uses random adapter i mod N (bench.lora's adapters): where LoRA's time goes."""
 from __future__ import annotations
 
+import tempfile
 import time
 from collections import defaultdict
+from pathlib import Path
 
 import anyio
 
@@ -75,7 +78,26 @@ def _wrap(fn, acc: _Acc, name: str):
 async def _run(a, levels: list[int], decode: int) -> list[dict]:
     acc = _Acc()
     rows = []
+    with tempfile.TemporaryDirectory() as d:
+        files = _lora_files(a, d) if getattr(a, "lora_adapters", 0) else []
+        return await _run_open(a, levels, decode, acc, rows, files)
+
+
+def _lora_files(a, d: str) -> list[Path]:
+    import gguf
+
+    from hearthlm.bench.lora_files import write_lora
+    from hearthlm.model_zoo.resolve import resolve_model
+    base = str(resolve_model(a.model, filename=session_options(a).filename))
+    qtype = getattr(gguf.GGMLQuantizationType, a.lora_type.upper())
+    return [write_lora(Path(d) / f"r{i}.gguf", base, seed=i, rank=a.lora_rank, alpha=2.0 * a.lora_rank, size=0.05,
+                       qtype=qtype) for i in range(a.lora_adapters)]
+
+
+async def _run_open(a, levels: list[int], decode: int, acc: _Acc, rows: list, files: list) -> list[dict]:
     async with Session.open(a.model, options=session_options(a, max_batch_tokens=512, max_seqs=max(levels))) as s:
+        for i, f in enumerate(files):
+            await s.load_adapter(f"r{i}", f)
         eng = s.engine
         step0 = eng.step
         step_t: dict[int, float] = defaultdict(float)
@@ -98,7 +120,8 @@ async def _run(a, levels: list[int], decode: int) -> list[dict]:
                         for i in range(n):
                             tg.start_soon(lambda i=i: s.generate([(1000 + i + 7 * j) % vocab for j in range(n_prompt)],
                                                                  max_tokens=4 if warm else decode,
-                                                                 temperature=0, ignore_eos=True))
+                                                                 temperature=0, ignore_eos=True,
+                                                                 adapters={f"r{i % len(files)}": 1.0} if files else None))
                 if warm:
                     acc.reset()
                     step_t.clear()

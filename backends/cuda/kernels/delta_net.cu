@@ -1,5 +1,7 @@
 // The gated delta rule (Qwen3-Next / Qwen3.5 linear attention; ggml's GATED_DELTA_NET) over a
-// batch of sequences, each run from its slot of the state cache and left there. Float32.
+// batch of sequences, each run from its slot of the state cache and left there. Float32. Where
+// has_snap and snap[t] >= 0, the state after token t is also written to slot snap[t] (speculative
+// verification rows: the state after each drafted position).
 #include "common.cuh"
 
 #define GDN_MAX_KL 4   // columns per lane: d_k <= 128
@@ -14,7 +16,8 @@
 extern "C" __global__ void __launch_bounds__(512)
 gated_delta_net(float* __restrict__ state, const float* __restrict__ q, const float* __restrict__ k,
                 const float* __restrict__ v, const float* __restrict__ g, const float* __restrict__ beta,
-                const int* __restrict__ seq_off, const int* __restrict__ state_slot, float* __restrict__ y,
+                const int* __restrict__ seq_off, const int* __restrict__ state_slot,
+                const int* __restrict__ snap, int has_snap, float* __restrict__ y,
                 int h_k, int h_v, int d_k, int d_v, float scale) {
     const int i = blockIdx.x, h = blockIdx.y;
     const int t0 = seq_off[i], t1 = seq_off[i + 1];
@@ -59,6 +62,18 @@ gated_delta_net(float* __restrict__ state, const float* __restrict__ q, const fl
                 }
                 o = warp_sum(o);
                 if (lane == 0) y[tv * d_v + row] = o * scale;
+            }
+        }
+        if (has_snap && snap[t] >= 0) {  // this warp's rows of the state after token t
+            float* d = state + ((long long)snap[t] * h_v + h) * d_v * d_k;
+#pragma unroll
+            for (int r = 0; r < GDN_MAX_RW; ++r) {
+                const int row = warp + r * n_warps;
+#pragma unroll
+                for (int c = 0; c < GDN_MAX_KL; ++c) {
+                    const int col = lane + 32 * c;
+                    if (row < d_v && col < d_k) d[(long long)row * d_k + col] = s[r][c];
+                }
             }
         }
     }

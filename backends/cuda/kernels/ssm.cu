@@ -2,7 +2,8 @@
 // scan (SSM_SCAN), over a batch of sequence rows. Row i runs its tokens [seq_off[i], seq_off[i+1])
 // in order from state slot state_slot[i] and leaves the state after them there (in place); a row
 // with no tokens leaves its slot alone. The caller zeroes y (padding tokens stay 0). All float32,
-// contiguous.
+// contiguous. Where has_snap and snap[t] >= 0 (snap (n,)), the state after token t is also written
+// to slot snap[t] (speculative verification rows: the state after each drafted position).
 #include "common.cuh"
 
 // state (S, km1, C), x (n, C), w (C, km1 + 1), y (n, C); grid (n_seqs, ceil(C / blockDim.x)).
@@ -10,7 +11,8 @@
 // keeps xx's last km1 rows: ascending, row r reads row n + r > r, not yet written.
 extern "C" __global__ void ssm_conv(float* __restrict__ state, const float* __restrict__ x,
                                     const float* __restrict__ w, const int* __restrict__ seq_off,
-                                    const int* __restrict__ state_slot, float* __restrict__ y, int n_ch, int km1) {
+                                    const int* __restrict__ state_slot, const int* __restrict__ snap,
+                                    int has_snap, float* __restrict__ y, int n_ch, int km1) {
     const int i = blockIdx.x, c = blockIdx.y * blockDim.x + threadIdx.x;
     if (c >= n_ch) return;
     const int t0 = seq_off[i], n = seq_off[i + 1] - t0;
@@ -24,6 +26,13 @@ extern "C" __global__ void ssm_conv(float* __restrict__ state, const float* __re
             acc += wc[k] * (r < km1 ? s[(long long)r * n_ch] : xc[(long long)(r - km1) * n_ch]);
         }
         y[(long long)(t0 + j) * n_ch + c] = acc;
+        if (has_snap && snap[t0 + j] >= 0) {  // the state after token j: xx's rows j + 1 .. j + km1
+            float* d = state + (long long)snap[t0 + j] * km1 * n_ch + c;
+            for (int r = 0; r < km1; ++r) {
+                const int q = j + 1 + r;
+                d[(long long)r * n_ch] = q < km1 ? s[(long long)q * n_ch] : xc[(long long)(q - km1) * n_ch];
+            }
+        }
     }
     if (n > 0)
         for (int r = 0; r < km1; ++r) {
@@ -46,6 +55,7 @@ extern "C" __global__ void ssm_scan(float* __restrict__ state, const float* __re
                                     const float* __restrict__ dt, const float* __restrict__ a,
                                     const float* __restrict__ b, const float* __restrict__ c,
                                     const int* __restrict__ seq_off, const int* __restrict__ state_slot,
+                                    const int* __restrict__ snap, int has_snap,
                                     float* __restrict__ y, int n_head, int d_head, int n_group, int d_state) {
     const int i = blockIdx.x, h = blockIdx.y, lane = threadIdx.x;
     const int p0 = (blockIdx.z * blockDim.y + threadIdx.y) * SCAN_ROWS;
@@ -89,6 +99,16 @@ extern "C" __global__ void ssm_scan(float* __restrict__ state, const float* __re
             }
             acc = warp_sum(acc);
             if (lane == 0) yt[r] = acc;
+        }
+        if (has_snap && snap[t] >= 0) {  // this warp's rows of the state after token t
+            float* d = state + (((long long)snap[t] * n_head + h) * d_head + p0) * d_state;
+#pragma unroll
+            for (int r = 0; r < SCAN_ROWS; ++r)
+#pragma unroll
+                for (int j = 0; j < SCAN_PER_LANE; ++j) {
+                    const int n = lane + 32 * j;
+                    if (p0 + r < d_head && n < d_state) d[(long long)r * d_state + n] = st[r][j];
+                }
         }
     }
     if (t1 > t0)
