@@ -3,8 +3,8 @@ on the converter-made tiny qwen35 (its MTP block from the spec's extra tensors).
 llama.cpp's (tests/parity/record_heads.py); greedy output is identical with and without, drafts rejected
 or kept, and a draft after kept ones is what the block drafts after the same tokens when none were kept
 (its rows of kept drafts recomputed from the target's hidden states); a model without the block refuses
-"mtp" and keeps serving. Speculation on a hybrid model needs its recurrent state rolled back (wip-hs):
-the tests that verify drafts skip where the engine still refuses it."""
+"mtp" and keeps serving. Qwen3.5 is a hybrid: its recurrent state is rolled back past rejected drafts
+(runtime.seq_memory)."""
 from __future__ import annotations
 
 import json
@@ -16,13 +16,10 @@ import pytest
 from hearthlm import Session
 from hearthlm.core.errors import InvalidRequestError
 from hearthlm.runtime import draft_heads as dh
-from hearthlm.runtime.request import Request
 
 DATA = Path(__file__).parent / "data" / "converted"
 QWEN35 = str(DATA / "qwen35.gguf")
 GREEDY = dict(temperature=0, ignore_eos=True, top_logprobs=1)
-hybrid_spec = pytest.mark.skipif("state_snaps" not in Request.__dataclass_fields__,
-                                 reason="speculation on hybrid models (recurrent-state rollback) has not landed")
 
 
 def _recording(monkeypatch, k: int | None = None, replace=None) -> dict[int, list[int]]:
@@ -44,7 +41,6 @@ def _recording(monkeypatch, k: int | None = None, replace=None) -> dict[int, lis
     return seen
 
 
-@hybrid_spec
 @pytest.mark.parametrize("arch", ["qwen35", "qwen35moe"])
 async def test_mtp_drafts_equal_llama_cpps(monkeypatch, arch):
     """Eight proposals of four tokens along the target's greedy run, as llama.cpp's draft-mtp makes them
@@ -61,7 +57,6 @@ async def test_mtp_drafts_equal_llama_cpps(monkeypatch, arch):
         assert seen[len(p["tokens"])] == p["drafts"], len(p["tokens"])
 
 
-@hybrid_spec
 async def test_mtp_greedy_is_identical_whether_drafts_are_rejected_or_kept(monkeypatch):
     """Plain decoding, the block's own drafts (random weights: mostly rejected), and drafts replaced by the
     target's next two tokens then a wrong one (two of three kept): the same tokens and log-probs; the
@@ -121,7 +116,6 @@ def _block_keys(monkeypatch) -> dict[int, np.ndarray]:
     return keys
 
 
-@hybrid_spec
 async def test_the_blocks_rows_after_its_own_kept_drafts_are_a_fresh_runs(monkeypatch):
     """Every draft kept (verification patched to keep it: the block's own drafts become the tokens): after
     each proposal, the block's K/V rows of the kept tokens equal those of a fresh request over the same
@@ -151,7 +145,6 @@ async def test_the_blocks_rows_after_its_own_kept_drafts_are_a_fresh_runs(monkey
         np.testing.assert_allclose(runs[n], keys[n], atol=2e-3, err_msg=str(n))
 
 
-@hybrid_spec
 async def test_mtp_and_plain_requests_batch_together(monkeypatch):
     """Requests speculating with the block, with n-gram drafts and not at all, one after another and
     at once: each one's greedy output is what it gets alone, and so is each of the block's proposals
