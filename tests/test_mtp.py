@@ -41,6 +41,24 @@ def _recording(monkeypatch, k: int | None = None, replace=None) -> dict[int, lis
     return seen
 
 
+def _block_keys(monkeypatch, replace=None) -> dict[int, np.ndarray]:
+    """After each proposal, by the request's token count: the block's K rows of the positions it counts
+    as computed from the target's hidden states (MTPSeq.valid); `replace(r)`: the drafts then verified."""
+    keys: dict[int, np.ndarray] = {}
+    propose = dh.MTPDrafter.propose
+
+    def recording(self, items):
+        propose(self, items)
+        kv, bs = self.memory.kv, self.memory.block_size
+        for r, _ in items:
+            blocks, n = r.spec.seq.blocks, r.spec.valid
+            keys[len(r.tokens)] = np.asarray(kv.k[0])[[blocks[p // bs] * bs + p % bs for p in range(n)]].astype(np.float32)
+            if replace is not None:
+                r.draft = replace(r)
+    monkeypatch.setattr(dh.MTPDrafter, "propose", recording)
+    return keys
+
+
 @pytest.mark.parametrize("arch", ["qwen35", "qwen35moe"])
 async def test_mtp_drafts_equal_llama_cpps(monkeypatch, arch):
     """Eight proposals of four tokens along the target's greedy run, as llama.cpp's draft-mtp makes them
@@ -59,10 +77,12 @@ async def test_mtp_drafts_equal_llama_cpps(monkeypatch, arch):
 
 async def test_mtp_greedy_is_identical_whether_drafts_are_rejected_or_kept(monkeypatch):
     """Plain decoding, the block's own drafts (random weights: mostly rejected), and drafts replaced by the
-    target's next two tokens then a wrong one (two of three kept): the same tokens and log-probs; the
-    block's drafts after kept ones equal its drafts after the same tokens in the run that kept none.
-    Mutation: _sync not capping at `valid` (the rows of kept drafts, computed from the block's own hidden
-    states, kept as they are) fails the last assertion."""
+    target's next two tokens then a wrong one (two of three kept): the same tokens and log-probs; after
+    kept drafts, the block's K rows of the tokens so far equal those of the run that kept none at the same
+    length (its rows of the kept drafts' positions redone from the target's hidden states at the kept rows).
+    Mutation: greedy verification keeping every draft (sampling.verify returning the draft) fails it.
+    Not caught here: the block without the target's hidden rows (zeros: it still drafts, the same in both
+    runs), and the rows of its own kept drafts not redone (see the fresh-run test for that)."""
     prompt = [2] + [5 + (i * 11) % 60 for i in range(40)]
     async with Session.open(QWEN35, n_ctx=512) as s:
         ref = await s.generate(prompt, max_tokens=40, **GREEDY)
@@ -73,7 +93,7 @@ async def test_mtp_greedy_is_identical_whether_drafts_are_rejected_or_kept(monke
         return d[:2] + [(t + 1) % 384 for t in d[2:3]]
     runs = []
     for replace in (None, two_true):
-        seen = _recording(monkeypatch, replace=replace)
+        keys = _block_keys(monkeypatch, replace=replace)
         async with Session.open(QWEN35, n_ctx=512, draft_p_min=0.0) as s:
             got = await s.generate(prompt, max_tokens=40, speculative="mtp", **GREEDY)
             st = s.stats()
@@ -81,14 +101,13 @@ async def test_mtp_greedy_is_identical_whether_drafts_are_rejected_or_kept(monke
         assert [t[0][1] for t in got.top_logprobs] == pytest.approx([t[0][1] for t in ref.top_logprobs], abs=1e-4)
         assert st["spec_drafted_tokens"] >= 20 and st["mtp_steps"] > 0
         assert st["kv_blocks_used"] == 0 and st["mtp_kv_blocks_used"] == 0  # the block's K/V released too
-        runs.append((seen, st))
+        runs.append((keys, st))
     (rejected, _), (kept, st) = runs
     assert st["spec_accepted_tokens"] >= 20 and st["steps"] < 25, st
     after_kept = [n for n in kept if n != len(prompt) + 1 and n - 1 not in kept]
     assert len(after_kept) >= 3
     for n in after_kept:
-        m = min(len(kept[n]), len(rejected[n]))
-        assert m and kept[n][:m] == rejected[n][:m], n
+        np.testing.assert_allclose(kept[n], rejected[n], atol=2e-3, err_msg=str(n))
 
 
 async def test_mtp_without_heads_is_refused_and_the_session_keeps_serving():
@@ -100,20 +119,6 @@ async def test_mtp_without_heads_is_refused_and_the_session_keeps_serving():
         assert len((await s.generate([2, 5, 6], max_tokens=3, **GREEDY)).token_ids) == 3
 
 
-def _block_keys(monkeypatch) -> dict[int, np.ndarray]:
-    """After each proposal, by the request's token count: the block's K rows of the positions it counts
-    as computed from the target's hidden states (MTPSeq.valid)."""
-    keys: dict[int, np.ndarray] = {}
-    propose = dh.MTPDrafter.propose
-
-    def recording(self, items):
-        propose(self, items)
-        kv, bs = self.memory.kv, self.memory.block_size
-        for r, _ in items:
-            blocks, n = r.spec.seq.blocks, r.spec.valid
-            keys[len(r.tokens)] = np.asarray(kv.k[0])[[blocks[p // bs] * bs + p % bs for p in range(n)]].astype(np.float32)
-    monkeypatch.setattr(dh.MTPDrafter, "propose", recording)
-    return keys
 
 
 async def test_the_blocks_rows_after_its_own_kept_drafts_are_a_fresh_runs(monkeypatch):
