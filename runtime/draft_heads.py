@@ -91,7 +91,9 @@ class AssistantDrafter:
 
     def attach(self, memory: SequenceMemory, placement: Placement, *, n_ctx: int, max_seqs: int,
                fusion: bool | None = None) -> None:
-        """The target engine's memory (whose caches the head reads) and placement, once it has them."""
+        """The target engine's memory (whose caches the head reads) and placement, once it has them: the
+        head runs where the target's output head (and last layers, whose caches it reads) are."""
+        placement = Placement(placement.backends, [placement.output] * len(placement.layers))
         self.runner = _Runner(self.model, placement, memory, n_ctx=n_ctx, max_batch_tokens=max_seqs, max_seqs=max_seqs,
                               fusion=fusion, tune_threads=False)
 
