@@ -196,26 +196,43 @@ class MTPSeq(DraftSeq):
 class MTPDrafter(DraftModel):
     """Drafts for the speculating requests of one target engine with its own MTP block (`head`:
     qwen35_mtp.head(model)), whose K/V is a draft model's memory. `embd`: the table the head embeds
-    tokens with; `enorm`, `hnorm`: its input norms (the normed halves of its input are made here)."""
+    tokens with; `enorm`, `hnorm`: its input norms (the normed halves of its input are made here).
+    Its memory and runner are made at its first draft (on the engine's thread): a session that never
+    asks for "mtp" packs no second copy of the LM head and maps no K/V for it."""
 
     def __init__(self, head: Any, placement: Placement, *, embd: QWeight, enorm: QWeight, hnorm: QWeight, n_ctx: int,
                  kv_blocks: int | None = None, max_batch_tokens: int = 512, max_seqs: int = 64,
                  fusion: bool | None = None, kv_cache_type: str = "f16", k_max: int = K_MAX, p_min: float = P_MIN) -> None:
-        self.n_ctx, self.max_batch_tokens = n_ctx, max_batch_tokens
-        self.memory = open_memory(head, placement, n_ctx=n_ctx, kv_blocks=kv_blocks, max_seqs=max_seqs,
-                                  kv_cache_type=kv_cache_type)
-        self.runner = ModelRunner(head, placement, self.memory, n_ctx=n_ctx, max_batch_tokens=max_batch_tokens,
-                                  max_seqs=max_seqs, fusion=fusion, tune_threads=False)
+        self.head, self.placement, self.n_ctx, self.max_batch_tokens = head, placement, n_ctx, max_batch_tokens
+        self._opts = dict(kv_blocks=kv_blocks, max_seqs=max_seqs, fusion=fusion, kv_cache_type=kv_cache_type)
+        self.memory = self.runner = None
         self.k_max, self.p_min = k_max, p_min
         self.n_vocab, self.eog, self.steps = head.n_vocab, frozenset(head.eog_ids), 0
         self.embd, self.eps, self.n_embd = embd, head.config.norm_eps, head.config.n_embd
         self.enorm, self.hnorm = dequantize(enorm), dequantize(hnorm)
 
+    def _open(self) -> None:
+        o = self._opts
+        self.memory = open_memory(self.head, self.placement, n_ctx=self.n_ctx, kv_blocks=o["kv_blocks"],
+                                  max_seqs=o["max_seqs"], kv_cache_type=o["kv_cache_type"])
+        self.runner = ModelRunner(self.head, self.placement, self.memory, n_ctx=self.n_ctx,
+                                  max_batch_tokens=self.max_batch_tokens, max_seqs=o["max_seqs"], fusion=o["fusion"],
+                                  tune_threads=False)
+
     def new_seq(self) -> MTPSeq:
         return MTPSeq(self.k_max, self, self.n_embd)
 
+    def propose(self, items: list[tuple[Request, int]]) -> None:
+        if self.runner is None:
+            self._open()
+        super().propose(items)
+
+    def release(self, spec: MTPSeq) -> None:
+        if self.memory is not None:
+            super().release(spec)
+
     def stats(self) -> dict[str, Any]:
-        mem = self.memory.stats()
+        mem = self.memory.stats() if self.memory is not None else dict(kv_blocks_used=0, kv_blocks_total=0)
         return dict(mtp_steps=self.steps, mtp_kv_blocks_used=mem["kv_blocks_used"], mtp_kv_blocks_total=mem["kv_blocks_total"])
 
     _greedy = staticmethod(_greedy)

@@ -188,3 +188,14 @@ async def test_mtp_and_plain_requests_batch_together(monkeypatch):
         assert st["mtp_steps"] > 0 and st["mtp_kv_blocks_used"] == 0
         runs.append(dict(seen))
     assert len(runs[1]) >= 15 and runs[1] == runs[0]
+
+
+async def test_the_block_is_opened_at_its_first_draft():
+    """A Qwen3.5 session that never asks for "mtp" makes no runner or K/V for the block (no second packed
+    LM head); the first "mtp" request makes them.
+    Mutation: MTPDrafter opening its memory and runner in __init__ fails it."""
+    async with Session.open(QWEN35, n_ctx=512) as s:
+        await s.generate([2, 5, 6, 7], max_tokens=4, **GREEDY)
+        assert s.engine.mtp.runner is None and s.stats()["mtp_kv_blocks_total"] == 0
+        await s.generate([2, 5, 6, 7], max_tokens=4, speculative="mtp", **GREEDY)
+        assert s.engine.mtp.runner is not None and s.stats()["mtp_steps"] > 0
