@@ -1,5 +1,5 @@
 """Weight records: model parameters as they sit in the GGUF file (QWeight: mmap'd, not
-copied); q/k/v stacked into one matrix where fusion asks (`stacked_weight`); and the file's
+copied; `RowTable` those read only by row); q/k/v stacked into one matrix where fusion asks (`stacked_weight`); and the file's
 pages dropped from memory once a backend holds its own copy (`release_pages`, called by the
 packers as they go). Backends prepare them (runtime.weights.WeightStore)."""
 from __future__ import annotations
@@ -22,6 +22,12 @@ class QWeight:
     @property
     def nbytes(self) -> int:
         return int(self.raw.nbytes)
+
+
+@dataclass(frozen=True, eq=False)
+class RowTable(QWeight):
+    """A table read only by row (get_rows: Gemma 4's per-layer embeddings, 262,144 x 8,960 in E2B): a
+    backend may leave it in the file and read the rows a step asks for (llama.cpp's TENSOR_READ_LAZY)."""
 
 
 _libc = None

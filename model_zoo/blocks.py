@@ -238,19 +238,23 @@ def moe_weights(w, il: int, *, n_expert: int, n_embd: int, n_ff: int) -> dict[st
                 down_exps=L("ffn_down_exps.weight", (n_expert, n_embd, n_ff)))
 
 
-def build_moe_ffn(g: Graph, x: Tensor, *, il: int, gate_inp: Tensor, up_exps: Tensor, gate_exps: Tensor,
-                  down_exps: Tensor, n_expert_used: int, norm_w: bool = True, gating: str = "softmax",
-                  probs_bias: Tensor | None = None, w_scale: float = 0.0, act: str = "silu",
+def build_moe_ffn(g: Graph, x: Tensor, *, il: int, gate_inp: Tensor | None, up_exps: Tensor | None,
+                  gate_exps: Tensor | None, down_exps: Tensor, n_expert_used: int, norm_w: bool = True,
+                  gating: str = "softmax", probs_bias: Tensor | None = None, w_scale: float = 0.0, act: str = "silu",
                   gate_inp_b: Tensor | None = None, up_b: Tensor | None = None, gate_b: Tensor | None = None,
-                  down_b: Tensor | None = None) -> Tensor:
+                  down_b: Tensor | None = None, logits: Tensor | None = None, gate_up_exps: Tensor | None = None,
+                  down_s: Tensor | None = None) -> Tensor:
     """Mixture of experts as llama.cpp's build_moe_ffn (gated experts, SwiGLU or gpt-oss's clamped
     "swiglu_oai"): the router's softmax (or sigmoid; "softmax_weight": the raw logits choose and
     the chosen ones' softmax weighs, as gpt-oss), the top n_expert_used experts per token (chosen
     by probability plus `probs_bias` where given, as LFM2-MoE's) weighted by their probabilities
     (renormalized over the chosen ones with norm_w, then times w_scale where set), their outputs
-    summed. Biases (router, and per expert: E rows of each projection's width) where given."""
+    summed. Biases (router, and per expert: E rows of each projection's width) where given.
+    Gemma 4's: `logits` the caller's router (gate_inp None), `gate_up_exps` the experts' gate and up
+    rows fused (E, 2 * n_ff, n_embd: gate first), `down_s` a scale per expert on its output (E,)."""
     n_tokens, n_embd = x.shape
-    logits = g.mul_mat(gate_inp, x, "ffn_moe_logits", il)  # (n_tokens, n_expert)
+    if logits is None:
+        logits = g.mul_mat(gate_inp, x, "ffn_moe_logits", il)  # (n_tokens, n_expert)
     if gate_inp_b is not None:
         logits = g.add(logits, gate_inp_b, "ffn_moe_logits_biased", il)
     probs = (g.soft_max(logits, "ffn_moe_probs", il) if gating == "softmax"
@@ -273,8 +277,17 @@ def build_moe_ffn(g: Graph, x: Tensor, *, il: int, gate_inp: Tensor, up_exps: Te
         w = g.div(w, g.sum_rows(w, "ffn_moe_weights_sum", il), "ffn_moe_weights_norm", il)
     if w_scale not in (0.0, 1.0):
         w = g.scale(w, w_scale, "ffn_moe_weights_scaled", il)
-    up = expert_bias(g.mul_mat_id(up_exps, x, ids, "ffn_moe_up", il), up_b, "ffn_moe_up")  # (n_tokens, k, n_ff_exp)
-    gate = expert_bias(g.mul_mat_id(gate_exps, x, ids, "ffn_moe_gate", il), gate_b, "ffn_moe_gate")
+    if down_s is not None:  # ggml scales each expert's down output; the same product, on k weights per token
+        s = g.get_rows(g.reshape(down_s, (down_s.shape[0], 1), "ffn_moe_down_s_2d", il),
+                       g.reshape(ids, (n_tokens * n_expert_used,), "ffn_moe_topk_flat", il), "ffn_moe_down_s", il)
+        w = g.mul(w, g.reshape(s, (n_tokens, n_expert_used), "ffn_moe_down_s_rows", il), "ffn_moe_weights_s", il)
+    if gate_up_exps is not None:  # one product, then the gate and up halves
+        gu = g.mul_mat_id(gate_up_exps, x, ids, "ffn_moe_gate_up", il)  # (n_tokens, k, 2 * n_ff_exp)
+        f = gu.shape[-1] // 2
+        gate, up = g.slice(gu, 0, f, "ffn_moe_gate", il), g.slice(gu, f, 2 * f, "ffn_moe_up", il)
+    else:
+        up = expert_bias(g.mul_mat_id(up_exps, x, ids, "ffn_moe_up", il), up_b, "ffn_moe_up")  # (n_tokens, k, n_ff_exp)
+        gate = expert_bias(g.mul_mat_id(gate_exps, x, ids, "ffn_moe_gate", il), gate_b, "ffn_moe_gate")
     a = g.glu(gate, up, act, "ffn_moe_swiglu", il)
     experts = expert_bias(g.mul_mat_id(down_exps, a, ids, "ffn_moe_down", il), down_b, "ffn_moe_down")  # (n_tokens, k, n_embd)
     experts = g.mul(experts, g.reshape(w, (n_tokens, n_expert_used, 1), "ffn_moe_weights_3d", il),

@@ -165,6 +165,48 @@ def normalize_messages(messages: Any) -> list[dict]:
     return out
 
 
+def gemma4_tool_responses(template: str, messages: list[dict]) -> list[dict]:
+    """Gemma 4's first templates read a model turn's tool results from its `tool_responses`, not from
+    OpenAI `tool` turns: as llama.cpp (common/parsers/gemma4.cpp) does for a template with the call
+    syntax but without the later OpenAI branch, an assistant turn with tool_calls takes the tool turns
+    after it (each {name: its call's function, response: the content parsed as JSON, else the text})
+    and the content of a plain assistant turn right after them. Other templates: messages as given."""
+    if "'<|tool_call>call:'" not in template or "{#- OpenAI Chat Completions:" in template:
+        return messages
+    out, i = [], 0
+    while i < len(messages):
+        m = messages[i]
+        if m["role"] != "assistant" or not m.get("tool_calls") or "tool_responses" in m:
+            out.append(m)
+            i += 1
+            continue
+        turn, i, responses = {"role": "assistant", "tool_calls": m["tool_calls"]}, i + 1, []
+        if isinstance(m.get("reasoning_content"), str):
+            turn["reasoning_content"] = m["reasoning_content"]
+        while i < len(messages) and messages[i]["role"] == "tool":
+            t, k = messages[i], len(responses)
+            name = m["tool_calls"][k]["function"]["name"] if k < len(m["tool_calls"]) else ""
+            responses.append({"name": name or t.get("tool_call_id", ""), "response": _json_or_text(t.get("content"))})
+            i += 1
+        if responses:
+            turn["tool_responses"] = responses
+        if i < len(messages) and messages[i]["role"] == "assistant" and not messages[i].get("tool_calls") \
+                and messages[i].get("content"):
+            turn["content"] = messages[i]["content"]
+            i += 1
+        out.append(turn)
+    return out
+
+
+def _json_or_text(content: Any) -> Any:
+    if not isinstance(content, str):
+        return content
+    try:
+        return json.loads(content)
+    except json.JSONDecodeError:
+        return content
+
+
 def _text_part(p: Any, where: str) -> str:
     if not (isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)):
         raise InvalidRequestError(f"{where} must be a {{'type': 'text', 'text': str}} part "
@@ -202,7 +244,7 @@ def render_chat(template: str, messages: list[dict], *, add_generation_prompt: b
     `limits` of time, steps and size (template_limits)."""
     if not isinstance(template, str) or not template:
         raise InvalidRequestError("the model has no chat template; pass a prompt instead")
-    messages = normalize_messages(messages)
+    messages = gemma4_tool_responses(template, normalize_messages(messages))
     compiled = compile_template(template)
     out, n = [], 0
     try:
@@ -239,9 +281,10 @@ def encode_chat(tokenizer, template: str, messages: list[dict], *, add_generatio
     `extra` (tools, ...) are template variables; rendered as template text, they may not
     hold special-token text. media: each MEDIA_MARKER in a content is an image's place
     (tokenizer.MEDIA_ID in the result)."""
-    messages = normalize_messages(messages)
-    for what, v in [("tools", extra.get("tools")),
-                    *((f"messages[{i}]['tool_calls']", m.get("tool_calls")) for i, m in enumerate(messages))]:
+    messages = gemma4_tool_responses(template, normalize_messages(messages))
+    for what, v in [("tools", extra.get("tools")),  # rendered as template text: no special tokens in them
+                    *((f"messages[{i}]['{k}']", m.get(k)) for i, m in enumerate(messages)
+                      for k in ("tool_calls", "tool_responses"))]:
         text = json.dumps(v, ensure_ascii=False) if v is not None else ""
         if text and tokenizer.encode(text, parse_special=True) != tokenizer.encode(text):
             raise InvalidRequestError(f"{what} contain special-token text")

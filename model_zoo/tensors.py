@@ -12,7 +12,7 @@ import numpy as np
 
 from hearthlm.core.errors import ModelLoadError
 from hearthlm.core.graph import Graph, Tensor
-from hearthlm.core.weights import QWeight
+from hearthlm.core.weights import QWeight, RowTable
 from hearthlm.runtime.batch import one_token
 
 _NO_BYTES = np.zeros(0, np.uint8)
@@ -29,7 +29,8 @@ class Weights:
     """`w(name, shape)` -> the weight's graph node. `optional`: None when the file has no such
     tensor; `fallback`: another tensor of the same shape read in its place (a tied LM head);
     `rows`: a view of rows start..stop (Phi-3's gate and up halves of ffn_up); `flat`: a float
-    tensor of any shape as one vector (what backends keep as plain floats for elementwise use)."""
+    tensor of any shape as one vector (what backends keep as plain floats for elementwise use);
+    `by_row`: a table the graph only reads rows of (core.weights.RowTable: backends may leave it in the file)."""
 
     def __init__(self, g: Graph, tensors: Mapping[str, QWeight] | None, n_vocab: int, *, where: str = "",
                  arch: str = "", views: dict | None = None) -> None:
@@ -39,7 +40,7 @@ class Weights:
         self._views = {} if views is None else views
 
     def __call__(self, name: str, shape, *, optional: bool = False, fallback: str | None = None,
-                 rows: tuple[int, int] | None = None, flat: bool = False) -> Tensor | None:
+                 rows: tuple[int, int] | None = None, flat: bool = False, by_row: bool = False) -> Tensor | None:
         shape = tuple(int(s) for s in shape)
         if self.tensors is None:
             qw = self._record(name, shape, optional or fallback is not None)
@@ -57,6 +58,8 @@ class Weights:
                             lambda r: r[rows[0]:rows[1]])
         if flat and len(qw.shape) > 1:
             qw = self._view(f"{qw.name}[flat]", qw, (int(np.prod(qw.shape)),), lambda r: r.reshape(-1), floats=True)
+        if by_row:
+            qw = RowTable(qw.name, qw.ggml_type, qw.shape, qw.raw)
         return self.g.weight(qw)
 
     def shape_of(self, name: str) -> tuple[int, ...] | None:

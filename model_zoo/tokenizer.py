@@ -164,6 +164,13 @@ class Tokenizer:
             raise ModelLoadError("tokenizer.ggml.add_eos_token is true, but no EOS token is set")
         if self.kind == "wpm" and self.sep_id is None:  # every WordPiece text ends with it
             raise ModelLoadError("a WordPiece tokenizer needs tokenizer.ggml.seperator_token_id ([SEP])")
+        # ids the model must never generate (Gemma 4 12B's file; llama.cpp's samplers give them -inf), those in
+        # the vocabulary as llama.cpp keeps them
+        v = md.get("tokenizer.ggml.suppress_tokens", [])
+        if isinstance(v, (str, bytes)) or not hasattr(v, "__iter__"):
+            raise ModelLoadError("GGUF metadata tokenizer.ggml.suppress_tokens must be an array of token ids")
+        with _key("tokenizer.ggml.suppress_tokens"):
+            self.suppress_ids = tuple(t for t in _ints(v) if 0 <= t < n)
 
         ids = {k: special(k) for k in AUTO_DETECT}
         for k in ("fim_pre", "fim_suf", "fim_mid"):  # deprecated key names

@@ -194,8 +194,11 @@ def stack_matmuls(graph: Graph) -> Graph:
     """Projections of the same activations (q, k and v) as one MUL_MAT over their stacked
     weights and a column SLICE each: one kernel launch and one quantization of x, not three."""
     groups: dict[int, list[Tensor]] = {}
+    glu_in = {id(s.srcs[0]) for n in graph.nodes if n.op is Op.GLU for s in n.srcs if s.op is Op.LORA}
     for n in graph.nodes:
-        if n.op is Op.MUL_MAT and n.srcs[0].op is Op.WEIGHT:
+        # a LoRA'd FFN's gate and up stay apart: the base graph reads them as ffn_glu's two weights, and
+        # stacked they would be a third packed copy of the FFN (137 MB at Qwen2.5-0.5B) made for LoRA steps
+        if n.op is Op.MUL_MAT and n.srcs[0].op is Op.WEIGHT and id(n) not in glu_in:
             groups.setdefault(id(n.srcs[1]), []).append(n)
     first: dict[int, list[Tensor]] = {}
     for mms in groups.values():

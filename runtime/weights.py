@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from hearthlm.core.log import get_logger
-from hearthlm.core.weights import QWeight
+from hearthlm.core.weights import QWeight, RowTable
 
 log = get_logger("hearthlm.weights")
 
@@ -39,7 +39,7 @@ class WeightStore:
     def get(self, w: QWeight) -> Any:
         p = self._prepared.get(w.name)
         if p is None:
-            hit = self._mapped.get(w.name)
+            hit = None if isinstance(w, RowTable) else self._mapped.get(w.name)  # not an older cache's packed copy
             if hit is not None and hit[0].get("_type") == int(w.ggml_type) and tuple(hit[0].get("_shape")) == w.shape:
                 p = self.backend.import_weight(hit[0], hit[1])
             else:

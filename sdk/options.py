@@ -179,10 +179,12 @@ class SessionOptions:
         0.75, Kind(lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v <= 1,
                    "a number in [0, 1]", float),
         "drafting stops at the draft model's first token below this probability", metavar="P")
-    rollback_slots: int = option(
-        16, INT0, "hybrid models (recurrent layers): state slots that speculating requests share for their "
+    rollback_slots: int | None = option(
+        None, OPT_INT0, "hybrid models (recurrent layers): state slots that speculating requests share for their "
         "states after drafted positions, so that rejected drafts roll back (a draft is no longer than the "
-        "free slots; 0: no speculation on hybrids)", metavar="N")
+        "free slots; 0: no speculation on hybrids). Each is one sequence's whole recurrent state, allocated at "
+        "open (Qwen3.5-0.8B: ~19 MB): default 16 with a draft model, else 4 (for requests "
+        "that ask speculative='ngram' themselves)", metavar="N")
 
     mmproj: str | os.PathLike | bool | None = option(
         None, Kind(lambda v: v is None or isinstance(v, bool) or _path(v), "None, False or a path", _mmproj),

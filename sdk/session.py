@@ -115,7 +115,8 @@ class Session:
         engine_opts = dict(max_batch_tokens=o.max_batch_tokens, max_seqs=o.max_seqs,
                            max_queued_requests=o.max_queued_requests, fusion=o.fusion,
                            prompt_cache_dir=_prompt_dir(o.prompt_cache, o.prompt_cache_dir, o.weight_cache),
-                           prompt_cache_bytes=o.prompt_cache_bytes, rollback_slots=o.rollback_slots)
+                           prompt_cache_bytes=o.prompt_cache_bytes,
+                           rollback_slots=o.rollback_slots if o.rollback_slots is not None else 16 if o.draft_model else 4)
         backends = ({o.backend: get_backend(o.backend)} if o.device is None
                     else open_device(o.device, n_gpu_layers, get_backend))
         path = resolve_model(model, filename=o.filename, progress=progress or log_progress(log),
@@ -544,6 +545,9 @@ class Session:
         max_tokens, stops, timeout = _check_limits(None if score_only else max_tokens, stop, timeout)
         max_tokens = 0 if score_only else max_tokens
         _check_choice_args(n, prompt_logprobs, reasoning_budget, reasoning_format, params, self.model.n_vocab)
+        if self.model.tokenizer.suppress_ids:  # the file's banned ids (Gemma 4 12B's), as llama.cpp's samplers ban them
+            params = replace(params, logit_bias=params.logit_bias + tuple(
+                (t, -math.inf) for t in self.model.tokenizer.suppress_ids))
         template_kwargs = _check_template_kwargs(chat_template_kwargs, messages)
         lora = self.model.adapters.resolve(adapters)
         grammar = constraint.grammar_from_response_format(response_format) if response_format is not None else None

@@ -25,7 +25,7 @@ def test_every_architecture_is_recorded():
 
 # llama.cpp's reference run for Gemma 4 keeps K/V in float32 (models.LLAMA_KW): so does ours there (an
 # f16 cache moves its lower-ranked log-probs by up to 0.08 nat, llama.cpp's own f16 cache alike)
-KV_TYPE = {"gemma4": "f32"}
+KV_TYPE = {"gemma4": "f32", "gemma4-moe": "f32"}
 TOLERANCE: dict[tuple[str, str], float] = {}
 
 
@@ -43,8 +43,8 @@ def _logprobs(case, c, tol: float = 0.05) -> str | None:
 @pytest.mark.parametrize("backend", ["cpu", "reference"])
 @pytest.mark.parametrize("variant", sorted(RECORDED))
 async def test_matches_llama_cpp(tmp_path, monkeypatch, variant, backend):
-    """Mutation: qwen3moe.moe_ffn not renormalizing the chosen experts' weights (norm_w=False) fails qwen3vlmoe
-    (and qwen3moe)."""
+    """Mutations: qwen3moe.moe_ffn not renormalizing the chosen experts' weights (norm_w=False) fails qwen3vlmoe
+    (and qwen3moe); gemma4 without its per-expert down scales (down_s=None) fails gemma4-moe."""
     monkeypatch.setattr(golden, "TOP1_LOGPROB_TOL", 0.05)  # F32 weights on both sides
     path = write(tmp_path / f"{variant}.gguf", variant)
     failures = []

@@ -44,15 +44,39 @@ def test_tokens_match_llama_cpp(name):
         assert [tok.encode(t) for t in r["texts"]] == r["tokens"]["plain"]
         assert [tok.encode(t, add_special=True) for t in r["texts"]] == r["tokens"]["add_special"]
         assert tok.encode(r["marked"], parse_special=True) == r["tokens"]["parse_special"]
+        assert tok.suppress_ids == tuple(r.get("suppress_tokens", ()))  # gemma4-12b's file names some
     finally:
         m.close()
+
+
+async def test_suppressed_tokens_are_never_generated():
+    """Gemma 4 12B's file bans ids (tokenizer.ggml.suppress_tokens) as llama.cpp's samplers do: pushed to the
+    top by a logit bias, the image soft token (9) still never comes; an unlisted one (10) does. Mutations:
+    Session not adding the file's ids to the request's logit bias fails it; keeping the id past the vocabulary
+    fails test_tokens_match_llama_cpp[gemma4-12b]."""
+    async with Session.open(str(DIR / "gemma4-12b.gguf"), backend="reference", n_ctx=64, weight_cache=False) as s:
+        banned = await s.generate([2, 101, 131], max_tokens=3, temperature=0, logit_bias={9: 100.0})
+        free = await s.generate([2, 101, 131], max_tokens=3, temperature=0, logit_bias={10: 100.0})
+        sampled = await s.generate([2, 101, 131], max_tokens=8, temperature=1.0, seed=1,
+                                   logit_bias={0: 100.0, 4: 100.0, 9: 100.0})
+    assert 9 not in banned.token_ids and free.token_ids == [10, 10, 10]
+    assert not {0, 4, 9} & set(sampled.token_ids)
+    from hearthlm.core.errors import ModelLoadError
+    from hearthlm.model_zoo.gguf_file import GGUFFile
+    from hearthlm.model_zoo.tokenizer import Tokenizer
+    with GGUFFile.open(DIR / "gemma4-12b.gguf") as f:
+        md = dict(f.metadata)
+    for bad in ("9", 9, ["x"]):  # not an array of ids: named
+        with pytest.raises(ModelLoadError, match="suppress_tokens"):
+            Tokenizer.from_gguf_metadata({**md, "tokenizer.ggml.suppress_tokens": bad})
 
 
 @pytest.mark.parametrize("backend", ["cpu", "reference"])
 @pytest.mark.parametrize("name", [n for n in NAMES if "greedy" in rec(n)])
 async def test_decoder_matches_llama_cpp(monkeypatch, name, backend):
-    """Mutation: qwen3moe.moe_ffn not renormalizing the chosen experts' weights (norm_w=False) fails
-    qwen3vlmoe-vision."""
+    """Mutations: qwen3moe.moe_ffn not renormalizing the chosen experts' weights (norm_w=False) fails
+    qwen3vlmoe-vision; gemma4 without its per-expert down scales (down_s=None), or its router input not
+    divided by sqrt(n_embd), fails gemma4-moe."""
     monkeypatch.setattr(golden, "TOP1_LOGPROB_TOL", 0.05)  # F32 weights on both sides
     failures = []
     async with Session.open(str(DIR / f"{name}.gguf"), backend=backend, n_ctx=256, weight_cache=False) as s:

@@ -206,6 +206,15 @@ async def test_rollback_slots_bound_the_drafts(models, monkeypatch):
         assert (drafted == 0) if n == 0 else (0 < drafted <= 2 * (st["steps"] - 1)), (n, drafted, st["steps"])
 
 
+async def test_rollback_slots_default_to_few_without_a_drafter(models):
+    """Each rollback slot is a whole recurrent state allocated at open: 4 by default (requests
+    that ask speculative= themselves), 16 with a draft model, the option's value when given.
+    Mutation: the default back to 16 for every session fails it."""
+    for kw, n in (({}, 4), ({"draft_model": models["lfm2"]}, 16), ({"rollback_slots": 7}, 7)):
+        async with Session.open(models["lfm2"], n_ctx=256, **kw) as s:
+            assert s.engine.memory.n_rollback == n, (kw, s.engine.memory.n_rollback)
+
+
 async def test_preempted_speculating_requests(models, monkeypatch):
     """Five speculating requests in a KV cache too small for all: some are preempted mid-draft
     (their rollback slots given back) and recomputed; every output equals plain decoding's.

@@ -133,7 +133,9 @@ def test_a_row_is_the_same_whatever_the_others_use(qwen2, backend, decode, loade
 def test_graphs_reused_when_only_the_assignment_changes(qwen2):
     """Steps of the same size whose rows use other adapters hit the cached graph ("lora_scale" is an
     input); a step without adapters builds today's graph (no LORA node, the same nodes as a model with
-    none loaded). Mutation: shape.lora holding only the adapters the step's requests use misses."""
+    none loaded), which reads the same base weights. Mutations: shape.lora holding only the adapters the step's
+    requests use misses; fusion.stack_matmuls stacking a LoRA'd FFN's gate and up (a third packed copy of
+    them) fails the last assertion."""
     m, run = _runner(*qwen2, "cpu")
     try:
         _step(m, run, [{"a": 1.0}, None, None], False)
@@ -155,6 +157,9 @@ def test_graphs_reused_when_only_the_assignment_changes(qwen2):
         fused = Counter(n.op for n in fusion.fuse(g).nodes)  # the residual adds and the GLU still fused
         assert fused[Op.MUL_MAT_ADD] == 2 * m.config.n_layer and fused[Op.GLU] == m.config.n_layer
         assert fused[Op.LORA] == len(lora)
+        # and read only the base weights the plain graph reads: no stacked copy of a LoRA'd FFN's gate and up
+        weights = lambda graph: {n.name for n in fusion.fuse(graph).nodes if n.op is Op.WEIGHT and ".lora_" not in n.name}  # noqa: E731
+        assert weights(g) <= weights(m.build_graph(shape)), weights(g) - weights(m.build_graph(shape))
     finally:
         m.close()
 

@@ -25,7 +25,7 @@ from hearthlm.core.backend import Backend
 from hearthlm.core.errors import BackendError, UnsupportedModelError
 from hearthlm.core.graph import Op, alibi_slopes, attn_bounds
 from hearthlm.core.log import get_logger
-from hearthlm.core.weights import QWeight
+from hearthlm.core.weights import QWeight, RowTable
 
 log = get_logger("hearthlm.cpu")
 
@@ -397,7 +397,27 @@ def _add_n(node, *xs, out=None):
     return out
 
 
+class FileRows:
+    """A RowTable left in the model file: each lookup copies the rows it asks for out of the mmap
+    and packs just those (RSS and first load untouched by the table; llama.cpp's TENSOR_READ_LAZY)."""
+
+    def __init__(self, w: RowTable) -> None:
+        self.w, self.shape = w, tuple(w.shape)
+
+    def rows(self, ids: np.ndarray) -> np.ndarray:
+        ids = np.ascontiguousarray(ids, np.int64).reshape(-1)  # (n,)
+        n_rows, n_cols = self.shape
+        if ids.size and (ids.min() < 0 or ids.max() >= n_rows):
+            raise IndexError(f"row id out of range 0..{n_rows - 1}")
+        if not ids.size:
+            return np.zeros((0, n_cols), np.float32)
+        raw = np.asarray(self.w.raw).reshape(n_rows, -1)[ids]  # (n, row_bytes): only these rows' pages read
+        return get_rows(pack_weight(self.w.ggml_type, raw, (ids.size, n_cols)), np.arange(ids.size, dtype=np.int32))
+
+
 def _get_rows(node, table, ids, out=None):
+    if isinstance(table, FileRows):
+        return _into(node, table.rows(ids), out)
     if isinstance(table, PackedWeight):
         return _into(node, get_rows(table, ids), out)
     if out is None:
@@ -653,6 +673,8 @@ class CPUBackend(Backend):
         if int(w.ggml_type) not in SUPPORTED_TYPES:  # named with the tensor (pack_weight knows only the type)
             name = T(w.ggml_type).name if int(w.ggml_type) in T._value2member_map_ else f"ggml type {w.ggml_type}"
             raise UnsupportedModelError(f"{w.name}: the CPU backend cannot run weights of type {name}")
+        if isinstance(w, RowTable) and len(w.shape) == 2 and w.shape[1] >= 32:
+            return FileRows(w)
         if len(w.shape) == 1 or (len(w.shape) == 2 and w.shape[1] < 32):
             # norms and biases, and matrices narrower than a quant block (conv kernels): float32
             from hearthlm.backends.reference import dequantize
@@ -664,6 +686,8 @@ class CPUBackend(Backend):
         return pack_weight(w.ggml_type, w.raw, w.shape)  # drops the file's pages of what it copies
 
     def export_weight(self, p):
+        if isinstance(p, FileRows):
+            return None  # the file itself holds it
         if isinstance(p, Experts):  # each expert as a packed weight of its own, arrays "<expert>.<name>"
             parts = [self.export_weight(e) for e in p]
             if any(part is None for part in parts):

@@ -10,9 +10,9 @@ import numpy as np
 from llvmlite import ir
 from numba import prange, types
 from numba.core import cgutils
-from numba.extending import intrinsic
+from numba.extending import intrinsic, overload
 
-from .halfs import VW, _call, _ptr, _splat, _vec_ptr, bits_as_f32, like
+from .halfs import VW, _call, _ptr, _splat, _vec_ptr, bits_as_f32, f32, like, widen
 from .kvquant import fwht, load_row, put_row
 
 # error_model="numpy": a float division by zero gives inf/NaN, as in numpy and ggml, not a
@@ -303,34 +303,56 @@ def set_rows_1(cache, src, slots, kind=0, rot=0):
         _set_row(cache, src, slots, t, kind, rot, tmp)
 
 
+def _row_base(context, builder, sig, args, i_rows: int, i, ip):
+    """The address of row i's first value: rows[i] of a 2-D array, or cache[slots[i], kh] of a
+    (n_slots, n_kv, d) cache (float32 or float16 bits) read where it lies; args[i_rows:i_rows + 3]
+    are (rows or cache, slots, kh)."""
+    ta, (src, slots, kh) = sig.args, args[i_rows:i_rows + 3]
+    if ta[i_rows].ndim == 2:
+        return _ptr(context, builder, ta[i_rows], src, [(i, ip)] + [(context.get_constant(ip, 0), ip)])
+    slot = builder.load(_ptr(context, builder, ta[i_rows + 1], slots, [(i, ip)]))
+    zero = context.get_constant(ip, 0)
+    return _ptr(context, builder, ta[i_rows], src, [(slot, ta[i_rows + 1].dtype), (kh, ta[i_rows + 2]), (zero, ip)])
+
+
+def _load_vec(builder, base, c, dtype, vf):
+    """VW values at base + c as float32: float16 bits widened (halfs.widen), float32 as they are."""
+    p = builder.gep(base, [c])
+    if dtype == types.uint16:
+        return widen(builder, builder.load(builder.bitcast(p, ir.VectorType(ir.IntType(16), VW).as_pointer()), align=2))
+    return builder.load(builder.bitcast(p, vf.as_pointer()), align=4)
+
+
 @intrinsic
-def _axpy_rows(typingctx, acc, e, v, nb):
-    """acc[:n] += sum over i < nb of e[i] * v[i, :n], n = acc's length rounded down to whole
-    vectors (the caller adds the rest): the running sums of 4 vectors in registers across the
-    rows, where a loop over acc in memory waits on each store."""
+def _axpy_rows(typingctx, acc, e, v, slots, kh, nb):
+    """acc[:n] += sum over i < nb of e[i] * row i[:n], n = acc's length rounded down to whole
+    vectors (the caller adds the rest); row i: v[i] of a 2-D float32 array (slots, kh unused), or
+    v[slots[i], kh] of a cache, float32 or float16 bits, read in place (no staging copy). The
+    running sums of 4 vectors in registers across the rows, where a loop over acc in memory waits
+    on each store."""
     def codegen(context, builder, sig, args):
-        acc_v, e_v, v_v, nb_v = args
+        acc_v, e_v, nb_v = args[0], args[1], args[5]
         ta, ip = sig.args, types.intp
         cst = lambda x: context.get_constant(ip, x)  # noqa: E731
         vf = ir.VectorType(ir.FloatType(), VW)
-        nb = context.cast(builder, nb_v, ta[3], ip)
+        nb = context.cast(builder, nb_v, ta[5], ip)
         n = cgutils.unpack_tuple(builder, context.make_array(ta[0])(context, builder, acc_v).shape)[0]
         n_vec = builder.sdiv(n, cst(VW))
-        def vec_at(arrty, arr, inds):
-            return _vec_ptr(context, builder, arrty, arr, inds, vf)
 
         def run(c0, width):  # vectors c0..c0+width-1 of acc, over all rows
             cols = [builder.mul(builder.add(c0, cst(u)), cst(VW)) for u in range(width)]
-            sums = [cgutils.alloca_once_value(builder, builder.load(vec_at(ta[0], acc_v, [(c, ip)]), align=4))
+            sums = [cgutils.alloca_once_value(builder, builder.load(_vec_ptr(context, builder, ta[0], acc_v, [(c, ip)], vf),
+                                                                    align=4))
                     for c in cols]
             with cgutils.for_range(builder, nb) as loop:
                 i = loop.index
                 ev = _splat(builder, builder.load(_ptr(context, builder, ta[1], e_v, [(i, ip)])), vf)
+                base = _row_base(context, builder, sig, args, 2, i, ip)
                 for c, sm in zip(cols, sums):
-                    x = builder.load(vec_at(ta[2], v_v, [(i, ip), (c, ip)]), align=4)
+                    x = _load_vec(builder, base, c, ta[2].dtype, vf)
                     builder.store(_call(builder, f"llvm.fma.v{VW}f32", vf, [ev, x, builder.load(sm)]), sm)
             for c, sm in zip(cols, sums):
-                builder.store(builder.load(sm), vec_at(ta[0], acc_v, [(c, ip)]), align=4)
+                builder.store(builder.load(sm), _vec_ptr(context, builder, ta[0], acc_v, [(c, ip)], vf), align=4)
 
         n4 = builder.mul(builder.sdiv(n_vec, cst(4)), cst(4))
         with cgutils.for_range_slice(builder, cst(0), n4, cst(4)) as (c0, _):
@@ -338,7 +360,7 @@ def _axpy_rows(typingctx, acc, e, v, nb):
         with cgutils.for_range(builder, builder.sub(n_vec, n4)) as loop:
             run(builder.add(n4, loop.index), 1)
         return context.get_dummy_value()
-    return types.none(acc, e, v, nb), codegen
+    return types.none(acc, e, v, slots, kh, nb), codegen
 
 
 def _fold_plan(w):
@@ -371,19 +393,20 @@ assert ATT_BLOCK % VW == 0  # _dot_rows writes whole vectors of scores
 
 
 @intrinsic
-def _dot_rows(typingctx, out, q, kb, nb, scale):
-    """out[i] = (q . kb[i]) * scale for i < nb (up to the next multiple of the vector width:
-    rows past nb repeat row nb-1); q's length a multiple of the vector width. A vector of rows at
+def _dot_rows(typingctx, out, q, kb, slots, kh, nb, scale):
+    """out[i] = (q . row i) * scale for i < nb (up to the next multiple of the vector width:
+    rows past nb repeat row nb-1); q's length a multiple of the vector width; row i as
+    _axpy_rows reads it (kb[i], or kb[slots[i], kh] of a cache in place). A vector of rows at
     a time: each row's products summed in a vector over the columns, then the rows' vectors folded
     into one vector of their sums (a shuffle tree, no sum across one vector's lanes per row)."""
     def codegen(context, builder, sig, args):
-        out_v, q_v, kb_v, nb_v, sc_v = args
+        out_v, q_v, nb_v, sc_v = args[0], args[1], args[5], args[6]
         ta, ip = sig.args, types.intp
         cst = lambda x: context.get_constant(ip, x)  # noqa: E731
         i32 = ir.IntType(32)
         vf = ir.VectorType(ir.FloatType(), VW)
-        nb = context.cast(builder, nb_v, ta[3], ip)
-        scale = context.cast(builder, sc_v, ta[4], types.float32)
+        nb = context.cast(builder, nb_v, ta[5], ip)
+        scale = context.cast(builder, sc_v, ta[6], types.float32)
         d = cgutils.unpack_tuple(builder, context.make_array(ta[1])(context, builder, q_v).shape)[0]
         n_chunks = builder.sdiv(d, cst(VW))
         zeros = ir.Constant(vf, [0.0] * VW)
@@ -394,16 +417,17 @@ def _dot_rows(typingctx, out, q, kb, nb, scale):
         n_blocks = builder.sdiv(builder.add(nb, cst(VW - 1)), cst(VW))
         with cgutils.for_range(builder, n_blocks) as blk:
             i0 = builder.mul(blk.index, cst(VW))
-            rows = []
+            bases = []
             for u in range(VW):
                 r = builder.add(i0, cst(u))
-                rows.append(builder.select(builder.icmp_signed("<", r, nb), r, last))
+                bases.append(_row_base(context, builder, sig, args, 2,
+                                       builder.select(builder.icmp_signed("<", r, nb), r, last), ip))
             sums = [cgutils.alloca_once_value(builder, zeros) for _ in range(VW)]
             with cgutils.for_range(builder, n_chunks) as ch:
                 c = builder.mul(ch.index, cst(VW))
                 qv = builder.load(vec_at(ta[1], q_v, [(c, ip)]), align=4)
-                for r, sm in zip(rows, sums):
-                    kv = builder.load(vec_at(ta[2], kb_v, [(r, ip), (c, ip)]), align=4)
+                for base, sm in zip(bases, sums):
+                    kv = _load_vec(builder, base, c, ta[2].dtype, vf)
                     builder.store(_call(builder, f"llvm.fma.v{VW}f32", vf, [qv, kv, builder.load(sm)]), sm)
             vs = [builder.load(sm) for sm in sums]
             for lo, hi in _LEVELS:
@@ -414,7 +438,19 @@ def _dot_rows(typingctx, out, q, kb, nb, scale):
             sv = _splat(builder, scale, vf)
             builder.store(builder.fmul(res, sv), vec_at(ta[0], out_v, [(i0, ip)]), align=4)
         return context.get_dummy_value()
-    return types.none(out, q, kb, nb, scale), codegen
+    return types.none(out, q, kb, slots, kh, nb, scale), codegen
+
+
+def in_place(cache):
+    """Whether attention reads the cache's rows where they lie (float32, float16 bits), not
+    dequantized into a staging block (quantized blocks); compiled code only."""
+    raise NotImplementedError
+
+
+@overload(in_place, inline="always")
+def _in_place(cache):
+    flag = cache.dtype != types.uint8
+    return lambda cache: flag
 
 
 @numba.njit(**_JIT)
@@ -434,8 +470,11 @@ def _attend(q, k_cache, v_cache, t, kh0, kh1, group, seq, p_lo, p_hi, block_tabl
     nh = kh1 - kh0
     sc = np.empty((nh, group, ATT_BLOCK), np.float32)
     slots = np.empty(ATT_BLOCK, np.int64)
-    kb = np.empty((nh, ATT_BLOCK, d), np.float32)
-    vb = np.empty((nh, ATT_BLOCK, dv), np.float32)
+    # float caches are read in place (in_place: the staging copy was ~40% of attention's time at
+    # 1,500 positions); quantized blocks are dequantized once into kb, vb for the whole GQA group
+    direct_k, direct_v = in_place(k_cache) and d % VW == 0, in_place(v_cache)
+    kb = np.empty((0 if direct_k else nh, ATT_BLOCK, d), np.float32)
+    vb = np.empty((0 if direct_v else nh, ATT_BLOCK, dv), np.float32)
     dv_vec = dv // VW * VW
     qs = np.empty((nh, group, d), np.float32)
     for a in range(nh):
@@ -456,12 +495,16 @@ def _attend(q, k_cache, v_cache, t, kh0, kh1, group, seq, p_lo, p_hi, block_tabl
                 base = block_table[seq, blk] * block_size
             slots[i] = base + off
             off += 1
-            for a in range(nh):
-                load_row(k_cache[slots[i], kh0 + a], kb[a, i], kind_k)
+            if not direct_k:
+                for a in range(nh):
+                    load_row(k_cache[slots[i], kh0 + a], kb[a, i], kind_k)
         for a in range(nh):
             for g in range(group):
+                if direct_k:
+                    _dot_rows(sc[a, g], qs[a, g], k_cache, slots, kh0 + a, nb, scale)
+                    continue
                 if d % VW == 0:
-                    _dot_rows(sc[a, g], qs[a, g], kb[a], nb, scale)
+                    _dot_rows(sc[a, g], qs[a, g], kb[a], slots, 0, nb, scale)
                     continue
                 for i in range(nb):
                     s = np.float32(0.0)
@@ -498,12 +541,19 @@ def _attend(q, k_cache, v_cache, t, kh0, kh1, group, seq, p_lo, p_hi, block_tabl
                     sc[a, g, i] = e
                     ls += e
                 l[kh, g] += ls
-        for i in range(nb):
-            for a in range(nh):
-                load_row(v_cache[slots[i], kh0 + a], vb[a, i], kind_v)
+        if not direct_v:
+            for i in range(nb):
+                for a in range(nh):
+                    load_row(v_cache[slots[i], kh0 + a], vb[a, i], kind_v)
         for a in range(nh):
             for g in range(group):
-                _axpy_rows(acc[kh0 + a, g], sc[a, g], vb[a], nb)
+                if direct_v:
+                    _axpy_rows(acc[kh0 + a, g], sc[a, g], v_cache, slots, kh0 + a, nb)
+                    for j in range(dv_vec, dv):  # past whole vectors
+                        for i in range(nb):
+                            acc[kh0 + a, g, j] += sc[a, g, i] * f32(v_cache[slots[i], kh0 + a, j])
+                    continue
+                _axpy_rows(acc[kh0 + a, g], sc[a, g], vb[a], slots, 0, nb)
                 for j in range(dv_vec, dv):  # past whole vectors
                     for i in range(nb):
                         acc[kh0 + a, g, j] += sc[a, g, i] * vb[a, i, j]

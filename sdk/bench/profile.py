@@ -15,6 +15,7 @@ from pathlib import Path
 import anyio
 
 from hearthlm.bench import session_options
+from hearthlm.bench.roofline import read_bytes
 from hearthlm.core.graph import Op
 from hearthlm.runtime import dispatch
 from hearthlm.runtime import runner as runner_mod
@@ -46,7 +47,7 @@ def _timed_execute(acc: _Acc):
             if st.kind is dispatch.KERNEL and not getattr(st.fn, "_timed", False):
                 st.fn = _wrap(st.fn, acc, st.node.op.value)
             if st.kind is dispatch.KERNEL and st.node.op not in _LOOKUPS:
-                acc.bytes[n][st.node.op.value] += sum(_nbytes(cg.steps[j].value) for j in st.srcs
+                acc.bytes[n][st.node.op.value] += sum(read_bytes(st.node, cg.steps[j].value) for j in st.srcs
                                                       if cg.steps[j].kind is dispatch.STATIC)
         acc.cur = by_op
         outs = dispatch.execute(cg, feed, cache_of)
@@ -57,12 +58,6 @@ def _timed_execute(acc: _Acc):
 
 
 _LOOKUPS = {Op.GET_ROWS}  # read a few rows of their table, not all of it
-
-
-def _nbytes(w) -> int:
-    """A prepared weight's bytes (a backend's packed layout, or an array)."""
-    n = getattr(w, "nbytes", 0)
-    return int(n() if callable(n) else n)
 
 
 def _wrap(fn, acc: _Acc, name: str):

@@ -75,6 +75,15 @@ VARIANTS = {  # name -> (architecture, extra metadata, extra F32 tensors by name
                           "embedding_length_per_layer_input": 32, "feed_forward_length": [96, 96, 96, 96, 192, 192],
                           "expert_count": None},
                {"rope_freqs.weight": np.array([1.0] * 8 + [1e10] * 8)}),
+    # Gemma 4 26B-A4B's layout: experts beside the dense FFN in every layer (router scale, fused gate/up, per-expert
+    # output scales), full layers with fewer K/V heads and a wider head, no per-layer inputs or shared K/V
+    "gemma4-moe": ("gemma4", {"block_count": 4, "attention.sliding_window_pattern": [True, False] * 2,
+                              "attention.head_count_kv": [2, 1, 2, 1], "attention.key_length": 32,
+                              "attention.value_length": 32, "attention.key_length_swa": 16,
+                              "attention.value_length_swa": 16, "rope.dimension_count": 32,
+                              "rope.dimension_count_swa": 16, "rope.freq_base_swa": 10000.0,
+                              "embedding_length_per_layer_input": 0},  # llama.cpp requires the key
+                   {"rope_freqs.weight": np.array([1.0] * 8 + [1e10] * 8)}),
     # sliding (window 4) and full layers alternating, YaRN; attention sinks, router and expert biases
     "gpt-oss": ("gpt-oss", {"block_count": 4, "attention.sliding_window": 4, "rope.scaling.type": "yarn",
                             "rope.scaling.factor": 4.0, "rope.scaling.original_context_length": 64}, {}),
@@ -106,7 +115,7 @@ def _vocab(w: gguf.GGUFWriter, n_vocab: int = N_VOCAB) -> None:
 # llama.cpp settings per variant for its reference run: Gemma 4 attends with scale 1 over RMS-normed Q
 # and K (scores up to head_dim), where an f16 K/V cache's rounding moves lower-ranked log-probs by up
 # to 0.08 nat in llama.cpp itself: its f32 cache is the exact semantics (ours: f16 on cpu, f32 on reference)
-LLAMA_KW = {"gemma4": {"type_k": 0, "type_v": 0}}
+LLAMA_KW = {"gemma4": {"type_k": 0, "type_v": 0}, "gemma4-moe": {"type_k": 0, "type_v": 0}}
 
 
 def _add(w: gguf.GGUFWriter, key: str, v) -> None:
@@ -220,8 +229,43 @@ BENCH = {
                                [8 if il in (2, 5, 8, 10, 12, 14) else 0 for il in range(16)],
                            "rope.freq_base": 1e6, "rope.dimension_count": 64, "attention.sliding_window": None,
                            "shortconv.l_cache": 3}, {}),
+    # Gemma 4 26B-A4B's per-layer shapes (google/gemma-4-26B-A4B-it: width 2816, 16 heads, sliding layers 8 K/V
+    # heads of 256, full ones 2 of 512 with K as V, dense FFN 2112, 128 experts of 704, top 8), 6 of its 30 layers
+    # (its pattern: 5 sliding, 1 full) so that the file (~3.5 GB at Q4_0, not ~15) fits this host's memory twice
+    "gemma4-26b-a4b-6l": ("gemma4", {"block_count": 6, "context_length": 4096, "embedding_length": 2816,
+                                     "feed_forward_length": 2112, "attention.head_count": 16,
+                                     "attention.head_count_kv": [8] * 5 + [2], "attention.key_length": 512,
+                                     "attention.value_length": 512, "attention.key_length_swa": 256,
+                                     "attention.value_length_swa": 256, "attention.layer_norm_rms_epsilon": 1e-6,
+                                     "rope.freq_base": 1e6, "rope.freq_base_swa": 1e4, "rope.dimension_count": 512,
+                                     "rope.dimension_count_swa": 256, "attention.sliding_window": 1024,
+                                     "attention.sliding_window_pattern": [True] * 5 + [False],
+                                     "attention.shared_kv_layers": 0, "embedding_length_per_layer_input": 0,
+                                     "expert_count": 128, "expert_used_count": 8, "expert_feed_forward_length": 704},
+                          {"rope_freqs.weight": np.array([1.0] * 64 + [1e30] * 192), "blk.5.attn_v.weight": None}),
+    # Gemma 4 E2B's shapes (google/gemma-4-E2B-it: 35 layers, 4 sliding then 1 full, width 1536, 8 heads over 1 K/V
+    # head of 256 (full: 512), FFN 6144 (12288 in the 20 layers reading earlier K/V), per-layer inputs of 256: the
+    # per_layer_token_embd table is 262,144 x 8,960)
+    "gemma4-e2b": ("gemma4", {"block_count": 35, "context_length": 4096, "embedding_length": 1536,
+                              "feed_forward_length": [6144] * 15 + [12288] * 20, "attention.head_count": 8,
+                              "attention.head_count_kv": 1, "attention.key_length": 512, "attention.value_length": 512,
+                              "attention.key_length_swa": 256, "attention.value_length_swa": 256,
+                              "attention.layer_norm_rms_epsilon": 1e-6, "rope.freq_base": 1e6, "rope.freq_base_swa": 1e4,
+                              "rope.dimension_count": 512, "rope.dimension_count_swa": 256, "attention.sliding_window": 512,
+                              "attention.sliding_window_pattern": ([True] * 4 + [False]) * 7,
+                              "attention.shared_kv_layers": 20, "embedding_length_per_layer_input": 256,
+                              "expert_count": None, "expert_used_count": None},
+                   {"rope_freqs.weight": np.array([1.0] * 64 + [1e30] * 192)}),
 }
-BENCH_VOCAB = {"qwen35-0.8b": 248320, "lfm2-350m": 65536}
+BENCH_VOCAB = {"qwen35-0.8b": 248320, "lfm2-350m": 65536, "gemma4-26b-a4b-6l": 262144, "gemma4-e2b": 262144}
+
+
+def q4_0(name: str, shape) -> T | None:
+    """Every matrix Q4_0 (the experts' 704 columns are no whole Q4_K super-block)."""
+    return T.Q4_0 if len(shape) >= 2 else None
+
+
+BENCH_QTYPES = {"gemma4-26b-a4b-6l": lambda n_layer: q4_0, "gemma4-e2b": lambda n_layer: q4_0}  # else q4_k_m
 
 
 def q4_k_m(n_layer: int):

@@ -5,8 +5,10 @@ the interpreter of llama-cpp-python 0.3.36 (../shared/tools/llama-cpp-build.sh; 
 
 writes tests/data/converted/<name>.json: the token ids of TEXTS as llama.cpp tokenizes them (with and
 without its special tokens, and with special-token text parsed), then for a decoder the greedy steps
-with top-5 log-probs from each text's ids, for an encoder each text's pooled embedding and, where the
-file has a rank head, the rerank pairs as llama-server builds them and their scores."""
+with top-5 log-probs from each text's ids (and the ids its samplers suppress, where the file names
+some), for an encoder each text's pooled embedding and, where the file has a rank head, the rerank
+pairs as llama-server builds them and their scores."""
+import ctypes
 import json
 import sys
 from pathlib import Path
@@ -35,6 +37,10 @@ def record(path: Path) -> dict:
                       "add_special": [llm.tokenize(t.encode(), add_bos=True, special=False) for t in TEXTS],
                       "parse_special": llm.tokenize(marked.encode(), add_bos=False, special=True)},
            "flags": {k: bool(getattr(llama_cpp, f"llama_vocab_get_add_{k}")(vocab)) for k in ("bos", "eos", "sep")}}
+    n = ctypes.c_int32(0)  # the ids its samplers ban (tokenizer.ggml.suppress_tokens, those in the vocabulary)
+    ids = llama_cpp.llama_vocab_get_suppress_tokens(vocab, ctypes.byref(n))
+    if n.value:
+        rec["suppress_tokens"] = [int(ids[i]) for i in range(n.value)]
     md = {str(k).split(".", 1)[-1]: str(v).lower() for k, v in llm.metadata.items()}
     llm.close()
     pooling = md.get("pooling_type")

@@ -160,6 +160,16 @@ SPECS = {
                                         layer_types=["sliding_attention", "full_attention"] * 2,
                                         hidden_size_per_layer_input=0, num_kv_shared_layers=0),
                             **GEMMA4_TOKENS),
+    # Gemma 4 26B-A4B-like (30 layers, 128 experts, top 8): the kv-heads layout plus, in every layer, a router
+    # (its input RMS-normed, times a learned scale), fused gate/up experts with per-expert output scales beside
+    # the dense MLP (the shared expert), each branch with its own norms; 8 experts, top 2, 16 wide
+    "gemma4-moe": dict(config_class="Gemma4TextConfig", model_class="Gemma4ForCausalLM", tokenizer="spm_bpe",
+                       config=dict(GEMMA4, num_hidden_layers=4, num_key_value_heads=2,
+                                   num_global_key_value_heads=1, attention_k_eq_v=True,
+                                   layer_types=["sliding_attention", "full_attention"] * 2,
+                                   hidden_size_per_layer_input=0, num_kv_shared_layers=0,
+                                   enable_moe_block=True, num_experts=8, top_k_experts=2, moe_intermediate_size=16),
+                       **GEMMA4_TOKENS),
     # Gemma 4's assistant (gemma-4-*-assistant) for the "gemma4" model above (its backbone_hidden_size): two
     # layers of width 16 that keep no K/V (they read the target's last sliding and full layers'), so their head
     # sizes and K/V head count are the target's; the target's embeddings and hidden state in, its own LM head out

@@ -4,6 +4,8 @@ none share K/V) under an encoder-free vision embedder: raw 12-pixel patches (pat
 projected to 24 (mm_embed_dim, not the text width, so that the final projection is not square), LayerNorm'd, plus
 x/y rows of a 64-entry position table, LayerNorm'd, RMS-normed and projected to the text width. The converter
 insists on an audio half (audio_config; written as gemma4ua, which this project refuses)."""
+import json
+
 from specs_gemma import GEMMA4
 from specs_gemma4v import GEMMA4_VISION_TOKENS, _processor
 
@@ -26,3 +28,10 @@ SPECS = {
                             saved_config={"text_config": {"expert_intermediate_size": None}},
                             extra_files=_processor(), convert_args_mmproj=["--mmproj"], **GEMMA4_VISION_TOKENS),
 }
+# Gemma 4 12B's text file as its users convert it (no --mmproj): the same checkpoint, and a generation_config.json
+# with suppress_tokens, which the converter writes for this class only (tokenizer.ggml.suppress_tokens; llama.cpp's
+# samplers ban them): the pad and mask tokens and the image soft token, and an id past the vocabulary (dropped)
+SPECS["gemma4-12b"] = dict({k: v for k, v in SPECS["gemma4uv-vision"].items() if k != "convert_args_mmproj"},
+                           extra_files={**_processor(), "generation_config.json": json.dumps(
+                               {"bos_token_id": 2, "eos_token_id": 1, "pad_token_id": 0,
+                                "suppress_tokens": [0, 4, 9, 100000]})})
