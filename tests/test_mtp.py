@@ -187,7 +187,13 @@ async def test_mtp_and_plain_requests_batch_together(monkeypatch):
         assert out == plain
         assert st["mtp_steps"] > 0 and st["mtp_kv_blocks_used"] == 0
         runs.append(dict(seen))
-    assert len(runs[1]) >= 15 and runs[1] == runs[0]
+    # the same proposals, as far as both go (batched, the session's rollback slots may shorten a draft, and
+    # the draft length adapts to what was kept)
+    common = [key for key in runs[1] if key in runs[0]]
+    assert len(common) >= 15
+    for key in common:
+        m = min(len(runs[0][key]), len(runs[1][key]))
+        assert runs[0][key][:m] == runs[1][key][:m], key
 
 
 async def test_the_block_is_opened_at_its_first_draft():
