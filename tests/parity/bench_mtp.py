@@ -86,7 +86,7 @@ async def main(a) -> None:
     if not path.exists():
         write(path)
     prompt = [1 + (i * 7919) % 5000 for i in range(64)]
-    async with Session.open(str(path), n_ctx=1024, backend=a.backend, draft_p_min=0.0) as s:
+    async with Session.open(str(path), n_ctx=1024, backend=a.backend, draft_p_min=0.0, rollback_slots=a.k + 1) as s:
         s.engine.mtp.k_max = a.k
         await decode_rate(s, prompt, a.tokens, "off")  # compile, warm: every step shape the rounds meet
         await decode_rate(s, prompt, a.tokens, "mtp")
