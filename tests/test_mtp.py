@@ -205,3 +205,30 @@ async def test_the_block_is_opened_at_its_first_draft():
         assert s.engine.mtp.runner is None and s.stats()["mtp_kv_blocks_total"] == 0
         await s.generate([2, 5, 6, 7], max_tokens=4, speculative="mtp", **GREEDY)
         assert s.engine.mtp.runner is not None and s.stats()["mtp_steps"] > 0
+
+
+async def test_sampled_tokens_with_mtp_drafts_are_scored_by_the_plain_model(monkeypatch):
+    """Sampled output with the block drafting (its drafts then replaced by the greedy run's continuation:
+    some kept, some rejected once the sample leaves it): at every generated position the top log-probs
+    reported equal the plain model's for the same prefix (the prompt log-probs of prompt + output), so
+    each token was drawn by rejection sampling (test_speculative: the target's distribution) from the
+    right state. Mutation: SequenceMemory.rollback leaving the recurrent state after the rejected drafts
+    fails it."""
+    p = [2] + [5 + (i * 11) % 60 for i in range(24)]
+    async with Session.open(QWEN35, n_ctx=512, draft_p_min=0.0) as s:
+        greedy = await s.generate(p, max_tokens=30, **GREEDY)
+        truth = list(p) + greedy.token_ids
+        _recording(monkeypatch, replace=lambda r: [t for t in truth[len(r.tokens):len(r.tokens) + len(r.draft)]]
+                   if r.tokens == truth[:len(r.tokens)] else r.draft)
+        got = await s.generate(p, max_tokens=30, temperature=0.4, seed=11, ignore_eos=True, top_logprobs=3,
+                               speculative="mtp")
+        st = s.stats()
+        scored = await s.generate(p + got.token_ids, max_tokens=0, prompt_logprobs=3)
+    assert 0 < st["spec_accepted_tokens"] < st["spec_drafted_tokens"]
+    assert got.token_ids != greedy.token_ids
+    plain = scored.prompt_logprobs[len(p):]
+    assert len(plain) == len(got.top_logprobs)
+    for i, (a, b) in enumerate(zip(got.top_logprobs, plain)):
+        want = {t: lp for t, lp in (b[2] or [])}
+        for t, lp in a:
+            assert t in want and abs(lp - want[t]) < 5e-3, (i, a, b)
