@@ -18,6 +18,7 @@ from threadpoolctl import threadpool_limits
 from hearthlm.core.errors import ContextLengthError, EngineFailedError, HearthError, InvalidRequestError, QueueFull, SessionClosedError
 from hearthlm.core.log import get_logger
 from hearthlm.runtime.batcher import Batcher, StepPlan
+from hearthlm.runtime.draft_heads import new_spec, observe
 from hearthlm.runtime.output import Outcome, OutputProcessor
 from hearthlm.runtime.placement import Placement
 from hearthlm.runtime.request import Kind, Request, check_media
@@ -60,7 +61,8 @@ class Engine:
                  weight_cache=None, state_snapshots: int = 8, prompt_cache_dir=None,
                  prompt_cache_bytes: int = 1 << 30, kv_cache_type: str = "f16", draft=None, vision=None,
                  image_cache_bytes: int = 256 << 20, after_callbacks: Callable[[], None] | None = None,
-                 rollback_slots: int = ROLLBACK_SLOTS) -> None:
+                 rollback_slots: int = ROLLBACK_SLOTS,
+                 mtp=None) -> None:
         """`model` provides build_graph(shape) -> Graph, weights, layer_memory, n_vocab, eog_ids.
         `placement`: a runtime.placement.Placement of layers over backends, or one backend
         (the trivial placement). `fusion`: None follows HEARTHLM_NO_FUSION; `graph_cache=False`
@@ -76,7 +78,8 @@ class Engine:
         ask otherwise (SamplingParams.speculative None; "off" opts out). `vision`: a vision tower
         (runtime.vision.VisionEncoder's `tower`) for requests with images, run where the output head
         is; its rows are kept in an LRU of image_cache_bytes. `after_callbacks`: called on the engine
-        thread after each round of request callbacks (a step's, an abort's, a failure's): sdk's _wake.flush."""
+        thread after each round of request callbacks (a step's, an abort's, a failure's): sdk's _wake.flush.
+        `mtp`: a runtime.draft_heads.MTPDrafter of the model's own MTP block, for speculative="mtp"."""
         self.model = model
         self.n_ctx = n_ctx
         self.max_queued_requests = max_queued_requests
@@ -91,7 +94,9 @@ class Engine:
         self.causal = getattr(model, "causal", True)
         if draft is not None and not self.causal:
             raise InvalidRequestError("this model is an encoder: it does not generate, so nothing is drafted for it")
-        self.draft = draft
+        self.draft, self.mtp = draft, mtp
+        if hasattr(draft, "attach"):  # a head drafter (runtime.draft_heads) runs on this engine's memory
+            draft.attach(self.memory, self.placement, n_ctx=n_ctx, max_seqs=max_seqs, fusion=fusion)
         self.batcher = Batcher(self.memory, max_batch_tokens=max_batch_tokens, max_seqs=max_seqs,
                                whole=not self.causal)
         self.max_batch_tokens, self.max_seqs = max_batch_tokens, max_seqs
@@ -139,10 +144,8 @@ class Engine:
             raise ContextLengthError(f"prompt ({n} tokens) + max_tokens ({req.max_tokens}) exceeds the "
                                      f"context of {self.n_ctx} tokens")
         how = req.params.speculative or ("draft" if self.draft is not None and req.kind is Kind.GENERATE else None)
-        if how == "draft":
-            if self.draft is None:
-                raise InvalidRequestError("speculative='draft' needs a session opened with draft_model=")
-            req.spec = self.draft.new_seq()
+        if how in ("draft", "mtp"):  # the session's draft model, or the model's own MTP block
+            req.spec = new_spec(how, self.draft, self.mtp)
         if req.media:
             check_media(req, self.runner.vision is not None, mrope=self.runner.n_pos > 1)
         bad = [t for i, t in enumerate(req.prompt) if not 0 <= t < self.model.n_vocab and not req.in_media(i)]
@@ -189,8 +192,8 @@ class Engine:
             time_to_first_token_s=ttft[len(ttft) // 2] if ttft else None)
         c.update(self.runner.stats())  # graph cache hits/misses, nodes unfused/fused, build/reuse times; threads
         c.update(self.output.stats())  # grammar masks' time per token
-        if self.draft is not None:
-            c.update(self.draft.stats())
+        for d in (self.draft, self.mtp):  # a draft model's (or assistant's) counts; the MTP block's
+            c.update(d.stats() if d is not None else {})
         c.update(healthy=self._failed is None, engine_error=str(self._failed) if self._failed else None)
         return c
 
@@ -247,8 +250,8 @@ class Engine:
         elif req in self.waiting:
             self.waiting.remove(req)
         try:
-            if self.draft is not None and req.spec is not None and not isinstance(req.spec, NgramDrafter):
-                self.draft.release(req.spec)
+            if req.spec is not None and not isinstance(req.spec, NgramDrafter):
+                getattr(req.spec, "drafter", self.draft).release(req.spec)
             self.batcher.release(req)
         finally:  # the caller hears of it even if releasing broke (then the loop fails the rest)
             try:
@@ -259,22 +262,22 @@ class Engine:
     def _draft(self) -> None:
         """Draft tokens for the speculating requests that are decoding (their last token is the
         only one left to compute); a grammar keeps only the prefix it accepts."""
-        drafting, by_model = [], []
+        drafting, by_model = [], {}
         for r in self.running:
             if r.spec is None or r.n_wanted != 1 or r.draft:
                 continue
             room = min(r.max_tokens - r.n_generated, self.n_ctx - len(r.tokens)) - 1
             if isinstance(r.spec, NgramDrafter):
                 r.draft = r.spec.propose(r.tokens, room)
-            else:
-                by_model.append((r, room))
+            else:  # the session's draft model, or the model's own heads
+                by_model.setdefault(getattr(r.spec, "drafter", self.draft), []).append((r, room))
             drafting.append(r)
-        if by_model:
+        for drafter, items in by_model.items():
             try:  # all of them in batched steps of the draft model
-                self.draft.propose(by_model)
+                drafter.propose(items)
             except Exception:  # drafts only save time: without them the step goes on as usual
                 log.exception("the draft model failed; this step runs without drafts")
-                for r, _ in by_model:
+                for r, _ in items:
                     r.draft = []
         for r in drafting:
             if r.draft and r.matcher is not None:
@@ -297,6 +300,7 @@ class Engine:
             job = self.output.start_masks(plan)  # constrained rows' masks are filled while the forward pass runs
             try:
                 out = self.runner.run(plan)
+                observe(plan, out.hidden, self.draft, self.mtp)  # the rows head drafters start from
             finally:  # the matchers are not touched again before their masks are done
                 masks = self.output.join_masks(job)
             # counted before the update wakes the callers, so their stats() see this step

@@ -170,7 +170,8 @@ class ModelRunner:
         n_media = sum(min(m.end, s.req.n_computed + s.n_tokens) - max(m.start, s.req.n_computed) for _, s, m in media)
         shape = self.shape(n_tokens=plan.n_tokens, n_seqs=len(plan.seqs), need_blocks=need,
                            n_out=sum(len(scored(s)) + n_out(s) for s in plan.seqs),
-                           embd=any(s.req.kind is Kind.EMBED for s in plan.seqs), n_media=n_media,
+                           embd=any(s.req.kind is Kind.EMBED or getattr(s.req.spec, "wants_hidden", False)
+                                    for s in plan.seqs), n_media=n_media,
                            lora=self._lora(plan))
         n_pad, n_seqs, width = shape.n_tokens, shape.n_seqs, shape.max_blocks
         n, n_tok = len(plan.seqs), plan.n_tokens

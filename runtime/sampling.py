@@ -8,7 +8,7 @@ import numpy as np
 
 from hearthlm.core.errors import InvalidRequestError
 
-SPECULATIVE = (None, "ngram", "draft", "off")
+SPECULATIVE = (None, "ngram", "draft", "mtp", "off")
 
 
 @dataclass(frozen=True)
@@ -28,7 +28,8 @@ class SamplingParams:
     # added to the logits before anything else (OpenAI's logit_bias); -inf bans a token
     logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)
     # "ngram": prompt-lookup drafts verified in one forward pass (runtime.speculative); "draft": the
-    # session's draft model's (runtime.draft); None: the draft model where the session has one; "off"
+    # session's draft model's (runtime.draft); "mtp": the model's own multi-token-prediction block's
+    # (runtime.draft_heads); None: the draft model where the session has one; "off"
     speculative: str | None = None
 
     def __post_init__(self) -> None:

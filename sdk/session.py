@@ -20,6 +20,7 @@ from hearthlm import gc_freeze
 from hearthlm._wake import Channel, loop_waker
 from hearthlm._wake import flush as wake_flush
 from hearthlm.backends import get_backend
+from hearthlm.core import errors as _errors
 from hearthlm.core.errors import ContextLengthError, HearthError, InvalidRequestError, RequestTimeoutError, SessionClosedError
 from hearthlm.core.log import get_logger
 from hearthlm.model_zoo import reasoning
@@ -121,6 +122,9 @@ class Session:
         path = resolve_model(model, filename=o.filename, progress=progress or log_progress(log),
                              mmproj=o.mmproj is None)
         m = load_model(path)
+        if hasattr(m.arch, "bind"):  # it runs on a target's state: alone it has no input
+            m.close()
+            raise _errors.ModelLoadError(f"{path}: a {m.arch_name} model drafts for its target: pass it as draft_model=")
         dm = vision = None
         try:  # the layers over the backends, once their count is known
             for name, apath in (o.adapters or {}).items():
@@ -140,9 +144,12 @@ class Session:
                 draft = cls._draft(m, dm, offload(backends, dm.config.n_layer, n_gpu_layers), n_ctx=n_ctx,
                                    kv_blocks=math.ceil(kv_tokens / 16), wdir=wdir, kv_cache_type=kv_cache_type,
                                    p_min=float(o.draft_p_min), **engine_opts)
+            mtp = _mtp(m, placement, n_ctx=n_ctx, kv_blocks=math.ceil(kv_tokens / 16), kv_cache_type=kv_cache_type,
+                       p_min=float(o.draft_p_min), **{k: v for k, v in engine_opts.items()
+                                                      if k in ("max_batch_tokens", "max_seqs", "fusion")})
             engine = Engine(m, placement, n_ctx=n_ctx, kv_blocks=math.ceil(kv_tokens / 16),
                             weight_cache=WeightCache(wdir, m.file.identity()) if wdir else None,
-                            kv_cache_type=kv_cache_type, draft=draft, vision=vision,
+                            kv_cache_type=kv_cache_type, draft=draft, vision=vision, mtp=mtp,
                             image_cache_bytes=o.image_cache_bytes, after_callbacks=wake_flush, **engine_opts)
         except BaseException:
             for f in (m, dm, vision):
@@ -161,6 +168,8 @@ class Session:
         from hearthlm.runtime.draft import DraftModel
         if why := vocab_mismatch(m.tokenizer, dm.tokenizer):
             raise InvalidRequestError(f"the draft model cannot draft for this model: {why}")
+        if hasattr(dm.arch, "bind"):  # an assistant that runs on the target's state (Gemma 4's)
+            return _assistant(m, dm, p_min)
         if not dm.causal:
             raise InvalidRequestError("the draft model must be a decoder: an encoder does not generate")
         dm.set_context(min(n_ctx, dm.config.n_ctx_train))
@@ -729,6 +738,34 @@ class Session:
     def _tail_text(self, ids: list[int]) -> str:
         """The end of a rendered prompt as text, special tokens spelled out."""
         return b"".join(self.model.tokenizer.token_bytes(t, special=True) for t in ids[-8:]).decode("utf-8", "replace")
+
+
+def _assistant(m: Model, dm: Model, p_min: float):
+    """A draft model that runs on the target's state (Gemma 4's assistant), bound to this target:
+    ModelLoadError naming what does not fit (architecture, hidden size, head sizes, vocabulary)."""
+    from hearthlm.runtime.draft_heads import AssistantDrafter
+    if dm.n_vocab != m.n_vocab:
+        raise _errors.ModelLoadError(f"the assistant's vocabulary has {dm.n_vocab} tokens; this model's {m.n_vocab}")
+    bound = replace(dm, config=dm.arch.bind(dm.config, m))
+    return AssistantDrafter(bound, embd=m.weights["token_embd.weight"], scale=math.sqrt(m.config.n_embd),
+                            p_min=p_min, n_vocab=m.n_vocab)
+
+
+def _mtp(m: Model, placement, *, p_min: float, **opts):
+    """The model's own multi-token-prediction block as a drafter (speculative="mtp"), where it has one:
+    its K/V beside the output head."""
+    if m.arch_name not in ("qwen35", "qwen35moe") or not getattr(m.config, "n_nextn", 0):
+        return None
+    from hearthlm.model_zoo.models import qwen35_mtp
+    from hearthlm.runtime.draft_heads import MTPDrafter
+    from hearthlm.runtime.placement import Placement
+    head = qwen35_mtp.head(m)
+    at = f"blk.{head.config.block}.nextn."
+    if missing := [n for n in (at + "enorm.weight", at + "hnorm.weight") if n not in m.weights]:
+        raise _errors.ModelLoadError(f"{m.path}: nextn_predict_layers is {m.config.n_nextn} but tensor {missing[0]!r} is missing")
+    where = Placement({b: placement.backends[b] for b in (placement.host, placement.output)}, [placement.output])
+    return MTPDrafter(head, where, embd=m.weights[qwen35_mtp.embeddings_of(head)], enorm=m.weights[at + "enorm.weight"],
+                      hnorm=m.weights[at + "hnorm.weight"], p_min=p_min, **opts)
 
 
 def _open_vision(m: Model, path, mmproj):

@@ -24,6 +24,7 @@ ARCHITECTURES = {  # general.architecture -> module
     "gemma2": "gemma2",
     "gemma3": "gemma3",
     "gemma4": "gemma4",
+    "gemma4-assistant": "gemma4_assistant",
     "gemma-embedding": "gemma_embedding",
     "gpt-oss": "gpt_oss",
     "granitehybrid": "granitehybrid",

@@ -48,9 +48,9 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
                    help="embedding texts/s at batch 1 and 32 (an encoder, or a decoder's embeddings)")
     p.add_argument("--first-run", action="store_true",
                    help="with --startup: also one start with empty kernel and weight caches (as after install)")
-    p.add_argument("--speculative", default=None, choices=["ngram", "draft"],
+    p.add_argument("--speculative", default=None, choices=["ngram", "draft", "mtp"],
                    help="decode tok/s with and without speculation, on a code rewrite and on free text "
-                        "(draft: with --draft-model)")
+                        "(draft: with --draft-model, which may be a Gemma 4 assistant; mtp: the model's own MTP block)")
     p.add_argument("--image", action="store_true",
                    help="a vision tower: one image's encode time (first run apart) and \"describe this image\" to "
                         "its first token; the tower is --mmproj, else a random Gemma 3 SigLIP at --image-size paired "

@@ -1,5 +1,6 @@
-"""`hearthlm bench --speculative ngram` (or `draft --draft-model M`): decode tokens/s with and
-without prompt-lookup (or draft-model) speculation, in rounds taken in turn (each figure the median of --repeat), on chat tasks:
+"""`hearthlm bench --speculative ngram` (or `draft --draft-model M`, or `mtp`): decode tokens/s with and
+without prompt-lookup (or draft-model, or the model's own MTP block's) speculation, in rounds taken
+in turn (each figure the median of --repeat), on chat tasks:
 rewriting a 60-line Python function with one variable renamed, greedy (the output copies its
 input), and a story, greedy and sampled at temperature 0.8 (it does not, but for its own
 repeats). Decode rate: tokens after the first over the time

@@ -36,7 +36,8 @@ GRANITE_H = {"block_count": 6, "attention.head_count_kv": [0, 0, 2, 0, 0, 2], "s
              "ssm.inner_size": 128, "ssm.state_size": 16, "ssm.time_step_rank": 8, "ssm.group_count": 2,
              "embedding_scale": 1.5, "residual_scale": 0.7, "logit_scale": 1.25, "attention.scale": 0.3}
 VARIANTS = {  # name -> (architecture, extra metadata, extra F32 tensors by name -> values)
-    **{a: (a, {}, {}) for a in ARCHITECTURES if get_architecture(a).Config.CAUSAL},  # encoders: encoders.py
+    **{a: (a, {}, {}) for a in ARCHITECTURES  # encoders: encoders.py; draft heads (an assistant): test_draft_heads
+       if get_architecture(a).Config.CAUSAL and not hasattr(get_architecture(a), "bind")},
     # hybrids: several layers of each kind, so that the layer pattern matters
     "lfm2": ("lfm2", {"block_count": 6, "attention.head_count_kv": [0, 0, 2, 0, 2, 0]}, {}),
     "lfm2moe": ("lfm2moe", {"block_count": 6, "attention.head_count_kv": [0, 0, 2, 0, 2, 0],

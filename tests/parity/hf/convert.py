@@ -42,14 +42,16 @@ if __name__ == "__main__":
         src = a.hf_dir / name
         spec = json.loads((src / "hearthlm_spec.json").read_text())
         pre_name["pre"] = spec.get("pre", "default")
+        out = OUT / spec.get("folder", "")  # drafts/: draft models that run on a target (no references of their own)
+        out.mkdir(exist_ok=True)
         passes = [(f"{name}.gguf", spec.get("convert_args", []))]  # the options a family's users convert with
         if spec.get("convert_args_mmproj") is not None:  # a vision model: its mmproj file from a second pass
             passes.append((f"{name}.mmproj.gguf", spec["convert_args_mmproj"]))
         for fname, args in passes:
-            sys.argv = ["convert_hf_to_gguf.py", str(src), "--outtype", "f32", "--outfile", str(OUT / fname), *args]
+            sys.argv = ["convert_hf_to_gguf.py", str(src), "--outtype", "f32", "--outfile", str(out / fname), *args]
             try:
                 runpy.run_path(str(a.llama_cpp / "convert_hf_to_gguf.py"), run_name="__main__")
             except SystemExit as e:
                 if e.code:
                     raise
-            print("converted", fname, (OUT / fname).stat().st_size, "bytes")
+            print("converted", fname, (out / fname).stat().st_size, "bytes")

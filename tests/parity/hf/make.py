@@ -197,6 +197,8 @@ def make(name: str, out: Path, seed: int = 0) -> Path:
         else:
             (d / fname).write_text(text)
     keep = {"pre": spec.get("pre", "default"), "convert_args": spec.get("convert_args", [])}
+    if "folder" in spec:  # convert.py writes the file there (drafts/: an assistant, which runs on its target)
+        keep["folder"] = spec["folder"]
     if "convert_args_mmproj" in spec:  # a vision model: convert.py's second pass writes its mmproj file
         keep["convert_args_mmproj"] = spec["convert_args_mmproj"]
     (d / "hearthlm_spec.json").write_text(json.dumps(keep))

@@ -170,4 +170,16 @@ SPECS = {
                                    hidden_size_per_layer_input=0, num_kv_shared_layers=0,
                                    enable_moe_block=True, num_experts=8, top_k_experts=2, moe_intermediate_size=16),
                        **GEMMA4_TOKENS),
+    # Gemma 4's assistant (gemma-4-*-assistant) for the "gemma4" model above (its backbone_hidden_size): two
+    # layers of width 16 that keep no K/V (they read the target's last sliding and full layers'), so their head
+    # sizes and K/V head count are the target's; the target's embeddings and hidden state in, its own LM head out
+    "gemma4-assistant": dict(config_class="Gemma4AssistantConfig", model_class="Gemma4AssistantForCausalLM",
+                             tokenizer="spm_bpe", config=dict(backbone_hidden_size=32, text_config=dict(
+                                 GEMMA4, hidden_size=16, num_hidden_layers=2, hidden_size_per_layer_input=0,
+                                 layer_types=["sliding_attention", "full_attention"], num_kv_shared_layers=2, vocab_size_per_layer_input=0,
+                                 final_logit_softcapping=None)),
+                             folder="drafts", **GEMMA4_TOKENS),
 }
+# the same made for a target of another width (48): refused by the 32-wide "gemma4" (tests/test_draft_heads.py)
+SPECS["gemma4-assistant-wide"] = dict(SPECS["gemma4-assistant"], config=dict(SPECS["gemma4-assistant"]["config"],
+                                                                             backbone_hidden_size=48))
