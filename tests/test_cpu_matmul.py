@@ -326,8 +326,10 @@ def test_one_token_matmul_first_in_a_fresh_process():
     assert np.isfinite(float(r.stdout.strip()))
 
 
-# haswell (AVX2 and F16C, no AVX-512) is `make test-long`'s: generic lacks both and stays in the suite
-@pytest.mark.parametrize("target", ["generic", pytest.param("haswell", marks=pytest.mark.long), "skylake-avx512"])
+# haswell (AVX2 and F16C, no AVX-512) and skylake-avx512 (no VNNI: ~46 s of compiling) are `make test-long`'s,
+# and run natively on such hosts; generic lacks both F16C and AVX-512 and stays in the suite
+@pytest.mark.parametrize("target", ["generic", pytest.param("haswell", marks=pytest.mark.long),
+                                    pytest.param("skylake-avx512", marks=pytest.mark.long)])
 def test_portable_target_without_avx512_or_f16c(tmp_path, target):
     """NUMBA_CPU_NAME=generic compiles for baseline x86-64 (as for caches that travel): the
     kernels must then skip the AVX-512 intrinsics and widen float16 scales with integer
