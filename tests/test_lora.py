@@ -297,8 +297,9 @@ def test_cpu_kernel_rows_do_not_depend_on_the_batch(monkeypatch, half):
     """The cpu kernel at Qwen2.5-0.5B's shapes (896 -> 4864, rank 16): a row alone (the one-thread
     kernel, as a decoding stream) and among 17 rows using other adapters or none (the threaded one,
     as a step of many streams, an adapter's rows sharing its widened weights), one adapter per node and
-    two: bitwise the same. Mutation: the shared-weights path's x a products times 1.0000001 (a last-bit
-    change there only) fails it."""
+    two, with rows that use both (the threads split the rows) and without (they split the adapters):
+    bitwise the same. Mutations: the shared-weights path's x a products times 1.0000001 (a last-bit
+    change there only) fails it; so does the split by adapter starting each thread one adapter later."""
     from hearthlm.backends.cpu import lora as cpu_lora
     from hearthlm.core.graph import Graph
     rng = np.random.default_rng(0)
@@ -306,9 +307,11 @@ def test_cpu_kernel_rows_do_not_depend_on_the_batch(monkeypatch, half):
     a = [(rng.standard_normal((16, 896)) / 30).astype(dt) for _ in range(2)]
     b = [(rng.standard_normal((16, 4864)) / 4).astype(dt) for _ in range(2)]
     x, y = rng.standard_normal((17, 896)).astype(np.float32), rng.standard_normal((17, 4864)).astype(np.float32)
-    s = np.zeros((17, 3), np.float32)
-    s[::2, 0], s[1::3, 2], s[5, 0], s[5, 2] = 1.0, 0.5, 2.0, 1.5
-    for n_ad in (1, 2):
+    s2 = np.zeros((17, 3), np.float32)
+    s2[::2, 0], s2[1::3, 2], s2[5, 0], s2[5, 2] = 1.0, 0.5, 2.0, 1.5
+    s1 = s2.copy()
+    s1[s1[:, 0] != 0, 2] = 0  # no row with two adapters: the threads split the adapters, not the rows
+    for n_ad, s in ((1, s2), (2, s2), (2, s1)):
         g = Graph()
         pairs = [(g.weight(_f32_weight(f"a{i}{half}", a[i])), g.weight(_f32_weight(f"b{i}{half}", b[i]))) for i in range(n_ad)]
         node = g.lora(g.input("y", y.shape, np.float32), g.input("x", x.shape, np.float32), g.input("s", s.shape, np.float32),
@@ -317,7 +320,7 @@ def test_cpu_kernel_rows_do_not_depend_on_the_batch(monkeypatch, half):
         ab = [m.view(np.uint16) if half else m for m in ab]
         monkeypatch.setattr(cpu_lora, "PAR_MIN_MACS", 1)
         batch = cpu_lora.lora(node, y, x, s, *ab)
-        for t in (0, 5, 16):
+        for t in (0, 5, 7, 16):  # 7: the second adapter's alone
             monkeypatch.setattr(cpu_lora, "PAR_MIN_MACS", 1 << 60)
             alone = cpu_lora.lora(node, y[t:t + 1], x[t:t + 1], s[t:t + 1], *ab)
             assert np.array_equal(alone[0], batch[t]), (n_ad, t)
