@@ -245,15 +245,15 @@ class Engine:
             self._finish(req, reason)
 
     def _finish(self, req: Request, reason: str, error: BaseException | None = None) -> None:
-        if req in self.running:
-            self.running.remove(req)
-        elif req in self.waiting:
-            self.waiting.remove(req)
-        try:
+        try:  # memory first: stats() (another thread) never sees no requests but their blocks still held
             if req.spec is not None and not isinstance(req.spec, NgramDrafter):
                 getattr(req.spec, "drafter", self.draft).release(req.spec)
             self.batcher.release(req)
         finally:  # the caller hears of it even if releasing broke (then the loop fails the rest)
+            if req in self.running:
+                self.running.remove(req)
+            elif req in self.waiting:
+                self.waiting.remove(req)
             try:
                 req.on_finish(reason, error)
             except Exception:  # the caller's callback: the request is finished all the same

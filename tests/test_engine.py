@@ -79,6 +79,26 @@ async def test_cancel_frees_blocks_within_a_step(tiny):
         assert len((await s.generate(prompt(2), max_tokens=3, temperature=0, ignore_eos=True)).token_ids) == 3
 
 
+async def test_blocks_are_freed_before_a_request_leaves_the_lists(tiny):
+    """stats() runs on the caller's thread while the engine's finishes a request: its blocks are
+    freed while it is still listed, so "no running requests" never comes with their blocks still
+    held (test_cancel_frees_blocks_within_a_step saw 16 blocks once, on a loaded host). Mutation:
+    removing the request from the running list before releasing its memory fails it."""
+    async with Session.open(tiny, n_ctx=256) as s:
+        eng, listed = s.engine, []
+        release = eng.batcher.release
+
+        def spy(req):
+            listed.append(req in eng.running or req in eng.waiting)
+            release(req)
+        eng.batcher.release = spy
+        with anyio.move_on_after(0.2):
+            await s.generate(prompt(1), max_tokens=240, temperature=0, ignore_eos=True)
+        await s.generate(prompt(2), max_tokens=3, temperature=0, ignore_eos=True)
+        await wait_idle(s)
+    assert len(listed) >= 2 and all(listed), listed
+
+
 async def test_queue_bound(tiny):
     async with Session.open(tiny, n_ctx=256, max_queued_requests=2, max_seqs=1) as s:
         errors, done = [], []
