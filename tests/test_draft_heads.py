@@ -11,6 +11,7 @@ from pathlib import Path
 
 import gguf
 import pytest
+from gather import run_all
 
 from hearthlm import Session
 from hearthlm.core.errors import InvalidRequestError, ModelLoadError
@@ -130,7 +131,6 @@ async def test_assistant_and_plain_requests_batch_together(monkeypatch):
     gets alone, and so is each of the assistant's proposals (by request and length): each draft starts
     from its own request's hidden row.
     Mutation: AssistantDrafter.observe taking every request's rows from the batch's start fails it."""
-    import anyio
     prompts = [[2] + [5 + (i * 7 + 3 * j) % 60 for i in range(20 + 9 * j)] for j in range(5)]
     modes = [None, "off", None, "ngram", None]
     async with Session.open(TARGET, n_ctx=512) as s:
@@ -155,13 +155,7 @@ async def test_assistant_and_plain_requests_batch_together(monkeypatch):
             async def one(i):
                 out[i] = (await s.generate(prompts[i], max_tokens=24, speculative=modes[i], temperature=0,
                                            ignore_eos=True)).token_ids
-            if together:
-                async with anyio.create_task_group() as tg:
-                    for i in range(len(prompts)):
-                        tg.start_soon(one, i)
-            else:
-                for i in range(len(prompts)):
-                    await one(i)
+            await run_all(one, len(prompts), together)
             st = s.stats()
         assert out == alone
         assert st["spec_accepted_tokens"] >= 20

@@ -12,6 +12,7 @@ import numba
 import numpy as np
 import pytest
 from conftest import load_json
+from gather import run_all
 
 from hearthlm import Session
 from hearthlm.backends.cpu.backend import CPUBackend
@@ -34,7 +35,6 @@ def _prompts(name: str) -> list[list[int]]:
 
 async def _run(path, kv: str, prompts, threads: int, chunk: int, together: bool, monkeypatch) -> list[tuple]:
     """Each prompt's (greedy ids, top-5 ids, top-5 log-probs as float64: equal float64 is equal float32)."""
-    import anyio
     monkeypatch.setattr(CPUBackend, "thread_counts", lambda self: (threads,))  # every step on `threads`
     out: list = [None] * len(prompts)
     async with Session.open(str(path), backend="cpu", n_ctx=256, kv_cache_type=kv, max_batch_tokens=chunk) as s:
@@ -42,13 +42,7 @@ async def _run(path, kv: str, prompts, threads: int, chunk: int, together: bool,
             c = await s.generate(prompts[i], max_tokens=STEPS, temperature=0, top_logprobs=5, ignore_eos=True)
             out[i] = (c.token_ids, [[t for t, _ in st] for st in c.top_logprobs],
                       np.array([[lp for _, lp in st] for st in c.top_logprobs], np.float64))
-        if together:
-            async with anyio.create_task_group() as tg:
-                for i in range(len(prompts)):
-                    tg.start_soon(one, i)
-        else:
-            for i in range(len(prompts)):
-                await one(i)
+        await run_all(one, len(prompts), together)
     return out
 
 

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from gather import run_all
 
 from hearthlm import Session
 from hearthlm.core.errors import InvalidRequestError
@@ -155,7 +156,6 @@ async def test_mtp_and_plain_requests_batch_together(monkeypatch):
     at once: each one's greedy output is what it gets alone, and so is each of the block's proposals
     (by request and length): its rows come from its own request's hidden states.
     Mutation: MTPDrafter.observe appending the batch's first rows (hidden[0:k]) for every request fails it."""
-    import anyio
     prompts = [[2] + [5 + (i * 7 + 3 * j) % 60 for i in range(20 + 9 * j)] for j in range(5)]
     modes = ["mtp", "off", "mtp", "ngram", "mtp"]
     seen: dict[tuple, list[int]] = {}
@@ -175,13 +175,7 @@ async def test_mtp_and_plain_requests_batch_together(monkeypatch):
             async def one(i):
                 out[i] = (await s.generate(prompts[i], max_tokens=24, speculative=modes[i], temperature=0,
                                            ignore_eos=True)).token_ids
-            if together:
-                async with anyio.create_task_group() as tg:
-                    for i in range(len(prompts)):
-                        tg.start_soon(one, i)
-            else:
-                for i in range(len(prompts)):
-                    await one(i)
+            await run_all(one, len(prompts), together)
             plain = [(await s.generate(p, max_tokens=24, temperature=0, ignore_eos=True)).token_ids for p in prompts]
             st = s.stats()
         assert out == plain
