@@ -15,9 +15,9 @@ from tiny_gguf import write_tiny
 
 from hearthlm import Session
 from hearthlm.core.errors import InvalidRequestError
-from hearthlm.runtime.draft import DraftModel
 
 sys.path.insert(0, str(Path(__file__).parent / "parity"))
+from gather import record_drafts
 from models import write as write_parity  # noqa: E402
 
 GREEDY = dict(temperature=0, ignore_eos=True)
@@ -78,13 +78,7 @@ async def test_drafts_after_rollbacks_are_the_draft_models_own_greedy_continuati
     and each one equals what the model alone generates greedily after the same tokens, so the
     draft's KV after every rollback holds exactly the kept tokens."""
     path = str(write_parity(tmp_path / "t.gguf", "llama", seed=0))
-    seen = []
-    propose = DraftModel.propose
-
-    def recording(self, items):
-        propose(self, items)
-        seen.extend((list(r.tokens), list(r.draft)) for r, _ in items if r.draft)
-    monkeypatch.setattr(DraftModel, "propose", recording)
+    seen = record_drafts(monkeypatch)
     kw = dict(max_tokens=60, frequency_penalty=0.7, **GREEDY)
     async with Session.open(path, n_ctx=512, draft_model=path, draft_p_min=0.0) as s:
         ref = await s.generate(_prompt(30), speculative="off", **kw)

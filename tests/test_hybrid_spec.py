@@ -17,7 +17,6 @@ from hearthlm import Session
 from hearthlm.backends import reference
 from hearthlm.backends.cpu import delta_net, ssm
 from hearthlm.backends.reference import ReferenceBackend
-from hearthlm.runtime.draft import DraftModel
 from hearthlm.runtime.kv_cache import KVCache
 from hearthlm.runtime.request import Kind, Request
 from hearthlm.runtime.sampling import SamplingParams
@@ -25,6 +24,7 @@ from hearthlm.runtime.seq_memory import SequenceMemory, StateCache
 from hearthlm.runtime.speculative import NgramDrafter
 
 sys.path.insert(0, str(Path(__file__).parent / "parity"))
+from gather import record_drafts
 from models import write  # noqa: E402
 
 HYBRIDS = ["lfm2", "qwen35", "granitehybrid"]
@@ -346,13 +346,7 @@ async def test_a_hybrid_drafts_own_greedy_continuations_after_rollbacks(models, 
     alone generates greedily after the same tokens, so the draft's state after every rollback
     is exactly the kept tokens'.
     Mutation: the draft model's _sync not rolling its state back (n_computed set alone) fails it."""
-    seen = []
-    propose = DraftModel.propose
-
-    def recording(self, items):
-        propose(self, items)
-        seen.extend((list(r.tokens), list(r.draft)) for r, _ in items if r.draft)
-    monkeypatch.setattr(DraftModel, "propose", recording)
+    seen = record_drafts(monkeypatch)
     kw = dict(max_tokens=30, frequency_penalty=1.5, temperature=0, ignore_eos=True)
     p = prompt(4, 21)
     async with Session.open(models[variant], n_ctx=256, draft_model=models[variant], draft_p_min=0.0) as s:
