@@ -25,3 +25,24 @@ def record_drafts(monkeypatch) -> list:
         seen.extend((list(r.tokens), list(r.draft)) for r, _ in items if r.draft)
     monkeypatch.setattr(DraftModel, "propose", recording)
     return seen
+
+
+def record_head_drafts(monkeypatch, drafter, seq_cls, seq, k: int | None = None, replace=None) -> dict[int, list[int]]:
+    """A head drafter's (runtime.draft_heads: `drafter` its class, `seq_cls` its requests' state's, `seq(self,
+    k)` one of fixed draft length k) proposals by the request's token count; `k`: a fixed draft length (no
+    adapting to what is kept); `replace(r)`: the drafts the target then verifies instead (the drafter's
+    own are recorded first)."""
+    seen: dict[int, list[int]] = {}
+    propose = drafter.propose
+
+    def recording(self, items):
+        propose(self, items)
+        for r, _ in items:
+            seen[len(r.tokens)] = list(r.draft)
+            if replace is not None:
+                r.draft = replace(r)
+    monkeypatch.setattr(drafter, "propose", recording)
+    if k is not None:
+        monkeypatch.setattr(drafter, "new_seq", lambda self: seq(self, k))
+        monkeypatch.setattr(seq_cls, "feedback", lambda self, n, kept: None)
+    return seen

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import gguf
 import pytest
-from gather import run_all
+from gather import record_head_drafts, run_all
 
 from hearthlm import Session
 from hearthlm.core.errors import InvalidRequestError, ModelLoadError
@@ -23,22 +23,7 @@ GREEDY = dict(temperature=0, ignore_eos=True, top_logprobs=1)
 
 
 def _recording(monkeypatch, k: int | None = None, replace=None) -> dict[int, list[int]]:
-    """Each proposal's drafts by the request's token count; `k`: a fixed draft length; `replace(r)`:
-    the drafts the target then verifies instead (the assistant's own are recorded first)."""
-    seen: dict[int, list[int]] = {}
-    propose = dh.AssistantDrafter.propose
-
-    def recording(self, items):
-        propose(self, items)
-        for r, _ in items:
-            seen[len(r.tokens)] = list(r.draft)
-            if replace is not None:
-                r.draft = replace(r)
-    monkeypatch.setattr(dh.AssistantDrafter, "propose", recording)
-    if k is not None:
-        monkeypatch.setattr(dh.AssistantDrafter, "new_seq", lambda self: dh.HeadSeq(k))
-        monkeypatch.setattr(dh.HeadSeq, "feedback", lambda self, n, kept: None)
-    return seen
+    return record_head_drafts(monkeypatch, dh.AssistantDrafter, dh.HeadSeq, lambda self, k: dh.HeadSeq(k), k, replace)
 
 
 async def test_assistant_drafts_equal_llama_cpps(monkeypatch):

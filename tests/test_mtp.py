@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from gather import run_all
+from gather import record_head_drafts, run_all
 
 from hearthlm import Session
 from hearthlm.core.errors import InvalidRequestError
@@ -24,22 +24,7 @@ GREEDY = dict(temperature=0, ignore_eos=True, top_logprobs=1)
 
 
 def _recording(monkeypatch, k: int | None = None, replace=None) -> dict[int, list[int]]:
-    """Each proposal's drafts by the request's token count; `k`: a fixed draft length; `replace(r)`:
-    the drafts the target then verifies instead."""
-    seen: dict[int, list[int]] = {}
-    propose = dh.MTPDrafter.propose
-
-    def recording(self, items):
-        propose(self, items)
-        for r, _ in items:
-            seen[len(r.tokens)] = list(r.draft)
-            if replace is not None:
-                r.draft = replace(r)
-    monkeypatch.setattr(dh.MTPDrafter, "propose", recording)
-    if k is not None:
-        monkeypatch.setattr(dh.MTPDrafter, "new_seq", lambda self: dh.MTPSeq(k, self, self.n_embd))
-        monkeypatch.setattr(dh.MTPSeq, "feedback", lambda self, n, kept: None)
-    return seen
+    return record_head_drafts(monkeypatch, dh.MTPDrafter, dh.MTPSeq, lambda self, k: dh.MTPSeq(k, self, self.n_embd), k, replace)
 
 
 def _block_keys(monkeypatch, replace=None) -> dict[int, np.ndarray]:
