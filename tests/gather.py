@@ -1,5 +1,5 @@
 """Requests run at once or one after another, the two ways the batch-invariance tests compare; the
-draft model's proposals recorded."""
+draft model's and head drafters' proposals recorded."""
 import anyio
 
 
