@@ -14,6 +14,7 @@ import numba
 import numpy as np
 from numba import prange
 
+from .fpmode import flush_subnormals, restore_mode
 from .ops import _JIT
 
 
@@ -28,6 +29,7 @@ def _head(state, q, k, v, g, beta, seq_off, state_slot, snap, scale, out, job):
     kh = h % q.shape[1]  # tiled, as ggml (ops.cpp: iq1 = iv1 % neq1), not GQA's h // group
     s = state[state_slot[i], h]  # (d_v, d_k): row j is value dim j
     d_v, d_k = s.shape
+    mode = flush_subnormals()  # each k and q component is multiplied d_v times a token (see fpmode)
     for t in range(t0, t1):
         a, b = np.float32(math.exp(g[t, h])), beta[t, h]
         kt, qt = k[t, kh], q[t, kh]
@@ -44,6 +46,7 @@ def _head(state, q, k, v, g, beta, seq_off, state_slot, snap, scale, out, job):
             out[t, h, j] = o * scale
         if snap.shape[0] > 0 and snap[t] >= 0:  # the state after t (a drafted position's)
             state[snap[t], h] = s
+    restore_mode(mode)
 
 
 @numba.njit(parallel=True, **_JIT)

@@ -14,6 +14,7 @@ import numba
 import numpy as np
 from numba import prange
 
+from .fpmode import flush_subnormals, restore_mode
 from .ops import _JIT, fexp
 
 
@@ -78,6 +79,7 @@ def ssm_scan(state, x, dt, a, b, c, seq_off, state_slot, snap, y):
         i, h = job // n_head, job % n_head
         g = h // heads_per_group
         s = state[state_slot[i], h]  # (P, N)
+        mode = flush_subnormals()  # B and C multiplied d_head times a token (see fpmode)
         for t in range(seq_off[i], seq_off[i + 1]):
             dt_sp = _softplus(dt[t, h])
             da = fexp(dt_sp * a[h])
@@ -91,6 +93,7 @@ def ssm_scan(state, x, dt, a, b, c, seq_off, state_slot, snap, y):
                 y[t, h, p] = acc
             if snap.shape[0] > 0 and snap[t] >= 0:
                 state[snap[t], h] = s
+        restore_mode(mode)
 
 
 @numba.njit(inline="always", **_JIT)
