@@ -23,7 +23,9 @@ _JIT = dict(cache=True, fastmath=True, nogil=True, error_model="numpy")
 # the kernels runs the first copy, one that loaded them from numba's cache the second. Free to
 # reassociate, LLVM ordered the GELU's products differently in the two, so outputs depended on the
 # cache's state (Gemma 3's cpu golden, case 0 step 6: 0.29 nat off llama.cpp freshly compiled, 0.18
-# cached). tests/test_kernel_cache.py holds every float kernel to the same bits both ways.
+# cached). Attention's too: on a 2-core Intel Xeon (LLVM's rocketlake) its float16 case differed by
+# ~5e-7 compiled and cached, enough to flip near-ties in the q4_0-cache goldens and move a perplexity.
+# tests/test_kernel_cache.py holds every float kernel to the same bits both ways.
 _JIT_ORDERED = dict(_JIT, fastmath={"nnan", "ninf", "nsz", "arcp", "contract", "afn"})
 ATT_BLOCK = 32  # positions per step of attention's online softmax
 # positions per attention task: decode has one token and a few KV heads, too few tasks for the
@@ -453,7 +455,7 @@ def _in_place(cache):
     return lambda cache: flag
 
 
-@numba.njit(**_JIT)
+@numba.njit(**_JIT_ORDERED)  # reassociated, its sums came out differently compiled and cached (Intel, LLVM's rocketlake)
 def _attend(q, k_cache, v_cache, t, kh0, kh1, group, seq, p_lo, p_hi, block_table, scale, softcap, block_size,
             pos, slopes, m, l, acc, kind_k, kind_v, rot_k):  # noqa: E741 (l: the sums, as the paper names them)
     """Online softmax of the query heads of token t (at position pos) of KV heads kh0..kh1-1 over
@@ -559,7 +561,7 @@ def _attend(q, k_cache, v_cache, t, kh0, kh1, group, seq, p_lo, p_hi, block_tabl
                         acc[kh0 + a, g, j] += sc[a, g, i] * vb[a, i, j]
 
 
-@numba.njit(inline="always", **_JIT)
+@numba.njit(inline="always", **_JIT_ORDERED)
 def _merge(job, n_head, group, first, pm, pl, pacc, sinks, out, rot_v):
     """Token t's head h from its parts' (max, sum, weighted V), in part order; rotated back by
     H_rot_v where V is stored rotated (rot_v > 0)."""
@@ -585,7 +587,7 @@ def _merge(job, n_head, group, first, pm, pl, pacc, sinks, out, rot_v):
         fwht(out[t, h], rot_v)
 
 
-@numba.njit(parallel=True, **_JIT)
+@numba.njit(parallel=True, **_JIT_ORDERED)
 def attention(q, k_cache, v_cache, tok_seq, tok_pos, tok_lo, tok_hi, block_table, scale, block_size, softcap, slopes,
               sinks, out, n_threads, kind_k=0, kind_v=0, rot_k=0, rot_v=0):
     """Flash-style attention with an online softmax: never holds a score matrix.
