@@ -67,13 +67,27 @@ def compare(case: dict, token_ids: list[int], top: list[list[tuple[int, float]]]
     for i in range(max(n, 1) if every_step else 1):  # the first step whatever follows
         step, ours = case["steps"][i], dict(top[i])
         for k, (t, lp) in enumerate(zip(step["top_ids"], step["top_logprobs"])):
-            tol = top1_tol if k == 0 else topk_tol
+            tol = (top1_tol[i] if isinstance(top1_tol, list) else top1_tol) if k == 0 else topk_tol
             if tol is None:
                 break
             if (k == 0 and t not in ours) or (t in ours and abs(ours[t] - lp) > tol):
                 return f"step {i}: llama.cpp's top-{k + 1} token {t} ({lp:.3f}) vs ours {ours} (tolerance {tol})"
     return None
 
+
+
+def own_drift(quantized: dict, f32: dict) -> list[float]:
+    """Per step of the F32 record: how far llama.cpp's own quantized run put the F32 record's top token
+    from it (while the two runs' tokens agree; 0 after), the slack an int8 backend gets on top of the F32
+    tolerance there. Its int8 activations move log-probs as ours do: SmolLM2 case 0 step 5, 0.438 nat in
+    llama.cpp's own Q4_1 run, where ours read 0.18-0.33 as kernels' float orders changed."""
+    out = []
+    for i, (a, b) in enumerate(zip(quantized["steps"], f32["steps"])):
+        if quantized["greedy_ids"][:i] != f32["greedy_ids"][:i]:
+            break
+        lp = dict(zip(a["top_ids"], a["top_logprobs"])).get(b["top_ids"][0])
+        out.append(0.0 if lp is None else abs(lp - b["top_logprobs"][0]))
+    return out + [0.0] * (len(f32["steps"]) - len(out))
 
 
 def compare_top5(case: dict, c, tol: float, top1_tol: float | None = None) -> str | None:
@@ -129,7 +143,8 @@ async def check_golden(path, backend: str, cases: list[dict], top1_tol: float | 
                 failures.append(f"case {i} ({case['prompt'][:30]!r}): {why}")
             if dequantized:
                 assert dequantized[i]["prompt_ids"] == case["prompt_ids"]
-                why = compare(dequantized[i], c.token_ids, c.top_logprobs, c.finish_reason, f32_top1, topk_tol=f32_topk)
+                why = compare(dequantized[i], c.token_ids, c.top_logprobs, c.finish_reason,
+                              [f32_top1 + d for d in own_drift(case, dequantized[i])], topk_tol=f32_topk)
                 if why:
                     failures.append(f"case {i} ({case['prompt'][:30]!r}) against the F32 record: {why}")
         async with anyio.create_task_group() as tg:
