@@ -47,7 +47,8 @@ def compare(case: dict, token_ids: list[int], top: list[list[tuple[int, float]]]
     step and at every step while the tokens agree (at the first step only, every_step False); with
     topk_tol, each of its top 5 that is in ours within topk_tol too. Not at the first difference:
     a flip is where the two sides' rounding differs most (SmolLM2's cpu: 0.41 there, 0.15 before).
-    top1_tol None: TOP1_LOGPROB_TOL as it is at the call (the F32 parity tests set it to 0.05)."""
+    top1_tol None: TOP1_LOGPROB_TOL as it is at the call (the F32 parity tests set it to 0.05); a list:
+    one per step (check_golden's F32 record: own_drift)."""
     top1_tol = TOP1_LOGPROB_TOL if top1_tol is None else top1_tol
     want = case["greedy_ids"]
     n = min(len(token_ids), len(want))  # the steps on which both greedy sequences agree

@@ -13,14 +13,14 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from .halfs import _call
+
 X86 = platform.machine().lower() in ("x86_64", "amd64", "i686", "x86")
 _FTZ_DAZ = 0x8040
 
 
-def _mxcsr_call(builder, name, ptr):
-    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [ir.IntType(8).as_pointer()]),
-                                        f"llvm.x86.sse.{name}")
-    builder.call(fn, [builder.bitcast(ptr, ir.IntType(8).as_pointer())])
+def _mxcsr_call(builder, name, ptr):  # stmxcsr / ldmxcsr take the 32-bit word's address as i8*
+    _call(builder, f"llvm.x86.sse.{name}", ir.VoidType(), [builder.bitcast(ptr, ir.IntType(8).as_pointer())])
 
 
 @intrinsic

@@ -24,7 +24,7 @@ _JIT = dict(cache=True, fastmath=True, nogil=True, error_model="numpy")
 # reassociate, LLVM ordered the GELU's products differently in the two, so outputs depended on the
 # cache's state (Gemma 3's cpu golden, case 0 step 6: 0.29 nat off llama.cpp freshly compiled, 0.18
 # cached). Attention's too: on a 2-core Intel Xeon (LLVM's rocketlake) its float16 case differed by
-# ~5e-7 compiled and cached, enough to flip near-ties in the q4_0-cache goldens and move a perplexity.
+# ~5e-7 compiled and cached, enough to flip a near-tie in a q4_0-cache golden.
 # tests/test_kernel_cache.py holds every float kernel to the same bits both ways.
 _JIT_ORDERED = dict(_JIT, fastmath={"nnan", "ninf", "nsz", "arcp", "contract", "afn"})
 ATT_BLOCK = 32  # positions per step of attention's online softmax
