@@ -11,7 +11,7 @@ from gguf import quants
 from hearthlm.core import array_ops, kv_types
 from hearthlm.core.backend import Backend
 from hearthlm.core.errors import UnsupportedModelError
-from hearthlm.core.graph import Op, alibi_slopes, attn_bounds
+from hearthlm.core.graph import Op, alibi_slopes, attn_bounds, lora_split
 from hearthlm.core.weights import QWeight
 
 
@@ -346,9 +346,13 @@ def _swiglu_oai(node, g, u):
 
 
 def _lora(n, y, x, s, *ab):
+    return _lora_on(n.params["cols"], n.params["alphas"], y, x, s, ab)
+
+
+def _lora_on(cols, alphas, y, x, s, ab):
     """y plus, per adapter, scale * ((x a^T) b) on the rows whose scale is not 0 (float64 products)."""
     out = np.array(y, np.float32)
-    for i, (col, alpha) in enumerate(zip(n.params["cols"], n.params["alphas"])):
+    for i, (col, alpha) in enumerate(zip(cols, alphas)):
         a, b = ab[2 * i], ab[2 * i + 1]
         sc = s[:, col].astype(np.float32)
         if alpha:
@@ -357,6 +361,18 @@ def _lora(n, y, x, s, *ab):
         d = (x[rows].astype(np.float64) @ a.T.astype(np.float64)) @ b.astype(np.float64)
         out[rows] += (d * sc[rows, None]).astype(np.float32)
     return out
+
+
+def _proj_lora(n, *values):
+    """MUL_MAT_LORA, MUL_MAT_ADD_LORA, FFN_GLU_LORA: the unfused chain (the residual added last)."""
+    base, s, parts = lora_split(n, values)
+    on = lambda y, x, part: _lora_on(part[0], part[1], y, x, s, part[2])  # noqa: E731
+    if n.op is Op.MUL_MAT_LORA:
+        return on(_mm(base[0], base[1]), base[1], parts[0])
+    if n.op is Op.MUL_MAT_ADD_LORA:
+        return on(_mm(base[0], base[1]), base[1], parts[0]) + base[2]
+    wg, wu, x = base
+    return _act(n, on(_mm(wg, x), x, parts[0])) * on(_mm(wu, x), x, parts[1])
 
 
 class ReferenceBackend(Backend):
@@ -399,6 +415,7 @@ class ReferenceBackend(Backend):
             Op.DIV: lambda n, a, b: (a / b).astype(np.float32),
             Op.MUL_MAT_ID: lambda n, w, x, ids: mul_mat_id(w, x, ids),
             Op.LORA: _lora,
+            Op.MUL_MAT_LORA: _proj_lora, Op.MUL_MAT_ADD_LORA: _proj_lora, Op.FFN_GLU_LORA: _proj_lora,
             Op.SIGMOID: lambda n, x: sigmoid(x),
             Op.SOFTPLUS: lambda n, x: softplus(x),
             Op.CLAMP: lambda n, x: clamp(x, n.params["lo"], n.params["hi"]),

@@ -140,10 +140,28 @@ class Op(enum.Enum):
     GLU = "glu", OpProps(inplace=(0, 1))  # (gate, up) = act(gate) * up; params: act ("silu" | "gelu")
     FFN_GLU = "ffn_glu"      # (w_gate, w_up, x) = act(x @ w_gate.T) * (x @ w_up.T); params: act
     MUL_MAT_ADD = "mul_mat_add", OpProps(inplace=(2,))  # (w, x, r) = x @ w.T + r (a projection into the residual)
+    # a projection with its LoRA adapters in one node (LORA over MUL_MAT / MUL_MAT_ADD / the gated FFN): the
+    # same sources as the unfused op, then scales and the (a, b) pairs of each part; params: parts, a tuple
+    # of (cols, alphas) per output the adapters go on (one; the FFN's two: gate's, then up's), its pairs in
+    # that order. MUL_MAT_ADD_LORA adds the residual last, (x @ w.T + adapters) + r, as llama.cpp
+    MUL_MAT_LORA = "mul_mat_lora"                                  # (w, x, scales, a_0, b_0, ...)
+    MUL_MAT_ADD_LORA = "mul_mat_add_lora", OpProps(inplace=(2,))   # (w, x, r, scales, a_0, b_0, ...)
+    FFN_GLU_LORA = "ffn_glu_lora"                                  # (w_gate, w_up, x, scales, ...); params: act too
     # (cache, x, pos, slots): cache[slots] = rope(x, pos); rope params
     ROPE_SET_ROWS = "rope_set_rows", OpProps(writes_cache=True)
     # multi-device (runtime.placement inserts it; runtime.dispatch runs it, not a backend kernel)
     COPY = "copy", OpProps(moves=True)  # (x,) -> the same values on this node's backend; params: src (backend it leaves)
+
+
+def lora_split(node, values) -> tuple[tuple, object, list[tuple[tuple, tuple, tuple]]]:
+    """A MUL_MAT_LORA / MUL_MAT_ADD_LORA / FFN_GLU_LORA node's source values as (the unfused op's, scales,
+    [(cols, alphas, (a_0, b_0, a_1, ...)) per part])."""
+    nb = 2 if node.op is Op.MUL_MAT_LORA else 3
+    parts, i = [], nb + 1
+    for cols, alphas in node.params["parts"]:
+        parts.append((cols, alphas, tuple(values[i:i + 2 * len(cols)])))
+        i += 2 * len(cols)
+    return tuple(values[:nb]), values[nb], parts
 
 
 @dataclass(eq=False)
@@ -422,6 +440,18 @@ class Graph:
 
     def mul_mat_add(self, w: Tensor, x: Tensor, r: Tensor, name: str, il: int = -1) -> Tensor:
         return self._add(Op.MUL_MAT_ADD, (w, x, r), r.shape, name, il)
+
+    def proj_lora(self, op: Op, base, scales: Tensor, parts, name: str, il: int = -1, **params) -> Tensor:
+        """A MUL_MAT_LORA / MUL_MAT_ADD_LORA / FFN_GLU_LORA node: `base` the unfused op's sources, `parts`
+        [(pairs, cols, alphas)] per output the adapters go on (see Op.MUL_MAT_LORA)."""
+        w, x = base[0], base[-1] if op is not Op.MUL_MAT_ADD_LORA else base[1]
+        shape = base[2].shape if op is Op.MUL_MAT_ADD_LORA else (*x.shape[:-1], w.shape[0])
+        for pairs, _, _ in parts:
+            for a, b in pairs:
+                assert a.shape == (b.shape[0], x.shape[-1]) and b.shape[1] == w.shape[0], f"{name}: {a.shape} {b.shape}"
+        srcs = (*base, scales, *(t for pairs, _, _ in parts for p in pairs for t in p))
+        return self._add(op, srcs, shape, name, il, **params, parts=tuple(
+            (tuple(int(c) for c in cols), tuple(float(a) for a in alphas)) for _, cols, alphas in parts))
 
     def rope_set_rows(self, cache: Tensor, x: Tensor, pos: Tensor, slots: Tensor, *, name: str, il: int = -1,
                       **rope) -> Tensor:

@@ -9,7 +9,7 @@ import os
 from dataclasses import dataclass
 from typing import Callable
 
-from hearthlm.core.graph import Graph, Op, Tensor
+from hearthlm.core.graph import Graph, Op, Tensor, lora_split
 from hearthlm.core.weights import stacked_weight
 
 
@@ -67,16 +67,42 @@ def _attn(g, root, m, softcap: float):
                   name=root.name, il=root.layer)
 
 
-def _lora_mul_mat_add(g, root, m):
-    """A LoRA'd projection into the residual: the projection takes the residual (MUL_MAT_ADD), the
-    adapters' products go on after ((w x + r) + d, where llama.cpp adds (w x + d) + r)."""
-    lo, r = m["lora"], m["r"]
-    mm = lo.srcs[0]
-    if mm.op is not Op.MUL_MAT or mm.srcs[0].op is not Op.WEIGHT or not r.shape == root.shape == lo.shape:
+def _mul_mat_lora(g, root, m):
+    """A projection and its adapters' products: one node (MUL_MAT_LORA), one call and one walk step."""
+    mm = root.srcs[0]  # (a pattern cannot name a node's first source alone): the hook's LORA takes its product
+    if mm.op is not Op.MUL_MAT or mm.srcs[0].op is not Op.WEIGHT or root.srcs[1] is not mm.srcs[1]:
         return None
-    y = g.mul_mat_add(mm.srcs[0], mm.srcs[1], r, mm.name, mm.layer)
-    return g.lora(y, lo.srcs[1], lo.srcs[2], list(zip(lo.srcs[3::2], lo.srcs[4::2])), cols=lo.params["cols"],
-                  alphas=lo.params["alphas"], name=root.name, il=root.layer)
+    pairs = list(zip(root.srcs[3::2], root.srcs[4::2]))
+    return g.proj_lora(Op.MUL_MAT_LORA, mm.srcs, root.srcs[2], [(pairs, root.params["cols"], root.params["alphas"])],
+                       root.name, root.layer)
+
+
+def _lora_add(g, root, m):
+    """A LoRA'd projection into the residual: (w x + the adapters' products) + r, as llama.cpp."""
+    lo, r = m["lo"], m["r"]
+    if not r.shape == root.shape == lo.shape:
+        return None
+    _, scales, parts = lora_split(lo, lo.srcs)
+    return g.proj_lora(Op.MUL_MAT_ADD_LORA, (*lo.srcs[:2], r), scales,
+                       [(list(zip(ab[::2], ab[1::2])), cols, alphas) for cols, alphas, ab in parts], root.name, root.layer)
+
+
+def _ffn_glu_lora(g, root, m):
+    """act(gate x) * up x with either's adapters: one FFN_GLU_LORA node (as ffn_glu, no gate or up whole
+    between nodes)."""
+    gate, up = m["g"], m["u"]
+    if Op.MUL_MAT_LORA not in (gate.op, up.op) or gate.shape != up.shape or gate.srcs[1] is not up.srcs[1] \
+            or gate.srcs[0].op is not Op.WEIGHT or up.srcs[0].op is not Op.WEIGHT:
+        return None
+    scales = {lora_split(t, t.srcs)[1] for t in (gate, up) if t.op is Op.MUL_MAT_LORA}
+    if len(scales) != 1:
+        return None
+    parts = []
+    for t in (gate, up):
+        parts += [(list(zip(ab[::2], ab[1::2])), cols, alphas) for cols, alphas, ab in lora_split(t, t.srcs)[2]] \
+            if t.op is Op.MUL_MAT_LORA else [([], (), ())]
+    return g.proj_lora(Op.FFN_GLU_LORA, (gate.srcs[0], up.srcs[0], gate.srcs[1]), scales.pop(), parts, "ffn_glu",
+                       root.layer, act="gelu" if m["act"].op is Op.GELU else "silu")
 
 
 RULES = [
@@ -105,11 +131,12 @@ RULES = [
     Rule("mul_mat_add", P(Op.ADD, X.r, P(Op.MUL_MAT, X.w, X.x, name="mm")),
          lambda g, root, m: g.mul_mat_add(m["w"], m["x"], m["r"], root.name, root.layer)
          if m["r"].shape == root.shape == m["mm"].shape else None),
-    Rule("lora_mul_mat_add", P(Op.ADD, X.r, P(Op.LORA, name="lora", any_srcs=True)), _lora_mul_mat_add),
-    # a LoRA'd FFN's gate (ffn_glu cannot take the adapters' products): act(gate) * up in one pass
-    Rule("lora_glu", P(Op.MUL, P((Op.SILU, Op.GELU), X.g, name="act"), X.u),
-         lambda g, root, m: g.glu(m["g"], m["u"], "gelu" if m["act"].op is Op.GELU else "silu", root.name, root.layer)
-         if Op.LORA in (m["g"].op, m["u"].op) and m["g"].shape == m["u"].shape == root.shape else None),
+    # LoRA adapters (chosen per request) in their projection's node
+    Rule("mul_mat_lora", P(Op.LORA, any_srcs=True), _mul_mat_lora),
+    Rule("mul_mat_add_lora", P(Op.ADD, X.r, P(Op.MUL_MAT_LORA, name="lo", any_srcs=True)), _lora_add),
+    Rule("ffn_glu_lora", P(Op.MUL, P((Op.SILU, Op.GELU), P((Op.MUL_MAT, Op.MUL_MAT_LORA), name="g", any_srcs=True),
+                                     name="act"), P((Op.MUL_MAT, Op.MUL_MAT_LORA), name="u", any_srcs=True)),
+         _ffn_glu_lora),
     Rule("rms_norm_mul_add", P(Op.ADD, X.r, P(Op.RMS_NORM_MUL, X.x, X.w, name="norm")),
          lambda g, root, m: _norm_add(g, root, m) if m["r"].shape == root.shape == m["norm"].shape else None),
     # and chains of plain adds: one n-ary sum
@@ -194,11 +221,8 @@ def stack_matmuls(graph: Graph) -> Graph:
     """Projections of the same activations (q, k and v) as one MUL_MAT over their stacked
     weights and a column SLICE each: one kernel launch and one quantization of x, not three."""
     groups: dict[int, list[Tensor]] = {}
-    glu_in = {id(s.srcs[0]) for n in graph.nodes if n.op is Op.GLU for s in n.srcs if s.op is Op.LORA}
     for n in graph.nodes:
-        # a LoRA'd FFN's gate and up stay apart: the base graph reads them as ffn_glu's two weights, and
-        # stacked they would be a third packed copy of the FFN (137 MB at Qwen2.5-0.5B) made for LoRA steps
-        if n.op is Op.MUL_MAT and n.srcs[0].op is Op.WEIGHT and id(n) not in glu_in:
+        if n.op is Op.MUL_MAT and n.srcs[0].op is Op.WEIGHT:
             groups.setdefault(id(n.srcs[1]), []).append(n)
     first: dict[int, list[Tensor]] = {}
     for mms in groups.values():

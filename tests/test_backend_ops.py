@@ -31,7 +31,7 @@ from hearthlm.core.weights import QWeight
 
 # NMSE < 5e-4; else 1e-7
 PRODUCTS = {Op.MUL_MAT, Op.MUL_MAT_ADD, Op.FFN_GLU, Op.MUL_MAT_ID, Op.ATTN, Op.KQ, Op.KQV, Op.GATED_DELTA_NET,
-            Op.ATTN_FULL, Op.LORA}
+            Op.ATTN_FULL, Op.LORA, Op.MUL_MAT_LORA, Op.MUL_MAT_ADD_LORA, Op.FFN_GLU_LORA}
 NOT_KERNELS = {Op.INPUT, Op.WEIGHT, Op.CACHE, Op.COPY}  # bound leaves, and dispatch's copies
 FLOATS = [T.F32, T.F16, T.BF16]
 LEGACY = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0]
@@ -362,6 +362,47 @@ def lora(n, k=896, rows=67, ranks=(16, 8), qtype=T.F32):
     return g, {"y": y, "x": x, "s": s}, {}
 
 
+def proj_lora(kind, qtype, n, ad=T.F16, mixed=False, first="one"):
+    """A projection and its adapters in one node: MUL_MAT_LORA ("mm"), MUL_MAT_ADD_LORA ("add"), FFN_GLU_LORA
+    with adapters on gate and up ("ffn") or up alone ("ffn_up"). Rows use adapter 0, 1, both or none; `mixed`:
+    the adapters of a part F32 and F16 (two kernel groups); `first`: the first row using adapter 0 ("one": the
+    cpu backend's one-token call for n = 1), both, or none.
+    Mutations: the cpu kernel skipping the adapters of the FFN's up (or its gate), adding the residual twice, or
+    reading part 0's scales column for part 1 fail these."""
+    rng = rng_for("proj_lora", kind, qtype, n, ad, mixed)
+    k, rows = (KQUANT_KS[0] if qtype in SUPER else 576), 96
+    x = x_for(qweight(qtype, rows, k), rng, n)
+    s = np.zeros((n, 3), np.float32)
+    s[0::3, 0], s[1::3, 2], s[2::3, 0], s[2::3, 2] = 1.0, 0.5, 0.7, 2.0
+    s[:1] = np.array({"one": [1.0, 0, 0], "both": [0.7, 0, 2.0], "none": [0, 0, 0]}[first])[None, :][:n]
+
+    def pairs(tag, ranks=(16, 8)):
+        out = []
+        for j, r in enumerate(ranks):
+            t = T.F32 if mixed and j == 1 else ad
+            dt = np.float16 if t == T.F16 else np.float32
+            out.append((g.weight(QWeight(f"{tag}a{r}-{k}-{t.name}", t, (r, k), f32(rng, r, k).astype(dt).view(np.uint8).reshape(r, -1))),
+                        g.weight(QWeight(f"{tag}b{r}-{t.name}", t, (r, rows), f32(rng, r, rows, scale=r ** -0.5).astype(dt)
+                                         .view(np.uint8).reshape(r, -1)))))
+        return out, (0, 2), (32.0, 0.0)
+    g = Graph()
+    feed = {"x": x, "s": s}
+    if kind == "add":
+        feed["r"] = f32(rng, n, rows)
+    ins = inputs(g, **feed)
+    xi, si = ins[0], ins[1]
+    w = lambda seed: g.weight(qweight(qtype, rows, k, seed))  # noqa: E731
+    if kind == "mm":
+        node = g.proj_lora(Op.MUL_MAT_LORA, (w(0), xi), si, [pairs("q")], "y")
+    elif kind == "add":
+        node = g.proj_lora(Op.MUL_MAT_ADD_LORA, (w(0), xi, ins[2]), si, [pairs("o")], "y")
+    else:
+        node = g.proj_lora(Op.FFN_GLU_LORA, (w(0), w(1), xi), si,
+                           [pairs("g") if kind == "ffn" else ([], (), ()), pairs("u")], "f", act="silu")
+    g.outputs.append(node)
+    return g, feed, {}
+
+
 def moe_routing(n, n_exp=16, k=3):
     """The router's part of a MoE FFN: top_k (largest first), take, sum_rows, div."""
     x = f32(rng_for("moe", n), n, n_exp)
@@ -671,6 +712,11 @@ CASES = [
                                   (64, 32, False, 3, False)]],
     *[case(moe_routing, n=n) for n in TOKENS],
     *[case(lora, n=n) for n in TOKENS],
+    *[case(proj_lora, kind=kd, qtype=t, n=n) for kd in ("mm", "add", "ffn", "ffn_up") for t in (T.Q8_0, T.Q4_K, T.F16)
+      for n in TOKENS],
+    *[case(proj_lora, kind=kd, qtype=T.Q4_0, n=n, ad=T.F32, mixed=m) for kd in ("mm", "add", "ffn") for n in (1, 5)
+      for m in (False, True)],
+    *[case(proj_lora, kind=kd, qtype=T.Q8_0, n=1, first=f) for kd in ("mm", "add", "ffn", "ffn_up") for f in ("both", "none")],
     case(lora, n=5, k=200, rows=4864, ranks=(32,)),  # rank >= 32: B packed "f32"; 200 inputs: lanes and a tail
     *[case(lora, n=n, k=200, rows=4864, ranks=(32, 16), qtype=T.F16) for n in (1, 17)],
     *[case(mul_mat_id, qtype=t, n=n, per_slot=p) for t in (T.F32, T.Q8_0, T.Q5_0, T.Q4_K) for n in (0, 1, 5, 17)

@@ -128,6 +128,7 @@ def _case(op: Op, n: int, qtype=T.Q8_0, snap: bool = False):
     rope = dict(n_rot=D, base=10000.0, freq_scale=1.0, neox=True)
     seq_off, state_slot = i("seq_off", 3), i("state_slot", 2)  # two sequence rows, 4 state slots
     sn = i("snap", n) if snap else None
+    ab = lambda rows: [(g.weight(_weight("la", T.F32, 8, E)), g.weight(_weight("lb", T.F32, 8, rows)))]  # noqa: E731
     node = {
         Op.GET_ROWS: lambda: g.get_rows(w("emb", 50, E), i("ids", n), "r"),
         Op.MUL_MAT: lambda: g.mul_mat(w("w", 40, E), x, "y"),
@@ -170,6 +171,12 @@ def _case(op: Op, n: int, qtype=T.Q8_0, snap: bool = False):
         Op.SSM_SCAN: lambda: g.ssm_scan(g.cache("ss", (4, H, D, 32), 0), xh, f("dt", n, H), f("A", 1, H),
                                         f("B", n, 2, 32), f("C", n, 2, 32), seq_off, state_slot, name="y",
                                         snap_slot=sn),
+        Op.MUL_MAT_LORA: lambda: g.proj_lora(Op.MUL_MAT_LORA, (w("w", 40, E), x), f("ls", n, 2), [(ab(40), (1,), (16.0,))],
+                                             "y"),
+        Op.MUL_MAT_ADD_LORA: lambda: g.proj_lora(Op.MUL_MAT_ADD_LORA, (w("w", E, E), x, f("r", n, E)), f("ls", n, 2),
+                                                 [(ab(E), (0,), (0.0,))], "y"),
+        Op.FFN_GLU_LORA: lambda: g.proj_lora(Op.FFN_GLU_LORA, (w("g", FF, E), w("u", FF, E), x), f("ls", n, 2),
+                                             [(ab(FF), (1,), (16.0,)), ([], (), ())], "y", act="silu"),
         Op.LORA: lambda: g.lora(f("y", n, 16), x, f("ls", n, 2), [(g.weight(_weight("la", T.F32, 8, E)),
                                                                   g.weight(_weight("lb", T.F32, 8, 16)))],
                                 cols=(1,), alphas=(16.0,), name="l"),  # one rank-8 adapter, E -> 16

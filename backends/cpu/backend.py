@@ -16,7 +16,7 @@ from gguf.constants import GGMLQuantizationType as T
 from hearthlm.backends.cpu import affinity, delta_net, dot, kvquant, ops, ssm
 from hearthlm.backends.cpu.ffn import ffn_glu
 from hearthlm.backends.cpu.halfs import NATIVE_HALF
-from hearthlm.backends.cpu.lora import lora
+from hearthlm.backends.cpu.lora import bind_proj_lora, lora
 from hearthlm.backends.cpu.matmul import expert_matvecs, get_rows, matmul, matmul_add, start_pool
 from hearthlm.backends.cpu.qtypes import LAYOUT_VERSION, SUPPORTED_TYPES, PackedWeight, pack_weight
 from hearthlm.backends.cpu.softmax import softmax_cols
@@ -279,7 +279,8 @@ def _unbound(binder):
 _BINDERS = {Op.ATTN: _bind_attn, Op.RMS_NORM: _bind_rms_norm, Op.RMS_NORM_MUL: _bind_rms_norm,
             Op.SET_ROWS: _bind_set_rows, Op.GATHER_KV: lambda node: _bind_gather_kv(node),  # defined below
             Op.ROPE: _bind_rope, Op.ROPE_SET_ROWS: _bind_rope_set_rows, Op.FFN_GLU: _bind_ffn_glu,
-            Op.MUL_MAT_ADD: _bind_mul_mat_add,
+            Op.MUL_MAT_ADD: _bind_mul_mat_add, Op.MUL_MAT_LORA: bind_proj_lora, Op.MUL_MAT_ADD_LORA: bind_proj_lora,
+            Op.FFN_GLU_LORA: bind_proj_lora,
             Op.MUL_MAT: lambda node: functools.partial(_mul_mat, node)}
 
 
@@ -618,6 +619,9 @@ class CPUBackend(Backend):
             Op.DIV: _binary(np.divide),
             Op.MUL_MAT_ID: _mul_mat_id,
             Op.LORA: lora,
+            Op.MUL_MAT_LORA: _unbound(bind_proj_lora),
+            Op.MUL_MAT_ADD_LORA: _unbound(bind_proj_lora),
+            Op.FFN_GLU_LORA: _unbound(bind_proj_lora),
             Op.SIGMOID: _unary(False),
             Op.SOFTPLUS: _unary(True),
             Op.CLAMP: _clamp,

@@ -16,8 +16,11 @@ import numba
 import numpy as np
 from numba.typed import List
 
+from hearthlm.backends.cpu import dot, ops
 from hearthlm.backends.cpu.halfs import f32
+from hearthlm.backends.cpu.matmul import _matvec, _quantize1, matmul, quantize_for, start_pool
 from hearthlm.backends.cpu.qtypes import PackedWeight
+from hearthlm.core.graph import Op
 
 L = 128  # lanes of x a's sums
 OB = 512  # outputs a block of (x a) b: a block of b's rows and of the rows' sums within L1
@@ -159,28 +162,26 @@ def lora(node, y, x, s, *ab, out=None):
         out = np.array(y, np.float32, order="C")
     elif out is not y and not np.shares_memory(out, y):
         np.copyto(out, y)
-    o2 = out.reshape(n, y.shape[-1])
-    x2 = np.ascontiguousarray(x, np.float32).reshape(n, x.shape[-1])
-    s2 = np.ascontiguousarray(s, np.float32)
-    for cols, alphas, a_list, b_list, macs in _groups(node, ab):
-        if n > 1 and n * macs >= PAR_MIN_MACS:
-            lora_rows(o2, x2, s2, cols, alphas, a_list, b_list, min(n, numba.get_num_threads()))
-        else:
-            lora_rows_1(o2, x2, s2, cols, alphas, a_list, b_list)
+    _on(node, -1, out.reshape(n, y.shape[-1]), np.ascontiguousarray(x, np.float32).reshape(n, x.shape[-1]),
+        np.ascontiguousarray(s, np.float32), ab)
     return out
 
 
-def _groups(node, ab) -> list:
-    """The node's adapters as the kernel takes them, made on its first call: one group per kind of
-    array (float32 or F16 bits, read-only or not), in the node's order; a group of one as a tuple (a
-    typed list's unboxing costs ~2.5 us a call)."""
+def _groups(node, ab, part: int = -1) -> list:
+    """The node's adapters (those of its output `part`, for a fused projection) as the kernel takes them,
+    made on its first call: one group per kind of array (float32 or F16 bits, read-only or not), in the
+    node's order; a group of one as a tuple (a typed list's unboxing costs ~2.5 us a call)."""
     key = tuple(map(id, ab))
-    hit = _lists.get(node)
+    hits = _lists.get(node)
+    if hits is None:
+        hits = _lists[node] = {}
+    hit = hits.get(part)
     if hit is not None and hit[0] == key:
         return hit[1]
+    cols, alphas = (node.params["cols"], node.params["alphas"]) if part < 0 else node.params["parts"][part]
     values = [_values(w) for w in ab]
     by_kind: dict = {}
-    for i, (col, alpha) in enumerate(zip(node.params["cols"], node.params["alphas"])):
+    for i, (col, alpha) in enumerate(zip(cols, alphas)):
         a, b = values[2 * i], values[2 * i + 1]
         by_kind.setdefault((a.dtype, b.dtype, a.flags.writeable, b.flags.writeable), []).append((col, alpha, a, b))
     groups = []
@@ -189,5 +190,179 @@ def _groups(node, ab) -> list:
             else ((items[0][2],), (items[0][3],))
         groups.append((np.array([c for c, _, _, _ in items], np.int64), np.array([al for _, al, _, _ in items], np.float32),
                        a_list, b_list, sum(a.shape[0] * (a.shape[1] + b.shape[1]) for _, _, a, b in items)))
-    _lists[node] = (key, groups)  # ab's objects live as long as the node's graph: their ids stay theirs
+    hits[part] = (key, groups)  # ab's objects live as long as the node's graph: their ids stay theirs
     return groups
+
+
+def _on(node, part, y2, x2, s2, ab) -> None:
+    """y2 (n, n_out) += the adapters' products of the node's output `part`, in place."""
+    n = y2.shape[0]
+    for cols, alphas, a_list, b_list, macs in _groups(node, ab, part):
+        if n > 1 and n * macs >= PAR_MIN_MACS:
+            lora_rows(y2, x2, s2, cols, alphas, a_list, b_list, min(n, numba.get_num_threads()))
+        else:
+            lora_rows_1(y2, x2, s2, cols, alphas, a_list, b_list)
+
+
+# ---- a projection and its adapters in one node (MUL_MAT_LORA, MUL_MAT_ADD_LORA, FFN_GLU_LORA) ----
+# One token (decode) is one compiled call: the product (threads over its rows, as matmul's), then the
+# adapters' on this thread: the same kernels as the unfused MUL_MAT and LORA nodes, so the same bits,
+# without a node's walk step and Python call for each adapter product (168 a token at Qwen2.5-0.5B).
+
+PAR1_MIN_MACS = 1 << 16  # an adapter's multiply-adds from which one row's products take the threads
+OB_PAR = 256  # outputs a task of those
+
+
+@numba.njit(parallel=True, cache=True, nogil=True)
+def _adapter_par(y, x, sc, alpha, a, b):
+    """_adapter of one row (y[0] += s * ((a x[0]) b)) on the threads: a's rows split, then b's columns;
+    each sum runs as in _adapter, so the same bits."""
+    r, n_out = a.shape[0], y.shape[1]
+    t = np.empty(r, np.float32)
+    for i in numba.prange(r):
+        acc = np.empty(L, np.float32)
+        t[i] = _dot(a[i], x[0], acc)
+    s = sc if alpha == 0 else np.float32(np.float32(sc * alpha) / np.float32(r))
+    for p in numba.prange((n_out + OB_PAR - 1) // OB_PAR):  # (numba.get_num_threads() here: no caching)
+        o0 = p * OB_PAR
+        w = min(OB_PAR, n_out - o0)
+        d = np.zeros(w, np.float32)
+        for i in range(r):
+            ti, bi = t[i], b[i, o0:o0 + w]
+            for o in range(w):
+                d[o] += f32(bi[o]) * ti
+        yt = y[0, o0:o0 + w]
+        for o in range(w):
+            yt[o] += d[o] * s
+
+
+@numba.njit(inline="always", cache=True, nogil=True)
+def _one(y, x, sc, alpha, a, b):
+    """_adapter of one row and one adapter (sc 0: none), a big one on the threads."""
+    if sc != 0:
+        if a.shape[0] * (a.shape[1] + b.shape[1]) >= PAR1_MIN_MACS:
+            _adapter_par(y, x, np.float32(sc), np.float32(alpha), a, b)
+        else:
+            rows, scs, acc = np.zeros(1, np.int64), np.full(1, np.float32(sc)), np.empty(L, np.float32)
+            _adapter(y, x, rows, 1, scs, np.float32(alpha), a, b, acc, acc)
+
+
+# The adapter of the row as arrays and floats: a tuple or typed list argument costs numba's dispatch
+# microseconds to type and unbox (~12 us a call for the FFN's four)
+
+@numba.njit(cache=True, nogil=True)
+def matvec_lora(tag, qs, d, m, sup, ms, c, sub, x, y, sc, alpha, a, b):
+    _matvec(tag, qs, d, m, sup, ms, c, sub, x, y)
+    _one(y, x, sc, alpha, a, b)
+
+
+@numba.njit(cache=True, nogil=True)
+def matvec_add_lora(tag, qs, d, m, sup, ms, c, sub, x, r, y, sc, alpha, a, b):
+    t = np.empty(y.shape, np.float32)  # y may be r's buffer
+    _matvec(tag, qs, d, m, sup, ms, c, sub, x, t)
+    _one(t, x, sc, alpha, a, b)
+    for j in range(y.shape[1]):
+        y[0, j] = t[0, j] + r[0, j]
+
+
+@numba.njit(cache=True, nogil=True)
+def ffn_glu1_lora(tag, qg, dg, mg, sg, msg, cg, qu, du, mu, su, msu, cu, sub, x, gelu, out,
+                  sc_g, alpha_g, a_g, b_g, sc_u, alpha_u, a_u, b_u):
+    xq, xd, xs = _quantize1(x, dg.shape[1] * sub, sub)  # once for gate and up
+    g = np.empty(out.shape, np.float32)
+    u = np.empty(out.shape, np.float32)
+    dot.dot_any(tag, qg, dg, mg, sg, msg, cg, xq, xd, xs, g)
+    _one(g, x, sc_g, alpha_g, a_g, b_g)
+    dot.dot_any(tag, qu, du, mu, su, msu, cu, xq, xd, xs, u)
+    _one(u, x, sc_u, alpha_u, a_u, b_u)
+    ops.glu_1(g, u, gelu, out)
+
+
+def _packed(w) -> tuple:
+    return dot.TAGS[w.kind], w.qs, w.d, w.m, w.sup, w.ms, w.c32, w.sub
+
+
+def _product(w, x2, xq=None, out=None):
+    """x2 @ w.T for a packed weight, or a float32 one narrower than a quant block."""
+    if isinstance(w, PackedWeight):
+        return matmul(w, x2, out, xq=xq)
+    return np.matmul(x2, w.T, out=out)
+
+
+def bind_proj_lora(node):
+    """The CPU kernel of a MUL_MAT_LORA, MUL_MAT_ADD_LORA or FFN_GLU_LORA node (sources as lora_split names
+    them). What one token's compiled call takes of the weights and adapters is made on the first call and
+    kept (a bound node's weights stay the same): ~140 of these run a decoded token."""
+    op, nb = node.op, 2 if node.op is Op.MUL_MAT_LORA else 3
+    spans, i = [], nb + 1
+    for cols, _ in node.params["parts"]:
+        spans.append((i, i + 2 * len(cols)))
+        i += 2 * len(cols)
+    gelu = node.params.get("act") == "gelu"
+    n_out, xi = node.shape[-1], 2 if op is Op.FFN_GLU_LORA else 1
+    memo: list = [None, None]  # (the weight and first adapter matrix it was made for), one token's arguments
+
+    def one_token(values):
+        """What the compiled one-token call takes: the weight's arguments and each part's adapters as
+        (scales column, alpha, a, b); None where its kernels do not apply."""
+        ws = values[:2] if op is Op.FFN_GLU_LORA else values[:1]
+        if not all(isinstance(w, PackedWeight) and w.kind >= 0 for w in ws):
+            return None
+        parts = [[(c, al, _values(values[a + 2 * j]), _values(values[a + 2 * j + 1]))
+                  for j, (c, al) in enumerate(zip(*node.params["parts"][p]))] for p, (a, _) in enumerate(spans)]
+        if op is not Op.FFN_GLU_LORA:
+            return _packed(ws[0]), parts
+        wg, wu = ws
+        if (wg.kind, wg.n_pad, wg.sub) != (wu.kind, wu.n_pad, wu.sub) or not all(parts):
+            return None
+        return (*_packed(wg)[:7], *_packed(wu)[1:7], wg.sub), parts
+
+    def row_adapters(parts, row):
+        """Each part's one adapter of the row as (scale, alpha, a, b), scale 0 for none; None if it uses two."""
+        out = []
+        for pairs in parts:
+            on = [(float(row[c]), al, a, b) for c, al, a, b in pairs if row[c] != 0]
+            if len(on) > 1:
+                return None
+            out += on[0] if on else (0.0, 0.0, pairs[0][2], pairs[0][3])
+        return out
+
+    def k(*values, out=None):
+        if memo[0] is None or memo[0][0] is not values[0] or memo[0][1] is not values[nb + 1]:
+            memo[:] = [(values[0], values[nb + 1]), one_token(values)]
+        x = values[xi]
+        x2 = np.ascontiguousarray(x.reshape(-1, x.shape[-1]), np.float32)
+        s2 = np.ascontiguousarray(values[nb], np.float32)
+        n, fast = x2.shape[0], memo[1]
+        ads = row_adapters(fast[1], s2[0]) if n == 1 and fast is not None else None
+        if ads is not None:
+            start_pool()
+            o = np.empty((1, n_out), np.float32) if out is None else out.reshape(1, n_out)
+            if op is Op.MUL_MAT_LORA:
+                matvec_lora(*fast[0], x2, o, *ads)
+            elif op is Op.MUL_MAT_ADD_LORA:
+                matvec_add_lora(*fast[0], x2, np.ascontiguousarray(values[2], np.float32).reshape(1, n_out), o, *ads)
+            else:
+                ffn_glu1_lora(*fast[0], x2, gelu, o, *ads)
+            return o.reshape(node.shape) if out is None else out
+        ab = [values[a:b] for a, b in spans]
+        if op is Op.FFN_GLU_LORA:
+            w, wu = values[0], values[1]
+            xq = quantize_for(w, x2) if isinstance(w, PackedWeight) and w.kind >= 0 and n else None
+            g, u = _product(w, x2, xq), _product(wu, x2, xq)
+            for p, y in ((0, g), (1, u)):
+                if ab[p]:
+                    _on(node, p, y, x2, s2, ab[p])
+            o = (np.empty(node.shape, np.float32) if out is None else out).reshape(n, n_out)
+            ops.glu(g, u, gelu, o)
+            return o.reshape(node.shape) if out is None else out
+        if op is Op.MUL_MAT_LORA:
+            o = (np.empty(node.shape, np.float32) if out is None else out).reshape(n, n_out)
+            _product(values[0], x2, out=o)
+            _on(node, 0, o, x2, s2, ab[0])
+            return o.reshape(node.shape) if out is None else out
+        r = values[2]
+        t = _product(values[0], x2)
+        _on(node, 0, t, x2, s2, ab[0])
+        return np.add(t.reshape(r.shape), r, out=out)
+    return k

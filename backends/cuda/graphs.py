@@ -33,7 +33,8 @@ log = structlog.get_logger("hearthlm.cuda")
 MAX_TOKENS = MMVQ_MAX_TOKENS
 HOST_OPS = frozenset({Op.MUL_MAT_ID})  # read device data on the host: not capturable
 BLAS_OPS = frozenset({Op.KQ, Op.KQV})   # cupy.matmul: cuBLAS
-PRODUCTS = frozenset({Op.MUL_MAT, Op.MUL_MAT_ADD, Op.FFN_GLU})  # cuBLAS unless the weight is quantized
+# cuBLAS unless the weight is quantized
+PRODUCTS = frozenset({Op.MUL_MAT, Op.MUL_MAT_ADD, Op.FFN_GLU, Op.MUL_MAT_LORA, Op.MUL_MAT_ADD_LORA, Op.FFN_GLU_LORA})
 
 
 def enabled() -> bool:

@@ -19,7 +19,7 @@ from hearthlm.backends.cuda.weights import MMVQ_MAX_TOKENS, CudaWeight
 from hearthlm.backends.cuda.weights import quantized as _quantized
 from hearthlm.core import array_ops, kv_types
 from hearthlm.core.errors import BackendError
-from hearthlm.core.graph import Op, alibi_slopes, attn_bounds
+from hearthlm.core.graph import Op, alibi_slopes, attn_bounds, lora_split
 
 MAX_TOKENS = 8        # matmul.cu's MAX_TOKENS: the tokens of one mmvq launch
 ROWS = 4              # matmul.cu's ROWS_PER_BLOCK
@@ -569,17 +569,35 @@ def pool_2d(node, x, out=None):
 def lora(node, y, x, s, *ab, out=None):
     """Op.LORA: each adapter's products over all rows, times each row's scale (0 where the row does not
     use it); alpha / rank as llama.cpp's get_scale. Plain cuBLAS: rows are not bitwise batch-invariant here."""
+    return _into(_lora_on(node.params["cols"], node.params["alphas"], y, x, s, ab).reshape(node.shape), out)
+
+
+def _lora_on(cols, alphas, y, x, s, ab):
     x2, s2 = _rows(x), _f(s)
-    acc = _f(y).reshape(x2.shape[0], node.shape[-1]).copy()  # not -1: an empty batch has no width to infer
-    for i, (col, alpha) in enumerate(zip(node.params["cols"], node.params["alphas"])):
+    acc = _f(y).reshape(x2.shape[0], y.shape[-1]).copy()  # not -1: an empty batch has no width to infer
+    for i, (col, alpha) in enumerate(zip(cols, alphas)):
         a, b = (w.f if isinstance(w, CudaWeight) else _f(w) for w in ab[2 * i:2 * i + 2])
         sc = s2[:, col:col + 1] * (f32(alpha) / f32(a.shape[0]) if alpha else f32(1.0))
         acc += ((x2 @ a.T) @ b) * sc
-    return _into(acc.reshape(node.shape), out)
+    return acc
+
+
+def proj_lora(node, *values, out=None):
+    """MUL_MAT_LORA, MUL_MAT_ADD_LORA, FFN_GLU_LORA: the product, then its adapters (and the residual last)."""
+    base, s, parts = lora_split(node, values)
+    x2 = _rows(base[-1] if node.op is not Op.MUL_MAT_ADD_LORA else base[1])
+    on = lambda w, part: _lora_on(part[0], part[1], matmul2(w, x2), x2, s, part[2])  # noqa: E731
+    if node.op is Op.FFN_GLU_LORA:
+        y = _glu(on(base[0], parts[0]), on(base[1], parts[1]), node.params["act"])
+    else:
+        y = on(base[0], parts[0])
+        if node.op is Op.MUL_MAT_ADD_LORA:
+            y = y.reshape(base[2].shape) + base[2]
+    return _into(y.reshape(node.shape), out)
 
 
 KERNELS = {
-    Op.LORA: lora,
+    Op.LORA: lora, Op.MUL_MAT_LORA: proj_lora, Op.MUL_MAT_ADD_LORA: proj_lora, Op.FFN_GLU_LORA: proj_lora,
     Op.GET_ROWS: get_rows, Op.MUL_MAT: mul_mat, Op.MUL_MAT_ADD: mul_mat_add, Op.FFN_GLU: ffn_glu,
     Op.RMS_NORM: rms_norm, Op.RMS_NORM_MUL: rms_norm, Op.RMS_NORM_MUL_ADD: rms_norm,
     Op.MUL: mul, Op.ADD: add, Op.ADD_N: add_n, Op.SCALE: scale,
