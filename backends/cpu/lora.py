@@ -14,82 +14,131 @@ import weakref
 
 import numba
 import numpy as np
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
 from numba.typed import List
 
 from hearthlm.backends.cpu import dot, ops
-from hearthlm.backends.cpu.halfs import f32
+from hearthlm.backends.cpu.halfs import VW, _call, _ptr, _splat, _vec_ptr, f32, widen
 from hearthlm.backends.cpu.matmul import _matvec, _quantize1, matmul, quantize_for, start_pool
 from hearthlm.backends.cpu.qtypes import PackedWeight
 from hearthlm.core.graph import Op
 
-L = 128  # lanes of x a's sums
-OB = 512  # outputs a block of (x a) b: a block of b's rows and of the rows' sums within L1
+L = 64  # lanes of x a's sums (a power of 2)
+OB = 512  # outputs a block of (x a) b, for all the rows: a block of b's rows within L1-L2 (a multiple of W)
+
+
+@intrinsic
+def _lanes(typingctx, a, x, nb):
+    """The first nb * L products a[j] * x[j], j into lane j mod L (fma, in order of j), the lanes then folded
+    in halves (lane q + h into lane q, h = L/2 .. 1): lane 0. a: float32, or F16 bits. In registers (a lane's
+    place in a vector does not change the sums: the same bits for 8- and 16-float vectors)."""
+    def codegen(context, builder, sig, args):
+        av, xv, nbv = args
+        ta, ip = sig.args, types.intp
+        cst = lambda v: context.get_constant(ip, v)  # noqa: E731
+        vf = ir.VectorType(ir.FloatType(), VW)
+        half = ta[0].dtype == types.uint16
+        accs = [cgutils.alloca_once_value(builder, ir.Constant(vf, [0.0] * VW)) for _ in range(L // VW)]
+        with cgutils.for_range(builder, context.cast(builder, nbv, ta[2], ip)) as loop:
+            base = builder.mul(loop.index, cst(L))
+            for v, acc in enumerate(accs):
+                off = [(builder.add(base, cst(v * VW)), ip)]
+                w = (widen(builder, builder.load(_vec_ptr(context, builder, ta[0], av, off, ir.VectorType(ir.IntType(16), VW)),
+                                                 align=2))
+                     if half else builder.load(_vec_ptr(context, builder, ta[0], av, off, vf), align=4))
+                xx = builder.load(_vec_ptr(context, builder, ta[1], xv, off, vf), align=4)
+                builder.store(_call(builder, f"llvm.fma.v{VW}f32", vf, [w, xx, builder.load(acc)]), acc)
+        vals = [builder.load(acc) for acc in accs]
+        while len(vals) > 1:
+            h = len(vals) // 2
+            vals = [builder.fadd(vals[q], vals[q + h]) for q in range(h)]
+        lanes = [builder.extract_element(vals[0], ir.Constant(ir.IntType(32), q)) for q in range(VW)]
+        while len(lanes) > 1:
+            h = len(lanes) // 2
+            lanes = [builder.fadd(lanes[q], lanes[q + h]) for q in range(h)]
+        return lanes[0]
+    return types.float32(a, x, nb), codegen
+
+
+NVB = 4  # vectors of outputs a chunk of (x a) b: W = NVB * VW outputs, in registers across the rank
+W = NVB * 16  # (with 8-float vectors, two chunks' worth of registers: the same sums)
+
+
+@intrinsic
+def _bchunk(typingctx, b, t, q, y, yrow, o0, s):
+    """y[yrow, o0:o0 + W] += s * sum over i of t[q, i] * b[i, o0:o0 + W] (fma, i in order; then times s, added).
+    b: float32, or F16 bits."""
+    def codegen(context, builder, sig, args):
+        bv, tv, qv, yv, yrv, o0v, sv = args
+        ta, ip = sig.args, types.intp
+        cst = lambda v: context.get_constant(ip, v)  # noqa: E731
+        vf = ir.VectorType(ir.FloatType(), VW)
+        half = ta[0].dtype == types.uint16
+        q, yr, o0 = (context.cast(builder, v, t_, ip) for v, t_ in ((qv, ta[2]), (yrv, ta[4]), (o0v, ta[5])))
+        n_r = cgutils.unpack_tuple(builder, context.make_array(ta[0])(context, builder, bv).shape)[0]
+        accs = [cgutils.alloca_once_value(builder, ir.Constant(vf, [0.0] * VW)) for _ in range(W // VW)]
+        with cgutils.for_range(builder, n_r) as loop:
+            i = loop.index
+            ti = _splat(builder, builder.load(_ptr(context, builder, ta[1], tv, [(q, ip), (i, ip)])), vf)
+            for v, acc in enumerate(accs):
+                off = [(i, ip), (builder.add(o0, cst(v * VW)), ip)]
+                w = (widen(builder, builder.load(_vec_ptr(context, builder, ta[0], bv, off, ir.VectorType(ir.IntType(16), VW)),
+                                                 align=2))
+                     if half else builder.load(_vec_ptr(context, builder, ta[0], bv, off, vf), align=4))
+                builder.store(_call(builder, f"llvm.fma.v{VW}f32", vf, [w, ti, builder.load(acc)]), acc)
+        sv_ = _splat(builder, context.cast(builder, sv, ta[6], types.float32), vf)
+        for v, acc in enumerate(accs):
+            p = _vec_ptr(context, builder, ta[3], yv, [(yr, ip), (builder.add(o0, cst(v * VW)), ip)], vf)
+            builder.store(builder.fadd(builder.load(p, align=4), builder.fmul(builder.load(acc), sv_)), p, align=4)
+        return context.get_dummy_value()
+    return types.none(b, t, q, y, yrow, o0, s), codegen
 
 
 @numba.njit(inline="always", cache=True, nogil=True)
-def _dot(ai, xt, acc):
-    """ai . xt: input j into lane j mod L, lanes added in order, then the tail. ai: float32, or F16 bits."""
-    n_in = xt.shape[0]
-    nb = n_in // L
-    acc[:] = 0
-    for jb in range(nb):
-        seg, xs = ai[jb * L:(jb + 1) * L], xt[jb * L:(jb + 1) * L]
-        for q in range(L):
-            acc[q] += f32(seg[q]) * xs[q]
-    tot = np.float32(0)
-    for q in range(L):
-        tot += acc[q]
-    for j in range(nb * L, n_in):
+def _cols(y, yrow, b, t, q, s, o0, o1):
+    """y[yrow, o0:o1] += s * (t[q] b)[o0:o1]: whole chunks of W outputs (_bchunk), the outputs past the last
+    whole chunk of the row in order (o0 on a chunk boundary; o1 one, or the row's end)."""
+    o = o0
+    while o + W <= o1:
+        _bchunk(b, t, q, y, yrow, o, s)
+        o += W
+    for oo in range(o, o1):
+        d = np.float32(0)
+        for i in range(b.shape[0]):
+            d += f32(b[i, oo]) * t[q, i]
+        y[yrow, oo] += d * s
+
+
+@numba.njit(inline="always", cache=True, nogil=True)
+def _dot(ai, xt):
+    """ai . xt: _lanes over the whole lanes' inputs, then the tail in order. ai: float32, or F16 bits."""
+    nb = xt.shape[0] // L
+    tot = _lanes(ai, xt, nb)
+    for j in range(nb * L, xt.shape[0]):
         tot += f32(ai[j]) * xt[j]
     return tot
 
 
 @numba.njit(inline="always", cache=True, nogil=True)
-def _widen(src, dst):
-    for o in range(dst.shape[0]):
-        dst[o] = f32(src[o])
-
-
-@numba.njit(inline="always", cache=True, nogil=True)
-def _adapter(y, x, rows, nr, sc, alpha, a, b, acc, abuf):
+def _adapter(y, x, rows, nr, sc, alpha, a, b):
     """y[t] += s_t * ((a x[t]) b) for the nr rows t in rows, s_t = sc[q] * alpha / rank (alpha 0: sc[q]) in
     float32 as llama.cpp's get_scale; a (r, n_in) (the GGUF's lora_a), b (r, n_out): float32, or float16
-    bits (uint16). A row's sums run in one order whatever nr is; for several rows each row of a, and b a
-    block of OB outputs at a time, is widened once for all of them (into abuf, bbuf (r, OB))."""
+    bits (uint16). A row's sums run in one order whatever nr is (_dot, _cols); several rows take b a block of
+    OB outputs at a time, each block read once for all of them."""
     r, n_out = a.shape[0], y.shape[1]
     tmp = np.empty((nr, r), np.float32)
     for i in range(r):
-        if nr == 1:
-            tmp[0, i] = _dot(a[i], x[rows[0]], acc)
-        else:
-            _widen(a[i], abuf)
-            for q in range(nr):
-                tmp[q, i] = _dot(abuf, x[rows[q]], acc)
+        for q in range(nr):
+            tmp[q, i] = _dot(a[i], x[rows[q]])
     s = np.empty(nr, np.float32)
     for q in range(nr):
         s[q] = sc[q] if alpha == 0 else np.float32(np.float32(sc[q] * alpha) / np.float32(r))
-    ob = n_out if nr == 1 else OB  # one row reads b whole, a row after another (a stream the prefetcher follows)
-    d, bbuf = np.empty(ob, np.float32), np.empty((r if nr > 1 else 0, ob), np.float32)
-    for o0 in range(0, n_out, ob):
-        w = min(ob, n_out - o0)
-        if nr > 1:
-            for i in range(r):
-                _widen(b[i, o0:o0 + w], bbuf[i, :w])
+    for o0 in range(0, n_out, OB):  # a block of b (in L1-L2) for all the rows
         for q in range(nr):
-            d[:w] = 0
-            for i in range(r):
-                ti = tmp[q, i]
-                if nr == 1:
-                    bi = b[i, o0:o0 + w]
-                    for o in range(w):
-                        d[o] += f32(bi[o]) * ti
-                else:
-                    bi = bbuf[i]
-                    for o in range(w):
-                        d[o] += bi[o] * ti
-            yt, sq = y[rows[q], o0:o0 + w], s[q]
-            for o in range(w):
-                yt[o] += d[o] * sq
+            _cols(y, rows[q], b, tmp, q, s[q], o0, min(o0 + OB, n_out))
 
 
 @numba.njit(inline="always", cache=True, nogil=True)
@@ -97,8 +146,6 @@ def _part(y, x, s, cols, alphas, a_list, b_list, t0, t1, k0, k_step):
     """Rows t0..t1, adapters k0, k0 + k_step, ... in the node's order, each over those of the rows whose
     scale for it is not 0 (a row's adapters add up in order, in one thread)."""
     rows, sc = np.empty(t1 - t0, np.int64), np.empty(t1 - t0, np.float32)
-    acc = np.empty(L, np.float32)
-    abuf = np.empty(x.shape[1], np.float32)
     for k in range(k0, len(a_list), k_step):
         nr = 0
         for t in range(t0, t1):
@@ -106,7 +153,7 @@ def _part(y, x, s, cols, alphas, a_list, b_list, t0, t1, k0, k_step):
                 rows[nr], sc[nr] = t, s[t, cols[k]]
                 nr += 1
         if nr:
-            _adapter(y, x, rows, nr, sc, alphas[k], a_list[k], b_list[k], acc, abuf)
+            _adapter(y, x, rows, nr, sc, alphas[k], a_list[k], b_list[k])
 
 
 @numba.njit(parallel=True, cache=True, nogil=True)
@@ -162,8 +209,8 @@ def lora(node, y, x, s, *ab, out=None):
         out = np.array(y, np.float32, order="C")
     elif out is not y and not np.shares_memory(out, y):
         np.copyto(out, y)
-    _on(node, -1, out.reshape(n, y.shape[-1]), np.ascontiguousarray(x, np.float32).reshape(n, x.shape[-1]),
-        np.ascontiguousarray(s, np.float32), ab)
+    _on(_groups(node, ab), out.reshape(n, y.shape[-1]), np.ascontiguousarray(x, np.float32).reshape(n, x.shape[-1]),
+        np.ascontiguousarray(s, np.float32))
     return out
 
 
@@ -194,10 +241,10 @@ def _groups(node, ab, part: int = -1) -> list:
     return groups
 
 
-def _on(node, part, y2, x2, s2, ab) -> None:
-    """y2 (n, n_out) += the adapters' products of the node's output `part`, in place."""
+def _on(groups, y2, x2, s2) -> None:
+    """y2 (n, n_out) += the products of the adapters in `groups` (_groups), in place."""
     n = y2.shape[0]
-    for cols, alphas, a_list, b_list, macs in _groups(node, ab, part):
+    for cols, alphas, a_list, b_list, macs in groups:
         if n > 1 and n * macs >= PAR_MIN_MACS:
             lora_rows(y2, x2, s2, cols, alphas, a_list, b_list, min(n, numba.get_num_threads()))
         else:
@@ -220,20 +267,11 @@ def _adapter_par(y, x, sc, alpha, a, b):
     r, n_out = a.shape[0], y.shape[1]
     t = np.empty(r, np.float32)
     for i in numba.prange(r):
-        acc = np.empty(L, np.float32)
-        t[i] = _dot(a[i], x[0], acc)
+        t[i] = _dot(a[i], x[0])
     s = sc if alpha == 0 else np.float32(np.float32(sc * alpha) / np.float32(r))
-    for p in numba.prange((n_out + OB_PAR - 1) // OB_PAR):  # (numba.get_num_threads() here: no caching)
-        o0 = p * OB_PAR
-        w = min(OB_PAR, n_out - o0)
-        d = np.zeros(w, np.float32)
-        for i in range(r):
-            ti, bi = t[i], b[i, o0:o0 + w]
-            for o in range(w):
-                d[o] += f32(bi[o]) * ti
-        yt = y[0, o0:o0 + w]
-        for o in range(w):
-            yt[o] += d[o] * s
+    t2 = t.reshape(1, r)
+    for p in numba.prange((n_out + OB_PAR - 1) // OB_PAR):
+        _cols(y, 0, b, t2, 0, s, p * OB_PAR, min(p * OB_PAR + OB_PAR, n_out))
 
 
 @numba.njit(inline="always", cache=True, nogil=True)
@@ -243,8 +281,7 @@ def _one(y, x, sc, alpha, a, b):
         if a.shape[0] * (a.shape[1] + b.shape[1]) >= PAR1_MIN_MACS:
             _adapter_par(y, x, np.float32(sc), np.float32(alpha), a, b)
         else:
-            rows, scs, acc = np.zeros(1, np.int64), np.full(1, np.float32(sc)), np.empty(L, np.float32)
-            _adapter(y, x, rows, 1, scs, np.float32(alpha), a, b, acc, acc)
+            _adapter(y, x, np.zeros(1, np.int64), 1, np.full(1, np.float32(sc)), np.float32(alpha), a, b)
 
 
 # The adapter of the row as arrays and floats: a tuple or typed list argument costs numba's dispatch
@@ -300,7 +337,7 @@ def bind_proj_lora(node):
         i += 2 * len(cols)
     gelu = node.params.get("act") == "gelu"
     n_out, xi = node.shape[-1], 2 if op is Op.FFN_GLU_LORA else 1
-    memo: list = [None, None]  # (the weight and first adapter matrix it was made for), one token's arguments
+    memo: list = [None, None, None]  # (the weight and first adapter it was made for), one_token's, each part's groups
 
     def one_token(values):
         """What the compiled one-token call takes: the weight's arguments and each part's adapters as
@@ -329,7 +366,8 @@ def bind_proj_lora(node):
 
     def k(*values, out=None):
         if memo[0] is None or memo[0][0] is not values[0] or memo[0][1] is not values[nb + 1]:
-            memo[:] = [(values[0], values[nb + 1]), one_token(values)]
+            memo[:] = [(values[0], values[nb + 1]), one_token(values),
+                       [_groups(node, values[a:b], p) if b > a else [] for p, (a, b) in enumerate(spans)]]
         x = values[xi]
         x2 = np.ascontiguousarray(x.reshape(-1, x.shape[-1]), np.float32)
         s2 = np.ascontiguousarray(values[nb], np.float32)
@@ -345,24 +383,23 @@ def bind_proj_lora(node):
             else:
                 ffn_glu1_lora(*fast[0], x2, gelu, o, *ads)
             return o.reshape(node.shape) if out is None else out
-        ab = [values[a:b] for a, b in spans]
+        groups = memo[2]
         if op is Op.FFN_GLU_LORA:
             w, wu = values[0], values[1]
             xq = quantize_for(w, x2) if isinstance(w, PackedWeight) and w.kind >= 0 and n else None
             g, u = _product(w, x2, xq), _product(wu, x2, xq)
-            for p, y in ((0, g), (1, u)):
-                if ab[p]:
-                    _on(node, p, y, x2, s2, ab[p])
+            _on(groups[0], g, x2, s2)
+            _on(groups[1], u, x2, s2)
             o = (np.empty(node.shape, np.float32) if out is None else out).reshape(n, n_out)
             ops.glu(g, u, gelu, o)
             return o.reshape(node.shape) if out is None else out
         if op is Op.MUL_MAT_LORA:
             o = (np.empty(node.shape, np.float32) if out is None else out).reshape(n, n_out)
             _product(values[0], x2, out=o)
-            _on(node, 0, o, x2, s2, ab[0])
+            _on(groups[0], o, x2, s2)
             return o.reshape(node.shape) if out is None else out
         r = values[2]
         t = _product(values[0], x2)
-        _on(node, 0, t, x2, s2, ab[0])
+        _on(groups[0], t, x2, s2)
         return np.add(t.reshape(r.shape), r, out=out)
     return k
