@@ -2,7 +2,9 @@
 base model alone, same session, same prompts: at each --concurrency level, n streams where stream i
 uses adapter i mod N (random rank --lora-rank adapters on every attention and FFN projection, at
 the model's own shapes: lora_files.write_lora), rounds of base and adapters in turn (alternating
-which goes first), each figure the median; and the memory each loaded adapter takes."""
+which goes first), each figure the median; and the memory each loaded adapter takes. Every run's
+prompts are new (no run reuses another's prefix: each prefills its prompts, where reused ones made
+a run's time depend on which blocks the other runs had evicted)."""
 from __future__ import annotations
 
 import sys
@@ -43,11 +45,11 @@ async def bench_lora(a) -> tuple[list[dict], dict]:
                 await s.load_adapter(f"r{i}", f)
             rss1 = _rss_mb()
 
-            async def run(n: int, lora: bool, max_tokens: int) -> float:
+            async def run(n: int, lora: bool, max_tokens: int, rnd: int) -> float:
                 counts = []
 
                 async def one(i: int) -> None:
-                    c = await s.generate(_concurrent_prompt(s.model.n_vocab, i + 1000 * lora), max_tokens=max_tokens,
+                    c = await s.generate(_concurrent_prompt(s.model.n_vocab, i + max(levels) * (2 * rnd + lora)), max_tokens=max_tokens,
                                          temperature=0, ignore_eos=True, adapters={f"r{i % n_ad}": 1.0} if lora else None)
                     counts.append(len(c.token_ids))
                 t = time.perf_counter()
@@ -56,15 +58,15 @@ async def bench_lora(a) -> tuple[list[dict], dict]:
                         tg.start_soon(one, i)
                 return sum(counts) / (time.perf_counter() - t)
             for n in levels:  # warm-up: graph shapes with and without adapters
-                await run(n, False, 4)
-                await run(n, True, 4)
+                await run(n, False, 4, 0)
+                await run(n, True, 4, 0)
             rss2 = _rss_mb()
             rows = []
-            for n in levels:
+            for li, n in enumerate(levels):
                 base, lora = [], []
                 for r in range(a.repeat):
                     for with_lora in ((False, True) if r % 2 == 0 else (True, False)):
-                        (lora if with_lora else base).append(await run(n, with_lora, a.decode_tokens))
+                        (lora if with_lora else base).append(await run(n, with_lora, a.decode_tokens, 1 + li * a.repeat + r))
                 b, lo = float(np.median(base)), float(np.median(lora))
                 rows.append(dict(concurrency=n, adapters=min(n, n_ad), base_tok_s=b, lora_tok_s=lo, ratio=lo / b))
                 print(f"concurrency {n}: ratio {lo / b:.3f}", file=sys.stderr, flush=True)
