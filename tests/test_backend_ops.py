@@ -367,8 +367,8 @@ def proj_lora(kind, qtype, n, ad=T.F16, mixed=False, first="one"):
     with adapters on gate and up ("ffn") or up alone ("ffn_up"). Rows use adapter 0, 1, both or none; `mixed`:
     the adapters of a part F32 and F16 (two kernel groups); `first`: the first row using adapter 0 ("one": the
     cpu backend's one-token call for n = 1), both, or none.
-    Mutations: the cpu kernel skipping the adapters of the FFN's up (or its gate), adding the residual twice, or
-    reading part 0's scales column for part 1 fail these."""
+    Mutations: the cpu one-token kernel skipping the FFN's up adapter (4 cases fail), or adding the residual
+    twice (5 fail)."""
     rng = rng_for("proj_lora", kind, qtype, n, ad, mixed)
     k, rows = (KQUANT_KS[0] if qtype in SUPER else 576), 96
     x = x_for(qweight(qtype, rows, k), rng, n)
