@@ -131,6 +131,7 @@ class GraphCache:
             for st in cg.steps:
                 if st.kind is STATIC and cg.backends[st.index] in changed:
                     st.value = self.stores[cg.backends[st.index]].get(st.node.params["weight"])
+            cg.statics = cg.live = None  # walk's values list holds the old ones
 
     def _make(self, sig: Signature) -> CachedGraph:
         g = self.build(sig.shape)
