@@ -367,8 +367,11 @@ def _proj_lora(n, *values):
     """MUL_MAT_LORA, MUL_MAT_ADD_LORA, FFN_GLU_LORA: the unfused chain (the residual added last)."""
     base, s, parts = lora_split(n, values)
     on = lambda y, x, part: _lora_on(part[0], part[1], y, x, s, part[2])  # noqa: E731
-    if n.op is Op.MUL_MAT_LORA:
-        return on(_mm(base[0], base[1]), base[1], parts[0])
+    if n.op is Op.MUL_MAT_LORA:  # each part on its columns (q, k and v stacked)
+        y = _mm(base[0], base[1])
+        for part, (o0, o1) in zip(parts, n.params.get("out_cols") or ((0, y.shape[-1]),)):
+            y[:, o0:o1] = on(y[:, o0:o1], base[1], part)
+        return y
     if n.op is Op.MUL_MAT_ADD_LORA:
         return on(_mm(base[0], base[1]), base[1], parts[0]) + base[2]
     wg, wu, x = base

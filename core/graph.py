@@ -143,7 +143,8 @@ class Op(enum.Enum):
     # a projection with its LoRA adapters in one node (LORA over MUL_MAT / MUL_MAT_ADD / the gated FFN): the
     # same sources as the unfused op, then scales and the (a, b) pairs of each part; params: parts, a tuple
     # of (cols, alphas) per output the adapters go on (one; the FFN's two: gate's, then up's), its pairs in
-    # that order. MUL_MAT_ADD_LORA adds the residual last, (x @ w.T + adapters) + r, as llama.cpp
+    # that order. MUL_MAT_ADD_LORA adds the residual last, (x @ w.T + adapters) + r, as llama.cpp. A MUL_MAT_LORA
+    # over stacked weights (q, k and v) has a part per weight and out_cols: the output columns (o0, o1) of each
     MUL_MAT_LORA = "mul_mat_lora"                                  # (w, x, scales, a_0, b_0, ...)
     MUL_MAT_ADD_LORA = "mul_mat_add_lora", OpProps(inplace=(2,))   # (w, x, r, scales, a_0, b_0, ...)
     FFN_GLU_LORA = "ffn_glu_lora"                                  # (w_gate, w_up, x, scales, ...); params: act too
@@ -446,9 +447,10 @@ class Graph:
         [(pairs, cols, alphas)] per output the adapters go on (see Op.MUL_MAT_LORA)."""
         w, x = base[0], base[-1] if op is not Op.MUL_MAT_ADD_LORA else base[1]
         shape = base[2].shape if op is Op.MUL_MAT_ADD_LORA else (*x.shape[:-1], w.shape[0])
-        for pairs, _, _ in parts:
+        out_cols = params.get("out_cols") or ((0, w.shape[0]),) * len(parts)
+        for (pairs, _, _), (o0, o1) in zip(parts, out_cols):
             for a, b in pairs:
-                assert a.shape == (b.shape[0], x.shape[-1]) and b.shape[1] == w.shape[0], f"{name}: {a.shape} {b.shape}"
+                assert a.shape == (b.shape[0], x.shape[-1]) and b.shape[1] == o1 - o0, f"{name}: {a.shape} {b.shape}"
         srcs = (*base, scales, *(t for pairs, _, _ in parts for p in pairs for t in p))
         return self._add(op, srcs, shape, name, il, **params, parts=tuple(
             (tuple(int(c) for c in cols), tuple(float(a) for a in alphas)) for _, cols, alphas in parts))

@@ -5,6 +5,7 @@ sources already rewritten. HEARTHLM_NO_FUSION=1 turns fusion off (debugging)."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import os
 from dataclasses import dataclass
 from typing import Callable
@@ -219,11 +220,14 @@ def fuse(graph: Graph, rules: list[Rule] = RULES) -> Graph:
 
 def stack_matmuls(graph: Graph) -> Graph:
     """Projections of the same activations (q, k and v) as one MUL_MAT over their stacked
-    weights and a column SLICE each: one kernel launch and one quantization of x, not three."""
-    groups: dict[int, list[Tensor]] = {}
+    weights and a column SLICE each: one kernel launch and one quantization of x, not three.
+    LoRA'd ones (MUL_MAT_LORA, the same scales) likewise, their adapters on their columns."""
+    groups: dict[tuple, list[Tensor]] = {}
     for n in graph.nodes:
         if n.op is Op.MUL_MAT and n.srcs[0].op is Op.WEIGHT:
-            groups.setdefault(id(n.srcs[1]), []).append(n)
+            groups.setdefault((id(n.srcs[1]),), []).append(n)
+        elif n.op is Op.MUL_MAT_LORA and n.srcs[0].op is Op.WEIGHT and "out_cols" not in n.params:
+            groups.setdefault((id(n.srcs[1]), id(n.srcs[2])), []).append(n)  # and the same scales
     first: dict[int, list[Tensor]] = {}
     for mms in groups.values():
         by_type: dict[tuple, list[Tensor]] = {}  # stackable: same type and width (Qwen's q and k, not its Q8_0 v)
@@ -238,12 +242,27 @@ def stack_matmuls(graph: Graph) -> Graph:
     out = Graph()
     out.inputs = dict(graph.inputs)
     new: dict[Tensor, Tensor] = {}
+    hoisted: set[int] = set()  # later members' adapter weights, placed before the stacked node (leaves)
     for node in graph.nodes:
+        if id(node) in hoisted:
+            continue
         if id(node) in first:
             mms = first[id(node)]
             w = out.weight(stacked_weight([m.srcs[0].params["weight"] for m in mms]))
             x = new.get(mms[0].srcs[1], mms[0].srcs[1])
-            y = out.mul_mat(w, x, "+".join(m.name for m in mms), node.layer)
+            name = "+".join(m.name for m in mms)
+            if node.op is Op.MUL_MAT_LORA:  # each weight's adapters on its columns
+                parts, ends = [], list(itertools.accumulate([0] + [m.shape[-1] for m in mms]))
+                for m in mms:
+                    _, _, ((cols, alphas, ab),) = lora_split(m, m.srcs)
+                    parts.append((list(zip(ab[::2], ab[1::2])), cols, alphas))
+                    if m is not node:
+                        out.nodes += [t for t in ab if id(t) not in hoisted]
+                        hoisted.update(map(id, ab))
+                y = out.proj_lora(Op.MUL_MAT_LORA, (w, x), new.get(node.srcs[2], node.srcs[2]), parts, name, node.layer,
+                                  out_cols=tuple((int(a), int(b)) for a, b in zip(ends[:-1], ends[1:])))
+            else:
+                y = out.mul_mat(w, x, name, node.layer)
             r0 = 0
             for m in mms:
                 new[m] = out.slice(y, r0, r0 + m.shape[-1], m.name, m.layer)

@@ -363,12 +363,13 @@ def lora(n, k=896, rows=67, ranks=(16, 8), qtype=T.F32):
 
 
 def proj_lora(kind, qtype, n, ad=T.F16, mixed=False, first="one"):
-    """A projection and its adapters in one node: MUL_MAT_LORA ("mm"), MUL_MAT_ADD_LORA ("add"), FFN_GLU_LORA
-    with adapters on gate and up ("ffn") or up alone ("ffn_up"). Rows use adapter 0, 1, both or none; `mixed`:
+    """A projection and its adapters in one node: MUL_MAT_LORA ("mm"; "stack2"/"stack3": over stacked weights, each
+    part's adapters on its columns), MUL_MAT_ADD_LORA ("add"), FFN_GLU_LORA with adapters on gate and up ("ffn")
+    or up alone ("ffn_up"). Rows use adapter 0, 1, both or none; `mixed`:
     the adapters of a part F32 and F16 (two kernel groups); `first`: the first row using adapter 0 ("one": the
     cpu backend's one-token call for n = 1), both, or none.
-    Mutations: the cpu one-token kernel skipping the FFN's up adapter (4 cases fail), or adding the residual
-    twice (5 fail)."""
+    Mutations: the cpu one-token kernel skipping the FFN's up adapter (4 cases fail), adding the residual twice
+    (5 fail), or putting a stack's second adapter on the third part's columns (4 fail)."""
     rng = rng_for("proj_lora", kind, qtype, n, ad, mixed)
     k, rows = (KQUANT_KS[0] if qtype in SUPER else 576), 96
     x = x_for(qweight(qtype, rows, k), rng, n)
@@ -376,14 +377,14 @@ def proj_lora(kind, qtype, n, ad=T.F16, mixed=False, first="one"):
     s[0::3, 0], s[1::3, 2], s[2::3, 0], s[2::3, 2] = 1.0, 0.5, 0.7, 2.0
     s[:1] = np.array({"one": [1.0, 0, 0], "both": [0.7, 0, 2.0], "none": [0, 0, 0]}[first])[None, :][:n]
 
-    def pairs(tag, ranks=(16, 8)):
+    def pairs(tag, ranks=(16, 8), width=rows):
         out = []
         for j, r in enumerate(ranks):
             t = T.F32 if mixed and j == 1 else ad
             dt = np.float16 if t == T.F16 else np.float32
             out.append((g.weight(QWeight(f"{tag}a{r}-{k}-{t.name}", t, (r, k), f32(rng, r, k).astype(dt).view(np.uint8).reshape(r, -1))),
-                        g.weight(QWeight(f"{tag}b{r}-{t.name}", t, (r, rows), f32(rng, r, rows, scale=r ** -0.5).astype(dt)
-                                         .view(np.uint8).reshape(r, -1)))))
+                        g.weight(QWeight(f"{tag}b{r}-{width}-{t.name}", t, (r, width), f32(rng, r, width, scale=r ** -0.5)
+                                         .astype(dt).view(np.uint8).reshape(r, -1)))))
         return out, (0, 2), (32.0, 0.0)
     g = Graph()
     feed = {"x": x, "s": s}
@@ -394,6 +395,11 @@ def proj_lora(kind, qtype, n, ad=T.F16, mixed=False, first="one"):
     w = lambda seed: g.weight(qweight(qtype, rows, k, seed))  # noqa: E731
     if kind == "mm":
         node = g.proj_lora(Op.MUL_MAT_LORA, (w(0), xi), si, [pairs("q")], "y")
+    elif kind.startswith("stack"):  # q, k (and v) stacked: 96 rows as 64 + 32 or 64 + 16 + 16, an adapter set each
+        widths = (64, 32) if kind == "stack2" else (64, 16, 16)
+        ends = np.cumsum((0, *widths))
+        node = g.proj_lora(Op.MUL_MAT_LORA, (w(0), xi), si, [pairs(f"s{j}", width=wd) for j, wd in enumerate(widths)],
+                           "y", out_cols=tuple((int(a), int(b)) for a, b in zip(ends[:-1], ends[1:])))
     elif kind == "add":
         node = g.proj_lora(Op.MUL_MAT_ADD_LORA, (w(0), xi, ins[2]), si, [pairs("o")], "y")
     else:
@@ -712,11 +718,12 @@ CASES = [
                                   (64, 32, False, 3, False)]],
     *[case(moe_routing, n=n) for n in TOKENS],
     *[case(lora, n=n) for n in TOKENS],
-    *[case(proj_lora, kind=kd, qtype=t, n=n) for kd in ("mm", "add", "ffn", "ffn_up") for t in (T.Q8_0, T.Q4_K, T.F16)
-      for n in TOKENS],
+    *[case(proj_lora, kind=kd, qtype=t, n=n) for kd in ("mm", "add", "ffn", "ffn_up", "stack2", "stack3")
+      for t in (T.Q8_0, T.Q4_K, T.F16) for n in TOKENS],
     *[case(proj_lora, kind=kd, qtype=T.Q4_0, n=n, ad=T.F32, mixed=m) for kd in ("mm", "add", "ffn") for n in (1, 5)
       for m in (False, True)],
-    *[case(proj_lora, kind=kd, qtype=T.Q8_0, n=1, first=f) for kd in ("mm", "add", "ffn", "ffn_up") for f in ("both", "none")],
+    *[case(proj_lora, kind=kd, qtype=T.Q8_0, n=1, first=f) for kd in ("mm", "add", "ffn", "ffn_up", "stack3")
+      for f in ("both", "none")],
     case(lora, n=5, k=200, rows=4864, ranks=(32,)),  # rank >= 32: B packed "f32"; 200 inputs: lanes and a tail
     *[case(lora, n=n, k=200, rows=4864, ranks=(32, 16), qtype=T.F16) for n in (1, 17)],
     *[case(mul_mat_id, qtype=t, n=n, per_slot=p) for t in (T.F32, T.Q8_0, T.Q5_0, T.Q4_K) for n in (0, 1, 5, 17)

@@ -294,6 +294,17 @@ def matvec_lora(tag, qs, d, m, sup, ms, c, sub, x, y, sc, alpha, a, b):
 
 
 @numba.njit(cache=True, nogil=True)
+def matvec_lora3(tag, qs, d, m, sup, ms, c, sub, x, y, c0, c1, sc0, alpha0, a0, b0, c2, sc1, alpha1, a1, b1,
+                 c3, sc2, alpha2, a2, b2):
+    """Stacked weights (q, k and v) and each one's adapter on its columns [c0, c1), [c1, c2), [c2, c3) (the third
+    empty for two)."""
+    _matvec(tag, qs, d, m, sup, ms, c, sub, x, y)
+    _one(y[:, c0:c1], x, sc0, alpha0, a0, b0)
+    _one(y[:, c1:c2], x, sc1, alpha1, a1, b1)
+    _one(y[:, c2:c3], x, sc2, alpha2, a2, b2)
+
+
+@numba.njit(cache=True, nogil=True)
 def matvec_add_lora(tag, qs, d, m, sup, ms, c, sub, x, r, y, sc, alpha, a, b):
     t = np.empty(y.shape, np.float32)  # y may be r's buffer
     _matvec(tag, qs, d, m, sup, ms, c, sub, x, t)
@@ -337,6 +348,9 @@ def bind_proj_lora(node):
         i += 2 * len(cols)
     gelu = node.params.get("act") == "gelu"
     n_out, xi = node.shape[-1], 2 if op is Op.FFN_GLU_LORA else 1
+    out_cols = node.params.get("out_cols")  # a MUL_MAT_LORA over stacked weights: each part's columns
+    if out_cols is not None:
+        ends = [o0 for o0, _ in out_cols] + [out_cols[-1][1]] * (4 - len(out_cols))
     memo: list = [None, None, None]  # (the weight and first adapter it was made for), one_token's, each part's groups
 
     def one_token(values):
@@ -348,7 +362,7 @@ def bind_proj_lora(node):
         parts = [[(c, al, _values(values[a + 2 * j]), _values(values[a + 2 * j + 1]))
                   for j, (c, al) in enumerate(zip(*node.params["parts"][p]))] for p, (a, _) in enumerate(spans)]
         if op is not Op.FFN_GLU_LORA:
-            return _packed(ws[0]), parts
+            return (_packed(ws[0]), parts) if out_cols is None or len(parts) <= 3 else None
         wg, wu = ws
         if (wg.kind, wg.n_pad, wg.sub) != (wu.kind, wu.n_pad, wu.sub) or not all(parts):
             return None
@@ -376,7 +390,10 @@ def bind_proj_lora(node):
         if ads is not None:
             start_pool()
             o = np.empty((1, n_out), np.float32) if out is None else out.reshape(1, n_out)
-            if op is Op.MUL_MAT_LORA:
+            if out_cols is not None:
+                ads += [0.0, 0.0, ads[2], ads[3]] * (3 - len(out_cols))  # an empty third: no adapter
+                matvec_lora3(*fast[0], x2, o, *ends[:2], *ads[:4], ends[2], *ads[4:8], ends[3], *ads[8:])
+            elif op is Op.MUL_MAT_LORA:
                 matvec_lora(*fast[0], x2, o, *ads)
             elif op is Op.MUL_MAT_ADD_LORA:
                 matvec_add_lora(*fast[0], x2, np.ascontiguousarray(values[2], np.float32).reshape(1, n_out), o, *ads)
@@ -396,7 +413,8 @@ def bind_proj_lora(node):
         if op is Op.MUL_MAT_LORA:
             o = (np.empty(node.shape, np.float32) if out is None else out).reshape(n, n_out)
             _product(values[0], x2, out=o)
-            _on(groups[0], o, x2, s2)
+            for g, (o0, o1) in zip(groups, out_cols or ((0, n_out),)):
+                _on(g, o[:, o0:o1], x2, s2)
             return o.reshape(node.shape) if out is None else out
         r = values[2]
         t = _product(values[0], x2)

@@ -589,10 +589,12 @@ def proj_lora(node, *values, out=None):
     on = lambda w, part: _lora_on(part[0], part[1], matmul2(w, x2), x2, s, part[2])  # noqa: E731
     if node.op is Op.FFN_GLU_LORA:
         y = _glu(on(base[0], parts[0]), on(base[1], parts[1]), node.params["act"])
-    else:
-        y = on(base[0], parts[0])
-        if node.op is Op.MUL_MAT_ADD_LORA:
-            y = y.reshape(base[2].shape) + base[2]
+    elif node.op is Op.MUL_MAT_ADD_LORA:
+        y = on(base[0], parts[0]).reshape(base[2].shape) + base[2]
+    else:  # each part on its columns (q, k and v stacked)
+        y = matmul2(base[0], x2)
+        for (cols, alphas, ab), (o0, o1) in zip(parts, node.params.get("out_cols") or ((0, y.shape[-1]),)):
+            y[:, o0:o1] = _lora_on(cols, alphas, y[:, o0:o1], x2, s, ab)
     return _into(y.reshape(node.shape), out)
 
 
