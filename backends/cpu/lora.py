@@ -162,7 +162,8 @@ def lora_rows(y, x, s, cols, alphas, a_list, b_list, n_parts):
     adapters' matrices (a typed list, or a tuple of one). Where no row uses two of the node's adapters
     (a request has one, as usual), each thread takes every n_parts-th adapter over all rows: every
     adapter's weights are read once a step, where ranges of rows would have each thread read them all
-    (they are cold: 17.6 MB an adapter at Qwen2.5-0.5B); else contiguous ranges of rows."""
+    (they are cold: 17.6 MB an adapter at Qwen2.5-0.5B), where at least n_parts adapters are in use;
+    else contiguous ranges of rows (one adapter's prompt: its rows over the threads)."""
     n = y.shape[0]
     one = True
     for t in range(n):
@@ -170,7 +171,13 @@ def lora_rows(y, x, s, cols, alphas, a_list, b_list, n_parts):
         for k in range(len(a_list)):
             used += s[t, cols[k]] != 0
         one = one and used <= 1
-    by_adapter = one and len(a_list) > 1
+    n_used = 0
+    for k in range(len(a_list)):
+        for t in range(n):
+            if s[t, cols[k]] != 0:
+                n_used += 1
+                break
+    by_adapter = one and n_used >= n_parts
     for p in numba.prange(n_parts):
         if by_adapter:
             _part(y, x, s, cols, alphas, a_list, b_list, 0, n, p, n_parts)
