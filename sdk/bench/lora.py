@@ -2,7 +2,8 @@
 base model alone, same session, same prompts: at each --concurrency level, n streams where stream i
 uses adapter i mod N (random rank --lora-rank adapters on every attention and FFN projection, at
 the model's own shapes: lora_files.write_lora), rounds of base and adapters in turn (alternating
-which goes first), each figure the median; and the memory each loaded adapter takes. Every run's
+which goes first), each figure the median: the whole requests' rate (prefill too), and decoding's
+alone (the tokens after every stream's first); and the memory each loaded adapter takes. Every run's
 prompts are new (no run reuses another's prefix: each prefills its prompts, where reused ones made
 a run's time depend on which blocks the other runs had evicted)."""
 from __future__ import annotations
@@ -45,18 +46,25 @@ async def bench_lora(a) -> tuple[list[dict], dict]:
                 await s.load_adapter(f"r{i}", f)
             rss1 = _rss_mb()
 
-            async def run(n: int, lora: bool, max_tokens: int, rnd: int) -> float:
-                counts = []
+            async def run(n: int, lora: bool, max_tokens: int, rnd: int) -> tuple[float, float]:
+                """(tokens a second from the requests' start to the last token, and decoding's: the tokens
+                after the last stream's first, over the time from it)."""
+                times: list[list[float]] = []
 
                 async def one(i: int) -> None:
-                    c = await s.generate(_concurrent_prompt(s.model.n_vocab, i + max(levels) * (2 * rnd + lora)), max_tokens=max_tokens,
-                                         temperature=0, ignore_eos=True, adapters={f"r{i % n_ad}": 1.0} if lora else None)
-                    counts.append(len(c.token_ids))
+                    ts = []
+                    async for c in s.stream(_concurrent_prompt(s.model.n_vocab, i + max(levels) * (2 * rnd + lora)),
+                                            max_tokens=max_tokens, temperature=0, ignore_eos=True,
+                                            adapters={f"r{i % n_ad}": 1.0} if lora else None):
+                        ts += [time.perf_counter()] * len(c.token_ids)
+                    times.append(ts)
                 t = time.perf_counter()
                 async with anyio.create_task_group() as tg:
                     for i in range(n):
                         tg.start_soon(one, i)
-                return sum(counts) / (time.perf_counter() - t)
+                end, first = time.perf_counter(), max(ts[0] for ts in times)
+                after = sum(x > first for ts in times for x in ts)
+                return sum(map(len, times)) / (end - t), after / (end - first) if after else 0.0
             for n in levels:  # warm-up: graph shapes with and without adapters
                 await run(n, False, 4, 0)
                 await run(n, True, 4, 0)
@@ -67,9 +75,11 @@ async def bench_lora(a) -> tuple[list[dict], dict]:
                 for r in range(a.repeat):
                     for with_lora in ((False, True) if r % 2 == 0 else (True, False)):
                         (lora if with_lora else base).append(await run(n, with_lora, a.decode_tokens, 1 + li * a.repeat + r))
-                b, lo = float(np.median(base)), float(np.median(lora))
-                rows.append(dict(concurrency=n, adapters=min(n, n_ad), base_tok_s=b, lora_tok_s=lo, ratio=lo / b))
-                print(f"concurrency {n}: ratio {lo / b:.3f}", file=sys.stderr, flush=True)
+                (b, bd), (lo, lod) = (np.median(np.array(x), axis=0).tolist() for x in (base, lora))
+                rows.append(dict(concurrency=n, adapters=min(n, n_ad), base_tok_s=b, lora_tok_s=lo, ratio=lo / b,
+                                 base_decode_tok_s=bd, lora_decode_tok_s=lod, decode_ratio=lod / bd if bd else 0.0))
+                print(f"concurrency {n}: ratio {lo / b:.3f}, decoding {rows[-1]['decode_ratio']:.3f}", file=sys.stderr,
+                      flush=True)
             nbytes = [ad.nbytes for ad in s.model.adapters.live.values()]
     facts = dict(adapter_mb=float(np.mean(nbytes)) / 2**20, rss_per_adapter_loaded_mb=(rss1 - rss0) / n_ad,
                  rss_per_adapter_after_use_mb=(rss2 - rss0) / n_ad, rank=a.lora_rank, type=a.lora_type, load_avg=_load())
