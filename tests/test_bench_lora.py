@@ -10,10 +10,10 @@ from hearthlm.session import Session
 
 
 def test_every_timed_run_prefills_prompts_of_its_own(smollm2_path, monkeypatch):
-    """Rows per level with a ratio of the two medians (the whole requests', and decoding's alone); in the timed runs (6 tokens: the warm-up asks 4), no
-    two requests share a prompt's start, so none skips its prefill on another run's cached blocks, and
-    stream i of an adapter run uses adapter i mod N. Mutation: the runs' prompts not offset by round (the
-    same prompts each round, as before) fails the distinctness."""
+    """Rows per level with a ratio of the two medians (the whole requests', and decoding's alone); in the
+    timed runs (6 tokens: the warm-up asks 4), no two requests share a prompt's start, so none skips its
+    prefill on another run's cached blocks, and stream i of an adapter run uses adapter i mod N. Mutation:
+    the runs' prompts not offset by round (the same prompts each round, as before) fails the distinctness."""
     a = build_parser().parse_args(["bench", "--model", str(smollm2_path), "--lora-adapters", "2", "--lora-rank", "4",
                                    "--concurrency", "1,2", "--decode-tokens", "6", "--repeat", "2", "--threads", "1"])
     seen = []
