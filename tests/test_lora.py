@@ -335,3 +335,59 @@ def _f32_weight(name, m):
     from hearthlm.core.weights import QWeight
     t = T.F16 if m.dtype == np.float16 else T.F32
     return QWeight(name, int(t), m.shape, np.ascontiguousarray(m).view(np.uint8).reshape(m.shape[0], -1))
+
+
+@pytest.mark.parametrize("kind", ["mm", "stack", "add", "ffn"])
+def test_fused_rows_do_not_depend_on_the_batch(kind):
+    """A projection with its adapters in one node (MUL_MAT_LORA, stacked q/k/v, MUL_MAT_ADD_LORA, FFN_GLU_LORA)
+    at Qwen2.5-0.5B's shapes, Q8_0 weights and rank-16 F16 adapters: a row alone (the one-token call, the
+    adapter's products on the threads) and among 9 rows using two adapters (the batched kernels): bitwise the
+    same, at 2 threads and 1. Mutations: _adapter_par's x a products times 1.0000001 fails all four; the
+    one-token stacked call taking the third part's a for the first fails "stack"."""
+    import numba
+    from gguf.constants import GGMLQuantizationType as T
+
+    from hearthlm.core.graph import Graph
+    from hearthlm.core.weights import QWeight
+    rng = np.random.default_rng(1)
+    be = get_backend("cpu")
+    n_in, outs = (4864, (896,)) if kind == "add" else (896, {"mm": (4864,), "stack": (896, 128, 128), "ffn": (4864, 4864)}[kind])
+    qw = [QWeight(f"w{kind}{j}", int(T.Q8_0), (o, n_in), gguf.quants.quantize(rng.standard_normal((o, n_in)).astype(np.float32) / 30,
+                                                                             T.Q8_0)) for j, o in enumerate(outs)]
+    if kind == "stack":
+        from hearthlm.core.weights import stacked_weight
+        qw = [stacked_weight(qw)]
+    ads = [[(QWeight(f"a{kind}{j}{i}", int(T.F16), (16, n_in), (rng.standard_normal((16, n_in)) / 30).astype(np.float16)
+                     .view(np.uint8).reshape(16, -1)),
+             QWeight(f"b{kind}{j}{i}", int(T.F16), (16, o), (rng.standard_normal((16, o)) / 4).astype(np.float16)
+                     .view(np.uint8).reshape(16, -1))) for i in range(2)] for j, o in enumerate(outs)]
+    x = rng.standard_normal((9, n_in)).astype(np.float32)
+    r = rng.standard_normal((9, outs[0])).astype(np.float32)
+    s = np.zeros((9, 2), np.float32)
+    s[::2, 0], s[1::2, 1] = 1.0, 0.5
+    prep = {id(w): be.prepare_weight(w) for w in [*qw, *(m for part in ads for p in part for m in p)]}
+
+    def run(rows):
+        g = Graph()
+        xi, si = g.input("x", (len(rows), n_in), np.float32), g.input("s", (len(rows), 2), np.float32)
+        parts = [([(g.weight(a), g.weight(b)) for a, b in part], (0, 1), (32.0, 0.0)) for part in ads]
+        ws = [g.weight(w) for w in qw]
+        if kind == "ffn":
+            node = g.proj_lora(Op.FFN_GLU_LORA, (*ws, xi), si, parts, "f", act="silu")
+        elif kind == "add":
+            node = g.proj_lora(Op.MUL_MAT_ADD_LORA, (ws[0], xi, g.input("r", (len(rows), outs[0]), np.float32)), si, parts, "y")
+        else:
+            ends = np.cumsum((0, *outs))
+            node = g.proj_lora(Op.MUL_MAT_LORA, (ws[0], xi), si, parts, "y",
+                               **({"out_cols": tuple((int(a), int(b)) for a, b in zip(ends[:-1], ends[1:]))} if kind == "stack" else {}))
+        feed = {"x": x[rows], "s": s[rows], "r": r[rows]}
+        vals = [feed[t.name].copy() if t.op is Op.INPUT else prep[id(t.params["weight"])] for t in node.srcs]
+        return be.bind(node)(*vals)
+    batch = run(list(range(9)))
+    for threads in (2, 1):
+        numba.set_num_threads(threads)
+        try:
+            for t in (0, 3, 8):
+                assert np.array_equal(run([t])[0], batch[t]), (kind, threads, t)
+        finally:
+            numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)
