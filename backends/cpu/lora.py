@@ -381,7 +381,7 @@ def bind_proj_lora(node):
         """Each part's one adapter of the row as (scale, alpha, a, b), scale 0 for none; None if it uses two."""
         out = []
         for pairs in parts:
-            on = [(float(row[c]), al, a, b) for c, al, a, b in pairs if row[c] != 0]
+            on = [(row[c], al, a, b) for c, al, a, b in pairs if row[c] != 0]
             if len(on) > 1:
                 return None
             out += on[0] if on else (0.0, 0.0, pairs[0][2], pairs[0][3])
@@ -395,7 +395,7 @@ def bind_proj_lora(node):
         x2 = np.ascontiguousarray(x.reshape(-1, x.shape[-1]), np.float32)
         s2 = np.ascontiguousarray(values[nb], np.float32)
         n, fast = x2.shape[0], memo[1]
-        ads = row_adapters(fast[1], s2[0]) if n == 1 and fast is not None else None
+        ads = row_adapters(fast[1], s2[0].tolist()) if n == 1 and fast is not None else None
         if ads is not None:
             start_pool()
             o = np.empty((1, n_out), np.float32) if out is None else out.reshape(1, n_out)
