@@ -284,6 +284,58 @@ def _adapter_par(y, x, sc, alpha, a, b):
 
 
 @numba.njit(inline="always", cache=True, nogil=True)
+def _scale(sc, alpha, r):
+    return np.float32(sc) if alpha == 0 else np.float32(np.float32(np.float32(sc) * np.float32(alpha)) / np.float32(r))
+
+
+@numba.njit(parallel=True, cache=True, nogil=True)
+def _three_par(x, y0, sc0, alpha0, a0, b0, y1, sc1, alpha1, a1, b1, y2, sc2, alpha2, a2, b2):
+    """_adapter_par of up to three adapters of one row (each on its own output; sc 0: none) in two parallel
+    regions for all: their a's rows, then their b's columns (one region each, not two an adapter)."""
+    r0, r1, r2 = a0.shape[0] if sc0 != 0 else 0, a1.shape[0] if sc1 != 0 else 0, a2.shape[0] if sc2 != 0 else 0
+    t = np.empty((3, max(a0.shape[0], a1.shape[0], a2.shape[0])), np.float32)
+    for k in numba.prange(r0 + r1 + r2):
+        if k < r0:
+            t[0, k] = _dot(a0[k], x[0])
+        elif k < r0 + r1:
+            t[1, k - r0] = _dot(a1[k - r0], x[0])
+        else:
+            t[2, k - r0 - r1] = _dot(a2[k - r0 - r1], x[0])
+    s0, s1, s2 = _scale(sc0, alpha0, a0.shape[0]), _scale(sc1, alpha1, a1.shape[0]), _scale(sc2, alpha2, a2.shape[0])
+    w0, w1, w2 = y0.shape[1], y1.shape[1], y2.shape[1]
+    n0 = (w0 + OB_PAR - 1) // OB_PAR if r0 else 0
+    n1 = (w1 + OB_PAR - 1) // OB_PAR if r1 else 0
+    n2 = (w2 + OB_PAR - 1) // OB_PAR if r2 else 0
+    for k in numba.prange(n0 + n1 + n2):
+        if k < n0:
+            _cols(y0, 0, b0, t, 0, s0, k * OB_PAR, min(k * OB_PAR + OB_PAR, w0))
+        elif k < n0 + n1:
+            o = (k - n0) * OB_PAR
+            _cols(y1, 0, b1, t, 1, s1, o, min(o + OB_PAR, w1))
+        else:
+            o = (k - n0 - n1) * OB_PAR
+            _cols(y2, 0, b2, t, 2, s2, o, min(o + OB_PAR, w2))
+
+
+@numba.njit(inline="always", cache=True, nogil=True)
+def _three(x, y0, sc0, alpha0, a0, b0, y1, sc1, alpha1, a1, b1, y2, sc2, alpha2, a2, b2):
+    """Up to three adapters of one row, each on its own output: on the threads where any is big."""
+    big = 0
+    if sc0 != 0:
+        big = max(big, a0.shape[0] * (a0.shape[1] + b0.shape[1]))
+    if sc1 != 0:
+        big = max(big, a1.shape[0] * (a1.shape[1] + b1.shape[1]))
+    if sc2 != 0:
+        big = max(big, a2.shape[0] * (a2.shape[1] + b2.shape[1]))
+    if big >= PAR1_MIN_MACS:
+        _three_par(x, y0, sc0, alpha0, a0, b0, y1, sc1, alpha1, a1, b1, y2, sc2, alpha2, a2, b2)
+    elif big:
+        _one(y0, x, sc0, alpha0, a0, b0)
+        _one(y1, x, sc1, alpha1, a1, b1)
+        _one(y2, x, sc2, alpha2, a2, b2)
+
+
+@numba.njit(inline="always", cache=True, nogil=True)
 def _one(y, x, sc, alpha, a, b):
     """_adapter of one row and one adapter (sc 0: none), a big one on the threads."""
     if sc != 0:
@@ -308,9 +360,7 @@ def matvec_lora3(tag, qs, d, m, sup, ms, c, sub, x, y, c0, c1, sc0, alpha0, a0, 
     """Stacked weights (q, k and v) and each one's adapter on its columns [c0, c1), [c1, c2), [c2, c3) (the third
     empty for two)."""
     _matvec(tag, qs, d, m, sup, ms, c, sub, x, y)
-    _one(y[:, c0:c1], x, sc0, alpha0, a0, b0)
-    _one(y[:, c1:c2], x, sc1, alpha1, a1, b1)
-    _one(y[:, c2:c3], x, sc2, alpha2, a2, b2)
+    _three(x, y[:, c0:c1], sc0, alpha0, a0, b0, y[:, c1:c2], sc1, alpha1, a1, b1, y[:, c2:c3], sc2, alpha2, a2, b2)
 
 
 @numba.njit(cache=True, nogil=True)
@@ -329,9 +379,8 @@ def ffn_glu1_lora(tag, qg, dg, mg, sg, msg, cg, qu, du, mu, su, msu, cu, sub, x,
     g = np.empty(out.shape, np.float32)
     u = np.empty(out.shape, np.float32)
     dot.dot_any(tag, qg, dg, mg, sg, msg, cg, xq, xd, xs, g)
-    _one(g, x, sc_g, alpha_g, a_g, b_g)
     dot.dot_any(tag, qu, du, mu, su, msu, cu, xq, xd, xs, u)
-    _one(u, x, sc_u, alpha_u, a_u, b_u)
+    _three(x, g, sc_g, alpha_g, a_g, b_g, u, sc_u, alpha_u, a_u, b_u, u[:, :0], 0.0, 0.0, a_u, b_u)
     ops.glu_1(g, u, gelu, out)
 
 
