@@ -51,7 +51,7 @@ class CompiledGraph:
     n_copies: int                # COPY nodes between them
     runner: Any = None           # the backend's own way to run it (Backend.graph_runner), or None
     # made by walk's first run: the values list with the STATIC steps' values in place, and the other steps
-    # (a LoRA step binds ~600 weights: a walk step each cost ~0.5 ms a token); None again where st.value changes
+    # (a LoRA step binds ~600 weights, each a walk iteration a step before); None again where st.value changes
     statics: list | None = None
     live: list | None = None
 

@@ -78,14 +78,17 @@ def _mul_mat_lora(g, root, m):
                        root.name, root.layer)
 
 
+def _parts(node) -> list:
+    """A fused LoRA node's parts as Graph.proj_lora takes them: [(pairs, cols, alphas)]."""
+    return [(list(zip(ab[::2], ab[1::2])), cols, alphas) for cols, alphas, ab in lora_split(node, node.srcs)[2]]
+
+
 def _lora_add(g, root, m):
     """A LoRA'd projection into the residual: (w x + the adapters' products) + r, as llama.cpp."""
     lo, r = m["lo"], m["r"]
     if not r.shape == root.shape == lo.shape:
         return None
-    _, scales, parts = lora_split(lo, lo.srcs)
-    return g.proj_lora(Op.MUL_MAT_ADD_LORA, (*lo.srcs[:2], r), scales,
-                       [(list(zip(ab[::2], ab[1::2])), cols, alphas) for cols, alphas, ab in parts], root.name, root.layer)
+    return g.proj_lora(Op.MUL_MAT_ADD_LORA, (*lo.srcs[:2], r), lo.srcs[2], _parts(lo), root.name, root.layer)
 
 
 def _ffn_glu_lora(g, root, m):
@@ -95,13 +98,10 @@ def _ffn_glu_lora(g, root, m):
     if Op.MUL_MAT_LORA not in (gate.op, up.op) or gate.shape != up.shape or gate.srcs[1] is not up.srcs[1] \
             or gate.srcs[0].op is not Op.WEIGHT or up.srcs[0].op is not Op.WEIGHT:
         return None
-    scales = {lora_split(t, t.srcs)[1] for t in (gate, up) if t.op is Op.MUL_MAT_LORA}
+    scales = {t.srcs[2] for t in (gate, up) if t.op is Op.MUL_MAT_LORA}
     if len(scales) != 1:
         return None
-    parts = []
-    for t in (gate, up):
-        parts += [(list(zip(ab[::2], ab[1::2])), cols, alphas) for cols, alphas, ab in lora_split(t, t.srcs)[2]] \
-            if t.op is Op.MUL_MAT_LORA else [([], (), ())]
+    parts = [p for t in (gate, up) for p in (_parts(t) if t.op is Op.MUL_MAT_LORA else [([], (), ())])]
     return g.proj_lora(Op.FFN_GLU_LORA, (gate.srcs[0], up.srcs[0], gate.srcs[1]), scales.pop(), parts, "ffn_glu",
                        root.layer, act="gelu" if m["act"].op is Op.GELU else "silu")
 
@@ -254,9 +254,10 @@ def stack_matmuls(graph: Graph) -> Graph:
             if node.op is Op.MUL_MAT_LORA:  # each weight's adapters on its columns
                 parts, ends = [], list(itertools.accumulate([0] + [m.shape[-1] for m in mms]))
                 for m in mms:
-                    _, _, ((cols, alphas, ab),) = lora_split(m, m.srcs)
-                    parts.append((list(zip(ab[::2], ab[1::2])), cols, alphas))
+                    (part,) = _parts(m)
+                    parts.append(part)
                     if m is not node:
+                        ab = [t for pair in part[0] for t in pair]
                         out.nodes += [t for t in ab if id(t) not in hoisted]
                         hoisted.update(map(id, ab))
                 y = out.proj_lora(Op.MUL_MAT_LORA, (w, x), new.get(node.srcs[2], node.srcs[2]), parts, name, node.layer,

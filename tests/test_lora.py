@@ -342,9 +342,8 @@ def test_fused_rows_do_not_depend_on_the_batch(kind):
     """A projection with its adapters in one node (MUL_MAT_LORA, stacked q/k/v, MUL_MAT_ADD_LORA, FFN_GLU_LORA)
     at Qwen2.5-0.5B's shapes, Q8_0 weights and rank-16 F16 adapters: a row alone (the one-token call, the
     adapter's products on the threads) and among 9 rows using two adapters (the batched kernels): bitwise the
-    same, at 2 threads and 1. Mutations: x a products times 1.0000001 in _adapter_par fails "mm" and "add",
-    in _three_par's first part "stack" and "ffn"; the stacked call taking the third part's a for the first
-    fails "stack"."""
+    same, at 2 threads and 1. Mutations: the x a products of _three_par's first part times 1.0000001 fails
+    all four; the stacked call taking the third part's a for the first fails "stack"."""
     import numba
     from gguf.constants import GGMLQuantizationType as T
 

@@ -123,6 +123,12 @@ def _dot(ai, xt):
 
 
 @numba.njit(inline="always", cache=True, nogil=True)
+def _scale(sc, alpha, r):
+    """A row's scale for an adapter of rank r: sc * alpha / r in float32 (alpha 0: sc), as llama.cpp's get_scale."""
+    return np.float32(sc) if alpha == 0 else np.float32(np.float32(np.float32(sc) * np.float32(alpha)) / np.float32(r))
+
+
+@numba.njit(inline="always", cache=True, nogil=True)
 def _adapter(y, x, rows, nr, sc, alpha, a, b):
     """y[t] += s_t * ((a x[t]) b) for the nr rows t in rows, s_t = sc[q] * alpha / rank (alpha 0: sc[q]) in
     float32 as llama.cpp's get_scale; a (r, n_in) (the GGUF's lora_a), b (r, n_out): float32, or float16
@@ -135,7 +141,7 @@ def _adapter(y, x, rows, nr, sc, alpha, a, b):
             tmp[q, i] = _dot(a[i], x[rows[q]])
     s = np.empty(nr, np.float32)
     for q in range(nr):
-        s[q] = sc[q] if alpha == 0 else np.float32(np.float32(sc[q] * alpha) / np.float32(r))
+        s[q] = _scale(sc[q], alpha, r)
     for o0 in range(0, n_out, OB):  # a block of b (in L1-L2) for all the rows
         for q in range(nr):
             _cols(y, rows[q], b, tmp, q, s[q], o0, min(o0 + OB, n_out))
@@ -221,18 +227,20 @@ def lora(node, y, x, s, *ab, out=None):
     return out
 
 
-def _groups(node, ab, part: int = -1) -> list:
-    """The node's adapters (those of its output `part`, for a fused projection) as the kernel takes them,
-    made on its first call: one group per kind of array (float32 or F16 bits, read-only or not), in the
-    node's order; a group of one as a tuple (a typed list's unboxing costs ~2.5 us a call)."""
+def _groups(node, ab) -> list:
+    """A LORA node's _make_groups, made on its first call and kept."""
     key = tuple(map(id, ab))
-    hits = _lists.get(node)
-    if hits is None:
-        hits = _lists[node] = {}
-    hit = hits.get(part)
+    hit = _lists.get(node)
     if hit is not None and hit[0] == key:
         return hit[1]
-    cols, alphas = (node.params["cols"], node.params["alphas"]) if part < 0 else node.params["parts"][part]
+    groups = _make_groups(node.params["cols"], node.params["alphas"], ab)
+    _lists[node] = (key, groups)  # ab's objects live as long as the node's graph: their ids stay theirs
+    return groups
+
+
+def _make_groups(cols, alphas, ab) -> list:
+    """Adapters as the kernel takes them: one group per kind of array (float32 or F16 bits, read-only or
+    not), in the given order; a group of one as a tuple (a typed list's unboxing costs ~2.5 us a call)."""
     values = [_values(w) for w in ab]
     by_kind: dict = {}
     for i, (col, alpha) in enumerate(zip(cols, alphas)):
@@ -244,7 +252,6 @@ def _groups(node, ab, part: int = -1) -> list:
             else ((items[0][2],), (items[0][3],))
         groups.append((np.array([c for c, _, _, _ in items], np.int64), np.array([al for _, al, _, _ in items], np.float32),
                        a_list, b_list, sum(a.shape[0] * (a.shape[1] + b.shape[1]) for _, _, a, b in items)))
-    hits[part] = (key, groups)  # ab's objects live as long as the node's graph: their ids stay theirs
     return groups
 
 
@@ -260,7 +267,7 @@ def _on(groups, y2, x2, s2) -> None:
 
 # ---- a projection and its adapters in one node (MUL_MAT_LORA, MUL_MAT_ADD_LORA, FFN_GLU_LORA) ----
 # One token (decode) is one compiled call: the product (threads over its rows, as matmul's), then the
-# adapters' on this thread: the same kernels as the unfused MUL_MAT and LORA nodes, so the same bits,
+# row's adapter (on the threads where big): the same sums as the batched kernels, so the same bits,
 # without a node's walk step and Python call for each adapter product (168 a token at Qwen2.5-0.5B).
 
 # an adapter's multiply-adds from which one row's products take the threads: q, k, v and o at Qwen2.5-0.5B
@@ -270,28 +277,10 @@ OB_PAR = 256  # outputs a task of those
 
 
 @numba.njit(parallel=True, cache=True, nogil=True)
-def _adapter_par(y, x, sc, alpha, a, b):
-    """_adapter of one row (y[0] += s * ((a x[0]) b)) on the threads: a's rows split, then b's columns;
-    each sum runs as in _adapter, so the same bits."""
-    r, n_out = a.shape[0], y.shape[1]
-    t = np.empty(r, np.float32)
-    for i in numba.prange(r):
-        t[i] = _dot(a[i], x[0])
-    s = sc if alpha == 0 else np.float32(np.float32(sc * alpha) / np.float32(r))
-    t2 = t.reshape(1, r)
-    for p in numba.prange((n_out + OB_PAR - 1) // OB_PAR):
-        _cols(y, 0, b, t2, 0, s, p * OB_PAR, min(p * OB_PAR + OB_PAR, n_out))
-
-
-@numba.njit(inline="always", cache=True, nogil=True)
-def _scale(sc, alpha, r):
-    return np.float32(sc) if alpha == 0 else np.float32(np.float32(np.float32(sc) * np.float32(alpha)) / np.float32(r))
-
-
-@numba.njit(parallel=True, cache=True, nogil=True)
 def _three_par(x, y0, sc0, alpha0, a0, b0, y1, sc1, alpha1, a1, b1, y2, sc2, alpha2, a2, b2):
-    """_adapter_par of up to three adapters of one row (each on its own output; sc 0: none) in two parallel
-    regions for all: their a's rows, then their b's columns (one region each, not two an adapter)."""
+    """_adapter of one row for up to three adapters (each on its own output; sc 0: none) on the threads, in two
+    parallel regions for all: their a's rows, then their b's columns; each sum runs as in _adapter, so the
+    same bits."""
     r0, r1, r2 = a0.shape[0] if sc0 != 0 else 0, a1.shape[0] if sc1 != 0 else 0, a2.shape[0] if sc2 != 0 else 0
     t = np.empty((3, max(a0.shape[0], a1.shape[0], a2.shape[0])), np.float32)
     for k in numba.prange(r0 + r1 + r2):
@@ -340,7 +329,7 @@ def _one(y, x, sc, alpha, a, b):
     """_adapter of one row and one adapter (sc 0: none), a big one on the threads."""
     if sc != 0:
         if a.shape[0] * (a.shape[1] + b.shape[1]) >= PAR1_MIN_MACS:
-            _adapter_par(y, x, np.float32(sc), np.float32(alpha), a, b)
+            _three_par(x, y, sc, alpha, a, b, y[:, :0], 0.0, 0.0, a, b, y[:, :0], 0.0, 0.0, a, b)
         else:
             _adapter(y, x, np.zeros(1, np.int64), 1, np.full(1, np.float32(sc)), np.float32(alpha), a, b)
 
@@ -439,7 +428,7 @@ def bind_proj_lora(node):
     def k(*values, out=None):
         if memo[0] is None or memo[0][0] is not values[0] or memo[0][1] is not values[nb + 1]:
             memo[:] = [(values[0], values[nb + 1]), one_token(values),
-                       [_groups(node, values[a:b], p) if b > a else [] for p, (a, b) in enumerate(spans)]]
+                       [_make_groups(*node.params["parts"][p], values[a:b]) for p, (a, b) in enumerate(spans)]]
         x = values[xi]
         x2 = np.ascontiguousarray(x.reshape(-1, x.shape[-1]), np.float32)
         s2 = np.ascontiguousarray(values[nb], np.float32)
