@@ -1,7 +1,8 @@
 """One file of named arrays, for hearthlm's caches on disk (packed weights, persisted prompt
 prefixes): a fixed head, a JSON index, then each array at a 64-byte aligned offset with a
 checksum. Written to a temporary file renamed into place, so a reader sees an old file or a
-whole new one; read through a copy-on-write mapping, so the arrays' pages stay the file's."""
+whole new one; read through a copy-on-write mapping, so the arrays' pages stay the file's, or
+(`private`) into anonymous memory that asks for huge pages."""
 from __future__ import annotations
 
 import json
@@ -16,6 +17,11 @@ import numpy as np
 
 _HEAD = struct.Struct("<8sIIQQQ")  # magic, format, 0, index bytes, data offset, file bytes
 _ALIGN = 64
+# 2 MiB pages for data read privately (Linux's transparent huge pages, asked for by madvise):
+# a matvec streaming 0.5-3.5 MB of weights misses the TLB every 4 KiB page otherwise, and the
+# hardware prefetcher stops at each page's end. Measured on a 2-core Xeon: a 3 MB Q5_0 matvec from
+# DRAM 20.6 -> 24.3 GB/s, Qwen2.5-0.5B's decode step 23.1 -> 21.5 ms.
+HUGE_PAGES = hasattr(mmap, "MADV_HUGEPAGE")
 
 
 class ArrayFileError(Exception):
@@ -32,15 +38,23 @@ def checksum(a: np.ndarray) -> int:
     return int(np.add.reduce(a.view("<u8"), dtype=np.uint64)) if a.size else 0
 
 
-def read(path: Path, magic: bytes, fmt: int, *, arrays: bool = True) -> tuple[dict, dict[str, np.ndarray]]:
-    """(index, {name: array}); `arrays=False` reads the index only (no checksums). Raises
-    FileNotFoundError, OSError, or ArrayFileError."""
+def read(path: Path, magic: bytes, fmt: int, *, arrays: bool = True,
+         private: bool = False) -> tuple[dict, dict[str, np.ndarray]]:
+    """(index, {name: array}); `arrays=False` reads the index only (no checksums); `private`:
+    the bytes copied into anonymous memory with huge pages asked for (Linux: HUGE_PAGES), not
+    mapped from the file. Raises FileNotFoundError, OSError, or ArrayFileError."""
     with open(path, "rb") as f:
         size = os.fstat(f.fileno()).st_size
         if size < _HEAD.size:
             raise ArrayFileError("corrupt", "shorter than its head")
         try:
-            mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+            if private and arrays and HUGE_PAGES:
+                mm = mmap.mmap(-1, size)
+                mm.madvise(mmap.MADV_HUGEPAGE)  # before the first touch: the pages are made huge as they fault
+                if f.readinto(mm) != size:
+                    raise ArrayFileError("corrupt", "shorter than it was a moment ago")
+            else:
+                mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
         except (OSError, ValueError) as e:
             raise ArrayFileError("corrupt", f"cannot map: {e}") from None
     got_magic, got_fmt, _, n_index, data_at, n_file = _HEAD.unpack_from(mm, 0)

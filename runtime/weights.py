@@ -56,7 +56,7 @@ class WeightStore:
 
     def persist(self) -> bool:
         """Write the cache file if weights were prepared afresh, then serve every weight from
-        it (the packed copies in memory go; the file's pages are shared and evictable). True
+        it (the packed copies in memory go; the file is read or mapped: weight_cache). True
         when the prepared values changed: graphs bound to the old ones must rebind."""
         if self.cache is None or not self._fresh:
             return False

@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as T
 from tiny_gguf import write_tiny
@@ -15,6 +16,7 @@ from tiny_gguf import write_tiny
 from hearthlm import SyncSession
 from hearthlm.backends.cpu.backend import CPUBackend
 from hearthlm.model_zoo.gguf_file import GGUFFile
+from hearthlm.runtime import array_file, weight_cache
 from hearthlm.runtime.weight_cache import CACHE_FORMAT, WeightCache, cache_dir, default_cache_dir
 
 PROMPT = [5, 40, 77, 120, 9]
@@ -59,9 +61,11 @@ def test_weights_left_in_the_model_file_do_not_rewrite_it(tmp_path):
     assert cache_file(f32, tmp_path).stat().st_mtime_ns == before
 
 
-def test_mapped_pages_belong_to_the_file(model, tmp_path):
+def test_mapped_pages_belong_to_the_file(model, tmp_path, monkeypatch):
+    """A file over weight_cache.PRIVATE_UNDER of memory (here: any) is mapped, never copied."""
     if not Path("/proc/self/smaps").exists():
         pytest.skip("needs /proc/self/smaps")
+    monkeypatch.setattr(weight_cache, "PRIVATE_UNDER", 0)
     run(model, tmp_path)
     with SyncSession(str(model), weight_cache=tmp_path, n_ctx=64) as s:
         s.generate(PROMPT, max_tokens=2, temperature=0)
@@ -76,6 +80,57 @@ def test_mapped_pages_belong_to_the_file(model, tmp_path):
             elif cur and line.startswith("Anonymous:"):
                 anon += int(line.split()[1])
         assert rss > 0 and anon == 0, (rss, anon)  # read through the mapping, never copied
+
+
+def _smaps_of(name: str) -> int:
+    """Resident KiB of this process's mappings of files named `name`."""
+    rss, cur = 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        if "-" in line.split()[0] and len(line.split()) >= 5:
+            cur = line.endswith(name)
+        elif cur and line.startswith("Rss:"):
+            rss += int(line.split()[1])
+    return rss
+
+
+def test_a_small_file_is_read_into_memory_of_its_own(model, tmp_path):
+    """Under PRIVATE_UNDER of memory the cache file is read, not mapped (its arrays in huge pages
+    where Linux has them): the same tokens, no page of the file mapped. Mutation: load() without
+    `private=` maps it (the file shows in smaps) and fails."""
+    if not Path("/proc/self/smaps").exists() or not array_file.HUGE_PAGES:
+        pytest.skip("needs /proc/self/smaps and madvise(MADV_HUGEPAGE)")
+    ref, _ = run(model, False)
+    assert run(model, tmp_path)[1] == "written"
+    with SyncSession(str(model), weight_cache=tmp_path, n_ctx=64) as s:
+        ids = s.generate(PROMPT, max_tokens=6, temperature=0, ignore_eos=True).token_ids
+        assert s.stats()["weight_cache"]["cpu"] == "hit" and ids == ref
+        assert _smaps_of(cache_file(model, tmp_path).name) == 0
+
+
+@pytest.mark.parametrize("private", [True, False])
+def test_private_read_does_not_follow_the_file(tmp_path, private, monkeypatch):
+    """Read privately, the arrays are a copy: a later write into the file leaves them as read
+    (mapped, MAP_PRIVATE pages still show it: the case that shows the test can tell). A file cut
+    short between its size and its read is corrupt, not half-read. Mutation: read() ignoring
+`private` (always mapped) fails the private case."""
+    f = tmp_path / "a.bin"
+    array_file.write(f, b"TESTFILE", 1, {}, {"x": np.arange(4096, dtype=np.int64)})
+    _, arrays = array_file.read(f, b"TESTFILE", 1, private=private)
+    x = arrays["x"]
+    raw = bytearray(f.read_bytes())
+    at = raw.find(np.int64(7).tobytes() + np.int64(8).tobytes())
+    raw[at:at + 8] = np.int64(-1).tobytes()
+    with open(f, "r+b") as fh:  # in place, as another writer would (the cache itself renames)
+        fh.write(raw)
+    assert x[7] == (7 if private else -1) and x.flags.writeable
+    if private and array_file.HUGE_PAGES:
+        def short_open(path, mode="rb"):
+            fh = open(path, mode)
+            fh.readinto = lambda buf: 10
+            return fh
+        monkeypatch.setattr(array_file, "open", short_open, raising=False)
+        with pytest.raises(array_file.ArrayFileError, match="shorter"):
+            array_file.read(f, b"TESTFILE", 1, private=True)
 
 
 def _corruptions(f: Path):
