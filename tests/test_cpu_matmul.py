@@ -385,6 +385,30 @@ print("ok")
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
 
 
+def test_kernel_paths_follow_the_features_numba_compiles_with():
+    """NUMBA_CPU_NAME alone leaves numba compiling with the host's features: the kernels' choice
+    of intrinsics must follow them (halfs.TARGET_FEATURES), not fall to the generic ones. With
+    NUMBA_CPU_FEATURES too, the features given. Mutation: the old rule (a named CPU without
+    features meant none) picks the generic paths on an AVX-512BW host and fails the first case."""
+    import os
+    import subprocess
+    import sys
+
+    from hearthlm.backends.cpu import dot
+    code = "from hearthlm.backends.cpu import dot; print(dot._HAS_BW, dot._HAS_AVX2)"
+
+    def paths(**env):
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                           env={k: v for k, v in dict(os.environ, **env).items() if v is not None})
+        assert r.returncode == 0, r.stderr[-2000:]
+        return r.stdout.split()
+    host = [str(dot._HAS_BW), str(dot._HAS_AVX2)] if "NUMBA_CPU_FEATURES" not in os.environ else None
+    if host is not None:
+        assert paths(NUMBA_CPU_NAME="haswell") == host
+    assert paths(NUMBA_CPU_NAME="haswell", NUMBA_CPU_FEATURES="+avx,+avx2,+fma,+f16c") == ["False", "True"]
+    assert paths(NUMBA_CPU_NAME="generic", NUMBA_CPU_FEATURES=None) == ["False", "False"]
+
+
 @pytest.mark.parametrize("n_tok", [1, 3])
 def test_matmul_add_in_place_over_the_residual(n_tok):
     """MUL_MAT_ADD may write over its residual (memory.INPLACE): the one-token driver must read

@@ -25,10 +25,13 @@ _JIT = dict(cache=True, fastmath=True, nogil=True)
 # fptrunc, exact one way and round-to-nearest-even the other, as numpy's casts. Elsewhere LLVM
 # would call compiler-rt, which numba's JIT does not link: widening is then the bit arithmetic
 # of _widen_row below, and narrowing is not offered (the CPU backend keeps a float32 KV cache).
-# numba compiles for the host unless NUMBA_CPU_NAME names a target (e.g. "generic", for caches
-# that travel): features are the target's.
-TARGET_FEATURES = (llb.get_host_cpu_features().flatten() if numba.config.CPU_NAME in (None, "host")
-                   else (numba.config.CPU_FEATURES or ""))
+# The features numba compiles with, by its own rule: NUMBA_CPU_FEATURES where set ("generic", for
+# caches that travel, sets none), else the host's, even under another NUMBA_CPU_NAME. So an AVX2-only
+# CPU is emulated by both: NUMBA_CPU_NAME=haswell NUMBA_CPU_FEATURES=+avx,+avx2,+fma,+f16c,...
+# (Makefile's AVX2_FEATURES). The name alone once chose the generic kernels here while numba still
+# emitted AVX-512: the "AVX2" figures taken that way were neither machine's.
+TARGET_FEATURES = (numba.config.CPU_FEATURES if numba.config.CPU_FEATURES is not None
+                   else llb.get_host_cpu_features().flatten())
 NATIVE_HALF = "+f16c" in TARGET_FEATURES or not llb.get_process_triple().startswith(("x86", "i386", "i686"))
 
 
