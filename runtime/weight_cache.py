@@ -13,21 +13,28 @@ import numpy as np
 from hearthlm.runtime import array_file
 
 # One file per (model file, backend), in runtime.array_file's format. A file under PRIVATE_UNDER
-# of the machine's memory is read into huge pages of the process's own (decode reads them ~7%
+# of the memory available is read into huge pages of the process's own (decode reads them ~7%
 # faster: array_file.HUGE_PAGES); a larger one is mapped copy-on-write (MAP_PRIVATE), its pages the
 # file's, shared between processes and evictable, as long as nothing writes them (nothing does).
-# Either way the arrays are writable numpy arrays (kernels compiled for writable ones serve them).
+# Available, not installed: each model read privately leaves less for the next (a server's several
+# models), and a file that would crowd the machine stays evictable. Either way the arrays are
+# writable numpy arrays (kernels compiled for writable ones serve them).
 CACHE_MAGIC = b"HLWCACHE"
 CACHE_FORMAT = 2       # of the file itself; the backend's `weight_layout` versions its contents
 ENV_CACHE_DIR = "HEARTHLM_CACHE_DIR"  # a directory, or "off"
-PRIVATE_UNDER = 1 / 8  # of physical memory: larger files stay shared mappings
+PRIVATE_UNDER = 1 / 4  # of the memory available: larger files stay shared mappings
 
 
-def _physical_memory() -> int:
+def _available_memory() -> int:
+    """Linux's MemAvailable in bytes; 0 where it cannot be read (no huge pages asked for there)."""
     try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (AttributeError, ValueError, OSError):  # not POSIX: no huge pages asked for anyway
-        return 0
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
 
 
 def default_cache_dir() -> Path:
@@ -73,7 +80,7 @@ class WeightCache:
         """({name: (meta, arrays)}, state): state "hit", "miss", "stale" or "corrupt"."""
         path = self.path(backend)
         try:
-            private = path.stat().st_size <= PRIVATE_UNDER * _physical_memory()
+            private = path.stat().st_size <= PRIVATE_UNDER * _available_memory()
             index, arrays = array_file.read(path, CACHE_MAGIC, CACHE_FORMAT, private=private)
         except FileNotFoundError:
             return {}, "miss"
