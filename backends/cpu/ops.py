@@ -537,11 +537,11 @@ def _attend(q, k_cache, v_cache, t, kh0, kh1, group, seq, p_lo, p_hi, block_tabl
                     for j in range(dv):
                         acc[kh, g, j] *= corr
                     m[kh, g] = mb
+                for i in range(nb):  # apart from the sum: this loop vectorizes, one with an ordered sum does not
+                    sc[a, g, i] = fexp(sc[a, g, i] - mb)
                 ls = np.float32(0.0)
                 for i in range(nb):
-                    e = fexp(sc[a, g, i] - mb)
-                    sc[a, g, i] = e
-                    ls += e
+                    ls += sc[a, g, i]
                 l[kh, g] += ls
         if not direct_v:
             for i in range(nb):
