@@ -252,7 +252,7 @@ def _make_group(kind, sub, has_m, n_tok):
             i8p = ir.IntType(8).as_pointer()
             col = builder.mul(g, cst(64))
             base = builder.bitcast(_ptr(context, builder, ta[0], qs_v, [(rq, ip), (g, ip), (cst(0), ip), (cst(0), ip)]),
-                                   i8p)  # the block's group: 1024 bytes (i8), 512 (nib) or 640 (nib5)
+                                   i8p)  # the block's group: _GROUP_BYTES[kind] bytes
             at = lambda p, off, ty: builder.load(builder.bitcast(builder.gep(p, [cst(off)]), ty.as_pointer()), align=1)
             for off in range(0, _GROUP_BYTES[kind], 64):  # the codes PREFETCH_AHEAD bytes on, a line each
                 _call(builder, "llvm.prefetch.p0i8", ir.VoidType(), [builder.gep(base, [cst(off + PREFETCH_AHEAD)]),
