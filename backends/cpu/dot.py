@@ -19,10 +19,13 @@ products: 64-token matmuls of Qwen2.5-0.5B ran 1.4-1.8x slower with it). 4-, 5- 
 are unpacked in registers (two nibbles a byte; the fifth bits as a 64-bit mask per load, Q6_K's
 top two from 2-bit planes), once for all the tokens of a call.
 
-Many tokens (batched decode, prefill) go through the same kernels, 4 tokens at a time (then 2,
-then 1) within each block of rows (a block's codes loaded and unpacked once for the 4, and in L1
-for the next 4); fewer tokens split each sub-block's sums into more parts, so that enough
-independent vpdpbusd chains are in flight (one chain of 8 stalls on its latency). The error
+Many tokens (batched decode, prefill) go through the same kernels, 8 tokens at a time (then 4,
+2, 1) within each block of rows (a block's codes loaded and unpacked once for the 8, and in L1
+for the next 8); kinds with a scale per 16 take 4 at a time, as 8 tokens' sums of 4 sub-blocks
+would not fit the 32 vector registers (measured: 8 for those was no faster, 8 instead of 4 for
+the others 8-22% faster at 8-64 tokens); fewer tokens split each sub-block's sums into more
+parts, so that enough independent vpdpbusd chains are in flight (one chain of 8 stalls on its
+latency). The error
 of int8 activations is llama.cpp's own (q8_0 activations), ~3e-5 NMSE on random data.
 
 Batch invariance: a token's result is computed alone, by the same operations whatever else is
@@ -348,7 +351,7 @@ def _make_group(kind, sub, has_m, n_tok):
 _G = {(kind, sub, has_m, n): _make_group(kind, sub, has_m, n)
       for kind, sub in (("nib", 32), ("nib", 16), ("i8", 32), ("i8", 16), ("nib5", 32), ("iq4nl", 32), ("mxfp4", 32),
                         ("nib6", 16))
-      for has_m in (False, True) for n in (1, 2, 4)}
+      for has_m in (False, True) for n in (1, 2, 4) + ((8,) if sub == 32 else ())}
 _nib32, _nib32m, _nib32_2, _nib32m_2, _nib32_4, _nib32m_4 = (_G[("nib", 32, hm, n)] for n in (1, 2, 4) for hm in (False, True))
 _nib16, _nib16m, _nib16_2, _nib16m_2, _nib16_4, _nib16m_4 = (_G[("nib", 16, hm, n)] for n in (1, 2, 4) for hm in (False, True))
 _i8_32, _i8_32m, _i8_32_2, _i8_32m_2, _i8_32_4, _i8_32m_4 = (_G[("i8", 32, hm, n)] for n in (1, 2, 4) for hm in (False, True))
@@ -357,6 +360,10 @@ _nib5, _nib5m, _nib5_2, _nib5m_2, _nib5_4, _nib5m_4 = (_G[("nib5", 32, hm, n)] f
 _nib6, _nib6_2, _nib6_4 = (_G[("nib6", 16, False, n)] for n in (1, 2, 4))  # Q6_K: no minimum
 _iq4, _iq4_2, _iq4_4 = (_G[("iq4nl", 32, False, n)] for n in (1, 2, 4))
 _fp4, _fp4_2, _fp4_4 = (_G[("mxfp4", 32, False, n)] for n in (1, 2, 4))
+_nib32_8, _nib32m_8 = (_G[("nib", 32, hm, 8)] for hm in (False, True))
+_i8_32_8, _i8_32m_8 = (_G[("i8", 32, hm, 8)] for hm in (False, True))
+_nib5_8, _nib5m_8 = (_G[("nib5", 32, hm, 8)] for hm in (False, True))
+_iq4_8, _fp4_8 = _G[("iq4nl", 32, False, 8)], _G[("mxfp4", 32, False, 8)]
 
 
 # The scalar loops (rows past the last whole 16) keep constant trip counts and several
@@ -421,17 +428,23 @@ def dot_nib32(qs, d, m, sup, ms, c, xq, xd, xs, y):
                 for r in range(nb * ROWS, y.shape[1]):
                     y[t, r] = _row_nibs(qs, d, m, sup, ms, c, xq, xd, xs, r, t, 32, _ID32)
             continue
-        for t in range(0, n_tok, 4):  # tokens 4 at a time (then 2, 1): one load and unpack of the codes for all
-            for u in range(t, min(t + 4, n_tok)):
+        for t in range(0, n_tok, 8):  # tokens 8 at a time (then 4, 2, 1): one load and unpack of the codes for all
+            for u in range(t, min(t + 8, n_tok)):
                 y[u, rb * ROWS:rb * ROWS + ROWS] = 0
             for g in range(qs.shape[1]):
-                if t + 3 < n_tok:
+                if t + 7 < n_tok:
                     if ms:
-                        _nib32m_4(qs, rb, g, xq, t, d, m, sup, c, xd, xs, y, rb)
+                        _nib32m_8(qs, rb, g, xq, t, d, m, sup, c, xd, xs, y, rb)
                     else:
-                        _nib32_4(qs, rb, g, xq, t, d, m, sup, c, xd, xs, y, rb)
+                        _nib32_8(qs, rb, g, xq, t, d, m, sup, c, xd, xs, y, rb)
                     continue
                 u = t
+                if u + 3 < n_tok:
+                    if ms:
+                        _nib32m_4(qs, rb, g, xq, u, d, m, sup, c, xd, xs, y, rb)
+                    else:
+                        _nib32_4(qs, rb, g, xq, u, d, m, sup, c, xd, xs, y, rb)
+                    u += 4
                 if u + 1 < n_tok:
                     if ms:
                         _nib32m_2(qs, rb, g, xq, u, d, m, sup, c, xd, xs, y, rb)
@@ -458,17 +471,23 @@ def dot_nib5_32(qs, d, m, sup, ms, c, xq, xd, xs, y):
                 for r in range(nb * ROWS, y.shape[1]):
                     y[t, r] = _row_nibs(qs, d, m, sup, ms, c, xq, xd, xs, r, t, 32, _ID32)
             continue
-        for t in range(0, n_tok, 4):  # tokens 4 at a time (then 2, 1): one load and unpack of the codes for all
-            for u in range(t, min(t + 4, n_tok)):
+        for t in range(0, n_tok, 8):  # tokens 8 at a time (then 4, 2, 1): one load and unpack of the codes for all
+            for u in range(t, min(t + 8, n_tok)):
                 y[u, rb * ROWS:rb * ROWS + ROWS] = 0
             for g in range(qs.shape[1]):
-                if t + 3 < n_tok:
+                if t + 7 < n_tok:
                     if ms:
-                        _nib5m_4(qs, rb, g, xq, t, d, m, sup, c, xd, xs, y, rb)
+                        _nib5m_8(qs, rb, g, xq, t, d, m, sup, c, xd, xs, y, rb)
                     else:
-                        _nib5_4(qs, rb, g, xq, t, d, m, sup, c, xd, xs, y, rb)
+                        _nib5_8(qs, rb, g, xq, t, d, m, sup, c, xd, xs, y, rb)
                     continue
                 u = t
+                if u + 3 < n_tok:
+                    if ms:
+                        _nib5m_4(qs, rb, g, xq, u, d, m, sup, c, xd, xs, y, rb)
+                    else:
+                        _nib5_4(qs, rb, g, xq, u, d, m, sup, c, xd, xs, y, rb)
+                    u += 4
                 if u + 1 < n_tok:
                     if ms:
                         _nib5m_2(qs, rb, g, xq, u, d, m, sup, c, xd, xs, y, rb)
@@ -528,17 +547,23 @@ def dot_i8_32(qs, d, m, sup, ms, c, xq, xd, xs, y):
                 for r in range(nb * ROWS, y.shape[1]):
                     y[t, r] = _row_i8(qs, d, m, sup, ms, c, xq, xd, xs, r, t, 32)
             continue
-        for t in range(0, n_tok, 4):  # tokens 4 at a time (then 2, 1): one load and unpack of the codes for all
-            for u in range(t, min(t + 4, n_tok)):
+        for t in range(0, n_tok, 8):  # tokens 8 at a time (then 4, 2, 1): one load and unpack of the codes for all
+            for u in range(t, min(t + 8, n_tok)):
                 y[u, rb * ROWS:rb * ROWS + ROWS] = 0
             for g in range(qs.shape[1]):
-                if t + 3 < n_tok:
+                if t + 7 < n_tok:
                     if ms:
-                        _i8_32m_4(qs, rb, g, xq, t, d, m, sup, c, xd, xs, y, rb)
+                        _i8_32m_8(qs, rb, g, xq, t, d, m, sup, c, xd, xs, y, rb)
                     else:
-                        _i8_32_4(qs, rb, g, xq, t, d, m, sup, c, xd, xs, y, rb)
+                        _i8_32_8(qs, rb, g, xq, t, d, m, sup, c, xd, xs, y, rb)
                     continue
                 u = t
+                if u + 3 < n_tok:
+                    if ms:
+                        _i8_32m_4(qs, rb, g, xq, u, d, m, sup, c, xd, xs, y, rb)
+                    else:
+                        _i8_32_4(qs, rb, g, xq, u, d, m, sup, c, xd, xs, y, rb)
+                    u += 4
                 if u + 1 < n_tok:
                     if ms:
                         _i8_32m_2(qs, rb, g, xq, u, d, m, sup, c, xd, xs, y, rb)
@@ -598,14 +623,17 @@ def dot_iq4nl_32(qs, d, m, sup, ms, c, xq, xd, xs, y):
                 for r in range(nb * ROWS, y.shape[1]):
                     y[t, r] = _row_nibs(qs, d, m, sup, ms, c - np.float32(I8_SHIFT), xq, xd, xs, r, t, 32, _LUT_IQ4)
             continue
-        for t in range(0, n_tok, 4):  # tokens 4 at a time (then 2, 1): one load and unpack of the codes for all
-            for u in range(t, min(t + 4, n_tok)):
+        for t in range(0, n_tok, 8):  # tokens 8 at a time (then 4, 2, 1): one load and unpack of the codes for all
+            for u in range(t, min(t + 8, n_tok)):
                 y[u, rb * ROWS:rb * ROWS + ROWS] = 0
             for g in range(qs.shape[1]):
-                if t + 3 < n_tok:
-                    _iq4_4(qs, rb, g, xq, t, d, m, sup, c, xd, xs, y, rb)
+                if t + 7 < n_tok:
+                    _iq4_8(qs, rb, g, xq, t, d, m, sup, c, xd, xs, y, rb)
                     continue
                 u = t
+                if u + 3 < n_tok:
+                    _iq4_4(qs, rb, g, xq, u, d, m, sup, c, xd, xs, y, rb)
+                    u += 4
                 if u + 1 < n_tok:
                     _iq4_2(qs, rb, g, xq, u, d, m, sup, c, xd, xs, y, rb)
                     u += 2
@@ -624,14 +652,17 @@ def dot_mxfp4_32(qs, d, m, sup, ms, c, xq, xd, xs, y):
                 for r in range(nb * ROWS, y.shape[1]):
                     y[t, r] = _row_nibs(qs, d, m, sup, ms, c - np.float32(I8_SHIFT), xq, xd, xs, r, t, 32, _LUT_FP4)
             continue
-        for t in range(0, n_tok, 4):  # tokens 4 at a time (then 2, 1): one load and unpack of the codes for all
-            for u in range(t, min(t + 4, n_tok)):
+        for t in range(0, n_tok, 8):  # tokens 8 at a time (then 4, 2, 1): one load and unpack of the codes for all
+            for u in range(t, min(t + 8, n_tok)):
                 y[u, rb * ROWS:rb * ROWS + ROWS] = 0
             for g in range(qs.shape[1]):
-                if t + 3 < n_tok:
-                    _fp4_4(qs, rb, g, xq, t, d, m, sup, c, xd, xs, y, rb)
+                if t + 7 < n_tok:
+                    _fp4_8(qs, rb, g, xq, t, d, m, sup, c, xd, xs, y, rb)
                     continue
                 u = t
+                if u + 3 < n_tok:
+                    _fp4_4(qs, rb, g, xq, u, d, m, sup, c, xd, xs, y, rb)
+                    u += 4
                 if u + 1 < n_tok:
                     _fp4_2(qs, rb, g, xq, u, d, m, sup, c, xd, xs, y, rb)
                     u += 2
