@@ -66,6 +66,12 @@ class Backend:
         """A numpy array placed where this backend's kernels read it."""
         return array
 
+    def argmax_rows(self, value: Any) -> np.ndarray:
+        """Each row's index of its largest value (numpy's argmax: the first of equal ones, a NaN
+        before any number), as a host int array: greedy tokens taken where the logits are, so
+        that a device copies back ids, not a vocabulary of floats per row."""
+        return np.asarray(self.to_host(value)).argmax(axis=1)
+
     def zeros(self, shape: tuple[int, ...], dtype: np.dtype) -> Any:
         """A zero-filled buffer of this backend's (the KV cache), made where it lives."""
         return self.from_host(np.zeros(shape, dtype))
@@ -111,8 +117,9 @@ class Backend:
 
     def graph_runner(self, cg) -> Callable[..., Any] | None:
         """For a compiled graph that runs on this backend alone: a callable
-        `runner(feed, cache_of) -> outputs | None` that dispatch.execute tries before walking
-        the steps (None from it: walk them), or None for none. A GPU backend replays the
+        `runner(feed, cache_of[, keep]) -> outputs | None` that dispatch.execute tries before walking
+        the steps (None from it: walk them), or None for none; outputs at the positions in `keep`
+        stay this backend's values, complete when it returns, the others come back as numpy arrays. A GPU backend replays the
         captured step (backends/cuda/graphs.py): one launch instead of one per kernel."""
         return None
 

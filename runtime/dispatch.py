@@ -104,13 +104,15 @@ def compile_graph(graph: Graph, placement: Placement, stores: Mapping[str, Weigh
     return cg
 
 
-def execute(cg: CompiledGraph, feed: Mapping[str, np.ndarray], cache_of: Callable[[Tensor], Any]) -> list[np.ndarray]:
-    """One run of a compiled graph: the outputs as numpy arrays."""
+def execute(cg: CompiledGraph, feed: Mapping[str, np.ndarray], cache_of: Callable[[Tensor], Any],
+            keep: frozenset[int] = frozenset()) -> list[Any]:
+    """One run of a compiled graph: the outputs as numpy arrays, but those whose positions are in
+    `keep`, left as their backend's values (cg.outputs names it), complete when this returns."""
     if cg.runner is not None:
-        outs = cg.runner(feed, cache_of)
+        outs = cg.runner(feed, cache_of, keep) if keep else cg.runner(feed, cache_of)
         if outs is not None:
             return outs
-    return [b.to_host(v) for v, (_j, b) in zip(walk(cg, feed, cache_of), cg.outputs)]
+    return [v if i in keep else b.to_host(v) for i, (v, (_j, b)) in enumerate(zip(walk(cg, feed, cache_of), cg.outputs))]
 
 
 def walk(cg: CompiledGraph, feed: Mapping[str, np.ndarray], cache_of: Callable[[Tensor], Any],

@@ -70,6 +70,17 @@ class OutputProcessor:
         return {id(r): masks[at[i]:at[i + 1]] for i, r in enumerate(constrained)}
 
     # ---- the step's outputs ---------------------------------------------------------------
+    def ids_suffice(self, plan: StepPlan) -> bool:
+        """Whether each output row of the plan is a greedy generation's next token by rule alone
+        (`plain`, no draft): the step's argmax per row is then all `process` reads."""
+        for s in plan.seqs:
+            r = s.req
+            if r.kind is not Kind.GENERATE or scored(s):
+                return False
+            if s.wants_logits and (r.max_tokens == 0 or r.draft or not r.params.greedy or not plain(r)):
+                return False
+        return True
+
     def process(self, plan: StepPlan, out: StepOutput, masks: dict[int, np.ndarray]) -> list[Outcome]:
         """One Outcome per scheduled request, in plan order. Reads the output rows in the order
         the runner laid them out (runtime.batch): scored prompt positions, then the last row
@@ -102,16 +113,18 @@ class OutputProcessor:
                 self.emit(o, out.logits[row:row + n], masks.get(id(r)), now)
                 row += n
         if by_rule:
-            self.emit_by_rule(by_rule, out.logits, now)
+            self.emit_by_rule(by_rule, out.logits, now, out.ids)
         return outcomes
 
-    def emit_by_rule(self, by_rule: list[tuple[Outcome, int]], logits: np.ndarray, now: float) -> None:
+    def emit_by_rule(self, by_rule: list[tuple[Outcome, int]], logits: np.ndarray | None, now: float,
+                     ids: np.ndarray | None = None) -> None:
         """The next token of each request whose row is sampled by its parameters alone (`plain`),
-        as emit would choose it: the greedy ones' argmax in one pass over their rows."""
+        as emit would choose it: the greedy ones' argmax in one pass over their rows (or the
+        step's own argmax per row, `ids`, where it was asked for those: ids_suffice)."""
         greedy = [(o, j) for o, j in by_rule if o.req.params.greedy]
         if greedy:  # over the rows' span: the rows of others in between cost less than a copy of these
             at = np.fromiter((j for _, j in greedy), np.intp, len(greedy))
-            best = logits[at[0]:at[-1] + 1].argmax(axis=1)[at - at[0]].tolist()
+            best = (ids[at] if ids is not None else logits[at[0]:at[-1] + 1].argmax(axis=1)[at - at[0]]).tolist()
             for (o, _), tok in zip(greedy, best):
                 self._took(o, tok, now)
         for o, j in by_rule:

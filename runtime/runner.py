@@ -29,6 +29,7 @@ from hearthlm.runtime.seq_memory import SequenceMemory, StateCache
 from hearthlm.runtime.threads import ThreadTuner
 
 log = get_logger("hearthlm.runner")
+_LOGITS = frozenset({0})  # the logits' position among a graph's outputs
 ENCODER_STEP = 16  # an encoder step's token bucket (its inputs are whole: coarser padding would be all waste)
 MIN_KV_BLOCKS = 16  # smallest KV-length bucket of unfused graphs (256 tokens at block size 16)
 # a hybrid model's state slots shared by speculating requests for the states after drafted
@@ -86,8 +87,10 @@ def open_memory(model: Any, placement: Placement, *, n_ctx: int, kv_blocks: int 
 
 @dataclass
 class StepOutput:
-    logits: np.ndarray         # (shape.n_out, n_vocab): the output rows (runtime.batch's order), then padding
+    logits: np.ndarray | None  # (shape.n_out, n_vocab): the output rows (runtime.batch's order), then padding;
+    #                            None where the step was asked for ids only
     hidden: np.ndarray | None  # (shape.n_tokens, n_embd): every token's final hidden state, where embeddings pool
+    ids: np.ndarray | None = None  # (shape.n_out,): each output row's argmax, where asked for ids only
 
 
 class ModelRunner:
@@ -125,8 +128,10 @@ class ModelRunner:
         self.threads_now = self.threads.current()
         self.worker_moves = 0  # workers moved off a shared core (backends/cpu/affinity.py)
 
-    def run(self, plan: StepPlan) -> StepOutput:
-        """The forward pass of a planned batch: its output rows' logits (and hidden rows)."""
+    def run(self, plan: StepPlan, ids_only: bool = False) -> StepOutput:
+        """The forward pass of a planned batch: its output rows' logits (and hidden rows); with
+        `ids_only` (every output row greedy), each row's argmax instead, taken where the logits
+        are: a device copies back an id a row, not a vocabulary of floats."""
         if self.vision is not None:  # the images whose rows this step computes, encoded first
             self.vision.fill([m for s in plan.seqs for m in s.req.media if m.rows is None
                               and m.start < s.req.n_computed + s.n_tokens and m.end > s.req.n_computed])
@@ -137,13 +142,14 @@ class ModelRunner:
             self._host.use_threads(n_threads)
             self.threads_now = n_threads
         t_run = time.perf_counter()
-        outs = execute(cg, feed, self.memory.cache_of)
+        outs = execute(cg, feed, self.memory.cache_of, _LOGITS if ids_only else frozenset())
+        ids = cg.outputs[0][1].argmax_rows(outs[0]) if ids_only else None
         self._since_encode += time.perf_counter() - t_run
         slow = self.threads.done(shape, n_threads, time.perf_counter() - t_run)
         if self._host is not None and self._host.after_step(n_threads, slow):
             self.threads.moved()
             self.worker_moves += 1
-        return StepOutput(outs[0], outs[1] if shape.embd else None)
+        return StepOutput(None if ids_only else outs[0], outs[1] if shape.embd else None, ids)
 
     def encode_images(self, requests: list, running: list) -> list[tuple[Any, HearthError]]:
         """A turn of the tower for the images `requests` wait for, where it is theirs (VisionEncoder.take_turn:

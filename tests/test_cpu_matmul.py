@@ -492,3 +492,27 @@ def test_one_token_experts_in_one_call_match_the_grouped_path(qtype, per_slot):
     assert np.array_equal(fast, slow)
     xs = x[0] if per_slot else np.repeat(x, k, axis=0)
     assert np.allclose(fast[0], np.stack([matmul(experts[e], xs[j:j + 1])[0] for j, e in enumerate(ids[0])]))
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_argmax_rows_is_numpys_argmax(threads, monkeypatch):
+    """The CPU backend's greedy ids (rows split over two threads where there are many values)
+    are numpy's argmax row by row: the first of equal maxima, the first NaN before any number,
+    an odd row count's last row included. Mutations seen to fail: the second half's result
+    dropped (np.concatenate of the first alone), the halves joined in the wrong order."""
+    import numba
+
+    from hearthlm.backends.cpu import backend as cpu
+    monkeypatch.setattr(cpu, "ARGMAX_SPLIT", 1000)
+    x = np.random.default_rng(5).standard_normal((7, 4096)).astype(np.float32)
+    x[1, [10, 3000]] = 9.0  # a tie: the first wins
+    x[2, [50, 4000]] = np.nan  # NaNs: the first wins, over any number
+    x[5, :] = 0.0
+    old = numba.get_num_threads()
+    numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
+    try:
+        got = cpu.CPUBackend().argmax_rows(x)
+    finally:
+        numba.set_num_threads(old)
+    assert got.tolist() == x.argmax(axis=1).tolist()
+    assert got[1] == 10 and got[2] == 50 and got[5] == 0

@@ -19,14 +19,15 @@ class _Counting:
     """A runner as a GPU backend's: runs the walk itself (declining its first `decline` calls)."""
 
     def __init__(self, cg, decline: int) -> None:
-        self.cg, self.decline, self.calls, self.ran = cg, decline, 0, 0
+        self.cg, self.decline, self.calls, self.ran, self.kept = cg, decline, 0, 0, 0
 
-    def __call__(self, feed, cache_of):
+    def __call__(self, feed, cache_of, keep=frozenset()):
         self.calls += 1
         if self.calls <= self.decline:
             return None
         self.ran += 1
-        return [np.asarray(v) for v in dispatch.walk(self.cg, feed, cache_of)]
+        self.kept += bool(keep)
+        return [v if i in keep else np.asarray(v) for i, v in enumerate(dispatch.walk(self.cg, feed, cache_of))]
 
 
 def _engine(backend) -> Engine:
@@ -58,6 +59,8 @@ def test_runner_first_and_the_walk_when_it_declines():
     assert runners and all(cg.runner in runners for cg in cgs)
     assert sum(r.calls for r in runners) >= 12  # every step asked its runner
     assert sum(r.ran for r in runners) >= 10  # and it ran all but the first use of each graph
+    # greedy steps leave the logits where they are (ids taken there): same tokens as above
+    assert sum(r.kept for r in runners) >= 8
 
 
 def test_no_runner_for_a_split_graph():

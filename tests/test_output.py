@@ -243,3 +243,33 @@ def test_rows_by_rule_choose_as_emit_does(monkeypatch):
     assert [r.tokens for r in got_reqs] == [r.tokens for r in want_reqs]
     assert [got_reqs[i].rng.random() for i in (1, 6)] == [want_reqs[i].rng.random() for i in (1, 6)]  # the seeded
     assert got[5].finish == "stop" and got[7].finish is None and got[6].finish == "length"
+
+
+def test_ids_suffice_only_where_every_output_row_is_greedy_by_rule():
+    """A step is asked for ids only (its argmax per row, taken where the logits are) when each of
+    its output rows is a plain greedy generation's next token; a prompt chunk that wants no row
+    does not stop it. Mutations seen to fail: the greedy check dropped (a sampled row would get
+    the argmax), the draft check dropped, `plain` not asked (a logit bias ignored), scored
+    prompt positions not checked (their log-probs need the logits)."""
+    proc = OutputProcessor(V, frozenset({EOG}), n_ctx=64)
+    plan = lambda *seqs: StepPlan(list(seqs), [])
+    chunk = Scheduled(request(prompt=range(1, 9)), 4, False)  # a prompt's first chunk: no output row
+    assert proc.ids_suffice(plan(decoding(request()), decoding(request()), chunk))
+    assert not proc.ids_suffice(plan(decoding(request()), decoding(request(params=SamplingParams(temperature=0.8)))))
+    assert not proc.ids_suffice(plan(decoding(request(), draft=[3])))
+    assert not proc.ids_suffice(plan(decoding(request(params=SamplingParams(temperature=0.0, logit_bias={3: 5.0})))))
+    assert not proc.ids_suffice(plan(decoding(request(params=SamplingParams(temperature=0.0, top_logprobs=2)))))
+    scored = request(prompt=(1, 2, 3, 4), prompt_logprobs=0)  # a generation that scores its prompt too
+    assert not proc.ids_suffice(plan(decoding(request()), Scheduled(scored, 4, True)))
+    assert not proc.ids_suffice(plan(Scheduled(request(kind=Kind.EMBED, max_tokens=0, pooling="mean"), 3, True)))
+
+
+def test_greedy_tokens_from_the_steps_ids_without_logits():
+    """With ids only (logits None), greedy rows take the step's ids, and stops apply as before.
+    Mutation seen to fail: emit_by_rule reading the logits regardless (None: a TypeError, the
+    request failed)."""
+    a, b = request(), request(params=SamplingParams(temperature=0.0, stop_token_ids=[4]))
+    out = OutputProcessor(V, frozenset({EOG}), n_ctx=64).process(
+        StepPlan([decoding(a), decoding(b)], []), StepOutput(None, None, np.array([7, 4, 0])), {})
+    assert [t for t, _ in out[0].tokens] == [7] and out[0].finish is None and a.tokens[-1] == 7
+    assert out[1].tokens == [] and out[1].finish == "stop"

@@ -17,7 +17,7 @@ from hearthlm.backends.cpu import affinity, delta_net, dot, kvquant, ops, ssm
 from hearthlm.backends.cpu.ffn import ffn_glu
 from hearthlm.backends.cpu.halfs import NATIVE_HALF
 from hearthlm.backends.cpu.lora import bind_proj_lora, lora
-from hearthlm.backends.cpu.matmul import expert_matvecs, get_rows, matmul, matmul_add, start_pool
+from hearthlm.backends.cpu.matmul import expert_matvecs, get_rows, matmul, matmul_add, start_pool, tile_pool
 from hearthlm.backends.cpu.qtypes import LAYOUT_VERSION, SUPPORTED_TYPES, PackedWeight, pack_weight
 from hearthlm.backends.cpu.softmax import softmax_cols
 from hearthlm.core import array_ops, kv_types
@@ -574,6 +574,9 @@ def _binary(ufunc):
     return lambda n, a, b, out=None: ufunc(a, b, out=out, dtype=np.float32)
 
 
+ARGMAX_SPLIT = 1 << 20  # values from which argmax_rows splits the rows over two threads
+
+
 class CPUBackend(Backend):
     name = "cpu"
     weight_types = SUPPORTED_TYPES
@@ -636,6 +639,17 @@ class CPUBackend(Backend):
             Op.SSM_SCAN: _ssm_scan,
             Op.GATED_DELTA_NET: _gated_delta_net,
         }
+
+    def argmax_rows(self, value):
+        """numpy's argmax (it lets go of the GIL), the rows in two halves on two threads where
+        they are many: 64 rows of a 152K vocabulary took 1.55 ms on one, 1.0 on two."""
+        x = np.asarray(value)
+        n = x.shape[0]
+        if n < 2 or x.size < ARGMAX_SPLIT or numba.get_num_threads() < 2:
+            return x.argmax(axis=1)
+        h = n // 2
+        rest = tile_pool(1).submit(x[h:].argmax, axis=1)
+        return np.concatenate([x[:h].argmax(axis=1), rest.result()])
 
     def bind(self, node):
         binder = _BINDERS.get(node.op)

@@ -217,7 +217,7 @@ def _matmul_tiles(w: PackedWeight, x: np.ndarray) -> np.ndarray:
     if k <= 1:
         part(0)
     else:
-        done = [_tile_pool(k - 1).submit(part, i) for i in range(1, k)]
+        done = [tile_pool(k - 1).submit(part, i) for i in range(1, k)]
         part(0)
         for f in done:
             f.result()
@@ -227,7 +227,7 @@ def _matmul_tiles(w: PackedWeight, x: np.ndarray) -> np.ndarray:
 _pools: dict[int, ThreadPoolExecutor] = {}
 
 
-def _tile_pool(n: int) -> ThreadPoolExecutor:
+def tile_pool(n: int) -> ThreadPoolExecutor:
     if n not in _pools:
         _pools[n] = ThreadPoolExecutor(n, thread_name_prefix="hearthlm-tiles")
     return _pools[n]

@@ -97,6 +97,12 @@ class CUDABackend(Backend):
     def from_host(self, array):
         return self.cp.asarray(array)
 
+    def argmax_rows(self, value):
+        """On the device: a step's greedy rows copy back an id each, not their logits."""
+        if not isinstance(value, self.cp.ndarray):
+            return super().argmax_rows(value)
+        return self.cp.asnumpy(self.cp.argmax(value, axis=1))
+
     def copy_from(self, src: Backend, value):
         """A tensor from another split. Host data is staged into pinned memory (the source
         buffer may be reused as soon as this returns) and copied on the copy stream, so the

@@ -68,13 +68,13 @@ class GraphReplay:
         self.key: tuple = ()
         self.counters = dict(captures=0, replays=0)
 
-    def __call__(self, feed, cache_of):
+    def __call__(self, feed, cache_of, keep=frozenset()):
         self.uses += 1
         if self.failed or self.uses == 1:
             return None  # the first run is eager: it compiles kernels and uploads constants
         key = tuple(int(cache_of(n).data.ptr) for n in self.cache_nodes)
         if self.graph is None or key != self.key:
-            return self._capture(feed, cache_of, key)
+            return self._capture(feed, cache_of, key, keep)
         cp = self.backend.cp
         with self.run_stream:
             for i, name in self.inputs:
@@ -85,9 +85,12 @@ class GraphReplay:
                 buf.set(np.ascontiguousarray(x))
             self.graph.launch(self.run_stream)
             self.counters["replays"] += 1
-            return [cp.asnumpy(o, stream=self.run_stream) for o in self.outs]
+            host = [o if i in keep else cp.asnumpy(o, stream=self.run_stream) for i, o in enumerate(self.outs)]
+            if keep:  # what is kept on the device is read next on another stream: complete first
+                self.run_stream.synchronize()
+            return host
 
-    def _capture(self, feed, cache_of, key):
+    def _capture(self, feed, cache_of, key, keep=frozenset()):
         """This step run eagerly (its outputs are returned: they are the step's results), then
         the same walk captured, not run. An error of the eager run is the step's own: raised."""
         cp = self.backend.cp
@@ -99,7 +102,10 @@ class GraphReplay:
         self.backend.device.synchronize()  # the capture stream does not wait on the legacy one
         with cp.cuda.using_allocator(pool.malloc), cap:
             statics = {i: cp.asarray(np.ascontiguousarray(feed[name])) for i, name in self.inputs}
-            host = [cp.asnumpy(v, stream=cap) for v in self.cg.walk(feed, cache_of, statics)]
+            host = [v if i in keep else cp.asnumpy(v, stream=cap)
+                    for i, v in enumerate(self.cg.walk(feed, cache_of, statics))]
+            if keep:  # the kept values are read next on another stream
+                cap.synchronize()
             try:
                 cap.begin_capture()
                 try:
