@@ -38,7 +38,7 @@ class _Acc:
 
 
 def _timed_execute(acc: _Acc):
-    def execute(cg, feed, cache_of):
+    def execute(cg, feed, cache_of, keep=frozenset()):
         n = len(feed["tokens"])
         by_op = acc.by_op[n]
         cg.runner = None  # the walk is what is timed: no replay of a captured CUDA graph
@@ -56,7 +56,7 @@ def _timed_execute(acc: _Acc):
             acc.bytes[n][op] += b
         acc.cur = by_op
         t_walk = time.perf_counter()  # the walk itself is dispatch.execute
-        outs = dispatch.execute(cg, feed, cache_of)
+        outs = dispatch.execute(cg, feed, cache_of, keep)
         acc.walk[n] += time.perf_counter() - t_walk
         acc.steps[n] += 1
         return outs
