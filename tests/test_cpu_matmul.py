@@ -327,10 +327,17 @@ def test_one_token_matmul_first_in_a_fresh_process():
 
 
 # haswell (AVX2 and F16C, no AVX-512) and skylake-avx512 (no VNNI: ~46 s of compiling) are `make test-long`'s,
-# and run natively on such hosts; generic lacks both F16C and AVX-512 and stays in the suite
-@pytest.mark.parametrize("target", ["generic", pytest.param("haswell", marks=pytest.mark.long),
-                                    pytest.param("skylake-avx512", marks=pytest.mark.long)])
-def test_portable_target_without_avx512_or_f16c(tmp_path, target):
+# and run natively on such hosts; generic lacks both F16C and AVX-512: in the suite a 4-bit family with
+# float16 scales, an int8 one and F16 (~50 s of compiling), every family in `make test-long` (~100 s)
+_PORTABLE_TYPES = ("Q4_1", "Q5_0", "Q4_K", "Q6_K", "Q8_0", "F16")
+
+
+@pytest.mark.parametrize("target,types", [
+    ("generic", ("Q4_1", "Q8_0", "F16")), pytest.param("generic", _PORTABLE_TYPES, marks=pytest.mark.long),
+    pytest.param("haswell", _PORTABLE_TYPES, marks=pytest.mark.long),
+    pytest.param("skylake-avx512", _PORTABLE_TYPES, marks=pytest.mark.long)],
+    ids=["generic", "generic-all", "haswell", "skylake-avx512"])
+def test_portable_target_without_avx512_or_f16c(tmp_path, target, types):
     """NUMBA_CPU_NAME=generic compiles for baseline x86-64 (as for caches that travel): the
     kernels must then skip the AVX-512 intrinsics and widen float16 scales with integer
     arithmetic (LLVM's own conversion would call compiler-rt, absent from numba's JIT); a
@@ -366,7 +373,7 @@ h = np.arange(65536, dtype=np.uint16); out = np.empty(65536, np.float32); widen_
 ref = h.view(np.float16).astype(np.float32)
 assert np.array_equal(np.isnan(out), np.isnan(ref)) and np.array_equal(out[~np.isnan(ref)], ref[~np.isnan(ref)])
 rng = np.random.default_rng(0)
-for qt in (T.Q4_1, T.Q5_0, T.Q4_K, T.Q6_K, T.Q8_0, T.F16):
+for qt in (T[name] for name in sys.argv[2].split(",")):
     raw = random_raw(qt, 37, 512, rng)
     w = pack_weight(int(qt), raw, (37, 512))
     for n in (1, 3, 6, 20):  # 20: the float types' token-a-lane kernel (8-wide vectors without AVX-512)
@@ -381,7 +388,8 @@ print("ok")
         env["NUMBA_CPU_FEATURES"] = "+avx,+avx2,+fma,+f16c,+sse4.2,+popcnt,+bmi,+bmi2"
     elif target != "generic":
         env["NUMBA_CPU_FEATURES"] = "+avx2,+fma,+f16c,+avx512f,+avx512bw,+avx512vl,+avx512dq,-avx512vnni"
-    r = subprocess.run([sys.executable, "-c", code, target], capture_output=True, text=True, timeout=600, env=env)
+    r = subprocess.run([sys.executable, "-c", code, target, ",".join(types)], capture_output=True, text=True,
+                       timeout=600, env=env)
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
 
 
