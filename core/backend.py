@@ -117,7 +117,7 @@ class Backend:
 
     def graph_runner(self, cg) -> Callable[..., Any] | None:
         """For a compiled graph that runs on this backend alone: a callable
-        `runner(feed, cache_of[, keep]) -> outputs | None` that dispatch.execute tries before walking
+        `runner(feed, cache_of, keep) -> outputs | None` that dispatch.execute tries before walking
         the steps (None from it: walk them), or None for none; outputs at the positions in `keep`
         stay this backend's values, complete when it returns, the others come back as numpy arrays. A GPU backend replays the
         captured step (backends/cuda/graphs.py): one launch instead of one per kernel."""

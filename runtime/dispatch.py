@@ -109,7 +109,7 @@ def execute(cg: CompiledGraph, feed: Mapping[str, np.ndarray], cache_of: Callabl
     """One run of a compiled graph: the outputs as numpy arrays, but those whose positions are in
     `keep`, left as their backend's values (cg.outputs names it), complete when this returns."""
     if cg.runner is not None:
-        outs = cg.runner(feed, cache_of, keep) if keep else cg.runner(feed, cache_of)
+        outs = cg.runner(feed, cache_of, keep)
         if outs is not None:
             return outs
     return [v if i in keep else b.to_host(v) for i, (v, (_j, b)) in enumerate(zip(walk(cg, feed, cache_of), cg.outputs))]
