@@ -1,10 +1,12 @@
 """Kernels that numpy and cupy run alike (each backend passes its array module): the vision
-towers' ops, whose work is a reshape or a few large matrix products (BLAS / cuBLAS), and
-multi-position RoPE (a few elementwise passes)."""
+towers' ops, whose work is a reshape or a few large matrix products (BLAS / cuBLAS),
+multi-position RoPE (a few elementwise passes), and each row's k largest logits (top_k_rows)."""
 from __future__ import annotations
 
 import threading
 from contextlib import contextmanager
+
+import numpy as np
 
 # scores computed at once at most (floats): on a GPU one head of SigLIP at 896 px (4096^2 = 64 MB);
 # on the host a block that stays in cache (4 MB: 256 query rows of 4096) for the softmax's passes
@@ -113,6 +115,34 @@ def rope_multi(x, pos, xp, *, n_rot: int, base: float, freq_scale: float, neox: 
     out[..., i0] = x0 * c - x1 * s
     out[..., i1] = x0 * s + x1 * c
     return out
+
+
+def top_k_rows(x, ks, xp):
+    """Each row's ks[i] largest entries, as sampling does with top_k: (ids (n, max ks) int64,
+    their values (n, max ks) float32, ok (n,) bool), host arrays. Row i's first ks[i] ids are
+    ascending; among entries equal to its ks[i]-th largest, the lowest ids. ok[i] is False
+    where row i has a NaN (its columns then unspecified). ks[i] = 1: the row's argmax (the
+    first NaN where it has one, ok); 0: the row is not wanted. 0 <= ks[i] < x.shape[1]."""
+    n, v = x.shape
+    ks = np.asarray(ks, np.int64)
+    kmax = max(int(ks.max(initial=0)), 1)
+    kd = xp.asarray(ks)
+    ok = ~xp.isnan(x).any(axis=1) | (kd == 1)
+    xs = xp.where(ok[:, None], x, 0)  # a NaN row's entries: anything finite, its result unread
+    top = xp.sort(xp.partition(xs, v - kmax, axis=1)[:, v - kmax:], axis=1)  # its kmax largest, ascending
+    kth = top[xp.arange(n), kmax - xp.maximum(kd, 1)][:, None]
+    above = xs > kth
+    eq = xs == kth
+    take = above | (eq & (xp.cumsum(eq, axis=1) <= (kd - above.sum(axis=1))[:, None]))
+    take &= (kd > 1)[:, None]
+    rows, cols = xp.nonzero(take)  # row-major: each row's ids ascending, ks[i] of them
+    ids = xp.zeros((n, kmax), xp.int64)
+    start = xp.cumsum(kd * (kd > 1)) - kd * (kd > 1)
+    ids[rows, xp.arange(rows.shape[0]) - start[rows]] = cols
+    ids[:, 0] = xp.where(kd == 1, xp.argmax(x, axis=1), ids[:, 0])
+    vals = xp.take_along_axis(x, ids, axis=1)
+    host = getattr(xp, "asnumpy", np.asarray)
+    return host(ids), host(vals).astype(np.float32, copy=False), host(ok)
 
 
 _local = threading.local()

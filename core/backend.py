@@ -10,6 +10,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from hearthlm.core import array_ops
 from hearthlm.core.graph import Op, Tensor
 from hearthlm.core.weights import QWeight
 
@@ -71,6 +72,12 @@ class Backend:
         before any number), as a host int array: greedy tokens taken where the logits are, so
         that a device copies back ids, not a vocabulary of floats per row."""
         return np.asarray(self.to_host(value)).argmax(axis=1)
+
+    def top_k_rows(self, value: Any, ks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Each row's ks[i] largest entries, where the logits are, as host arrays (ids, values,
+        ok): core.array_ops.top_k_rows's contract. Sampled steps copy back k candidates a row,
+        not a vocabulary of floats, and the rows' top-k runs where the logits are."""
+        return array_ops.top_k_rows(np.asarray(self.to_host(value)), ks, np)
 
     def zeros(self, shape: tuple[int, ...], dtype: np.dtype) -> Any:
         """A zero-filled buffer of this backend's (the KV cache), made where it lives."""

@@ -299,7 +299,7 @@ class Engine:
         try:
             job = self.output.start_masks(plan)  # constrained rows' masks are filled while the forward pass runs
             try:
-                out = self.runner.run(plan, ids_only=self.output.ids_suffice(plan))
+                out = self.runner.run(plan, self.output.picks(plan))
                 observe(plan, out.hidden, self.draft, self.mtp)  # the rows head drafters start from
             finally:  # the matchers are not touched again before their masks are done
                 masks = self.output.join_masks(job)

@@ -19,7 +19,7 @@ from hearthlm.runtime.batcher import StepPlan
 from hearthlm.runtime.constraint import GrammarError, MaskWorker
 from hearthlm.runtime.request import Kind, Request
 from hearthlm.runtime.runner import StepOutput
-from hearthlm.runtime.sampling import log_softmax_rows, penalized, sample, steer, top_logprobs, verify
+from hearthlm.runtime.sampling import log_softmax_rows, penalized, sample, sample_top_k, steer, top_logprobs, verify
 
 TopLogprobs = list[tuple[int, float]] | None
 
@@ -30,6 +30,16 @@ def plain(r: Request) -> bool:
     p = r.params
     return (r.matcher is None and r.think is None and not p.top_logprobs and not p.logit_bias
             and r.n_generated >= p.min_tokens and not penalized(p))
+
+
+def by_rule(r: Request) -> bool:
+    """Whether a generation's next token is its output row's, sampled by its parameters alone
+    (`plain`, no draft to verify): emit_by_rule's rows, which `picks` may take where the logits are."""
+    return not r.draft and plain(r)
+
+
+# a sampled row's top_k up to which its candidates are taken where the logits are (beyond, its logits)
+PICK_MAX = 1024
 
 
 @dataclass
@@ -70,23 +80,32 @@ class OutputProcessor:
         return {id(r): masks[at[i]:at[i + 1]] for i, r in enumerate(constrained)}
 
     # ---- the step's outputs ---------------------------------------------------------------
-    def ids_suffice(self, plan: StepPlan) -> bool:
-        """Whether each output row of the plan is a greedy generation's next token by rule alone
-        (`plain`, no draft): the step's argmax per row is then all `process` reads."""
+    def picks(self, plan: StepPlan) -> np.ndarray | None:
+        """Each output row's k (1: greedy, else its top_k), where every output row is a generation's
+        next token by rule (`by_rule`) that its k largest logits decide: the step then takes those
+        where the logits are (ModelRunner.run), not the logits. None where some row needs its logits."""
+        ks = []
         for s in plan.seqs:
             r = s.req
             if r.kind is not Kind.GENERATE or scored(s):
-                return False
-            if s.wants_logits and (r.max_tokens == 0 or r.draft or not r.params.greedy or not plain(r)):
-                return False
-        return True
+                return None
+            if not s.wants_logits:  # a prompt chunk: no output row
+                continue
+            if r.max_tokens == 0 or not by_rule(r):
+                return None
+            p = r.params
+            k = 1 if p.greedy else p.top_k
+            if not 0 < k < self.n_vocab or k > PICK_MAX:
+                return None
+            ks.append(k)
+        return np.array(ks, np.int64)
 
     def process(self, plan: StepPlan, out: StepOutput, masks: dict[int, np.ndarray]) -> list[Outcome]:
         """One Outcome per scheduled request, in plan order. Reads the output rows in the order
         the runner laid them out (runtime.batch): scored prompt positions, then the last row
         and one per draft token."""
         outcomes, row, off, now = [], 0, 0, time.perf_counter()
-        by_rule: list[tuple[Outcome, int]] = []  # (outcome, its row) of the plain generations
+        ruled: list[tuple[Outcome, int]] = []  # (outcome, its row) of the generations by rule
         for s in plan.seqs:
             r, o, first = s.req, Outcome(s.req), off
             off += s.n_tokens
@@ -104,33 +123,39 @@ class OutputProcessor:
                 row, o.finish = row + 1, "stop"
             elif r.kind is not Kind.GENERATE or r.max_tokens == 0:  # a prompt scored or cached, nothing generated
                 o.finish = "stop"
-            elif not r.draft and plain(r):  # its token by rule alone: with the others', below
-                by_rule.append((o, row))
+            elif by_rule(r):  # its token by rule alone: with the others', below
+                ruled.append((o, row))
                 row += 1
             else:
                 n = 1 + len(r.draft)
                 self.counters["spec_drafted_tokens"] += n - 1
                 self.emit(o, out.logits[row:row + n], masks.get(id(r)), now)
                 row += n
-        if by_rule:
-            self.emit_by_rule(by_rule, out.logits, now, out.ids)
+        if ruled:
+            self.emit_by_rule(ruled, out, now)
         return outcomes
 
-    def emit_by_rule(self, by_rule: list[tuple[Outcome, int]], logits: np.ndarray | None, now: float,
-                     ids: np.ndarray | None = None) -> None:
-        """The next token of each request whose row is sampled by its parameters alone (`plain`),
-        as emit would choose it: the greedy ones' argmax in one pass over their rows (or the
-        step's own argmax per row, `ids`, where it was asked for those: ids_suffice)."""
-        greedy = [(o, j) for o, j in by_rule if o.req.params.greedy]
+    def emit_by_rule(self, ruled: list[tuple[Outcome, int]], out: StepOutput, now: float) -> None:
+        """The next token of each request whose row is sampled by its parameters alone (`by_rule`),
+        as emit would choose it: the greedy ones' argmax in one pass over their rows, the others
+        sampled; from the step's picks where it was asked for those (`picks`), else its logits."""
+        logits, picks = out.logits, out.picks
+        greedy = [(o, j) for o, j in ruled if o.req.params.greedy]
         if greedy:  # over the rows' span: the rows of others in between cost less than a copy of these
             at = np.fromiter((j for _, j in greedy), np.intp, len(greedy))
-            best = (ids[at] if ids is not None else logits[at[0]:at[-1] + 1].argmax(axis=1)[at - at[0]]).tolist()
+            best = (picks.ids[at, 0] if picks is not None
+                    else logits[at[0]:at[-1] + 1].argmax(axis=1)[at - at[0]]).tolist()
             for (o, _), tok in zip(greedy, best):
                 self._took(o, tok, now)
-        for o, j in by_rule:
-            if not o.req.params.greedy:
+        for o, j in ruled:
+            p = o.req.params
+            if not p.greedy:
                 try:
-                    tok = sample(logits[j], o.req.params, o.req.rng, ())
+                    if picks is not None:
+                        tok = sample_top_k(picks.ids[j, :p.top_k], picks.values[j, :p.top_k], bool(picks.ok[j]),
+                                           p, o.req.rng)
+                    else:
+                        tok = sample(logits[j], p, o.req.rng, ())
                 except Exception as e:  # this request's sampling, not its neighbours'
                     o.finish, o.error = "error", HearthError(f"sampling failed: {type(e).__name__}: {e}")
                     continue

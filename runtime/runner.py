@@ -86,11 +86,20 @@ def open_memory(model: Any, placement: Placement, *, n_ctx: int, kv_blocks: int 
 
 
 @dataclass
+class Picks:
+    """Each output row's candidates, taken where the logits are (ModelRunner.run's `picks`)."""
+    ids: np.ndarray            # (shape.n_out, k): a greedy row's argmax in column 0, a sampled row's
+    #                            top_k ids (ascending) in its first top_k columns
+    values: np.ndarray | None  # (shape.n_out, k): their logits; None where every row was greedy
+    ok: np.ndarray | None      # (shape.n_out,): False where a sampled row had a NaN; None as values
+
+
+@dataclass
 class StepOutput:
     logits: np.ndarray | None  # (shape.n_out, n_vocab): the output rows (runtime.batch's order), then padding;
-    #                            None where the step was asked for ids only
+    #                            None where the step was asked for picks
     hidden: np.ndarray | None  # (shape.n_tokens, n_embd): every token's final hidden state, where embeddings pool
-    ids: np.ndarray | None = None  # (shape.n_out,): each output row's argmax, where asked for ids only
+    picks: Picks | None = None
 
 
 class ModelRunner:
@@ -128,10 +137,11 @@ class ModelRunner:
         self.threads_now = self.threads.current()
         self.worker_moves = 0  # workers moved off a shared core (backends/cpu/affinity.py)
 
-    def run(self, plan: StepPlan, ids_only: bool = False) -> StepOutput:
+    def run(self, plan: StepPlan, picks: np.ndarray | None = None) -> StepOutput:
         """The forward pass of a planned batch: its output rows' logits (and hidden rows); with
-        `ids_only` (every output row greedy), each row's argmax instead, taken where the logits
-        are: a device copies back an id a row, not a vocabulary of floats."""
+        `picks` (each output row's k, in runtime.batch's order), each row's k largest logits
+        instead (1: its argmax), taken where the logits are (Backend.top_k_rows): a device
+        copies back k ids and values a row, not a vocabulary of floats."""
         if self.vision is not None:  # the images whose rows this step computes, encoded first
             self.vision.fill([m for s in plan.seqs for m in s.req.media if m.rows is None
                               and m.start < s.req.n_computed + s.n_tokens and m.end > s.req.n_computed])
@@ -142,14 +152,26 @@ class ModelRunner:
             self._host.use_threads(n_threads)
             self.threads_now = n_threads
         t_run = time.perf_counter()
-        outs = execute(cg, feed, self.memory.cache_of, _LOGITS if ids_only else frozenset())
-        ids = cg.outputs[0][1].argmax_rows(outs[0]) if ids_only else None
+        outs = execute(cg, feed, self.memory.cache_of, _LOGITS if picks is not None else frozenset())
+        chosen = None if picks is None else self._pick(cg.outputs[0][1], outs[0], picks)
         self._since_encode += time.perf_counter() - t_run
         slow = self.threads.done(shape, n_threads, time.perf_counter() - t_run)
         if self._host is not None and self._host.after_step(n_threads, slow):
             self.threads.moved()
             self.worker_moves += 1
-        return StepOutput(None if ids_only else outs[0], outs[1] if shape.embd else None, ids)
+        return StepOutput(None if picks is not None else outs[0], outs[1] if shape.embd else None, chosen)
+
+    @staticmethod
+    def _pick(backend, logits, ks: np.ndarray) -> Picks:
+        """The rows' picks where the logits are: argmax_rows where every row is greedy (k 1), else
+        top_k_rows (padding rows: k 0, not computed)."""
+        if not len(ks):  # no output row
+            return Picks(np.zeros((logits.shape[0], 1), np.int64), None, None)
+        if (ks == 1).all():
+            return Picks(backend.argmax_rows(logits)[:, None], None, None)
+        pad = np.zeros(logits.shape[0], np.int64)
+        pad[:len(ks)] = ks
+        return Picks(*backend.top_k_rows(logits, pad))
 
     def encode_images(self, requests: list, running: list) -> list[tuple[Any, HearthError]]:
         """A turn of the tower for the images `requests` wait for, where it is theirs (VisionEncoder.take_turn:

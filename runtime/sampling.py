@@ -196,10 +196,16 @@ def distribution(logits: np.ndarray, p: SamplingParams, history) -> tuple[np.nda
     # ids ascending, so that equal logits go lowest id first; top_k before the float64 arithmetic,
     # which is monotone in the logits and so keeps the same candidates, on k of them only
     cand = top_k_ids(logits, p.top_k) if p.top_k and p.top_k < n else np.arange(n)
+    return truncated(cand, logits[cand], logits.max(), p)
+
+
+def truncated(cand: np.ndarray, values: np.ndarray, vmax, p: SamplingParams) -> tuple[np.ndarray, np.ndarray]:
+    """distribution() from its candidates (ids ascending), their logits and the row's max:
+    temperature, min_p and top_p."""
     # the max comes off before dividing: logits / 1e-310 would overflow to inf (inf - inf: NaN)
-    z = logits[cand].astype(np.float64)
+    z = values.astype(np.float64)
     with np.errstate(over="ignore"):  # far below the max: -inf, a probability of 0
-        z = (z - np.float64(logits.max())) / p.temperature
+        z = (z - np.float64(vmax)) / p.temperature
     order = np.argsort(-z, kind="stable")  # descending
     cand, z = cand[order], z[order]
     probs = np.exp(z - z[0])
@@ -218,6 +224,16 @@ def sample(logits: np.ndarray, p: SamplingParams, rng: np.random.Generator, hist
     if p.greedy:
         return int(np.argmax(apply_penalties(logits, p, history)))
     cand, probs = distribution(logits, p, history)
+    return int(cand[rng.choice(len(probs), p=probs)])
+
+
+def sample_top_k(cand: np.ndarray, values: np.ndarray, ok: bool, p: SamplingParams, rng: np.random.Generator) -> int:
+    """sample() of a row without penalties whose top_k candidates (top_k_ids's, ascending) and
+    their logits were taken where the logits are (Backend.top_k_rows): the same token for the
+    same rng. ok False: the row had a NaN, which sample() fails on too."""
+    if not ok:
+        raise ValueError("Probabilities contain NaN")
+    cand, probs = truncated(cand, values, values.max(), p)
     return int(cand[rng.choice(len(probs), p=probs)])
 
 

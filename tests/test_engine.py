@@ -312,3 +312,33 @@ async def test_prefix_cache_keys_blocks_by_everything_before_them(tiny):
         again = await s.generate(b, **kw)  # its own two blocks are reused: the cache does work here
         assert s.stats()["prefix_cache_hit_tokens"] == 32
         assert same(again, cold)
+
+
+async def test_sampled_tokens_the_same_from_picks_or_logits(tiny, monkeypatch):
+    """Concurrent seeded generations, sampled hot (top_k 5 and 40) and greedy in one batch: the
+    tokens are the same whether the steps take each row's top_k where the logits are (picks) or
+    return the logits; and the picks were taken. Mutations seen to fail: the runner's padding
+    of ks dropped past the real rows' count, emit_by_rule slicing the picks at k - 1."""
+    from hearthlm.runtime.output import OutputProcessor
+    from hearthlm.runtime.runner import ModelRunner
+    # hot: the tiny model's logits are peaked (its top logit ~13 above the next)
+    kws = [dict(temperature=9.0, top_k=5, seed=3), dict(temperature=6.0, top_k=40, top_p=0.9, seed=4),
+           dict(temperature=0), dict(temperature=12.0, top_k=40, min_p=0.0, seed=5)]
+
+    async def batch() -> list[list[int]]:
+        res = {}
+        async with Session.open(tiny, n_ctx=256) as s:
+            async def run(i):
+                res[i] = (await s.generate(prompt(i), max_tokens=10, ignore_eos=True, **kws[i % 4])).token_ids
+            async with anyio.create_task_group() as tg:
+                for i in range(8):
+                    tg.start_soon(run, i)
+        return [res[i] for i in range(8)]
+
+    taken = []
+    pick = ModelRunner._pick
+    monkeypatch.setattr(ModelRunner, "_pick", staticmethod(lambda b, lg, ks: taken.append(ks) or pick(b, lg, ks)))
+    got = await batch()
+    assert any(len(ks) > 1 and (ks > 1).any() for ks in taken)
+    monkeypatch.setattr(OutputProcessor, "picks", lambda self, plan: None)
+    assert got == await batch()

@@ -12,7 +12,7 @@ from hearthlm.runtime.batcher import Scheduled, StepPlan
 from hearthlm.runtime.constraint import GrammarError
 from hearthlm.runtime.output import OutputProcessor
 from hearthlm.runtime.request import Kind, Request
-from hearthlm.runtime.runner import StepOutput
+from hearthlm.runtime.runner import Picks, StepOutput
 from hearthlm.runtime.sampling import SamplingParams, log_softmax_rows
 
 V, EOG = 10, 9
@@ -245,31 +245,38 @@ def test_rows_by_rule_choose_as_emit_does(monkeypatch):
     assert got[5].finish == "stop" and got[7].finish is None and got[6].finish == "length"
 
 
-def test_ids_suffice_only_where_every_output_row_is_greedy_by_rule():
-    """A step is asked for ids only (its argmax per row, taken where the logits are) when each of
-    its output rows is a plain greedy generation's next token; a prompt chunk that wants no row
-    does not stop it. Mutations seen to fail: the greedy check dropped (a sampled row would get
-    the argmax), the draft check dropped, `plain` not asked (a logit bias ignored), scored
-    prompt positions not checked (their log-probs need the logits)."""
+def test_picks_only_where_every_output_row_is_by_rule():
+    """A step is asked for picks (each output row's k largest logits, taken where the logits are)
+    when each of its output rows is a generation's next token by rule: k 1 where greedy, its
+    top_k where sampled; a prompt chunk that wants no row does not stop it. Mutations seen to
+    fail: the greedy check dropped (a sampled row asking for 1), the draft check dropped,
+    `plain` not asked (a logit bias ignored), scored prompt positions not checked (their
+    log-probs need the logits), top_k 0 (off) or >= the vocabulary taken as a pick."""
     proc = OutputProcessor(V, frozenset({EOG}), n_ctx=64)
     plan = lambda *seqs: StepPlan(list(seqs), [])
+    picks = lambda *seqs: (lambda ks: None if ks is None else ks.tolist())(proc.picks(plan(*seqs)))
     chunk = Scheduled(request(prompt=range(1, 9)), 4, False)  # a prompt's first chunk: no output row
-    assert proc.ids_suffice(plan(decoding(request()), decoding(request()), chunk))
-    assert not proc.ids_suffice(plan(decoding(request()), decoding(request(params=SamplingParams(temperature=0.8)))))
-    assert not proc.ids_suffice(plan(decoding(request(), draft=[3])))
-    assert not proc.ids_suffice(plan(decoding(request(params=SamplingParams(temperature=0.0, logit_bias={3: 5.0})))))
-    assert not proc.ids_suffice(plan(decoding(request(params=SamplingParams(temperature=0.0, top_logprobs=2)))))
+    sampled = lambda k: request(params=SamplingParams(temperature=0.8, top_k=k))
+    assert picks(decoding(request()), decoding(request()), chunk) == [1, 1]
+    assert picks(decoding(request()), decoding(sampled(3)), decoding(request())) == [1, 3, 1]
+    assert picks(chunk) == []
+    assert picks(decoding(request()), decoding(sampled(0))) is None  # top_k off: every logit is a candidate
+    assert picks(decoding(sampled(V))) is None
+    assert picks(decoding(request(), draft=[3])) is None
+    assert picks(decoding(request(params=SamplingParams(temperature=0.0, logit_bias={3: 5.0})))) is None
+    assert picks(decoding(request(params=SamplingParams(temperature=0.8, top_k=3, repetition_penalty=1.1)))) is None
+    assert picks(decoding(request(params=SamplingParams(temperature=0.0, top_logprobs=2)))) is None
     scored = request(prompt=(1, 2, 3, 4), prompt_logprobs=0)  # a generation that scores its prompt too
-    assert not proc.ids_suffice(plan(decoding(request()), Scheduled(scored, 4, True)))
-    assert not proc.ids_suffice(plan(Scheduled(request(kind=Kind.EMBED, max_tokens=0, pooling="mean"), 3, True)))
+    assert picks(decoding(request()), Scheduled(scored, 4, True)) is None
+    assert picks(Scheduled(request(kind=Kind.EMBED, max_tokens=0, pooling="mean"), 3, True)) is None
 
 
 def test_greedy_tokens_from_the_steps_ids_without_logits():
-    """With ids only (logits None), greedy rows take the step's ids, and stops apply as before.
+    """With picks (logits None), greedy rows take the step's ids, and stops apply as before.
     Mutation seen to fail: emit_by_rule reading the logits regardless (None: a TypeError, the
     request failed)."""
     a, b = request(), request(params=SamplingParams(temperature=0.0, stop_token_ids=[4]))
     out = OutputProcessor(V, frozenset({EOG}), n_ctx=64).process(
-        StepPlan([decoding(a), decoding(b)], []), StepOutput(None, None, np.array([7, 4, 0])), {})
+        StepPlan([decoding(a), decoding(b)], []), StepOutput(None, None, Picks(np.array([[7], [4], [0]]), None, None)), {})
     assert [t for t, _ in out[0].tokens] == [7] and out[0].finish is None and a.tokens[-1] == 7
     assert out[1].tokens == [] and out[1].finish == "stop"

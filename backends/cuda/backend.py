@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 
 from hearthlm.backends.cuda.weights import SUPPORTED_TYPES
+from hearthlm.core import array_ops
 from hearthlm.core.backend import Backend
 from hearthlm.core.errors import BackendError
 from hearthlm.core.graph import Op, Tensor
@@ -102,6 +103,12 @@ class CUDABackend(Backend):
         if not isinstance(value, self.cp.ndarray):
             return super().argmax_rows(value)
         return self.cp.asnumpy(self.cp.argmax(value, axis=1))
+
+    def top_k_rows(self, value, ks):
+        """On the device: a sampled step copies back k candidates a row, not its logits."""
+        if not isinstance(value, self.cp.ndarray):
+            return super().top_k_rows(value, ks)
+        return array_ops.top_k_rows(value, ks, self.cp)
 
     def copy_from(self, src: Backend, value):
         """A tensor from another split. Host data is staged into pinned memory (the source
