@@ -1099,3 +1099,27 @@ def test_reference_delta_net_semantics():
     got_y = REF.kernels[node.op](node, got_s, *(feed[s.name] for s in node.srcs[1:]))
     assert nmse(got_y, want_y) < 1e-12 and nmse(got_s, want_s) < 1e-12 and np.array_equal(got_s[1], state[1])
     assert not got_y[5].any()  # the padding token
+
+
+def test_rows_argmax_and_top_k_where_the_logits_are(backend):
+    """argmax_rows and top_k_rows on logits the backend holds (on cuda, device arrays: cupy's
+    argmax and core.array_ops.top_k_rows with cupy) against numpy's argmax and
+    sampling.top_k_ids row by row: ties among the k largest, a NaN row, k 1 and 0 rows. The CPU
+    kernel's own mutations are in tests/test_top_k_rows.py; here a backend whose override
+    returned another row's picks, or unordered ids, fails."""
+    from hearthlm.runtime.sampling import top_k_ids
+    rng = rng_for("top_k_rows")
+    x = (rng.standard_normal((6, 5000)) * 3).astype(np.float32)
+    x[1, 100:140] = x[1].max()  # ties at the top, across blocks
+    x[2] = np.round(x[2])  # ties everywhere
+    x[4, 17] = np.nan
+    ks = np.array([40, 30, 7, 1, 40, 0])
+    dev = backend.from_host(x)
+    assert backend.argmax_rows(dev).tolist() == x.argmax(axis=1).tolist()
+    ids, vals, ok = backend.top_k_rows(dev, ks)
+    assert ok.tolist()[:5] == [True, True, True, True, False]
+    assert ids[3, 0] == x[3].argmax()
+    for i in (0, 1, 2):
+        want = top_k_ids(x[i], int(ks[i]))
+        assert ids[i, :ks[i]].tolist() == want.tolist(), i
+        assert np.array_equal(vals[i, :ks[i]], x[i, want]), i

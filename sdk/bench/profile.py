@@ -114,6 +114,9 @@ async def _run_open(a, levels: list[int], decode: int, acc: _Acc, rows: list, fi
         eng.step = step
         runner_mod.execute = _timed_execute(acc)
         n_prompt = getattr(a, "context", None) or 8
+        # --sampled: SamplingParams' defaults (a seed a request)
+        sampled = getattr(a, "sampled", False)
+        sampling = dict(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05) if sampled else dict(temperature=0)
         vocab = s.model.n_vocab
         try:
             for warm in (True, False):
@@ -122,7 +125,7 @@ async def _run_open(a, levels: list[int], decode: int, acc: _Acc, rows: list, fi
                         for i in range(n):
                             tg.start_soon(lambda i=i: s.generate([(1000 + i + 7 * j) % vocab for j in range(n_prompt)],
                                                                  max_tokens=4 if warm else decode,
-                                                                 temperature=0, ignore_eos=True,
+                                                                 **sampling, seed=i if sampled else None, ignore_eos=True,
                                                                  adapters={f"r{i % len(files)}": 1.0} if files else None))
                 if warm:
                     acc.reset()
