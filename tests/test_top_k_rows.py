@@ -48,13 +48,17 @@ def test_top_k_rows_are_top_k_ids(impl):
     seen to fail (numba kernel): the ties' quota not kept (every entry equal to the k-th
     taken), the blocks' threshold taken at the (k-1)-th largest block maximum
     (a block of the k largest missed), -0.0's key left at -1 (a block of -0.0 skipped beside
-    a 0.0 threshold), the NaN check dropped; (array_ops) ties ordered by cumsum > quota."""
+    a 0.0 threshold), the NaN check dropped, k 1 taking the last block of equal maxima or the
+    last NaN; (array_ops) ties ordered by cumsum > quota."""
     rng = np.random.default_rng(5)
     run = IMPLS[impl]
     zeros = np.full((2, 256), -np.inf, np.float32)  # -0.0 first, then 0.0, then 1.0, a block (64) apart
     zeros[:, [5, 70, 140]] = [-0.0, 0.0, 1.0]
-    for trial in range(241):
-        x, ks = _rows(rng, trial) if trial < 240 else (zeros, np.array([2, 3]))
+    nans = rng.standard_normal((2, 500)).astype(np.float32)
+    nans[:, [10, 300]] = np.nan  # two NaNs: argmax is the first, a sampled row is not ok
+    special = [(zeros, np.array([2, 3])), (nans, np.array([1, 5]))]
+    for trial in range(240 + len(special)):
+        x, ks = _rows(rng, trial) if trial < 240 else special[trial - 240]
         ids, vals, ok = run(x, ks)
         assert ids.shape == vals.shape == (len(ks), max(int(ks.max()), 1)) and ok.shape == (len(ks),)
         for i, k in enumerate(ks.tolist()):
