@@ -49,7 +49,7 @@ def test_top_k_rows_are_top_k_ids(impl):
     taken), the blocks' threshold taken at the (k-1)-th largest block maximum
     (a block of the k largest missed), -0.0's key left at -1 (a block of -0.0 skipped beside
     a 0.0 threshold), the NaN check dropped, k 1 taking the last block of equal maxima or the
-    last NaN; (array_ops) ties ordered by cumsum > quota."""
+    last NaN; (array_ops) the ties' quota compared with < (one equal entry short)."""
     rng = np.random.default_rng(5)
     run = IMPLS[impl]
     zeros = np.full((2, 256), -np.inf, np.float32)  # -0.0 first, then 0.0, then 1.0, a block (64) apart
