@@ -42,8 +42,8 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
                    help="time per op kind, kernels vs Python, per decode step at --concurrency levels "
                         "(default 1,4,16,64)")
     p.add_argument("--sampled", action="store_true",
-                   help="with --profile: the requests sample (temperature 0.8, top_k 40, top_p 0.95, min_p 0.05, "
-                        "seeded) rather than decode greedily")
+                   help="with --profile: the requests sample with SamplingParams' defaults (seeded) rather than "
+                        "decode greedily")
     p.add_argument("--startup", action="store_true",
                    help="fresh processes that open the model and generate 1 token: start to first token and "
                         "peak RSS (paired with llama-cpp-python when importable); --repeat runs each")

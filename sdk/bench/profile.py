@@ -20,6 +20,7 @@ from hearthlm.core.graph import Op
 from hearthlm.runtime import dispatch
 from hearthlm.runtime import runner as runner_mod
 from hearthlm.runtime.graph_cache import bucket
+from hearthlm.runtime.sampling import SamplingParams
 from hearthlm.session import Session
 
 
@@ -115,8 +116,9 @@ async def _run_open(a, levels: list[int], decode: int, acc: _Acc, rows: list, fi
         runner_mod.execute = _timed_execute(acc)
         n_prompt = getattr(a, "context", None) or 8
         # --sampled: SamplingParams' defaults (a seed a request)
-        sampled = getattr(a, "sampled", False)
-        sampling = dict(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05) if sampled else dict(temperature=0)
+        sampled, d = getattr(a, "sampled", False), SamplingParams()
+        sampling = dict(temperature=d.temperature, top_k=d.top_k, top_p=d.top_p, min_p=d.min_p) if sampled \
+            else dict(temperature=0)
         vocab = s.model.n_vocab
         try:
             for warm in (True, False):
