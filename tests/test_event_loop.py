@@ -1,8 +1,19 @@
 """The application's event loop never stalls: a 10 ms ticker on asyncio keeps its largest
 gap under 50 ms while a 200,000-character prompt is tokenized, a 2,000-message chat is
 rendered, and 32 generations run at once (on the real SmolLM2 model); on a quiet machine, and
-beside a CPU-bound process at normal priority (an app's own work competing for the cores)."""
+beside a CPU-bound process at normal priority (an app's own work competing for the cores).
+
+A gap is counted less the time the hypervisor took from the virtual machine's cores meanwhile
+(steal, /proc/stat): with both cores busy (the competitor and the engine), the 2-core CI machine
+has a core taken for ~100 ms every few seconds, which stalls whichever thread was on it (measured
+at stop 56: each 101-111 ms gap came with 10 ticks of steal, the loop thread neither running nor
+waiting for the core; none without).
+
+Mutations seen to fail: prompts prepared on the loop (`if False:` for `if big:` in
+Session._prompt_ids_off_loop): gaps of 109 ms (the 200,000-character prompt)
+and 198 ms (the 2,000-message chat) on the quiet machine."""
 import asyncio
+import os
 import subprocess
 import sys
 import time
@@ -14,15 +25,31 @@ from hearthlm import ContextLengthError, Session
 MAX_GAP = 0.050
 
 
+def stolen() -> list[float]:
+    """Seconds of steal so far on each core (0 where /proc/stat is absent)."""
+    try:
+        with open("/proc/stat") as f:
+            rows = [ln.split() for ln in f if ln.startswith("cpu") and ln[3].isdigit()]
+    except OSError:
+        return [0.0]
+    hz = os.sysconf("SC_CLK_TCK")
+    return [int(r[8]) / hz for r in rows]
+
+
 class Ticker:
-    """Ticks every 10 ms on the running loop; `gap` is the longest time between two ticks."""
+    """Ticks every 10 ms on the running loop; `gap` is the longest time between two ticks, less
+    the most any one core was stolen meanwhile (the thread that stalled was on one of them);
+    `raw` the longest without that."""
 
     def __init__(self) -> None:
-        self.gap, self._task, self.last = 0.0, None, time.perf_counter()
+        self.gap = self.raw = 0.0
+        self._task, self.last, self.steal = None, time.perf_counter(), stolen()
 
     def _tick(self) -> None:
-        now = time.perf_counter()
-        self.gap, self.last = max(self.gap, now - self.last), now
+        now, steal = time.perf_counter(), stolen()
+        taken = max((b - a for a, b in zip(self.steal, steal)), default=0.0)
+        self.gap, self.raw = max(self.gap, now - self.last - taken), max(self.raw, now - self.last)
+        self.last, self.steal = now, steal
 
     async def _run(self) -> None:
         while True:
@@ -32,7 +59,7 @@ class Ticker:
     async def __aenter__(self) -> "Ticker":
         self._task = asyncio.get_running_loop().create_task(self._run())
         await asyncio.sleep(0.02)
-        self.gap = 0.0
+        self.gap = self.raw = 0.0
         return self
 
     async def __aexit__(self, *exc) -> None:
@@ -63,15 +90,16 @@ async def test_loop_keeps_ticking(smollm2_path, machine):
             with pytest.raises(ContextLengthError):  # tokenized in full (the loop ticking), then too long
                 await s.generate("the hearth and the home " * 8334, max_tokens=1)
         gaps["200,000-character prompt"] = t.gap
+        raw = {"200,000-character prompt": t.raw}
         msgs = [{"role": "user" if i % 2 == 0 else "assistant", "content": f"turn {i}"} for i in range(2000)]
         async with Ticker() as t:
             with pytest.raises(ContextLengthError):
                 await s.generate(messages=msgs, max_tokens=1)
-        gaps["2,000-message chat"] = t.gap
+        gaps["2,000-message chat"], raw["2,000-message chat"] = t.gap, t.raw
         async with Ticker() as t:
             outs = await asyncio.gather(*(s.generate(f"Story {i}:", max_tokens=16, temperature=0.7, seed=i)
                                           for i in range(32)))
-        gaps["32 concurrent generations"] = t.gap
+        gaps["32 concurrent generations"], raw["32 concurrent generations"] = t.gap, t.raw
         assert all(o.token_ids for o in outs)
-        print("largest ticker gaps:", {k: f"{v * 1e3:.1f} ms" for k, v in gaps.items()})
+        print("largest ticker gaps, less steal (raw):", {k: f"{v * 1e3:.1f} ms ({raw[k] * 1e3:.1f})" for k, v in gaps.items()})
         assert all(g < MAX_GAP for g in gaps.values()), gaps
