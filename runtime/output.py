@@ -19,7 +19,7 @@ from hearthlm.runtime.batcher import StepPlan
 from hearthlm.runtime.constraint import GrammarError, MaskWorker
 from hearthlm.runtime.request import Kind, Request
 from hearthlm.runtime.runner import StepOutput
-from hearthlm.runtime.sampling import log_softmax_rows, penalized, sample, sample_top_k, steer, top_logprobs, verify
+from hearthlm.runtime.sampling import logsumexp_rows, penalized, sample, sample_top_k, steer, top_logprobs, verify
 
 TopLogprobs = list[tuple[int, float]] | None
 
@@ -244,9 +244,8 @@ class OutputProcessor:
     def score_prompt(r: Request, positions: range, logits: np.ndarray) -> None:
         """Row j predicts the prompt token after position positions[j]: its log-prob (and the k
         most likely alternatives) goes to r.prompt_lps."""
-        lp = log_softmax_rows(logits)
         nxt = np.asarray(r.prompt[positions.start + 1:positions.stop + 1])
-        own = lp[np.arange(len(nxt)), nxt]
+        own = logits[np.arange(len(nxt)), nxt].astype(np.float64) - logsumexp_rows(logits[:len(nxt)])
         k = r.prompt_logprobs
         for j, t in enumerate(nxt):
             r.prompt_lps.append((float(own[j]), top_logprobs(logits[j], k, int(t)) if k else None))

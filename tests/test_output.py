@@ -13,7 +13,7 @@ from hearthlm.runtime.constraint import GrammarError
 from hearthlm.runtime.output import OutputProcessor
 from hearthlm.runtime.request import Kind, Request
 from hearthlm.runtime.runner import Picks, StepOutput
-from hearthlm.runtime.sampling import SamplingParams, log_softmax_rows
+from hearthlm.runtime.sampling import LSE_ROWS, SamplingParams, log_softmax
 
 V, EOG = 10, 9
 
@@ -133,11 +133,27 @@ def test_a_mixed_batch_is_read_in_the_runners_row_order():
     hidden = np.arange(10 * 3, dtype=np.float32).reshape(10, 3)  # 4 + 1 + 3 + 2 tokens
     outs = process(seqs, logits, hidden)
     assert [o.finish for o in outs] == ["stop", None, "stop", "stop"]
-    lp = log_softmax_rows(logits[:3])
-    assert [x for x, _ in score.prompt_lps] == pytest.approx([lp[0, 2], lp[1, 3], lp[2, 4]])
+    assert [x for x, _ in score.prompt_lps] == pytest.approx([log_softmax(logits[j])[j + 2] for j in range(3)])
     assert outs[1].tokens == [(7, None)]
     assert np.array_equal(rank.pooled, logits[4])
     assert np.allclose(emb.pooled, hidden[8:10].mean(0))
+
+
+def test_scored_log_probs_are_log_softmax_bit_for_bit():
+    """A scored prompt's log-probs over a 262K vocabulary, more rows than logsumexp_rows takes at
+    a time: each the very float64 that log_softmax of its row gives, and the k alternatives'
+    too. Mutations seen to fail: the block's rows offset by one (`x[i + 1:...]`, held in range); the max not
+    taken off before exp; the row sums in float32."""
+    n = 2 * LSE_ROWS + 3
+    rng = np.random.default_rng(5)
+    logits = (rng.standard_normal((n, 262144)) * 30).astype(np.float32)
+    prompt = tuple(int(t) for t in rng.integers(0, 262144, n + 1))
+    r = request(Kind.SCORE, prompt=prompt, max_tokens=0, prompt_logprobs=2)
+    OutputProcessor.score_prompt(r, range(0, n), logits)
+    want = [float(log_softmax(logits[j])[prompt[j + 1]]) for j in range(n)]
+    assert [x for x, _ in r.prompt_lps] == want
+    assert all(alts[-1] == (prompt[j + 1], want[j]) or (prompt[j + 1], want[j]) in alts
+               for j, (_, alts) in enumerate(r.prompt_lps))
 
 
 @pytest.mark.parametrize("pooling, want", [("mean", lambda h: h.mean(0)), ("cls", lambda h: h[0]),
