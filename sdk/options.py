@@ -147,6 +147,10 @@ class SessionOptions:
         DEFAULT_LIMITS, Kind(lambda v: isinstance(v, TemplateLimits), "a TemplateLimits", _limits),
         "bounds on rendering the chat template, untrusted data from the file (on the command line "
         "FIELD=VALUE,...: seconds, steps, output_chars, value_len, template_chars)", metavar="LIMITS")
+    chat_template: str | None = option(
+        None, OPT_TEXT, "a Jinja chat template to use instead of the file's (its text; as llama.cpp's "
+        "--chat-template, for a file whose template is missing or wrong); reasoning and tool-call formats "
+        "are detected from it", metavar="TEXT")
     progress: Callable[[str, int, int], Any] | None = option(
         None, Kind(lambda v: v is None or callable(v), "None or a callable"),
         "progress(filename, done_bytes, total_bytes) hears how a Hub download goes (default: logged)",

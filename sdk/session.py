@@ -122,6 +122,14 @@ class Session:
         path = resolve_model(model, filename=o.filename, progress=progress or log_progress(log),
                              mmproj=o.mmproj is None)
         m = load_model(path)
+        if o.chat_template is not None:  # compiled here: a syntax error fails the open, naming the line
+            from hearthlm.model_zoo.chat_template import compile_template
+            try:
+                compile_template(o.chat_template)
+            except BaseException:
+                m.close()
+                raise
+            m.chat_template = o.chat_template
         if hasattr(m.arch, "bind"):  # it runs on a target's state: alone it has no input
             m.close()
             raise _errors.ModelLoadError(f"{path}: a {m.arch_name} model drafts for its target: pass it as draft_model=")

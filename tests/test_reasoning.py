@@ -162,18 +162,38 @@ def test_server_reasoning_content(thinker):
         assert "</think>" in raw.choices[0].message.content
 
 
-async def test_qwen25_with_a_template_that_thinks(qwen2_path, tmp_path):
-    """The real model, its own template made to open <think> in the generation prompt."""
+async def test_chat_template_given_at_open_replaces_the_files(tmp_path):
+    """Session.open(chat_template=...) renders chats with that template, thinking detected from
+    it; one with a syntax error fails the open, naming its line. Mutations seen to fail: the
+    option not set on the model (no thinking detected from it); the template not
+    compiled at open (the open succeeded)."""
+    plain = str(write_tiny(tmp_path / "plain.gguf"))  # CHATML: no thinking
+    async with Session.open(plain, n_ctx=512, weight_cache=False) as s:
+        a = await s.generate(messages=MSGS, max_tokens=4, temperature=0, reasoning_format="none")
+        opened = len(s.tokenize("<think>\n", add_special=False))
+    async with Session.open(plain, n_ctx=512, weight_cache=False, chat_template=OPENS) as s:
+        assert reasoning.detect(s.model.chat_template) is not None
+        b = await s.generate(messages=MSGS, max_tokens=4, temperature=0, reasoning_format="none")
+        c = await s.generate(messages=MSGS, max_tokens=4, temperature=0)
+    assert b.prompt_tokens == a.prompt_tokens + opened
+    assert c.reasoning == b.text  # cut short inside the thinking the prompt opened
+    with pytest.raises(InvalidRequestError, match=r"syntax error \(line 2\)"):
+        async with Session.open(plain, n_ctx=512, weight_cache=False, chat_template="{{ messages }}\n{% for m in %}"):
+            pass
+
+
+async def test_qwen25_with_a_template_that_thinks(qwen2_path):
+    """The real model, its own template made to open <think> in the generation prompt, given as
+    Session.open's chat_template (the file's packed weights reused: a copy of the file with the
+    template edited in packed them all again, 30 s of the suite's time)."""
     import gguf
-    from gguf_edit import copy_with_string
     r = gguf.GGUFReader(str(qwen2_path))
     tpl = r.fields["tokenizer.chat_template"].contents()
     opened = tpl.replace("'<|im_start|>assistant\\n'", "'<|im_start|>assistant\\n<think>\\n'")
     assert opened != tpl
     del r
-    path = copy_with_string(qwen2_path, tmp_path / "qwen-think.gguf", "tokenizer.chat_template", opened)
     msgs = [{"role": "user", "content": "What is 2+2? Think first."}]
-    async with Session.open(str(path), n_ctx=512) as s:
+    async with Session.open(str(qwen2_path), n_ctx=512, chat_template=opened) as s:
         raw = await s.generate(messages=msgs, max_tokens=48, temperature=0, reasoning_format="none")
         c = await s.generate(messages=msgs, max_tokens=48, temperature=0)
         assert c.token_ids == raw.token_ids
