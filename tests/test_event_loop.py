@@ -18,6 +18,7 @@ import asyncio
 import os
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -121,4 +122,6 @@ async def test_loop_keeps_ticking(smollm2_path, machine):
                 "32 concurrent generations": await ticking(generations)}
         print("largest ticker gaps, less steal (raw), by run:",
               {k: [f"{g * 1e3:.1f} ms ({r * 1e3:.1f})" for g, r in v] for k, v in runs.items()})
+        # for a failure's report: threads left by earlier tests also take turns at the GIL
+        print("threads:", sorted(t.name for t in threading.enumerate()))
         assert all(v[-1][0] < MAX_GAP for v in runs.values()), runs
