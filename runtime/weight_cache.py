@@ -109,7 +109,38 @@ class WeightCache:
         flat = {f"{name}|{k}": a for name, (_, arrays) in entries.items() for k, a in arrays.items()}
         try:
             array_file.write(self.path(backend), CACHE_MAGIC, CACHE_FORMAT, index, flat)
-            return True
         except OSError as e:  # read-only or full: run without the cache
             self.problem = f"{self.directory}: cannot write the weight cache: {e}"
             return False
+        self.prune(backend)
+        return True
+
+    def prune(self, backend) -> list[Path]:
+        """Drops the backend's other files here whose model file is gone or has changed since
+        (its recorded path, size and mtime), or that this version can no longer read: each is
+        about its model's size, and nothing else would ever remove it. Returns what it dropped.
+        A file in use elsewhere stays readable there (unlinking leaves its mapping); one that
+        cannot be removed is left."""
+        dropped = []
+        for path in self.directory.glob(f"*.{backend.name}.hlw"):
+            if path == self.path(backend):
+                continue
+            try:
+                index, _ = array_file.read(path, CACHE_MAGIC, CACHE_FORMAT, arrays=False)
+                ident = index["identity"]
+                st = os.stat(ident["path"])
+                if (st.st_size, st.st_mtime_ns) == (ident["size"], ident["mtime_ns"]) and \
+                        index.get("layout") == backend.weight_layout:
+                    continue
+            except FileNotFoundError:  # its model is gone (or it went meanwhile)
+                pass
+            except OSError:  # unreadable for now: not ours to judge
+                continue
+            except (array_file.ArrayFileError, KeyError, TypeError):  # another format, or corrupt
+                pass
+            try:
+                path.unlink()
+                dropped.append(path)
+            except OSError:
+                pass
+        return dropped

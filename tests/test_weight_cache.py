@@ -263,3 +263,26 @@ def test_moe_experts_are_cached(tmp_path, monkeypatch):
     monkeypatch.setattr(cpu, "pack_weight", lambda *a, **k: pytest.fail("a weight was packed again"))
     ids, state = run(moe, tmp_path)
     assert (ids, state) == (ref, "hit")
+
+
+def test_a_write_drops_the_files_of_models_gone_or_changed(model, tmp_path):
+    """Writing one model's file drops the others whose model file was deleted, or changed (size
+    or mtime), or that no longer read as this format; a file whose model is still there as it
+    was stays. Mutations seen to fail: prune not called from save; the mtime check dropped (the
+    changed model's file kept); every other file dropped (the kept model's file gone)."""
+    import shutil
+    kept, gone, changed = (shutil.copy(model, tmp_path / f"{n}.gguf") for n in ("kept", "gone", "changed"))
+    for m in (kept, gone, changed):
+        assert run(m, tmp_path)[1] == "written"
+    junk = tmp_path / "weights" / ("0" * 24 + ".cpu.hlw")
+    junk.write_bytes(b"not a weight file")
+    other_backend = tmp_path / "weights" / ("1" * 24 + ".cuda.hlw")
+    other_backend.write_bytes(b"another backend's: not this one's to judge")
+    files = {m: cache_file(m, tmp_path) for m in (kept, gone, changed)}
+    os.unlink(gone)
+    os.utime(changed, ns=(1, 1))
+    assert all(f.exists() for f in files.values())
+    assert run(model, tmp_path)[1] == "written"  # a fourth model's first open writes, and prunes
+    assert files[kept].exists() and cache_file(model, tmp_path).exists() and other_backend.exists()
+    assert not files[gone].exists() and not files[changed].exists() and not junk.exists()
+    assert run(kept, tmp_path)[1] == "hit"
