@@ -121,9 +121,9 @@ class WeightCache:
         about its model's size, and nothing else would ever remove it. Returns what it dropped.
         A file in use elsewhere stays readable there (unlinking leaves its mapping); one that
         cannot be removed is left."""
-        dropped = []
+        dropped, own = [], self.path(backend)
         for path in self.directory.glob(f"*.{backend.name}.hlw"):
-            if path == self.path(backend):
+            if path == own:
                 continue
             try:
                 index, _ = array_file.read(path, CACHE_MAGIC, CACHE_FORMAT, arrays=False)

@@ -119,16 +119,13 @@ class Session:
                            rollback_slots=o.rollback_slots if o.rollback_slots is not None else 16 if o.draft_model else 4)
         backends = ({o.backend: get_backend(o.backend)} if o.device is None
                     else open_device(o.device, n_gpu_layers, get_backend))
+        if o.chat_template is not None:  # compiled first: a syntax error fails the open (naming the line), nothing loaded
+            from hearthlm.model_zoo.chat_template import compile_template
+            compile_template(o.chat_template)
         path = resolve_model(model, filename=o.filename, progress=progress or log_progress(log),
                              mmproj=o.mmproj is None)
         m = load_model(path)
-        if o.chat_template is not None:  # compiled here: a syntax error fails the open, naming the line
-            from hearthlm.model_zoo.chat_template import compile_template
-            try:
-                compile_template(o.chat_template)
-            except BaseException:
-                m.close()
-                raise
+        if o.chat_template is not None:
             m.chat_template = o.chat_template
         if hasattr(m.arch, "bind"):  # it runs on a target's state: alone it has no input
             m.close()
