@@ -92,10 +92,12 @@ class Batcher:
             seqs.append(Scheduled(req, take, req.n_computed + take == req.n_total))
             budget -= take
             self._pool_left -= take if req.kind.pools else 0
-        for req in preempted:
-            running.remove(req)
+        # a request moving between the lists joins the next before it leaves the last, so that
+        # Engine.stats (another thread) never misses it while it holds blocks
         for req in reversed(preempted):  # oldest first back at the head of the queue
             waiting.appendleft(req)
+        for req in preempted:
+            running.remove(req)
         # admit waiting requests while budget, sequences, state slots and blocks allow
         while waiting and budget > 0 and len(running) < self.max_seqs and not preempted:
             req = waiting[0]
@@ -106,8 +108,8 @@ class Batcher:
             if take == 0 or not mem.grow(req, req.n_computed + take):
                 mem.unadmit(req)
                 break
-            waiting.popleft()
             running.append(req)
+            waiting.popleft()
             seqs.append(Scheduled(req, take, req.n_computed + take == req.n_total))
             budget -= take
             self._pool_left -= take if req.kind.pools else 0

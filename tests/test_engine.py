@@ -79,6 +79,76 @@ async def test_cancel_frees_blocks_within_a_step(tiny):
         assert len((await s.generate(prompt(2), max_tokens=3, temperature=0, ignore_eos=True)).token_ids) == 3
 
 
+async def test_stats_never_show_no_request_while_its_blocks_are_held(tiny):
+    """A request that finishes while stats() runs (here: aborted and finished by the engine
+    thread just after the memory was read) is seen either as running or with its blocks free.
+    Mutation: Engine.stats reading the memory before the request lists, as it did, fails it
+    with 0 running and the request's block held. test_cancel_frees_blocks_within_a_step once
+    failed so in a clean clone's run (0 running, 16 blocks): its wait for an idle engine
+    returned in that window."""
+    async with Session.open(tiny, n_ctx=256) as s:
+        eng = s.engine
+        chunks = s.stream(prompt(1), max_tokens=240, temperature=0, ignore_eos=True)
+        await chunks.__anext__()  # running, its blocks held
+        real = eng.memory.stats
+
+        def read_then_finish():
+            st = real()
+            for r in list(eng.running):
+                eng.abort(r.id)
+            t = time.monotonic()
+            while eng.running and time.monotonic() - t < 10:  # the engine thread finishes it
+                time.sleep(0.001)
+            return st
+        eng.memory.stats = read_then_finish
+        try:
+            st = s.stats()
+        finally:
+            del eng.memory.stats
+        assert not eng.running and s.stats()["kv_blocks_used"] == 0  # it did finish in between
+        assert st["running_requests"] == 1 or st["kv_blocks_used"] == 0, st
+        await chunks.aclose()
+
+
+def test_requests_join_their_next_list_before_leaving_the_last():
+    """Batcher.plan moves an admitted request into `running` before it leaves `waiting`, and a
+    preempted one back into `waiting` before it leaves `running`, so that Engine.stats, reading
+    the lists from another thread, never misses a request that holds blocks. Mutations: popleft
+    before the append, or the preempted removed before they are queued again, each fail it."""
+    from collections import deque
+
+    from hearthlm.backends.reference import ReferenceBackend
+    from hearthlm.runtime.batcher import Batcher
+    from hearthlm.runtime.kv_cache import KVCache
+    from hearthlm.runtime.request import Kind, Request
+    from hearthlm.runtime.sampling import SamplingParams
+    from hearthlm.runtime.seq_memory import SequenceMemory
+
+    class Running(list):
+        def remove(self, r):
+            assert r in waiting, "left running before it was queued again"
+            super().remove(r)
+
+    class Waiting(deque):
+        def popleft(self):
+            assert self[0] in running, "left the queue before it was running"
+            return super().popleft()
+
+    reqs = [Request(prompt=list(range(1, 33)), params=SamplingParams(), max_tokens=8, on_token=lambda *a: None,
+                    on_finish=lambda *a: None, kind=Kind.GENERATE) for _ in range(2)]
+    for i, r in enumerate(reqs):
+        r.arrival = float(i)
+    b = Batcher(SequenceMemory(KVCache([(1, 4)], 6, 16, [ReferenceBackend()])), max_batch_tokens=512, max_seqs=8)
+    running, waiting = Running(), Waiting(reqs)
+    plan = b.plan(running, waiting)  # both admitted: 4 of the 5 blocks
+    assert list(running) == reqs and not waiting and [s.n_tokens for s in plan.seqs] == [32, 32]
+    for r in reqs:  # their prompts computed; each now needs a third block, and one is left
+        r.n_computed = 32
+        r.tokens.append(7)
+    plan = b.plan(running, waiting)
+    assert plan.preempted == [reqs[1]] and list(running) == [reqs[0]] and list(waiting) == [reqs[1]]
+
+
 async def test_blocks_are_freed_before_a_request_leaves_the_lists(tiny):
     """stats() runs on the caller's thread while the engine's finishes a request: its blocks are
     freed while it is still listed, so "no running requests" never comes with their blocks still
