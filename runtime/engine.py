@@ -184,14 +184,9 @@ class Engine:
         return dict(ok=error is None and not self._closing, error=error, closing=bool(self._closing))
 
     def stats(self) -> dict[str, Any]:
-        # The requests are counted before the memory, and in the order they move (incoming, waiting,
-        # running; the first two under the lock that moves them): _finish frees a request's blocks
-        # before it leaves `running`, so no request counted means its blocks were free when the
-        # memory is read. Read the other way round, a request finished in between showed as
-        # none running with its blocks still held (a cancel test saw 16 blocks so).
+        # requests counted in the order they move, then the memory (_finish frees it first)
         with self._cv:
-            queued = len(self._incoming) + len(self.waiting)
-        running = len(self.running)
+            queued, running = len(self._incoming) + len(self.waiting), len(self.running)
         c = dict(self.counters, **self.output.counters, **self.memory.stats())  # + KV blocks, state slots, prefix hits
         ttft = sorted(self.output.ttft)
         c.update(
