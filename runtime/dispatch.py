@@ -19,7 +19,7 @@ import numpy as np
 from hearthlm.core.backend import CACHE, COPY, INPUT, KERNEL, STATIC, VIEW, Backend
 from hearthlm.core.errors import BackendError
 from hearthlm.core.graph import Graph, Op, Tensor
-from hearthlm.runtime.memory import Arena, ExecPlan, plan
+from hearthlm.runtime.memory import Arena, ExecPlan, OutBuffer, plan
 from hearthlm.runtime.placement import Placement, place
 from hearthlm.runtime.weights import WeightStore
 
@@ -34,6 +34,7 @@ class Step:
     fn: Any = None          # KERNEL/VIEW: the kernel bound to the node (Backend.bind); INPUT: the upload
     value: Any = None       # STATIC: the prepared weight
     out: Any = None         # KERNEL: the planned buffer, or None (the kernel allocates)
+    pool: Any = None        # KERNEL, an output of a backend that plans memory: its OutBuffer
     src: Any = None         # COPY: the backend the value leaves
     dst: Any = None         # COPY: the backend it goes to
     seen: Any = None        # VIEW: the source value last seen, and the view made of it
@@ -98,6 +99,10 @@ def compile_graph(graph: Graph, placement: Placement, stores: Mapping[str, Weigh
                     planned.add(i)
         steps.append(st)
     outs = [(index[id(o)], be[index[id(o)]]) for o in g.outputs]
+    for j, b in outs:  # the outputs the planner would have placed, were they not the caller's
+        st, pr = steps[j], steps[j].node.op.props
+        if st.kind is KERNEL and b.plans_memory and not (pr.bound or pr.writes_cache or pr.view or pr.moves):
+            st.pool = OutBuffer(st.node.shape, st.node.dtype)
     cg = CompiledGraph(g, names, p, steps, outs, s.n_splits, s.n_copies)
     if be and len(set(names)) == 1:
         cg.runner = be[0].graph_runner(cg)
@@ -127,7 +132,8 @@ def walk(cg: CompiledGraph, feed: Mapping[str, np.ndarray], cache_of: Callable[[
         kind = st.kind
         if kind is KERNEL:
             args = [vals[j] for j in st.srcs]
-            vals[st.index] = st.fn(*args) if st.out is None else st.fn(*args, out=st.out)
+            out = st.out if st.pool is None else st.pool.take()
+            vals[st.index] = st.fn(*args) if out is None else st.fn(*args, out=out)
         elif kind is VIEW:
             v = vals[st.srcs[0]]
             if v is not st.seen:

@@ -1,6 +1,8 @@
 """The memory planner: no two live intermediates share bytes; peak memory follows liveness
 (a 30-layer decode graph needs at most 2x one layer's intermediates, as 1 layer does); the
 CPU backend computes the same into planned buffers as into fresh arrays."""
+import weakref
+
 import numpy as np
 import pytest
 from synth import build, step_feed, weights
@@ -86,3 +88,43 @@ def test_planned_equals_unplanned_on_cpu(arch, fused):
 class Unplanned(CPUBackend):
     """The CPU's kernels, allocating their results: the capability declared off."""
     plans_memory = False
+
+
+def test_an_output_buffer_is_used_again_only_when_nothing_holds_it():
+    """Outputs stay out of the arena (the caller holds them past the step), but each run's fresh
+    logits were fresh pages to fault in, inside the head's kernel time (Gemma 3 at 64 rows: 67
+    MB). The next run takes the last buffer again only when nothing outside holds it: a dropped
+    output is reused; a held one, or one with a view of it held, keeps its values while later
+    runs (of other tokens) write elsewhere. Mutations seen to fail: `take` reusing whatever the
+    count (a held output overwritten by the next run); no OutBuffer for outputs (no reuse after
+    a drop)."""
+    n_layer = 1
+    feed, shape, caches = step_feed(np.random.default_rng(4), n_layer)
+    g = fusion.fuse(build("llama", weights("llama", n_layer, seed=5), shape, n_layer))
+    be = CPUBackend()
+    cg = compile_graph(g, Placement.single(be, n_layer), {be.name: WeightStore(be)})
+
+    def run(shift: int):
+        local = {k: v.copy() for k, v in caches.items()}
+        f = dict(feed, tokens=(feed["tokens"] + shift) % 50)
+        return execute(cg, f, lambda n: local[(n.name, n.layer)])[0]
+
+    first = run(0)
+    want = first.copy()
+    was = weakref.ref(first)
+    del first
+    again = run(0)
+    assert again is was()  # dropped: its buffer served the second run
+    np.testing.assert_array_equal(again, want)
+    held, view = again, again[:, :7]  # a caller's: the next runs must write elsewhere
+    del again
+    for shift in (1, 2):
+        other = run(shift)
+        assert not np.array_equal(other, want)
+        assert not np.shares_memory(other, held)
+        del other
+    np.testing.assert_array_equal(held, want)
+    del held  # the view alone still holds the buffer
+    other = run(3)
+    assert not np.shares_memory(other, view)
+    np.testing.assert_array_equal(view, want[:, :7])
