@@ -13,8 +13,8 @@ import numpy as np
 from hearthlm.runtime import array_file
 
 # One file per (model file, backend), in runtime.array_file's format. A file under PRIVATE_UNDER
-# of the memory available is read into huge pages of the process's own (decode reads them ~7%
-# faster: array_file.HUGE_PAGES); a larger one is mapped copy-on-write (MAP_PRIVATE), its pages the
+# of the memory available is read into huge pages of the process's own (1-token steps 8-13%
+# shorter: array_file.HUGE_PAGES); a larger one is mapped copy-on-write (MAP_PRIVATE), its pages the
 # file's, shared between processes and evictable, as long as nothing writes them (nothing does).
 # Available, not installed: each model read privately leaves less for the next (a server's several
 # models), and a file that would crowd the machine stays evictable. Either way the arrays are

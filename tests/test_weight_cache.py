@@ -133,6 +133,35 @@ def test_private_read_does_not_follow_the_file(tmp_path, private, monkeypatch):
             array_file.read(f, b"TESTFILE", 1, private=True)
 
 
+def _vmflags_of(addr: int) -> list[str]:
+    """The VmFlags of this process's mapping that holds `addr`."""
+    cur = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and ":" not in head:
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            cur = lo <= addr < hi
+        elif cur and line.startswith("VmFlags:"):
+            return line.split()[1:]
+    raise AssertionError("no mapping holds the address")
+
+
+def test_private_read_is_private_anonymous_memory_that_asks_for_huge_pages(tmp_path):
+    """The private read's memory is a private anonymous mapping advised for huge pages. Python's
+    mmap(-1, n) is a *shared* anonymous mapping, i.e. shmem, which THP ignores unless
+    shmem_enabled allows it ("never" here): the weights had no huge page at all, and decode read
+    them 8-13% slower (1-token steps of all three models; plain reads 19 -> 24 GB/s). Mutation
+    seen to fail: the mapping without flags (VmFlags "sh")."""
+    if not Path("/proc/self/smaps").exists() or not array_file.HUGE_PAGES:
+        pytest.skip("needs /proc/self/smaps and madvise(MADV_HUGEPAGE)")
+    f = tmp_path / "a.bin"
+    array_file.write(f, b"TESTFILE", 1, {}, {"x": np.arange(1 << 20, dtype=np.int64)})
+    _, arrays = array_file.read(f, b"TESTFILE", 1, private=True)
+    flags = _vmflags_of(arrays["x"].ctypes.data)
+    assert "sh" not in flags and "hg" in flags, flags
+    np.testing.assert_array_equal(arrays["x"], np.arange(1 << 20))
+
+
 def _corruptions(f: Path):
     data = f.read_bytes()
     head_index = int.from_bytes(data[24:32], "little")  # data offset
