@@ -10,6 +10,7 @@ import mmap
 import os
 import struct
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,34 @@ _ALIGN = 64
 # a plain read of Qwen2.5-0.5B's weights 19 -> 24 GB/s, 1-token steps of Qwen2.5, Gemma 3 and
 # SmolLM2 29.1 -> 25.9-27.6, 19.5 -> 17.8 and 11.5 -> 10.3 ms.
 HUGE_PAGES = hasattr(mmap, "MADV_HUGEPAGE")
+
+
+# Huge pages that fault in slower than this are given up for the rest of a private read. On a VM
+# whose free memory goes back to the host, a fresh 2 MiB page costs the host's faults on all of
+# it: measured on a 2-core Firecracker guest, recycled huge pages faulted at ~5 GB/s and fresh
+# ones at 0.06-0.08 (486 MB took 0.2 s one time, 7.4 s another; 4 KiB pages: 0.3-0.4 s always).
+SLOW_HUGE_PAGES = 500e6  # bytes/s
+_HUGE = 2 << 20
+
+
+def _read_private(f, size: int) -> mmap.mmap:
+    """The whole file in private anonymous memory, in huge pages while they come quickly (two
+    slow ones in a row, not one: a preemption). Private: mmap(-1, n) alone is a shared mapping,
+    i.e. shmem, which THP leaves alone unless shmem_enabled allows it (usually "never")."""
+    mm = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    mm.madvise(mmap.MADV_HUGEPAGE)  # before the first touch: the pages are made huge as they fault
+    pages, slow = np.frombuffer(mm, np.uint8), 0
+    for off in range(0, size - _HUGE, _HUGE):  # one byte faults in a whole huge page
+        t = time.perf_counter()
+        pages[off] = 0
+        slow = slow + 1 if _HUGE < SLOW_HUGE_PAGES * (time.perf_counter() - t) else 0
+        if slow == 2:
+            mm.madvise(mmap.MADV_NOHUGEPAGE, off + _HUGE, size - off - _HUGE)
+            break
+    del pages  # its export of mm's buffer
+    if f.readinto(mm) != size:
+        raise ArrayFileError("corrupt", "shorter than it was a moment ago")
+    return mm
 
 
 class ArrayFileError(Exception):
@@ -50,12 +79,7 @@ def read(path: Path, magic: bytes, fmt: int, *, arrays: bool = True,
             raise ArrayFileError("corrupt", "shorter than its head")
         try:
             if private and arrays and HUGE_PAGES:
-                # private: an anonymous mmap is shared by default, i.e. shmem, which THP leaves alone
-                # unless shmem_enabled says otherwise (usually "never"): no huge pages at all
-                mm = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-                mm.madvise(mmap.MADV_HUGEPAGE)  # before the first touch: the pages are made huge as they fault
-                if f.readinto(mm) != size:
-                    raise ArrayFileError("corrupt", "shorter than it was a moment ago")
+                mm = _read_private(f, size)
             else:
                 mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
         except (OSError, ValueError) as e:
