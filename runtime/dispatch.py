@@ -99,10 +99,11 @@ def compile_graph(graph: Graph, placement: Placement, stores: Mapping[str, Weigh
                     planned.add(i)
         steps.append(st)
     outs = [(index[id(o)], be[index[id(o)]]) for o in g.outputs]
-    for j, b in outs:  # the outputs the planner would have placed, were they not the caller's
+    pools = arena.outs if arena is not None else {}
+    for pos, (j, b) in enumerate(outs):  # the outputs the planner would have placed, were they not the caller's
         st, pr = steps[j], steps[j].node.op.props
         if st.kind is KERNEL and b.plans_memory and not (pr.bound or pr.writes_cache or pr.view or pr.moves):
-            st.pool = OutBuffer(st.node.shape, st.node.dtype)
+            st.pool = pools.setdefault(pos, OutBuffer())
     cg = CompiledGraph(g, names, p, steps, outs, s.n_splits, s.n_copies)
     if be and len(set(names)) == 1:
         cg.runner = be[0].graph_runner(cg)
@@ -132,7 +133,7 @@ def walk(cg: CompiledGraph, feed: Mapping[str, np.ndarray], cache_of: Callable[[
         kind = st.kind
         if kind is KERNEL:
             args = [vals[j] for j in st.srcs]
-            out = st.out if st.pool is None else st.pool.take()
+            out = st.out if st.pool is None else st.pool.take(st.node.shape, st.node.dtype)
             vals[st.index] = st.fn(*args) if out is None else st.fn(*args, out=out)
         elif kind is VIEW:
             v = vals[st.srcs[0]]

@@ -34,6 +34,7 @@ class Arena:
 
     def __init__(self) -> None:
         self.buf = np.empty(0, np.uint8)
+        self.outs: dict[int, OutBuffer] = {}  # by output position: the graphs' outputs (OutBuffer)
 
     def fit(self, n: int) -> np.ndarray:
         if n > self.buf.nbytes:
@@ -42,24 +43,29 @@ class Arena:
 
 
 class OutBuffer:
-    """An output's buffer for the next run, where nothing outside still holds the last one.
-    Outputs are the caller's past the step, so they stay out of the arena; but a fresh array
-    each step is fresh pages each step, faulted in inside the kernel's time: logits of 16-64
-    rows are 10-67 MB (Gemma 3's head at 64 rows, 2 cores: 44 ms into a kept buffer, 51 into a
-    fresh one). A caller's reference, or a view's of it, shows in the reference count: then
-    the next run gets a new buffer and the held one is left alone."""
+    """The buffer of one output position (the logits, say) for the next run, where nothing outside
+    still holds the last one. Outputs are the caller's past the step, so they stay out of the
+    arena; but a fresh array each step is fresh pages each step, faulted in inside the kernel's
+    time: logits of 16-64 rows are 10-67 MB (Gemma 3's head at 64 rows, 2 cores: 44 ms into a
+    kept buffer, 51 into a fresh one). A caller's output is a view of the buffer, so holding it
+    (or a view of it) shows in the buffer's reference count: then the run gets a new buffer and
+    the held one is left alone. One per position for all the graphs of a graph cache (with its
+    Arena): memory for the largest output only, as the arena's; none kept past KEEP_BYTES."""
 
-    __slots__ = ("shape", "dtype", "buf")
+    __slots__ = ("buf",)
+    KEEP_BYTES = 256 << 20  # a one-off (a 512-row prompt's log-probs: 0.5 GB) is not kept
 
-    def __init__(self, shape: tuple[int, ...], dtype: np.dtype) -> None:
-        self.shape, self.dtype, self.buf = shape, dtype, None
+    def __init__(self) -> None:
+        self.buf: np.ndarray | None = None
 
-    def take(self) -> np.ndarray:
+    def take(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+        n = int(np.prod(shape)) * np.dtype(dtype).itemsize
         b = self.buf
         # 3: self.buf, b, and getrefcount's argument
-        if b is None or sys.getrefcount(b) > 3:
-            b = self.buf = np.empty(self.shape, self.dtype)
-        return b
+        if b is None or b.nbytes < n or sys.getrefcount(b) > 3:
+            b = np.empty(max(n, 1), np.uint8)
+            self.buf = b if n <= self.KEEP_BYTES else None
+        return np.ndarray(shape, dtype, buffer=b)  # its base is b: holding it counts
 
 
 def nbytes(t: Tensor) -> int:

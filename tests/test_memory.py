@@ -13,7 +13,7 @@ from hearthlm.core.graph import Op
 from hearthlm.runtime import fusion
 from hearthlm.runtime.batch import BatchShape
 from hearthlm.runtime.dispatch import compile_graph, execute
-from hearthlm.runtime.memory import _align, last_uses, nbytes, plan
+from hearthlm.runtime.memory import Arena, OutBuffer, _align, last_uses, nbytes, plan
 from hearthlm.runtime.placement import Placement
 from hearthlm.runtime.weights import WeightStore
 
@@ -111,10 +111,10 @@ def test_an_output_buffer_is_used_again_only_when_nothing_holds_it():
 
     first = run(0)
     want = first.copy()
-    was = weakref.ref(first)
+    was = weakref.ref(first.base)
     del first
     again = run(0)
-    assert again is was()  # dropped: its buffer served the second run
+    assert again.base is was()  # dropped: its buffer served the second run
     np.testing.assert_array_equal(again, want)
     held, view = again, again[:, :7]  # a caller's: the next runs must write elsewhere
     del again
@@ -128,3 +128,39 @@ def test_an_output_buffer_is_used_again_only_when_nothing_holds_it():
     other = run(3)
     assert not np.shares_memory(other, view)
     np.testing.assert_array_equal(view, want[:, :7])
+
+
+def test_graphs_of_one_cache_share_their_output_buffers_within_a_bound(monkeypatch):
+    """The graphs of one graph cache (one Arena) share each output position's buffer, as they
+    share the arena: memory for the largest output, not one per graph and shape. A buffer over
+    KEEP_BYTES is not kept (a one-off 512-row prompt's log-probs would hold 0.5 GB of Gemma 3's
+    logits for good); a smaller output after a larger one takes its front. Mutations seen to
+    fail: a pool per graph (the second graph's output not in the first's buffer); keeping
+    whatever the size; a new buffer whenever the shape differs."""
+    n_layer = 1
+    feed, shape, caches = step_feed(np.random.default_rng(4), n_layer)
+    be, arena = CPUBackend(), Arena()
+    ws = weights("llama", n_layer, seed=5)
+    cgs = [compile_graph(fusion.fuse(build("llama", ws, shape, n_layer)), Placement.single(be, n_layer),
+                         {be.name: WeightStore(be)}, arena=arena) for _ in range(2)]
+
+    def run(cg):
+        local = {k: v.copy() for k, v in caches.items()}
+        return execute(cg, feed, lambda n: local[(n.name, n.layer)])[0]
+
+    want = run(cgs[0]).copy()
+    out = run(cgs[1])
+    assert out.base is arena.outs[0].buf  # the first graph's buffer, now the second's
+    np.testing.assert_array_equal(out, want)
+    del out
+    pool = OutBuffer()
+    big = pool.take((4, 8), np.float32)
+    base = weakref.ref(big.base)  # a strong reference here would count as a holder
+    del big
+    small = pool.take((2, 3), np.float32)
+    assert small.base is base() and pool.buf is base()  # the front of the larger one
+    del small
+    monkeypatch.setattr(OutBuffer, "KEEP_BYTES", 64)
+    assert pool.take((4, 8), np.float32).base is base()  # it fits, so it is used (and kept)
+    huge = pool.take((5, 8), np.float32)  # 160 bytes: larger, over the bound
+    assert huge.base is not base() and pool.buf is None
