@@ -19,7 +19,7 @@ import numpy as np
 from hearthlm.core.backend import CACHE, COPY, INPUT, KERNEL, STATIC, VIEW, Backend
 from hearthlm.core.errors import BackendError
 from hearthlm.core.graph import Graph, Op, Tensor
-from hearthlm.runtime.memory import Arena, ExecPlan, OutBuffer, plan
+from hearthlm.runtime.memory import Arena, ExecPlan, OutBuffer, placeable, plan
 from hearthlm.runtime.placement import Placement, place
 from hearthlm.runtime.weights import WeightStore
 
@@ -101,8 +101,8 @@ def compile_graph(graph: Graph, placement: Placement, stores: Mapping[str, Weigh
     outs = [(index[id(o)], be[index[id(o)]]) for o in g.outputs]
     pools = arena.outs if arena is not None else {}
     for pos, (j, b) in enumerate(outs):  # the outputs the planner would have placed, were they not the caller's
-        st, pr = steps[j], steps[j].node.op.props
-        if st.kind is KERNEL and b.plans_memory and not (pr.bound or pr.writes_cache or pr.view or pr.moves):
+        st = steps[j]
+        if st.kind is KERNEL and b.plans_memory and placeable(st.node):
             st.pool = pools.setdefault(pos, OutBuffer())
     cg = CompiledGraph(g, names, p, steps, outs, s.n_splits, s.n_copies)
     if be and len(set(names)) == 1:

@@ -5,6 +5,7 @@ over a dying source's buffer (in place) where its kernel allows. Done once per c
 each step then only runs kernels into fixed buffers."""
 from __future__ import annotations
 
+import math
 import sys
 from dataclasses import dataclass, field
 
@@ -59,13 +60,20 @@ class OutBuffer:
         self.buf: np.ndarray | None = None
 
     def take(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-        n = int(np.prod(shape)) * np.dtype(dtype).itemsize
+        n = math.prod(shape) * np.dtype(dtype).itemsize
         b = self.buf
         # 3: self.buf, b, and getrefcount's argument
         if b is None or b.nbytes < n or sys.getrefcount(b) > 3:
             b = np.empty(max(n, 1), np.uint8)
             self.buf = b if n <= self.KEEP_BYTES else None
         return np.ndarray(shape, dtype, buffer=b)  # its base is b: holding it counts
+
+
+def placeable(n: Tensor) -> bool:
+    """A node whose value a buffer of the planner's may hold: not fed, prepared or persistent,
+    not a view or a copy (outputs too, by OutBuffer, though not in the arena)."""
+    pr = n.op.props
+    return not (pr.bound or pr.writes_cache or pr.view or pr.moves)
 
 
 def nbytes(t: Tensor) -> int:
@@ -137,8 +145,7 @@ def plan(graph: Graph, *, arena: bool | list[bool], shared: Arena | None = None)
         end[id(r)] = max(end.get(id(r), -1), last.get(id(n), -1))
     outs = {id(root[id(o)]) for o in graph.outputs}
     # fed, prepared, persistent, views and copies have buffers of their own
-    planned = lambda n: not (n.op.props.bound or n.op.props.writes_cache or n.op.props.view  # noqa: E731
-                             or n.op.props.moves) and id(n) not in outs
+    planned = lambda n: placeable(n) and id(n) not in outs  # noqa: E731
     # 2. frees: what dispatch drops after each node (unplanned values, and all of them when no arena)
     frees: list[list[Tensor]] = [[] for _ in nodes]
     for n in nodes:
