@@ -58,3 +58,16 @@ def _own_weight_cache(tmp_path_factory):
         os.environ.pop("HEARTHLM_CACHE_DIR", None)
     else:
         os.environ["HEARTHLM_CACHE_DIR"] = old
+
+
+def vmflags_of(addr: int) -> list[str]:
+    """The VmFlags of this process's mapping that holds `addr`."""
+    cur = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and ":" not in head:
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            cur = lo <= addr < hi
+        elif cur and line.startswith("VmFlags:"):
+            return line.split()[1:]
+    raise AssertionError("no mapping holds the address")

@@ -1,14 +1,18 @@
 """The memory planner: no two live intermediates share bytes; peak memory follows liveness
 (a 30-layer decode graph needs at most 2x one layer's intermediates, as 1 layer does); the
 CPU backend computes the same into planned buffers as into fresh arrays."""
+import mmap
 import weakref
+from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import vmflags_of
 from synth import build, step_feed, weights
 from test_backend_ops import nmse
 
 from hearthlm.backends.cpu.backend import CPUBackend
+from hearthlm.core.backend import HOST_LAZY_MIN, host_zeros
 from hearthlm.core.graph import Op
 from hearthlm.runtime import fusion
 from hearthlm.runtime.batch import BatchShape
@@ -164,3 +168,21 @@ def test_graphs_of_one_cache_share_their_output_buffers_within_a_bound(monkeypat
     assert pool.take((4, 8), np.float32).base is base()  # it fits, so it is used (and kept)
     huge = pool.take((5, 8), np.float32)  # 160 bytes: larger, over the bound
     assert huge.base is not base() and pool.buf is None
+
+
+def test_the_kv_cache_is_taken_in_small_pages_as_it_is_written():
+    """A backend's zeros (the KV cache, recurrent states) from 4 MB are lazily faulted memory
+    advised off huge pages: a fresh 2 MiB page can cost ~30 ms on a VM (a 512-token prefill's
+    K/V writes went from 3 to 88 ms on average), so numpy's own huge pages are refused. Smaller
+    ones are plain zeros. Mutation seen to fail: Backend.zeros back on np.zeros (VmFlags "hg")."""
+    if not Path("/proc/self/smaps").exists() or not hasattr(mmap, "MADV_NOHUGEPAGE"):
+        pytest.skip("needs /proc/self/smaps and madvise(MADV_NOHUGEPAGE)")
+    kv = CPUBackend().zeros((HOST_LAZY_MIN // 1024 + 16, 8, 64), np.dtype(np.float16))  # just over the bound
+    for at in (kv.ctypes.data, kv.ctypes.data + kv.nbytes // 2):  # numpy advises the aligned inside of its own
+        flags = vmflags_of(at)
+        assert "nh" in flags and "hg" not in flags, flags
+    assert kv.dtype == np.float16 and kv.flags.writeable and kv.flags.c_contiguous and not kv.any()
+    kv[-1, -1, -1] = 1.5
+    assert kv.sum() == 1.5
+    small = host_zeros((1000, 3), np.float32)
+    assert small.shape == (1000, 3) and not small.any()

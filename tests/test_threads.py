@@ -80,6 +80,23 @@ def test_slow_steps_are_reported_and_moved_remeasures():
     assert t.pick("decode") == 2 and 1 in t.shapes["decode"].mean
 
 
+def test_long_steps_stay_on_all_threads_until_something_changes():
+    """A long shape (a prefill) fastest on all threads is not tried on fewer, which would add most
+    of a step to one request's latency; a step of it much slower than its mean, or a short shape
+    finding fewer threads faster, has it try again. Mutations seen to fail: no settling (1 thread
+    tried at the second measured step and every few after); the contended flag never set (stays
+    on 2 through the slow steps); the other shapes' evidence ignored (prefill never tries 1)."""
+    t = ThreadTuner((2, 1))
+    quiet = {2: 0.45, 1: 0.80}
+    assert run(t, quiet, 200, key="prefill").count(1) == 0
+    busy = run(t, {2: 1.60, 1: 0.85}, 6, key="prefill")  # a competitor: 2 threads stall
+    assert busy[0] == 2 and busy[1] == 1 and busy[-3:] == [1, 1, 1]
+    t = ThreadTuner((2, 1))
+    run(t, quiet, 20, key="prefill")
+    run(t, {2: 0.080, 1: 0.020}, 40, key="decode")  # the cheap shape finds 1 thread faster
+    assert 1 in run(t, quiet, 3, key="prefill")
+
+
 def _parallel_sum(x):  # any parallel kernel: wakes every worker of the calling thread
     return _psum(x)
 

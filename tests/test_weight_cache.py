@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import vmflags_of
 from gguf import GGMLQuantizationType as T
 from tiny_gguf import write_tiny
 
@@ -133,19 +134,6 @@ def test_private_read_does_not_follow_the_file(tmp_path, private, monkeypatch):
             array_file.read(f, b"TESTFILE", 1, private=True)
 
 
-def _vmflags_of(addr: int) -> list[str]:
-    """The VmFlags of this process's mapping that holds `addr`."""
-    cur = False
-    for line in Path("/proc/self/smaps").read_text().splitlines():
-        head = line.split()[0]
-        if "-" in head and ":" not in head:
-            lo, hi = (int(x, 16) for x in head.split("-"))
-            cur = lo <= addr < hi
-        elif cur and line.startswith("VmFlags:"):
-            return line.split()[1:]
-    raise AssertionError("no mapping holds the address")
-
-
 def test_private_read_is_private_anonymous_memory_that_asks_for_huge_pages(tmp_path):
     """The private read's memory is a private anonymous mapping advised for huge pages. Python's
     mmap(-1, n) is a *shared* anonymous mapping, i.e. shmem, which THP ignores unless
@@ -157,7 +145,7 @@ def test_private_read_is_private_anonymous_memory_that_asks_for_huge_pages(tmp_p
     f = tmp_path / "a.bin"
     array_file.write(f, b"TESTFILE", 1, {}, {"x": np.arange(1 << 20, dtype=np.int64)})
     _, arrays = array_file.read(f, b"TESTFILE", 1, private=True)
-    flags = _vmflags_of(arrays["x"].ctypes.data)
+    flags = vmflags_of(arrays["x"].ctypes.data)
     assert "sh" not in flags and "hg" in flags, flags
     np.testing.assert_array_equal(arrays["x"], np.arange(1 << 20))
 
@@ -178,8 +166,8 @@ def test_huge_pages_that_fault_in_slowly_are_given_up_for_the_rest(tmp_path, mon
     _, arrays = array_file.read(f, b"TESTFILE", 1, private=True)
     x = arrays["x"]
     np.testing.assert_array_equal(x, np.arange(1 << 20))
-    tail = _vmflags_of(x[-1:].ctypes.data)
-    assert "hg" in _vmflags_of(x.ctypes.data)  # the first chunk: asked for, whatever its rate
+    tail = vmflags_of(x[-1:].ctypes.data)
+    assert "hg" in vmflags_of(x.ctypes.data)  # the first chunk: asked for, whatever its rate
     assert ("nh" in tail and "hg" not in tail) if slow else ("hg" in tail and "nh" not in tail), tail
 
 
