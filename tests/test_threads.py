@@ -2,12 +2,16 @@
 switching when the machine changes, and tries the other count only now and then; and the
 CPU backend moving its OpenMP workers off a core they share with the engine thread
 (backends/cpu/affinity.py)."""
+import json
 import os
+import subprocess
+import sys
 import threading
 
 import numba
 import numpy as np
 import pytest
+from tiny_gguf import write_tiny
 
 from hearthlm.backends.cpu import affinity
 from hearthlm.backends.cpu.backend import CPUBackend
@@ -199,3 +203,30 @@ def test_engine_remeasures_after_the_backend_moves_workers():
     assert len(be.calls) == e.stats()["steps"] and set(be.calls) <= {1, 2}
     assert e.stats()["worker_moves"] == 1
     assert be.calls[6] == 2  # the step after the move measures 2 threads afresh
+
+
+def test_the_thread_pool_starts_with_the_engine_not_in_the_first_request(tmp_path):
+    """numba's thread pool is started by the engine's own thread as the engine starts
+    (CPUBackend.bind_thread), not inside a request's first kernel (0.13-0.18 s of the first
+    prefill after open). In a fresh process: after Session.open, with no request, the pool is up,
+    started from the hearthlm-engine thread. Mutation seen to fail: no bind_thread on the CPU
+    backend (nothing started until a request)."""
+    path = write_tiny(tmp_path / "tiny.gguf", "llama", n_layer=2)
+    code = (
+        "import json, sys, threading, time\n"
+        "from hearthlm.backends.cpu import matmul, ops\n"
+        "from hearthlm import SyncSession\n"
+        "who, start = [], ops.start_threads\n"
+        "def spy(x):\n"
+        "    who.append(threading.current_thread().name)\n"
+        "    return start(x)\n"
+        "ops.start_threads = spy\n"
+        "s = SyncSession(sys.argv[1], n_ctx=256)\n"
+        "t = time.monotonic()\n"
+        "while not matmul._pool and time.monotonic() - t < 20:\n"
+        "    time.sleep(0.01)\n"
+        "print(json.dumps(who))\n"
+        "s.close()\n")
+    out = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == ["hearthlm-engine"]
