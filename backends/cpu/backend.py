@@ -13,12 +13,13 @@ import numba
 import numpy as np
 from gguf.constants import GGMLQuantizationType as T
 
-from hearthlm.backends.cpu import affinity, delta_net, dot, kvquant, ops, ssm, topk
+from hearthlm.backends.cpu import affinity, delta_net, dot, kvquant, ops, replay, ssm, topk
 from hearthlm.backends.cpu.ffn import ffn_glu
 from hearthlm.backends.cpu.halfs import NATIVE_HALF
 from hearthlm.backends.cpu.lora import bind_proj_lora, lora
 from hearthlm.backends.cpu.matmul import expert_matvecs, get_rows, matmul, matmul_add, start_pool, tile_pool
 from hearthlm.backends.cpu.qtypes import LAYOUT_VERSION, SUPPORTED_TYPES, PackedWeight, pack_weight
+from hearthlm.backends.cpu.replay import call
 from hearthlm.backends.cpu.softmax import softmax_cols
 from hearthlm.core import array_ops, kv_types
 from hearthlm.core.backend import Backend
@@ -61,7 +62,7 @@ def _mul_mat(node, w, x, out=None):
 
 def _rms_norm_add(node, x, w, r, out=None):
     out = _buf(node, out)
-    ops.rms_norm_add(_rows(x), np.ascontiguousarray(w, np.float32).reshape(-1), _rows(r), node.params["eps"],
+    call(ops.rms_norm_add, _rows(x), np.ascontiguousarray(w, np.float32).reshape(-1), _rows(r), node.params["eps"],
                      out.reshape(-1, x.shape[-1]))
     return out
 
@@ -70,9 +71,9 @@ def _glu(node, gate, up, out=None):
     out = _buf(node, out)
     p = node.params
     if p["act"] == "swiglu_oai":
-        ops.glu_oai(_rows(gate), _rows(up), np.float32(p["alpha"]), np.float32(p["limit"]), out.reshape(-1, gate.shape[-1]))
+        call(ops.glu_oai, _rows(gate), _rows(up), np.float32(p["alpha"]), np.float32(p["limit"]), out.reshape(-1, gate.shape[-1]))
     else:
-        ops.glu(_rows(gate), _rows(up), p["act"] == "gelu", out.reshape(-1, gate.shape[-1]))
+        call(ops.glu, _rows(gate), _rows(up), p["act"] == "gelu", out.reshape(-1, gate.shape[-1]))
     return out
 
 
@@ -147,7 +148,7 @@ def _bind_set_rows(node):
     def k(cache, src, slots):
         _check_cache(node, cache, blocks)
         kern = ops.set_rows if len(slots) >= ops.PAR_MIN_ROWS else ops.set_rows_1
-        kern(_bits(cache), np.ascontiguousarray(src, np.float32).reshape(len(slots), cache.shape[1], d), slots,
+        call(kern, _bits(cache), np.ascontiguousarray(src, np.float32).reshape(len(slots), cache.shape[1], d), slots,
              kind, rot)
         return cache
     return k
@@ -176,6 +177,7 @@ def _bind_attn(node):
     slopes = alibi_slopes(node.srcs[0].shape[1], p["alibi"]) if p.get("alibi", 0.0) > 0 else _NO_SLOPES
     whole = not causal and not window and not softcap and not has_sinks
     zeros: dict[int, np.ndarray] = {}  # lo of a causal attention without a window, by token count
+    lows: dict[int, np.ndarray] = {}  # with one
     (kind_k, rot_k, blocks_k), (kind_v, rot_v, blocks_v) = _kv_kind(node.srcs[1]), _kv_kind(node.srcs[2])
     dk, dv = node.srcs[1].shape[2], node.srcs[2].shape[2]
 
@@ -194,11 +196,18 @@ def _bind_attn(node):
             if lo is None:
                 lo = zeros[len(pos)] = np.zeros(len(pos), np.int32)
             hi = pos
+        elif causal and seq_len is None:  # a sliding window: attn_bounds' lo, into a buffer of the node's (replay)
+            lo = lows.get(len(pos))
+            if lo is None:
+                lo = lows[len(pos)] = np.zeros(len(pos), np.int32)
+            call(np.subtract, pos, np.int32(window - 1), out=lo)
+            call(np.maximum, lo, np.int32(0), out=lo)
+            hi = pos
         else:
             lo, hi = (np.ascontiguousarray(a, np.int32) for a in attn_bounds(pos, seq_len, window, causal))
-        ops.attention(np.ascontiguousarray(q, np.float32), _bits(kc), _bits(vc), seq, pos, lo, hi, bt, scale, bs,
-                      softcap, slopes, sinks, out.reshape(q.shape[0], q.shape[1], dv), numba.get_num_threads(),
-                      kind_k, kind_v, rot_k, rot_v)
+        call(ops.attention, np.ascontiguousarray(q, np.float32), _bits(kc), _bits(vc), seq, pos, lo, hi, bt, scale, bs,
+             softcap, slopes, sinks, out.reshape(q.shape[0], q.shape[1], dv), numba.get_num_threads(),
+             kind_k, kind_v, rot_k, rot_v)
         return out
     return k
 
@@ -210,7 +219,7 @@ def _bind_rms_norm(node):
         out = _buf(node, out)
         x2 = _rows(x)
         kern = ops.rms_norm if x2.shape[0] >= ops.PAR_MIN_ROWS else ops.rms_norm_1
-        kern(x2, _NO_WEIGHT if w is None else np.ascontiguousarray(w, np.float32).reshape(-1), eps,
+        call(kern, x2, _NO_WEIGHT if w is None else np.ascontiguousarray(w, np.float32).reshape(-1), eps,
              out.reshape(x2.shape))
         return out
     return k
@@ -223,7 +232,7 @@ def _bind_rope(node):
         out = _buf(node, out)
         kern = ops.rope if x.shape[0] >= ops.PAR_MIN_ROWS else ops.rope_1
         pos = _pos_rows(pos)
-        kern(np.ascontiguousarray(x, np.float32), pos, *args, out, *_angles(args, x.shape[0], pos.shape[1]))
+        call(kern, np.ascontiguousarray(x, np.float32), pos, *args, out, *_angles(args, x.shape[0], pos.shape[1]))
         return out
     return k
 
@@ -240,9 +249,9 @@ def _bind_rope_set_rows(node):
         # RoPE-rotated into a float row, then stored (quantized, Hadamard-rotated, or narrowed to
         # float16 by bit arithmetic where the CPU has no conversion); else written in place
         if blocks or rot or (cache.dtype == np.float16 and not NATIVE_HALF):
-            (ops.rope_set_rows_q if par else ops.rope_set_rows_q_1)(x, pos, slots, *args, _bits(cache), kind, rot, *cs)
+            call(ops.rope_set_rows_q if par else ops.rope_set_rows_q_1, x, pos, slots, *args, _bits(cache), kind, rot, *cs)
         else:
-            (ops.rope_set_rows if par else ops.rope_set_rows_1)(x, pos, slots, *args, _bits(cache), *cs)
+            call(ops.rope_set_rows if par else ops.rope_set_rows_1, x, pos, slots, *args, _bits(cache), *cs)
         return cache
     return k
 
@@ -420,10 +429,11 @@ def _get_rows(node, table, ids, out=None):
     if isinstance(table, FileRows):
         return _into(node, table.rows(ids), out)
     if isinstance(table, PackedWeight):
-        return _into(node, get_rows(table, ids), out)
+        got = get_rows(table, ids, out)
+        return got if got is out else _into(node, got, out)
     if out is None:
         return np.ascontiguousarray(table[ids], np.float32)
-    return np.take(table, ids, axis=0, out=out)
+    return call(np.take, table, ids, axis=0, out=out)
 
 
 def _unary(softplus: bool):
@@ -571,7 +581,7 @@ def _top_k(node, x, out=None):
 
 
 def _binary(ufunc):
-    return lambda n, a, b, out=None: ufunc(a, b, out=out, dtype=np.float32)
+    return lambda n, a, b, out=None: call(ufunc, a, b, out=out, dtype=np.float32)
 
 
 ARGMAX_SPLIT = 1 << 20  # values from which argmax_rows splits the rows over two threads
@@ -598,7 +608,7 @@ class CPUBackend(Backend):
             Op.MUL: _binary(np.multiply),
             Op.ADD: _binary(np.add),
             Op.ADD_N: _add_n,
-            Op.SCALE: lambda n, x, out=None: np.multiply(x, np.float32(n.params["s"]), out=out, dtype=np.float32),
+            Op.SCALE: lambda n, x, out=None: call(np.multiply, x, np.float32(n.params["s"]), out=out, dtype=np.float32),
             Op.SILU: _act(False),
             Op.GELU: _act(True),
             Op.TANH: lambda n, x, out=None: np.tanh(x, out=out, dtype=np.float32),
@@ -666,6 +676,10 @@ class CPUBackend(Backend):
     def bind(self, node):
         binder = _BINDERS.get(node.op)
         return binder(node) if binder else super().bind(node)
+
+    def graph_runner(self, cg):
+        """Decode-sized steps replay their recorded kernel calls: backends/cpu/replay.py."""
+        return replay.runner(cg)
 
     def bind_thread(self) -> None:
         # numba's thread pool, started from the engine's thread (the one whose kernels it serves

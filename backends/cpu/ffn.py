@@ -10,6 +10,7 @@ import numpy as np
 from hearthlm.backends.cpu import dot, ops
 from hearthlm.backends.cpu.matmul import ffn_glu1, matmul, quantize_for, start_pool
 from hearthlm.backends.cpu.qtypes import PackedWeight
+from hearthlm.backends.cpu.replay import call
 
 CHUNK = 512  # output columns per slab: a multiple of matmul.TILE_ROWS
 WHOLE_MAX = 1 << 19  # up to this many outputs (n_tokens x n_ff), one slab: slabs cost a call each (64 tokens
@@ -33,8 +34,8 @@ def ffn_glu(wg: PackedWeight, wu: PackedWeight, x: np.ndarray, gelu: bool, out: 
     o = out.reshape(x.shape[0], wg.shape[0])
     if x.shape[0] == 1 and wg.kind >= 0 and (wg.kind, wg.n_pad, wg.sub) == (wu.kind, wu.n_pad, wu.sub):
         start_pool()
-        ffn_glu1(dot.TAGS[wg.kind], wg.qs, wg.d, wg.m, wg.sup, wg.ms, wg.c32, wu.qs, wu.d, wu.m, wu.sup, wu.ms, wu.c32,
-                 wg.sub, x, gelu, o)
+        call(ffn_glu1, dot.TAGS[wg.kind], wg.qs, wg.d, wg.m, wg.sup, wg.ms, wg.c32, wu.qs, wu.d, wu.m, wu.sup, wu.ms, wu.c32,
+             wg.sub, x, gelu, o)
         return out
     if x.shape[0] * wg.shape[0] <= WHOLE_MAX:  # decode: gate/up are a few KB, calls are the cost
         chunk = wg.shape[0]

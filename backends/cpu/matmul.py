@@ -17,6 +17,7 @@ from gguf.constants import GGMLQuantizationType
 
 from . import dot, halfs, ops, quantize
 from .qtypes import LUTS, PackedWeight
+from .replay import call
 
 # the quantized types: integer kernels below BLAS_MIN_TOKENS, dequantize + BLAS from there.
 # Measured on 2 cores with BLAS on one thread (as the engine runs it): the integer kernels beat
@@ -44,7 +45,7 @@ def matmul(w: PackedWeight, x: np.ndarray, out: np.ndarray | None = None, xq=Non
     if x.shape[0] == 1 and w.kind >= 0:  # decode: quantize and multiply in one compiled call
         start_pool()
         y = np.empty((1, n_rows), dtype=np.float32) if out is None else out
-        _matvec(dot.TAGS[w.kind], w.qs, w.d, w.m, w.sup, w.ms, w.c32, w.sub, x, y)
+        call(_matvec, dot.TAGS[w.kind], w.qs, w.d, w.m, w.sup, w.ms, w.c32, w.sub, x, y)
         return y
     if w.kind >= 0 and x.shape[0] < BLAS_MIN_TOKENS:
         if xq is None or xq[0] != (w.n_pad, w.sub):
@@ -56,6 +57,11 @@ def matmul(w: PackedWeight, x: np.ndarray, out: np.ndarray | None = None, xq=Non
         halfs.matmul_tokens(w.w if w.layout == "f32" else w.qs, w.ggml_type == GGMLQuantizationType.F16, x, y,
                               numba.get_num_threads())
         return y
+    if out is not None and out.flags.c_contiguous and w.layout in ("f32", "half"):  # into out: replay records it
+        if w.layout == "f32":
+            return call(np.matmul, x, w.w.T, out=out)
+        call(halfs.dot_half, w.qs, w.ggml_type == GGMLQuantizationType.F16, x, out)
+        return out
     if w.layout == "f32":
         y = x @ w.w.T
     elif w.layout == "half":
@@ -74,8 +80,8 @@ def matmul_add(w: PackedWeight, x: np.ndarray, r: np.ndarray, out: np.ndarray | 
     if x2.shape[0] == 1 and w.kind >= 0 and r.dtype == np.float32 and r.size == w.shape[0]:
         start_pool()
         y = np.empty((1, w.shape[0]), dtype=np.float32) if out is None else out.reshape(1, -1)
-        _matvec_add(dot.TAGS[w.kind], w.qs, w.d, w.m, w.sup, w.ms, w.c32, w.sub, x2,
-                    np.ascontiguousarray(r).reshape(1, -1), y)
+        call(_matvec_add, dot.TAGS[w.kind], w.qs, w.d, w.m, w.sup, w.ms, w.c32, w.sub, x2,
+             np.ascontiguousarray(r).reshape(1, -1), y)
         return y.reshape(r.shape) if out is None else out
     return np.add(matmul(w, x2).reshape(r.shape), r, out=out)
 
@@ -157,17 +163,25 @@ def expert_matvecs(tag, qs, d, m, sup, ms, c, sub, x, ids, out):
             out[0, j, i] = y[0, i]
 
 
-def get_rows(w: PackedWeight, ids: np.ndarray) -> np.ndarray:
-    """ids (n,) int32 -> (n, n_cols) float32: the embedding lookup."""
+def get_rows(w: PackedWeight, ids: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """ids (n,) int32 -> (n, n_cols) float32: the embedding lookup; into `out` (C-contiguous,
+    float32, of that shape) where given and the rows need no trimming, else a new array."""
     ids = np.ascontiguousarray(ids, dtype=np.int32).reshape(-1)
     n_rows, n_cols = w.shape
-    if ids.size and (ids.min() < 0 or ids.max() >= n_rows):
-        raise IndexError(f"row id out of range 0..{n_rows - 1}")
+    call(check_ids, ids, n_rows)
     if w.layout == "f32":
         return w.w[ids]
+    if out is not None and w.n_pad == n_cols and out.dtype == np.float32 and out.flags.c_contiguous:
+        call(_dequant, w, ids, out.reshape(ids.size, n_cols))
+        return out
     out = np.empty((ids.size, w.n_pad), dtype=np.float32)  # (n, n_pad)
     _dequant(w, ids, out)
     return out[:, :n_cols] if w.n_pad != n_cols else out
+
+
+def check_ids(ids: np.ndarray, n_rows: int) -> None:
+    if ids.size and (ids.min() < 0 or ids.max() >= n_rows):
+        raise IndexError(f"row id out of range 0..{n_rows - 1}")
 
 
 def _matmul_half(w: PackedWeight, x: np.ndarray) -> np.ndarray:
