@@ -246,7 +246,7 @@ class Replay:
             else:
                 why = self._check(rec, outs)
         if why is None:
-            s["prog"] = _Program(rec)
+            s["prog"], s["rec"] = _Program(rec), None  # the recording's views of the outputs would hold their buffers
             log.debug("cpu_replay", tokens=len(feed["tokens"]), calls=len(rec.calls))
             return outs
         s["tries"] += 1
