@@ -228,3 +228,20 @@ def test_a_cache_that_moved_is_recorded_again(monkeypatch):
     for k in caches:
         assert np.array_equal(caches[k], before[k]), f"{k}: the old cache was written"
         assert not np.array_equal(moved[k], before[k]), f"{k}: the new cache was not"
+
+
+def test_no_replay_for_a_graph_that_updates_a_recurrent_state():
+    """The check before a replay runs a step twice: a graph with an op that updates a state from
+    its own value (Mamba's scan, say) must not get a runner at all. Mutation seen to fail:
+    `_updates` reading writes_cache alone (SSM_SCAN is updates_state)."""
+    from types import SimpleNamespace as NS
+
+    from hearthlm.core.backend import INPUT, KERNEL
+
+    def cg(*ops):
+        steps = [NS(kind=INPUT, index=0, out=None, node=NS(name="tokens", shape=(1,), op=Op.INPUT))]
+        steps += [NS(kind=KERNEL, index=i + 1, out=None, node=NS(name="x", shape=(1,), op=op)) for i, op in enumerate(ops)]
+        return NS(steps=steps, outputs=[], statics=None)
+    assert replay.runner(cg(Op.RMS_NORM, Op.SET_ROWS, Op.ROPE_SET_ROWS)) is not None
+    assert replay.runner(cg(Op.RMS_NORM, Op.SSM_SCAN)) is None
+    assert replay.runner(cg(Op.GATED_DELTA_NET)) is None

@@ -61,9 +61,15 @@ def runner(cg) -> "Replay | None":
     tokens = next((st for st in cg.steps if st.kind is INPUT and st.node.name == "tokens"), None)
     if tokens is None or tokens.node.shape[0] > MAX_TOKENS:
         return None
-    if any(st.kind is COPY or st.node.op.props.writes_cache and st.node.op not in _REWRITES for st in cg.steps):
+    if any(st.kind is COPY or _updates(st.node.op.props) and st.node.op not in _REWRITES for st in cg.steps):
         return None
     return Replay(cg)
+
+
+def _updates(props) -> bool:
+    """Whether an op writes a cache in place: the check that runs a step twice must not update
+    a recurrent state twice."""
+    return props.writes_cache or props.updates_state
 
 
 def _owner(a: np.ndarray):
