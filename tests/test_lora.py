@@ -124,7 +124,8 @@ def test_a_row_is_the_same_whatever_the_others_use(qwen2, backend, decode, loade
             if backend == "reference":
                 assert np.array_equal(alone, mixes[0])
             else:
-                assert np.abs(alone - mixes[0]).max() < 1e-4
+                # AVX-512 hosts: within 1e-4; a 2-core Zen 3 without it (2026-12-07): 2.3e-4
+                assert np.abs(alone - mixes[0]).max() < (3e-4 if golden.avx2_host() else 1e-4)
         assert not np.allclose(_step(m, run, [{"a": 1.0}], decode), _step(m, run, [None], decode), atol=1e-2)
     finally:
         m.close()
