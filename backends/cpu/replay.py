@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import os
 import threading
+import weakref
 
 import numba
 import numpy as np
@@ -173,7 +174,9 @@ class Replay:
     replays once a recording has passed the checks in the module's docstring."""
 
     def __init__(self, cg) -> None:
-        self.cg = cg
+        # weakly: cg.runner is this, and a cycle would keep the graph's weights (a closed model's
+        # mapped file) until the cyclic collector ran
+        self._cg = weakref.ref(cg)
         self.inputs = [(st.index, st.node.name) for st in cg.steps if st.kind is INPUT]
         self.cache_nodes = [st.node for st in cg.steps if st.kind is CACHE]
         self.out_steps = [cg.steps[j] for j, _b in cg.outputs]
@@ -181,6 +184,10 @@ class Replay:
         self.bufs: dict[int, np.ndarray] | None = None  # the inputs' buffers, by node index
         self.by_threads: dict[int, dict] = {}  # thread count -> state (uses, last recording, program, key)
         self.counters = dict(captures=0, replays=0, declined=0)
+
+    @property
+    def cg(self):
+        return self._cg()
 
     def _key(self, cache_of) -> tuple:
         arena = _owner(self.planned.out) if self.planned is not None else None
