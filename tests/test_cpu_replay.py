@@ -241,7 +241,7 @@ def test_no_replay_for_a_graph_that_updates_a_recurrent_state():
     def cg(*ops):
         steps = [NS(kind=INPUT, index=0, out=None, node=NS(name="tokens", shape=(1,), op=Op.INPUT))]
         steps += [NS(kind=KERNEL, index=i + 1, out=None, node=NS(name="x", shape=(1,), op=op)) for i, op in enumerate(ops)]
-        return NS(steps=steps, outputs=[], statics=None)
+        return type("CG", (), dict(steps=steps, outputs=[], statics=None))()  # weakly referable, as a CompiledGraph
     assert replay.runner(cg(Op.RMS_NORM, Op.SET_ROWS, Op.ROPE_SET_ROWS)) is not None
     assert replay.runner(cg(Op.RMS_NORM, Op.SSM_SCAN)) is None
     assert replay.runner(cg(Op.GATED_DELTA_NET)) is None
