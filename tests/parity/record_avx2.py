@@ -18,25 +18,20 @@ import sys
 import tempfile
 from pathlib import Path
 
-from record_dequantized import DATA, GOLDEN, N_STEPS
+from record_dequantized import DATA, GOLDEN
 
 HERE = Path(__file__).resolve().parent
 
 
 def llama_side(jobs: list[dict]) -> dict:
-    """Under the llama-cpp-python interpreter: greedy steps as the goldens were recorded."""
+    """Under the llama-cpp-python interpreter: record_dequantized's greedy steps, on a build
+    without AVX-512 only."""
     import llama_cpp
-    from llama_cpp import Llama
-    from record_kv_quant import greedy
+    from record_dequantized import llama_side as greedy_steps
     info = llama_cpp.llama_print_system_info().decode()
     if "AVX512 = 1" in info:
         sys.exit(f"this llama.cpp build has AVX-512 ({info}): record on a CPU without it")
-    out = {"llama_cpp_python": llama_cpp.__version__, "system_info": info, "models": {}}
-    for j in jobs:
-        llm = Llama(j["path"], n_ctx=1024, n_batch=1024, logits_all=True, verbose=False, n_threads=2)
-        out["models"][j["name"]] = {"cases": [greedy(llm, p, N_STEPS) for p in j["prompts"]]}
-        print(j["name"], "done", file=sys.stderr, flush=True)
-    return out
+    return {**greedy_steps(jobs), "system_info": info}
 
 
 if __name__ == "__main__":
