@@ -330,8 +330,10 @@ def _axpy_rows(typingctx, acc, e, v, slots, kh, nb):
     """acc[:n] += sum over i < nb of e[i] * row i[:n], n = acc's length rounded down to whole
     vectors (the caller adds the rest); row i: v[i] of a 2-D float32 array (slots, kh unused), or
     v[slots[i], kh] of a cache, float32 or float16 bits, read in place (no staging copy). The
-    running sums of 4 vectors in registers across the rows, where a loop over acc in memory waits
-    on each store."""
+    running sums of 8 vectors (then 4, then 1) in registers across the rows, where a loop over acc
+    in memory waits on each store: 8 chains of FMAs cover their latency where 4 did not (a
+    64-wide head on AVX2 is 8 vectors, once over the rows instead of twice; SmolLM2's attention
+    at 1,800 positions 5.2-6.0 -> 4.6-5.2 ms a token on a Zen 3, the same bits)."""
     def codegen(context, builder, sig, args):
         acc_v, e_v, nb_v = args[0], args[1], args[5]
         ta, ip = sig.args, types.intp
@@ -356,8 +358,11 @@ def _axpy_rows(typingctx, acc, e, v, slots, kh, nb):
             for c, sm in zip(cols, sums):
                 builder.store(builder.load(sm), _vec_ptr(context, builder, ta[0], acc_v, [(c, ip)], vf), align=4)
 
-        n4 = builder.mul(builder.sdiv(n_vec, cst(4)), cst(4))
-        with cgutils.for_range_slice(builder, cst(0), n4, cst(4)) as (c0, _):
+        n8 = builder.mul(builder.sdiv(n_vec, cst(8)), cst(8))
+        with cgutils.for_range_slice(builder, cst(0), n8, cst(8)) as (c0, _):
+            run(c0, 8)
+        n4 = builder.add(n8, builder.mul(builder.sdiv(builder.sub(n_vec, n8), cst(4)), cst(4)))
+        with cgutils.for_range_slice(builder, n8, n4, cst(4)) as (c0, _):
             run(c0, 4)
         with cgutils.for_range(builder, builder.sub(n_vec, n4)) as loop:
             run(builder.add(n4, loop.index), 1)
