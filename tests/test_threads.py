@@ -174,6 +174,66 @@ def test_a_worker_stacked_on_the_callers_core_is_moved_apart():
     assert not r["again"]  # apart now: nothing to move
 
 
+@needs_two_cores
+def test_per_step_pins_read_the_cores_once_per_refresh(monkeypatch):
+    """spread(every=True) runs before every step once workers have been found stacked; it reads
+    the workers' cores from /proc once per REFRESH calls (a read took ~200 us a thread on a
+    Zen 3 VM while the worker spun), and still pins each worker. Mutation seen to fail: the
+    cores read on every call (64 reads, not 2)."""
+    x = np.ones(1 << 16, np.float32)
+    result = {}
+    reads = []
+    real = affinity.cpu_of
+    monkeypatch.setattr(affinity, "cpu_of", lambda tid: reads.append(tid) or real(tid))
+
+    def body():
+        numba.set_num_threads(2)
+        sp = affinity.Spreader()
+        worker = sp._team()[1]
+        pins = []
+        for _ in range(2 * affinity.REFRESH):
+            sp.spread(every=True)
+            pins.append(len(os.sched_getaffinity(worker)))
+            _parallel_sum(x)
+            sp.release()
+        result.update(reads=sp.reads, pins=pins, team=len(sp.team))
+
+    th = threading.Thread(target=body)
+    th.start()
+    th.join()
+    assert result["reads"] == 2 and len(reads) == 2 * result["team"]
+    assert all(n == 1 for n in result["pins"])  # pinned to one core during every step
+
+
+@needs_two_cores
+def test_a_remembered_core_the_engine_thread_now_holds_is_given_up():
+    """Between reads the workers' cores are the remembered ones, but the calling thread's is where
+    it runs now: a worker remembered on the core the caller has moved to is pinned to another.
+    Mutation seen to fail: the caller's remembered core used too (the worker pinned beside it)."""
+    result = {}
+
+    def body():
+        numba.set_num_threads(2)
+        sp = affinity.Spreader()
+        worker = sp._team()[1]
+        mask = os.sched_getaffinity(0)
+        home, other = sorted(mask)[:2]
+        os.sched_setaffinity(0, {home})  # this thread on home; remembered as on other, its worker on home
+        try:
+            sp.cores, sp._reuse = [other, home], 5
+            moved = sp.spread(every=True)
+            result.update(moved=moved, pinned=os.sched_getaffinity(worker), reads=sp.reads, home=home)
+            sp.release()
+        finally:
+            os.sched_setaffinity(0, mask)
+
+    th = threading.Thread(target=body)
+    th.start()
+    th.join()
+    assert result["reads"] == 0  # from the remembered cores
+    assert result["moved"] and result["home"] not in result["pinned"] and len(result["pinned"]) == 1
+
+
 class _Mover(CPUBackend):
     """Two thread counts whatever the machine, and a report of workers moved on the 6th step."""
 
