@@ -28,11 +28,19 @@ from hearthlm import ContextLengthError, Session
 MAX_GAP = 0.050
 
 
+_STAT: list[int] = []  # /proc/stat, kept open: a tick reads it with one pread
+
+
 def stolen() -> list[float]:
-    """Seconds of steal so far on each core (0 where /proc/stat is absent)."""
+    """Seconds of steal so far on each core (0 where /proc/stat is absent). One system call a
+    tick (pread on a kept descriptor), not open, reads and close: each of those gives up the GIL
+    and waits up to a switch interval (5 ms) to take it back while a worker thread computes,
+    which the next gap counted as the loop's stall (a tick cost 10-20 ms that way)."""
     try:
-        with open("/proc/stat") as f:
-            rows = [ln.split() for ln in f if ln.startswith("cpu") and ln[3].isdigit()]
+        if not _STAT:
+            _STAT.append(os.open("/proc/stat", os.O_RDONLY))
+        text = os.pread(_STAT[0], 1 << 16, 0).decode()
+        rows = [ln.split() for ln in text.splitlines() if ln.startswith("cpu") and ln[3].isdigit()]
     except OSError:
         return [0.0]
     hz = os.sysconf("SC_CLK_TCK")
