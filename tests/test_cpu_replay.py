@@ -245,3 +245,39 @@ def test_no_replay_for_a_graph_that_updates_a_recurrent_state():
     assert replay.runner(cg(Op.RMS_NORM, Op.SET_ROWS, Op.ROPE_SET_ROWS)) is not None
     assert replay.runner(cg(Op.RMS_NORM, Op.SSM_SCAN)) is None
     assert replay.runner(cg(Op.GATED_DELTA_NET)) is None
+
+
+def test_replayed_kernels_are_called_through_their_entry_points(monkeypatch):
+    """A replayed step calls each numba kernel's compiled entry point for the recorded arguments'
+    types, not its dispatcher (which types every argument of every call again), and gives the
+    walk's logits. Mutation seen to fail: `_entry` returning fn (no call resolved)."""
+    _cg, _c, walk = _decode_graph(monkeypatch, on=False)
+    want = [walk(7 + i, i).copy() for i in range(8)]
+    cg, _c, step = _decode_graph(monkeypatch, on=True)
+    got = [step(7 + i, i).copy() for i in range(8)]
+    assert cg.runner.counters["replays"] >= 4
+    assert all(np.array_equal(a, b) for a, b in zip(got, want))
+    prog = next(s["prog"] for s in cg.runner.by_threads.values() if s["prog"] is not None)
+    kinds = [type(fn).__name__ for fn, *_ in prog.steps]
+    assert "CPUDispatcher" not in kinds, kinds
+    assert kinds.count("builtin_function_or_method") >= 5 * FakeModel("llama").n_layer, kinds
+
+
+def test_an_entry_point_only_for_the_exact_types():
+    """`_entry` resolves a dispatcher only to an overload compiled for exactly the arguments'
+    types: other types, keywords and plain functions keep the dispatcher (or function), which
+    converts or compiles as a call would. Mutation seen to fail: any overload's entry point
+    taken (`next(iter(overloads.values()))`): the float32 call would run float64 code."""
+    import numba
+
+    @numba.njit
+    def twice(x):
+        return x * 2
+
+    a64, a32 = np.arange(3.0), np.arange(3, dtype=np.float32)
+    twice(a64)
+    ep = replay._entry(twice, (a64,), {})
+    assert ep is not twice and np.array_equal(ep(a64), a64 * 2)
+    assert replay._entry(twice, (a32,), {}) is twice  # not compiled for float32
+    assert replay._entry(twice, (), {"x": a64}) is twice
+    assert replay._entry(np.add, (a64, a64), {}) is np.add
