@@ -95,11 +95,12 @@ fuzz: $(VENV)/.stamp-test
 clean:
 	rm -rf $(VENV) build *.egg-info
 
-# numba's on-disk cache is checked against each function's own file only: after editing a
-# kernel (say backends/cpu/dot.py), its compiled callers in other files (matmul.py) stay stale
-# until this clears them. An installed package gets fresh files and so a fresh cache.
+# Compiled kernels: backends/cpu's are kept by the contents of that folder in
+# ~/.cache/hearthlm/kernels (backends/cpu/kernel_stamp.py), an edit there recompiling them all;
+# anything else numba caches sits in __pycache__. This drops both.
 clean-kernels:
-	find backends runtime -name '*.nbi' -delete -o -name '*.nbc' -delete
+	find backends runtime core -name '*.nbi' -delete -o -name '*.nbc' -delete
+	$(PY) -c "from hearthlm.backends.cpu.kernel_stamp import kernel_cache_root as r; import shutil; r() and shutil.rmtree(r(), ignore_errors=True)"
 
 # The GPU machine has no network: .gpu-bundle/ holds the wheels it lacks (tests/gpu_bundle.py);
 # carry it there and run `bash tests/gpu_check.sh`. The check installs it offline into a

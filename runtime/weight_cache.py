@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import hashlib
 import os
-import sys
 from pathlib import Path
 
 import numpy as np
 
+from hearthlm.core.cache_dirs import ENV_CACHE_DIR, cache_dir, default_cache_dir  # noqa: F401  (re-exported)
 from hearthlm.runtime import array_file
 
 # One file per (model file, backend), in runtime.array_file's format. A file under PRIVATE_UNDER
@@ -21,7 +21,6 @@ from hearthlm.runtime import array_file
 # writable numpy arrays (kernels compiled for writable ones serve them).
 CACHE_MAGIC = b"HLWCACHE"
 CACHE_FORMAT = 2       # of the file itself; the backend's `weight_layout` versions its contents
-ENV_CACHE_DIR = "HEARTHLM_CACHE_DIR"  # a directory, or "off"
 PRIVATE_UNDER = 1 / 4  # of the memory available: larger files stay shared mappings
 
 
@@ -35,29 +34,6 @@ def _available_memory() -> int:
     except (OSError, ValueError, IndexError):
         pass
     return 0
-
-
-def default_cache_dir() -> Path:
-    """hearthlm's cache directory by the platform's convention (numba's cache sits there too
-    when it cannot write beside its sources)."""
-    if sys.platform == "win32":
-        base = Path(os.environ.get("LOCALAPPDATA") or Path.home() / "AppData" / "Local")
-    elif sys.platform == "darwin":
-        base = Path.home() / "Library" / "Caches"
-    else:
-        base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return base / "hearthlm"
-
-
-def cache_dir(option: str | os.PathLike | bool | None = None, kind: str = "weights") -> Path | None:
-    """Where packed weights (kind "weights") or persisted prompts ("prompts") go: a folder of
-    `option` (a directory), none for False (or "off"), or of $HEARTHLM_CACHE_DIR or the
-    platform's default for None."""
-    if option is None:
-        option = os.environ.get(ENV_CACHE_DIR) or True
-    if option is False or (isinstance(option, str) and option.lower() in ("off", "0", "none", "")):
-        return None
-    return (default_cache_dir() if option is True else Path(option)) / kind
 
 
 class WeightCache:

@@ -50,14 +50,19 @@ def load_json(name: str):
 @pytest.fixture(scope="session", autouse=True)
 def _own_weight_cache(tmp_path_factory):
     """Packed weights go to the run's own directory, not the user's cache (child processes
-    inherit it)."""
-    old = os.environ.get("HEARTHLM_CACHE_DIR")
+    inherit it); compiled kernels stay in the machine's shared kernel cache, for children too
+    (they would otherwise each compile every kernel they use)."""
+    from hearthlm.backends.cpu import kernel_stamp
+    saved = {k: os.environ.get(k) for k in ("HEARTHLM_CACHE_DIR", kernel_stamp.ENV_KERNEL_CACHE_DIR)}
+    kernels = kernel_stamp.kernel_cache_root()
+    os.environ[kernel_stamp.ENV_KERNEL_CACHE_DIR] = str(kernels) if kernels else "off"
     os.environ["HEARTHLM_CACHE_DIR"] = str(tmp_path_factory.mktemp("hearthlm-cache"))
     yield
-    if old is None:
-        os.environ.pop("HEARTHLM_CACHE_DIR", None)
-    else:
-        os.environ["HEARTHLM_CACHE_DIR"] = old
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
 
 
 def vmflags_of(addr: int) -> list[str]:

@@ -59,3 +59,61 @@ def test_a_callee_edited_in_a_sibling_module_recompiles_the_cached_caller(tmp_pa
             return 22
     """)
     assert _run(pkg, env) == (22, 0)  # mod_a.py untouched, yet f compiled again with the new g
+
+
+def _kernels(folder, g_value=1):
+    folder.mkdir(parents=True)
+    _module(folder / "mod_b.py", f"""
+        import numba
+        @numba.njit(cache=True)
+        def g():
+            return {g_value}
+    """)
+    _module(folder / "mod_a.py", """
+        import numba
+        from mod_b import g
+        @numba.njit(cache=True)
+        def f():
+            return g()
+    """)
+
+
+def test_a_second_copy_of_the_same_kernels_loads_them_from_the_shared_cache(tmp_path):
+    """Two clones of the same sources (different paths, different mtimes) share one compiled copy in
+    the content-addressed kernel cache; an edit in a copy compiles anew, beside the old version.
+
+    Mutation: SharedCacheLocator left out of `install` (numba's __pycache__ beside each copy) fails
+    the second copy's (1, 1); the cache folder named by the path's hash instead of the content's
+    digest fails it too."""
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_CACHE_DIR"}
+    env["HEARTHLM_KERNEL_CACHE_DIR"] = str(tmp_path / "shared")
+    _kernels(tmp_path / "one" / "kernels")
+    time.sleep(0.01)
+    _kernels(tmp_path / "two" / "kernels")
+    assert _run(tmp_path / "one" / "kernels", env) == (1, 0)  # compiled
+    assert _run(tmp_path / "two" / "kernels", env) == (1, 1)  # the same sources elsewhere: loaded
+    assert not list((tmp_path / "two" / "kernels").glob("__pycache__/*.nbi"))
+    _module(tmp_path / "two" / "kernels" / "mod_b.py", """
+        import numba
+        @numba.njit(cache=True)
+        def g():
+            return 22
+    """)
+    assert _run(tmp_path / "two" / "kernels", env) == (22, 0)
+    assert _run(tmp_path / "one" / "kernels", env) == (1, 1)  # the first version is still there
+    assert len(list((tmp_path / "shared").glob("kernels-*"))) == 2
+
+
+def test_prune_keeps_the_newest_versions_and_any_in_use(tmp_path):
+    """Mutation: sorting oldest first removes the newest versions; dropping the idle check removes
+    one another process used a minute ago."""
+    from hearthlm.backends.cpu import kernel_stamp
+    now = time.time()
+    ages = {"cpu-a": 7300, "cpu-b": 60, "cpu-c": 180, "cpu-d": 7400, "cpu-e": 120, "cpu-f": 240}
+    for name, age in ages.items():
+        (tmp_path / name).mkdir()
+        os.utime(tmp_path / name, (now - age, now - age))
+    (tmp_path / "other-a").mkdir()
+    gone = kernel_stamp.prune(tmp_path, "cpu", keep=2)  # past the newest 2, the used-this-hour stay
+    assert sorted(p.name for p in gone) == ["cpu-a", "cpu-d"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cpu-b", "cpu-c", "cpu-e", "cpu-f", "other-a"]
