@@ -1,9 +1,12 @@
 """Run by tests/test_kernel_cache.py in a fresh process: the CPU backend's float kernels on fixed
 random inputs, each output's bytes hashed; on all of numba's threads and again on one. Prints
 one JSON line: {"bits": {kernel: hash}, "bits_1_thread": ..., "compiled": n, "loaded": n} (the
-kernels' overloads compiled here and loaded from numba's cache)."""
+kernels' overloads compiled here and loaded from numba's cache). With `--light`, without the
+attention and dequant_rows kernels: 90 of the ~150 s of compiling on 2 cores (`make test`'s version;
+their thread invariance is also tests/test_invariance_real.py's)."""
 import hashlib
 import json
+import sys
 
 import numba
 import numpy as np
@@ -18,7 +21,7 @@ Q4_0, Q8_0 = kvquant.Q4_0, kvquant.Q8_0
 F16_BITS = lambda a: a.astype(np.float16).view(np.uint16)  # noqa: E731
 
 
-def outputs() -> dict[str, np.ndarray]:
+def outputs(heavy: bool = True) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(0)
     f = lambda *s: (rng.standard_normal(s) * 2).astype(np.float32)  # noqa: E731
     out: dict[str, np.ndarray] = {}
@@ -59,12 +62,13 @@ def outputs() -> dict[str, np.ndarray]:
     seq, lo, empty = np.arange(n_tok, dtype=np.int32), np.zeros(n_tok, np.int32), np.zeros(0, np.float32)
     for name, kk, vv, kinds, softcap, slopes in [("f16", kc16, vc16, (0, 0), 0.0, empty),
                                                  ("q4_0 softcap alibi", kc4, vc4, (Q4_0, Q4_0), 30.0,
-                                                  np.linspace(0.1, 0.5, n_head).astype(np.float32))]:
+                                                  np.linspace(0.1, 0.5, n_head).astype(np.float32))][:2 * heavy]:
         o = np.empty_like(q)
         ops.attention(q, kk, vv, seq, pos, lo, pos.copy(), bt, 0.125, bs, softcap, slopes, empty, o,
                       numba.get_num_threads(), *kinds, 0, 0)
         out[f"attention {name}"] = o
-    run("dequant_rows q4_0", kvquant.dequant_rows, kc4, slots, Q4_0, 0, np.empty((n_tok, n_kv, d), np.float32))
+    if heavy:
+        run("dequant_rows q4_0", kvquant.dequant_rows, kc4, slots, Q4_0, 0, np.empty((n_tok, n_kv, d), np.float32))
     kseq = f(2, 40, n_kv, d)  # (sequences, positions, KV heads, d)
     scores = np.empty((n_tok, n_head, 40), np.float32)
     seq2 = (np.arange(n_tok) % 2).astype(np.int32)
@@ -91,14 +95,15 @@ def outputs() -> dict[str, np.ndarray]:
     return out
 
 
-def bits() -> dict[str, str]:
-    return {k: hashlib.sha256(np.ascontiguousarray(v).tobytes()).hexdigest()[:16] for k, v in outputs().items()}
+def bits(heavy: bool) -> dict[str, str]:
+    return {k: hashlib.sha256(np.ascontiguousarray(v).tobytes()).hexdigest()[:16] for k, v in outputs(heavy).items()}
 
 
 if __name__ == "__main__":
-    res = {"bits": bits(), "threads": numba.get_num_threads()}
+    heavy = "--light" not in sys.argv
+    res = {"bits": bits(heavy), "threads": numba.get_num_threads()}
     numba.set_num_threads(1)
-    res["bits_1_thread"] = bits()
+    res["bits_1_thread"] = bits(heavy)
     res["compiled"] = sum(k.stats.cache_misses.total() for k in KERNELS)
     res["loaded"] = sum(k.stats.cache_hits.total() for k in KERNELS)
     print(json.dumps(res))

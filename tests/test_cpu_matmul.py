@@ -337,13 +337,13 @@ _PORTABLE_TYPES = ("Q4_1", "Q5_0", "Q4_K", "Q6_K", "Q8_0", "F16")
     pytest.param("haswell", _PORTABLE_TYPES, marks=pytest.mark.long),
     pytest.param("skylake-avx512", _PORTABLE_TYPES, marks=pytest.mark.long)],
     ids=["generic", "generic-all", "haswell", "skylake-avx512"])
-def test_portable_target_without_avx512_or_f16c(tmp_path, target, types):
+def test_portable_target_without_avx512_or_f16c(target, types):
     """NUMBA_CPU_NAME=generic compiles for baseline x86-64 (as for caches that travel): the
     kernels must then skip the AVX-512 intrinsics and widen float16 scales with integer
     arithmetic (LLVM's own conversion would call compiler-rt, absent from numba's JIT); a
     Haswell target has AVX2 only (vpmaddubsw and pmaddwd on 256-bit halves); a Skylake-X one has
     AVX-512BW but no VNNI: pmaddwd stands in for vpdpbusd. Checked in a
-    fresh process with its own cache: every float16 bit pattern, and matmuls of a 4-bit family
+    fresh process: every float16 bit pattern, and matmuls of a 4-bit family
     with float16 scales, an int8 one and a K-quant's split scales (Q4_K, Q6_K) against dequantization."""
     if target == "skylake-avx512" and "avx512bw" not in open("/proc/cpuinfo").read():
         pytest.skip("this CPU cannot run AVX-512BW code")
@@ -383,7 +383,9 @@ for qt in (T[name] for name in sys.argv[2].split(",")):
         assert err < 5e-4, (qt.name, n, err)
 print("ok")
 """
-    env = dict(os.environ, NUMBA_CPU_NAME=target, NUMBA_CACHE_DIR=str(tmp_path))
+    # the machine's kernel cache (conftest): numba keys each entry by CPU name and features, so the
+    # target's kernels sit beside the host's; compiled at the first run of these sources, loaded after
+    env = dict(os.environ, NUMBA_CPU_NAME=target)
     if target == "haswell":
         env["NUMBA_CPU_FEATURES"] = "+avx,+avx2,+fma,+f16c,+sse4.2,+popcnt,+bmi,+bmi2"
     elif target != "generic":
