@@ -21,12 +21,17 @@ def default_cache_dir() -> Path:
     return base / "hearthlm"
 
 
+def turned_off(option) -> bool:
+    """Whether a cache option or environment value means "no cache" (False, "off", "0", "none", "")."""
+    return option is False or (isinstance(option, str) and option.lower() in ("off", "0", "none", ""))
+
+
 def cache_dir(option: str | os.PathLike | bool | None = None, kind: str = "weights") -> Path | None:
     """Where packed weights (kind "weights"), persisted prompts ("prompts") or compiled kernels
     ("kernels") go: a folder of `option` (a directory), none for False (or "off"), or of
     $HEARTHLM_CACHE_DIR or the platform's default for None."""
     if option is None:
         option = os.environ.get(ENV_CACHE_DIR) or True
-    if option is False or (isinstance(option, str) and option.lower() in ("off", "0", "none", "")):
+    if turned_off(option):
         return None
     return (default_cache_dir() if option is True else Path(option)) / kind

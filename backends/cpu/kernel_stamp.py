@@ -24,7 +24,7 @@ from pathlib import Path
 
 from numba.core import caching
 
-from hearthlm.core.cache_dirs import cache_dir
+from hearthlm.core.cache_dirs import cache_dir, turned_off
 
 KERNEL_DIRS: set[Path] = {Path(__file__).resolve().parent}
 ENV_KERNEL_CACHE_DIR = "HEARTHLM_KERNEL_CACHE_DIR"  # a directory, or "off" (numba's own places)
@@ -50,7 +50,7 @@ def kernel_cache_root() -> Path | None:
     """The folder that holds content-addressed kernel caches; None when turned off."""
     env = os.environ.get(ENV_KERNEL_CACHE_DIR)
     if env is not None:
-        return None if env.lower() in ("off", "0", "none", "") else Path(env)
+        return None if turned_off(env) else Path(env)
     return cache_dir(kind="kernels")
 
 
