@@ -224,25 +224,27 @@ def test_matmul_is_batch_invariant(qtype):
 
 # byte ranges of a block that hold the weights' codes (low bits and high-bit planes), per type
 CODE_BYTES = {T.Q4_0: (2, 18), T.Q4_1: (4, 20), T.Q5_0: (2, 22), T.Q5_1: (4, 24), T.Q2_K: (16, 80),
-              T.Q3_K: (0, 96), T.Q4_K: (16, 144), T.Q5_K: (16, 176)}
+              T.Q3_K: (0, 96), T.Q4_K: (16, 144), T.Q5_K: (16, 176), T.Q6_K: (0, 192)}
 
 
 @pytest.mark.parametrize("qtype", list(CODE_BYTES), ids=lambda t: t.name)
 @pytest.mark.parametrize("sign", [1, -1])
 def test_largest_codes_and_activations_do_not_overflow(qtype, sign):
-    """Every code at its largest (all bits set) against activations that all quantize to +-127:
-    the largest integer sums there are. Without AVX-512, 4- and 5-bit codes add vpmaddubsw's int16
-    pair sums as int16 up to dot._ACC16 times before widening (8 * 2 * 15 * 127 and 4 * 2 * 31 * 127
-    stay below 2**15). Exact against the float64 product of the same integers, at token counts that
+    """Every code at its largest (all bits set; Q6_K's at -32, all clear) against activations that
+    all quantize to +-127: the largest integer sums there are. Without AVX-512, 4-, 5- and 6-bit codes
+    add vpmaddubsw's int16 pair sums as int16 up to dot._ACC16 times before widening (8 * 2 * 15 * 127,
+    4 * 2 * 31 * 127 and 4 * 2 * 32 * 127 stay below 2**15). Exact against the float64 product of the same integers, at token counts that
     take every token group (1, 2, 4, 8 and their tails). Mutation seen to fail on this AVX2 host: the
-    5-bit codes' limit raised from 4 to 8 (Q5_0, Q5_1, Q5_K wrap, both signs). On AVX-512 hosts the
+    5-bit codes' limit raised from 4 to 8 (Q5_0, Q5_1, Q5_K wrap, both signs); Q6_K's activations
+    taken without their signs flipped to match the codes' (Q6_K, both signs). (Q6_K's limit of 4 is
+    also its sub-block's length, 16 weights, so raising it changes nothing.) On AVX-512 hosts the
     same sums go through vpdpbusd's int32 (no limit to break there)."""
     rng = np.random.default_rng(int(qtype))
     block, size = GGML_QUANT_SIZES[qtype]
     n_rows, n_cols = 37, cols_for(qtype)[1]
     raw = np.array(make_raw(qtype, n_rows, n_cols, rng)).reshape(-1, size)
     lo, hi = CODE_BYTES[qtype]
-    raw[:, lo:hi] = 0xFF
+    raw[:, lo:hi] = 0 if qtype == T.Q6_K else 0xFF
     raw = raw.reshape(n_rows, -1)
     ref_w = quants.dequantize(raw, qtype).reshape(n_rows, n_cols).astype(np.float64)
     w = pack_weight(int(qtype), raw, (n_rows, n_cols))

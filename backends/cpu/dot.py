@@ -67,8 +67,8 @@ _NIB6_ADD = (_I8_OFF - 32) & 255  # that in registers: a byte add to u
 _LUT_IQ4, _LUT_FP4 = _TABLES["iq4nl"], _TABLES["mxfp4"]
 # AVX2 without AVX-512, 4- and 5-bit codes: vpmaddubsw's int16 pair sums (at most 2 * 31 * 128) are
 # added as int16 this many times before one vpmaddwd widens them (8 * 2 * 15 * 128 and 4 * 2 * 31 * 128
-# stay below 2**15), rather than a vpmaddwd and an add after each: half the multiply-port work
-_ACC16 = {"nib": 8, "nib5": 4} if _HAS_AVX2 and not _HAS_BW else {}
+# and Q6_K's 4 * 2 * 32 * 127 stay below 2**15), rather than a vpmaddwd and an add after each: half the multiply-port work
+_ACC16 = {"nib": 8, "nib5": 4, "six": 4} if _HAS_AVX2 and not _HAS_BW else {}  # six: Q6_K's s = u - 32 as int8
 
 
 def _lookup(builder, idx, table):
@@ -233,7 +233,7 @@ def _nib6_unpack(typingctx, qs, rb, g, out):
     return sig, codegen
 
 
-def _make_group(kind, sub, has_m, n_tok):
+def _make_group(kind, sub, has_m, n_tok, six=False):
     """An intrinsic group(qs, rb, g, xq, t, d, m, sup, c, xd, xs, y, rq): weights g*64..g*64+63 of
     the rows of block rb (their codes in qs's block rq) against tokens t..t+n_tok-1, added into
     y[t', 16rb:16rb+16] sub-block by sub-block. Each row's 64 codes are one vector of bytes
@@ -335,23 +335,32 @@ def _make_group(kind, sub, has_m, n_tok):
                 return builder.select(builder.bitcast(at(base, off, ir.IntType(64)), ir.VectorType(ir.IntType(1), 64)),
                                       ir.Constant(v64, [16] * 64), ir.Constant(v64, [0] * 64))
 
-            if kind in _ACC16 and n_tok >= 4:  # sub-block by sub-block, each one's sums and y update done before the next
+            limit = _ACC16.get("six" if six else kind)
+            if limit and n_tok >= 4:  # sub-block by sub-block, each one's sums and y update done before the next
                 v16, v16h = ir.VectorType(_I16, 32), ir.VectorType(_I16, 16)
                 ones = ir.Constant(v16, [1] * 32)
                 for e in range(per):
                     s32, s16, n16 = [None] * n_tok, [None] * n_tok, 0
-                    for w in range(e * sub, e * sub + sub, 4):  # load j = w % 32 // 4: low nibbles below 32, high above
-                        j, high = w % 32 // 4, w >= 32
-                        q = at(base, 64 * j, v64)
-                        codes = builder.lshr(q, ir.Constant(v64, [4] * 64)) if high else builder.and_(q, ir.Constant(v64, [15] * 64))
-                        if kind == "nib5":
-                            codes = builder.or_(codes, five(512 + 16 * j + 8 * high))
+                    for w in range(e * sub, e * sub + sub, 4):
+                        if kind == "i8":  # Q6_K's codes s (|s| <= 32) as |s|, the activations' signs flipped to match
+                            q = _halves(builder, at(base, 16 * w, v64))
+                            codes = [_call(builder, "llvm.abs.v32i8", h.type, [h, ir.Constant(ir.IntType(1), 0)]) for h in q]
+                            acts = lambda u: [_call(builder, "llvm.x86.avx2.psign.b", h.type, [h, qh])  # noqa: E731
+                                              for h, qh in zip(_halves(builder, xb(u, w)), q)]
+                        else:  # load w % 32 // 4: low nibbles below 32, high above
+                            j, high = w % 32 // 4, w >= 32
+                            q = at(base, 64 * j, v64)
+                            c4 = builder.lshr(q, ir.Constant(v64, [4] * 64)) if high else builder.and_(q, ir.Constant(v64, [15] * 64))
+                            if kind == "nib5":
+                                c4 = builder.or_(c4, five(512 + 16 * j + 8 * high))
+                            codes = _halves(builder, c4)
+                            acts = lambda u: _halves(builder, xb(u, w))  # noqa: E731
                         for u in range(n_tok):
                             pr = _join(builder, *(_call(builder, "llvm.x86.avx2.pmadd.ub.sw", v16h, [a, b])
-                                                  for a, b in zip(_halves(builder, codes), _halves(builder, xb(u, w)))))
+                                                  for a, b in zip(codes, acts(u))))
                             s16[u] = pr if s16[u] is None else builder.add(s16[u], pr)
                         n16 += 1
-                        if n16 == _ACC16[kind] or w + 4 == e * sub + sub:  # widened to int32
+                        if n16 == limit or w + 4 == e * sub + sub:  # widened to int32
                             for u in range(n_tok):
                                 wide = _madd(builder, s16[u], ones)
                                 s32[u] = wide if s32[u] is None else builder.add(s32[u], wide)
@@ -416,6 +425,7 @@ _nib32_8, _nib32m_8 = (_G[("nib", 32, hm, 8)] for hm in (False, True))
 _i8_32_8, _i8_32m_8 = (_G[("i8", 32, hm, 8)] for hm in (False, True))
 _nib5_8, _nib5m_8 = (_G[("nib5", 32, hm, 8)] for hm in (False, True))
 _iq4_8, _fp4_8 = _G[("iq4nl", 32, False, 8)], _G[("mxfp4", 32, False, 8)]
+_six_4 = _make_group("i8", 16, False, 4, six=True)  # Q6_K's codes unpacked to int8: |s| <= 32 (_ACC16)
 
 
 # The scalar loops (rows past the last whole 16) keep constant trip counts and several
@@ -744,7 +754,7 @@ def dot_nib6_16(qs, d, m, sup, ms, c, xq, xd, xs, y):
                     y[u, rb * ROWS:rb * ROWS + ROWS] = 0
                 for g in range(qs.shape[1]):
                     if t + 3 < n_tok:
-                        _i8_16_4(q8, rb, g, xq, t, d, m, sup, c, xd, xs, y, 0)
+                        _six_4(q8, rb, g, xq, t, d, m, sup, c, xd, xs, y, 0)
                         continue
                     u = t
                     if u + 1 < n_tok:
