@@ -68,6 +68,50 @@ def test_a_mixed_batch_is_laid_out_as_planned():
     assert shape.n_seqs > 3 and feed["tok_seq"][n:].tolist() == [3] * (shape.n_tokens - n)
 
 
+def test_a_decode_step_takes_the_fast_path_with_the_same_inputs(monkeypatch):
+    """Steps of 1-4 sequences each decoding one token, at positions across block boundaries,
+    with and without a recurrent-state snapshot asked for after the token: runner.inputs' fast
+    path (_decode_inputs) gives the general path's arrays exactly, and a step with a draft, a
+    scored prompt or an image does not take it. Mutations seen to fail: the fast path's slots
+    from the position's block + 1 (`done // bs + 1`); seq_len without this step's token; the
+    padding rows' tok_seq 0 where a padding sequence row exists; the snapshot slot taken for
+    the token before."""
+    from hearthlm.runtime import runner as runner_mod
+    run = runner()
+    g = np.random.default_rng(3)
+    for trial in range(40):
+        reqs = []
+        for _ in range(int(g.integers(1, 5))):
+            n_prompt = int(g.integers(1, 12))
+            r = admitted(run, g.integers(1, 50, n_prompt).tolist())
+            r.n_computed = n_prompt - 1
+            if trial % 3 == 0:
+                r.state_snaps = {r.n_computed + int(g.integers(0, 3)): int(g.integers(1, 9))}
+            reqs.append(r)
+        plan = StepPlan([Scheduled(r, 1, True) for r in reqs], [])
+        assert all(runner_mod._plain_decode(s) for s in plan.seqs)
+        fast, shape = run.inputs(plan)
+        monkeypatch.setattr(runner_mod, "_plain_decode", lambda s: False)
+        slow, shape2 = run.inputs(plan)
+        monkeypatch.undo()
+        assert shape == shape2
+        assert fast.keys() == slow.keys()
+        for k in slow:
+            assert fast[k].dtype == slow[k].dtype and fast[k].tolist() == slow[k].tolist(), (trial, k)
+        for r in reqs:
+            run.memory.release(r)
+    dec = admitted(run, [3, 4, 5])
+    dec.n_computed = 2
+    for name, value in (("draft", [7]), ("prompt_logprobs", 0), ("max_tokens", 0), ("media", [object()])):
+        r = admitted(run, [3, 4, 5])
+        r.n_computed = 2
+        setattr(r, name, value)
+        assert not runner_mod._plain_decode(Scheduled(r, 1, True)), name
+        run.memory.release(r)
+    assert runner_mod._plain_decode(Scheduled(dec, 1, True))
+    assert not runner_mod._plain_decode(Scheduled(dec, 1, False))
+
+
 def test_logits_do_not_depend_on_the_batch():
     """A prompt's last-row logits alone, and beside another prompt (before it in the batch):
     the same. Mutations caught: every token given sequence row 0 (`tok_seq[off:off + k] = 0`:

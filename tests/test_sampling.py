@@ -169,3 +169,45 @@ def test_top_k_ids_are_the_k_largest_in_id_order():
     x = np.zeros(49152, np.float32)
     x[[7, 30000, 40000]] = 1.0
     assert top_k_ids(x, 40).tolist() == sorted([7, 30000, 40000] + [i for i in range(39) if i != 7][:37])
+
+
+def _numpy_sample(cand, values, p, rng) -> int:
+    """The candidates' truncation in numpy arrays and numpy's own weighted choice: what
+    sample_top_k computed before its small rows moved to Python floats (runtime.sampling.SMALL)."""
+    z = (values.astype(np.float64) - np.float64(values.max())) / p.temperature
+    order = np.argsort(-z, kind="stable")
+    cand, z = cand[order], z[order]
+    probs = np.exp(z - z[0])
+    probs /= probs.sum()
+    keep = np.ones(len(cand), bool)
+    if p.min_p > 0.0:
+        keep &= probs >= p.min_p * probs[0]
+    if p.top_p < 1.0:
+        keep &= (np.cumsum(probs) - probs) < p.top_p
+    keep[0] = True
+    probs = probs[keep] / probs[keep].sum()
+    return int(cand[keep][rng.choice(len(probs), p=probs)])
+
+
+def test_candidates_sample_as_numpy_arrays_and_choice_do():
+    """sample_top_k over 1-100 candidates (both sides of SMALL), ties and -inf among them: the
+    token numpy's arrays and Generator.choice draw, and one random() taken from the generator.
+    Mutations seen to fail: _draw searching 1 - random() (the draw's direction); the top_p test
+    on the mass up to and including a candidate; min_p kept strictly above its floor; ties
+    sorted highest id first. (bisect_left for choice's side='right' differs only where random()
+    equals a cumulative sum exactly: no trial reaches that.)"""
+    from hearthlm.runtime.sampling import sample_top_k
+    g = np.random.default_rng(11)
+    for trial in range(6000):
+        k = int(g.integers(1, 101))
+        v = (g.standard_normal(k) * g.choice([0.5, 3.0, 20.0])).astype(np.float32)
+        if trial % 4 == 0:
+            v = np.round(v)  # ties
+        if trial % 7 == 0 and k > 1:
+            v[g.integers(0, k)] = -np.inf
+        cand = np.sort(g.choice(50000, k, replace=False))
+        p = SamplingParams(temperature=float(g.choice([0.3, 0.8, 1.5])), top_k=k,
+                           top_p=float(g.choice([0.3, 0.95, 1.0])), min_p=float(g.choice([0.0, 0.05, 0.5, 1.0])))
+        a, b = np.random.default_rng(trial), np.random.default_rng(trial)
+        assert sample_top_k(cand, v, True, p, a) == _numpy_sample(cand, v, p, b), trial
+        assert a.random() == b.random(), trial
