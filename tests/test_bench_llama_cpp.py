@@ -12,6 +12,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from hearthlm.bench import yardstick
@@ -183,17 +184,47 @@ def test_a_busy_host_is_called_so():
     assert len(quiet) == 1 and busy[1].startswith("busy host: 1-minute load 2.50 on 2 cores")
 
 
-def test_concurrency_against_llama_cpps_serial_rate(fake, capsys, smollm2_path):
-    """--concurrency: llama.cpp's row per level from the child's serial runs (n requests, decode_tokens
-    each), then the ratio rows. Mutation: serial's prompts all the first one's fails it (the prompts
-    sent must be distinct)."""
+def test_concurrency_against_llama_cpps_serial_rate(fake, capsys, smollm2_path, monkeypatch):
+    """--concurrency: --repeat rounds, each hearthlm's levels then llama.cpp's serial runs (n
+    requests, decode_tokens each, distinct prompts); the rows are each figure's median over the
+    rounds, then the ratio rows, each the median of the rounds' own ratios. Mutations seen to fail:
+    serial's prompts all the first one's; llama.cpp's levels run once, after all of hearthlm's
+    rounds; the ratio of the medians in place of the median of the rounds' ratios; the ratio taken
+    llama.cpp / hearthlm."""
+    from hearthlm.bench import speed
+    seen = {"hearthlm": [], "llama.cpp": []}  # each round's rows, as the bench computed them
+    ours, theirs = speed._hearthlm_level, speed._concurrency_llama_cpp
+
+    async def our_level(s, a, n):
+        row = await ours(s, a, n)
+        seen["hearthlm"].append(row)
+        with open(os.environ["FAKE_LLAMA_LOG"], "a") as f:
+            f.write(json.dumps(dict(op="hearthlm", n=n)) + "\n")
+        return row
+
+    def their_levels(*args):
+        rows = theirs(*args)
+        seen["llama.cpp"] += rows
+        return rows
+    monkeypatch.setattr(speed, "_hearthlm_level", our_level)
+    monkeypatch.setattr(speed, "_concurrency_llama_cpp", their_levels)
     out = json.loads(_bench(capsys, "--model", str(smollm2_path), "--compare-llama-cpp", "--llama-cpp-python",
-                            sys.executable, "--concurrency", "1,3", "--decode-tokens", "3", "--n-ctx", "256", "--json"))
+                            sys.executable, "--concurrency", "1,3", "--decode-tokens", "3", "--n-ctx", "256",
+                            "--repeat", "3", "--json"))
     engines = [(r["engine"], r["concurrency"]) for r in out["rows"]]
     assert engines == [("hearthlm", 1), ("hearthlm", 3), ("llama.cpp", 1), ("llama.cpp", 3), ("ratio", 1), ("ratio", 3)]
     assert out["rows"][3]["tokens"] == 9 and out["llama_cpp"]["llama_cpp_python"] == "0.0-fake"
-    prompts = [tuple(c["ids"]) for c in fake() if c["op"] == "generate"]
-    assert len(prompts) == 4 and len(set(prompts[1:])) == 3
+    assert all(r["rounds"] == 3 for r in out["rows"])
+    calls = [c for c in fake() if c["op"] in ("init", "hearthlm", "generate")]
+    assert [c["op"] for c in calls].count("init") == 1
+    order = [c["op"] if c["op"] != "generate" else "llama.cpp" for c in calls if c["op"] != "init"]
+    assert order == (["hearthlm"] * 2 + ["llama.cpp"] * 4) * 3  # per round: hearthlm's levels, then llama.cpp's
+    prompts = [tuple(c["ids"]) for c in calls if c["op"] == "generate"]
+    assert len(set(prompts[1:4])) == 3 and prompts[4:8] == prompts[:4]
+    for i, row in enumerate(out["rows"][4:]):
+        h, r = seen["hearthlm"][i::2], seen["llama.cpp"][i::2]
+        assert row["aggregate_tok_s"] == float(np.median([x["aggregate_tok_s"] / y["aggregate_tok_s"] for x, y in zip(h, r)]))
+        assert out["rows"][i]["aggregate_tok_s"] == float(np.median([x["aggregate_tok_s"] for x in h]))
 
 
 @pytest.mark.skipif(not Path(REAL).is_file(), reason=f"the shared llama-cpp-python build ({REAL}, or "

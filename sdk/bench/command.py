@@ -32,7 +32,8 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--concurrency", default=None,
                    help="comma-separated levels, e.g. 1,4,16: aggregate tokens/s, p50/p99 time to first "
                         "token and inter-token latency with that many concurrent generations")
-    p.add_argument("--repeat", type=int, default=3, help="rounds of the single-stream measurements (median)")
+    p.add_argument("--repeat", type=int, default=3,
+                   help="rounds of the single-stream and --concurrency measurements, each engine in turn (medians)")
     p.add_argument("--json", action="store_true")
     p.add_argument("--competing-load", type=int, default=0, metavar="N",
                    help="measure twice: quiet, then beside N CPU-bound processes (as other work in an app), "
@@ -183,7 +184,8 @@ def _concurrency(a: argparse.Namespace) -> None:
     from hearthlm.bench.speed import concurrency_rows, with_load
     report = Report()
     rows = with_load(a, lambda: concurrency_rows(a, report)) if a.competing_load else concurrency_rows(a, report)
-    _emit(a, report, rows, lambda: _print_table(f"model: {a.model}  decode: {a.decode_tokens} tokens per request", rows,
+    _emit(a, report, rows, lambda: _print_table(f"model: {a.model}  decode: {a.decode_tokens} tokens per request  "
+                                                f"(medians of {a.repeat} rounds, engines in turn)", rows,
                                                 list(dict.fromkeys(c for r in rows for c in r)), 15, ".3f"))
 
 

@@ -153,10 +153,9 @@ def _row(n: int, wall: float, counts, ttft, itl, engine: str) -> dict:
                 tokens=sum(counts))
 
 
-def _concurrency_llama_cpp(side, a, path: str, levels: list[int], n_vocab: int) -> list[dict]:
+def _concurrency_llama_cpp(side, a, levels: list[int], n_vocab: int) -> list[dict]:
     """llama-cpp-python serves one request at a time: n requests arriving together are
     prefilled and decoded in turn; time to first token counts the wait for those before."""
-    side.ask("load", path=path, n_ctx=session_options(a).n_ctx, threads=_threads(a), n_batch=512)
     rows = []
     for n in levels:
         r = side.ask("serial", prompts=[_concurrent_prompt(n_vocab, i) for i in range(n)], decode_tokens=a.decode_tokens)
@@ -164,40 +163,70 @@ def _concurrency_llama_cpp(side, a, path: str, levels: list[int], n_vocab: int) 
     return rows
 
 
-async def _bench_concurrency(a) -> tuple[list[dict], int]:
-    """The rows, and the model's vocabulary size (llama.cpp's side gets the same prompts)."""
+def _median_rows(rounds: list[list[dict]]) -> list[dict]:
+    """Per level, each figure's median over the rounds (a round: one row per level)."""
+    out = []
+    for rows in zip(*rounds):
+        row = dict(rows[0])
+        for k, v in row.items():
+            if isinstance(v, float) and k != "concurrency":
+                row[k] = float(np.median([r[k] for r in rows]))
+        out.append(dict(row, rounds=len(rows)))
+    return out
+
+
+async def _bench_concurrency(a, side=None, path: str = "") -> list[dict]:
+    """--repeat rounds, each hearthlm's levels then (with `side`) llama.cpp's, so that a noisy
+    spell of a shared machine hits both: each level's figures are medians over the rounds, and
+    its ratio the median of the rounds' ratios (one round's llama.cpp serial rate read 55 tok/s at
+    one level and 44 at the next on a noisy VM: a ratio is only as good as its pairing)."""
     levels = [int(x) for x in a.concurrency.split(",")]
-    rows = []
+    ours, ref = [], []
     # KV for every stream's prompt and output at once (the default, 4 x n_ctx, would preempt at 64)
     kv = max(levels) * (64 + max(levels) + a.decode_tokens + 16)
     o = session_options(a, max_batch_tokens=512, max_seqs=max(levels))
     async with Session.open(a.model, options=session_options(a, max_batch_tokens=512, max_seqs=max(levels),
                                                              kv_cache_tokens=max(kv, 4 * o.n_ctx))) as s:
         await s.generate([1000, 1001, 1002], max_tokens=2, temperature=0)  # warm the JIT caches
-        for n in levels:
-            ttft, itl, counts = [], [], []
-            preempted = s.stats()["preemptions"]
+        n_vocab = s.model.n_vocab
+        if side is not None:
+            side.ask("load", path=path, n_ctx=session_options(a).n_ctx, threads=_threads(a), n_batch=512)
+        for _ in range(max(a.repeat, 1)):
+            ours.append([await _hearthlm_level(s, a, n) for n in levels])
+            if side is not None:  # the engine is idle: nothing of hearthlm's runs beside it
+                ref.append(_concurrency_llama_cpp(side, a, levels, n_vocab))
+    rows = _median_rows(ours)
+    if ref:
+        rows += _median_rows(ref)
+        rows += [dict(engine="ratio", concurrency=n, rounds=len(ref), **{
+            k: float(np.median([h[i][k] / r[i][k] for h, r in zip(ours, ref)])) for k in ("aggregate_tok_s", "ttft_p50_s")})
+            for i, n in enumerate(levels)]
+    return rows
 
-            async def one(i: int) -> None:
-                prompt = _concurrent_prompt(s.model.n_vocab, i)
-                t0 = last = anyio.current_time()
-                k = 0
-                async for c in s.stream(prompt, max_tokens=a.decode_tokens, temperature=0, ignore_eos=True):
-                    now = anyio.current_time()
-                    if k == 0:
-                        ttft.append(now - t0)
-                    else:
-                        itl.append((now - last) / max(len(c.token_ids), 1))
-                    last, k = now, k + len(c.token_ids)
-                counts.append(k)
-            t = anyio.current_time()
-            async with anyio.create_task_group() as tg:
-                for i in range(n):
-                    tg.start_soon(one, i)
-            wall = anyio.current_time() - t
-            rows.append(_row(n, wall, counts, ttft, itl, "hearthlm"))
-            rows[-1]["preemptions"] = s.stats()["preemptions"] - preempted
-    return rows, s.model.n_vocab
+
+async def _hearthlm_level(s, a, n: int) -> dict:
+    """n streams at once, each a distinct 64-token prompt and decode_tokens greedy tokens."""
+    ttft, itl, counts = [], [], []
+    preempted = s.stats()["preemptions"]
+
+    async def one(i: int) -> None:
+        prompt = _concurrent_prompt(s.model.n_vocab, i)
+        t0 = last = anyio.current_time()
+        k = 0
+        async for c in s.stream(prompt, max_tokens=a.decode_tokens, temperature=0, ignore_eos=True):
+            now = anyio.current_time()
+            if k == 0:
+                ttft.append(now - t0)
+            else:
+                itl.append((now - last) / max(len(c.token_ids), 1))
+            last, k = now, k + len(c.token_ids)
+        counts.append(k)
+    t = anyio.current_time()
+    async with anyio.create_task_group() as tg:
+        for i in range(n):
+            tg.start_soon(one, i)
+    wall = anyio.current_time() - t
+    return dict(_row(n, wall, counts, ttft, itl, "hearthlm"), preemptions=s.stats()["preemptions"] - preempted)
 
 
 async def bench_json_schema(a) -> list[dict]:
@@ -289,22 +318,15 @@ def with_load(a, measure) -> list[dict]:
 
 
 def concurrency_rows(a, report=None) -> list[dict]:
-    rows, n_vocab = anyio.run(_bench_concurrency, a)
     py = interpreter(a) if a.compare_llama_cpp else None
     if a.compare_llama_cpp and py is None:
         print(NO_INTERPRETER, file=sys.stderr)
-    elif py:
-        levels = [int(x) for x in a.concurrency.split(",")]
-        path = str(resolve_model(a.model, filename=session_options(a).filename))
-        with LlamaCppSide(py) as side:
-            ref = _concurrency_llama_cpp(side, a, path, levels, n_vocab)
-            if report is not None:
-                report.build = side.build
-        rows += ref + [dict(engine="ratio", concurrency=h["concurrency"],
-                            aggregate_tok_s=h["aggregate_tok_s"] / r["aggregate_tok_s"],
-                            ttft_p50_s=h["ttft_p50_s"] / r["ttft_p50_s"])
-                       for h, r in zip(rows[:len(levels)], ref)]
-    return rows
+    if not py:
+        return anyio.run(_bench_concurrency, a)
+    with LlamaCppSide(py) as side:
+        if report is not None:
+            report.build = side.build
+        return anyio.run(_bench_concurrency, a, side, str(resolve_model(a.model, filename=session_options(a).filename)))
 
 
 def single_rows(a, report=None) -> list[dict]:
