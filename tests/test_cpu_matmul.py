@@ -222,6 +222,39 @@ def test_matmul_is_batch_invariant(qtype):
             assert np.array_equal(y[:4], y_alone[:len(idx[:4])]), (qtype.name, n_tok, start)
 
 
+@pytest.mark.parametrize("qtype", [T.Q8_0, T.Q4_1, T.Q5_0, T.Q4_K, T.Q6_K], ids=lambda t: t.name)
+def test_several_tokens_into_a_buffer_as_the_quantize_then_multiply_path(qtype):
+    """Several tokens into a planned buffer (matmul with out, matmul_add with out, whole ffn_glu:
+    one recorded compiled call each, what replay.py replays): bitwise the results of quantize_x,
+    then the kernels, then the sums and the GLU in numpy, at 2-24 tokens; matmul_add writing into
+    its residual's own buffer (memory.INPLACE) too. Mutations seen to fail: _matmul_add_n adding
+    the residual's first row to every row; ffn_glu_n taking the gate's products for the up's."""
+    from hearthlm.backends.cpu import ops
+    from hearthlm.backends.cpu.ffn import ffn_glu
+    from hearthlm.backends.cpu.matmul import _matmul_int, matmul_add, quantize_for
+    rng = np.random.default_rng(int(qtype) + 5)
+    n_rows, n_cols = 37, cols_for(qtype)[1]
+    w, wu = (pack_weight(int(qtype), make_raw(qtype, n_rows, n_cols, rng), (n_rows, n_cols)) for _ in range(2))
+    for n_tok in (2, 3, 4, 9, 16, 24):
+        x = rng.standard_normal((n_tok, n_cols)).astype(np.float32)
+        x[:, ::5] *= 20.0
+        want = _matmul_int(w, n_tok, quantize_for(w, x)[1])
+        got = np.full((n_tok, n_rows), np.nan, np.float32)
+        assert matmul(w, x, got) is got and np.array_equal(got, want), n_tok
+        r = rng.standard_normal((n_tok, n_rows)).astype(np.float32)
+        plus = np.full_like(r, np.nan)
+        matmul_add(w, x, r, plus)
+        assert np.array_equal(plus, want + r), n_tok
+        matmul_add(w, x, r, r)  # in place
+        assert np.array_equal(r, plus), n_tok
+        for gelu in (False, True):
+            g, u = want.copy(), _matmul_int(wu, n_tok, quantize_for(wu, x)[1])
+            ops.glu(g, u, gelu, g)
+            out = np.full((n_tok, n_rows), np.nan, np.float32)
+            ffn_glu(w, wu, x, gelu, out)
+            assert np.array_equal(out, g), (n_tok, gelu)
+
+
 # byte ranges of a block that hold the weights' codes (low bits and high-bit planes), per type
 CODE_BYTES = {T.Q4_0: (2, 18), T.Q4_1: (4, 20), T.Q5_0: (2, 22), T.Q5_1: (4, 24), T.Q2_K: (16, 80),
               T.Q3_K: (0, 96), T.Q4_K: (16, 144), T.Q5_K: (16, 176), T.Q6_K: (0, 192)}

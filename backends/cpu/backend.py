@@ -38,6 +38,13 @@ def _rows(x: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(x, np.float32).reshape(-1, x.shape[-1])
 
 
+def _f32(x: np.ndarray) -> np.ndarray:
+    """x as float32, a strided view left as it is: several tokens' q, k or v are column slices of
+    the fused QKV product, and a copy would be a fresh array each step, which replay.py cannot
+    record (one token's slice is contiguous)."""
+    return x if x.dtype == np.float32 else x.astype(np.float32)
+
+
 def _buf(node, out):
     return np.empty(node.shape, np.float32) if out is None else out
 
@@ -148,7 +155,7 @@ def _bind_set_rows(node):
     def k(cache, src, slots):
         _check_cache(node, cache, blocks)
         kern = ops.set_rows if len(slots) >= ops.PAR_MIN_ROWS else ops.set_rows_1
-        call(kern, _bits(cache), np.ascontiguousarray(src, np.float32).reshape(len(slots), cache.shape[1], d), slots,
+        call(kern, _bits(cache), _f32(src).reshape(len(slots), cache.shape[1], d), slots,
              kind, rot)
         return cache
     return k
@@ -232,7 +239,7 @@ def _bind_rope(node):
         out = _buf(node, out)
         kern = ops.rope if x.shape[0] >= ops.PAR_MIN_ROWS else ops.rope_1
         pos = _pos_rows(pos)
-        call(kern, np.ascontiguousarray(x, np.float32), pos, *args, out, *_angles(args, x.shape[0], pos.shape[1]))
+        call(kern, _f32(x), pos, *args, out, *_angles(args, x.shape[0], pos.shape[1]))
         return out
     return k
 
@@ -244,7 +251,7 @@ def _bind_rope_set_rows(node):
     def k(cache, x, pos, slots):
         _check_cache(node, cache, blocks)
         par = x.shape[0] >= ops.PAR_MIN_ROWS
-        x, pos = np.ascontiguousarray(x, np.float32), _pos_rows(pos)
+        x, pos = _f32(x), _pos_rows(pos)
         cs = _angles(args, x.shape[0], pos.shape[1])
         # RoPE-rotated into a float row, then stored (quantized, Hadamard-rotated, or narrowed to
         # float16 by bit arithmetic where the CPU has no conversion); else written in place

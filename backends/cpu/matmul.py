@@ -48,6 +48,10 @@ def matmul(w: PackedWeight, x: np.ndarray, out: np.ndarray | None = None, xq=Non
         call(_matvec, dot.TAGS[w.kind], w.qs, w.d, w.m, w.sup, w.ms, w.c32, w.sub, x, y)
         return y
     if w.kind >= 0 and x.shape[0] < BLAS_MIN_TOKENS:
+        if xq is None and out is not None:  # into the planned buffer, in one recorded call: replay takes it
+            start_pool()
+            call(_matmul_n, dot.TAGS[w.kind], w.qs, w.d, w.m, w.sup, w.ms, w.c32, w.sub, x, out)
+            return out
         if xq is None or xq[0] != (w.n_pad, w.sub):
             xq = quantize_for(w, x)
         return _matmul_int(w, x.shape[0], xq[1], out)
@@ -83,6 +87,12 @@ def matmul_add(w: PackedWeight, x: np.ndarray, r: np.ndarray, out: np.ndarray | 
         call(_matvec_add, dot.TAGS[w.kind], w.qs, w.d, w.m, w.sup, w.ms, w.c32, w.sub, x2,
              np.ascontiguousarray(r).reshape(1, -1), y)
         return y.reshape(r.shape) if out is None else out
+    if (w.kind >= 0 and x2.shape[0] < BLAS_MIN_TOKENS and out is not None and out.flags.c_contiguous
+            and r.dtype == np.float32 and r.size == out.size == x2.shape[0] * w.shape[0]):
+        start_pool()  # several tokens in one recorded call, as one
+        call(_matmul_add_n, dot.TAGS[w.kind], w.qs, w.d, w.m, w.sup, w.ms, w.c32, w.sub, x2,
+             np.ascontiguousarray(r).reshape(x2.shape[0], -1), out.reshape(x2.shape[0], -1))
+        return out
     return np.add(matmul(w, x2).reshape(r.shape), r, out=out)
 
 
@@ -125,6 +135,48 @@ def _matvec_add(tag, qs, d, m, sup, ms, c, sub, x, r, y):
     _matvec(tag, qs, d, m, sup, ms, c, sub, x, t)
     for j in range(y.shape[1]):
         y[0, j] = t[0, j] + r[0, j]
+
+
+# Several tokens (batched decode): the same in one compiled call each, so that a step's calls
+# can be recorded and replayed (replay.py); x quantized as quantize_x does, the same kernels.
+
+@numba.njit(cache=True, nogil=True)
+def _quantize_n(x, n_pad, sub):
+    n = x.shape[0]
+    xq = np.empty((n, n_pad), dtype=np.int8)
+    xd = np.empty((n, n_pad // 32), dtype=np.float32)
+    xs = np.empty((n, n_pad // sub), dtype=np.float32)
+    if n >= 4:
+        quantize._quantize_rows_par(x, xq, xd, xs, sub)
+    else:
+        quantize._quantize_rows(x, xq, xd, xs, sub)
+    return xq, xd, xs
+
+
+@numba.njit(cache=True, nogil=True)
+def _matmul_n(tag, qs, d, m, sup, ms, c, sub, x, y):
+    xq, xd, xs = _quantize_n(x, d.shape[1] * sub, sub)
+    dot.dot_any(tag, qs, d, m, sup, ms, c, xq, xd, xs, y)
+
+
+@numba.njit(cache=True, nogil=True)
+def _matmul_add_n(tag, qs, d, m, sup, ms, c, sub, x, r, y):
+    t = np.empty(y.shape, dtype=np.float32)  # y may be r's buffer (memory.INPLACE)
+    _matmul_n(tag, qs, d, m, sup, ms, c, sub, x, t)
+    for i in range(y.shape[0]):
+        for j in range(y.shape[1]):
+            y[i, j] = t[i, j] + r[i, j]
+
+
+@numba.njit(cache=True, nogil=True)
+def ffn_glu_n(tag, qg, dg, mg, sg, msg, cg, qu, du, mu, su, msu, cu, sub, x, gelu, out):
+    """ffn_glu1 for several tokens: out (n, n_ff) whole, gate and up of one kind."""
+    xq, xd, xs = _quantize_n(x, dg.shape[1] * sub, sub)
+    g = np.empty(out.shape, dtype=np.float32)
+    u = np.empty(out.shape, dtype=np.float32)
+    dot.dot_any(tag, qg, dg, mg, sg, msg, cg, xq, xd, xs, g)
+    dot.dot_any(tag, qu, du, mu, su, msu, cu, xq, xd, xs, u)
+    ops.glu(g, u, gelu, out)
 
 
 @numba.njit(cache=True, nogil=True)
