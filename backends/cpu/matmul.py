@@ -90,8 +90,9 @@ def matmul_add(w: PackedWeight, x: np.ndarray, r: np.ndarray, out: np.ndarray | 
     if (w.kind >= 0 and x2.shape[0] < BLAS_MIN_TOKENS and out is not None and out.flags.c_contiguous
             and r.dtype == np.float32 and r.size == out.size == x2.shape[0] * w.shape[0]):
         start_pool()  # several tokens in one recorded call, as one
+        n = x2.shape[0]  # -1 cannot size an empty batch
         call(_matmul_add_n, dot.TAGS[w.kind], w.qs, w.d, w.m, w.sup, w.ms, w.c32, w.sub, x2,
-             np.ascontiguousarray(r).reshape(x2.shape[0], -1), out.reshape(x2.shape[0], -1))
+             np.ascontiguousarray(r).reshape(n, w.shape[0]), out.reshape(n, w.shape[0]))
         return out
     return np.add(matmul(w, x2).reshape(r.shape), r, out=out)
 
