@@ -279,35 +279,29 @@ class ModelRunner:
         bs, scratch = self.memory.block_size, self.memory.scratch_block
         seqs = plan.seqs
         n = len(seqs)
-        done = np.fromiter((s.req.n_computed for s in seqs), np.int32, n)
-        shape = self.shape(n_tokens=n, n_seqs=n, need_blocks=int(done.max()) // bs + 1, n_out=n, lora=self._lora(plan))
+        reqs = [s.req for s in seqs]
+        done = [r.n_computed for r in reqs]
+        shape = self.shape(n_tokens=n, n_seqs=n, need_blocks=max(done) // bs + 1, n_out=n, lora=self._lora(plan))
         n_pad, n_seqs, width = shape.n_tokens, shape.n_seqs, shape.max_blocks
-        rows = np.arange(n, dtype=np.int32)
-        tokens, pos = np.zeros(n_pad, np.int32), np.zeros(n_pad, np.int32)
-        tokens[:n] = [s.req.tokens[c] for s, c in zip(seqs, done.tolist())]
-        pos[:n] = done
-        tok_seq = np.full(n_pad, n if n_seqs > n else 0, np.int32)
-        tok_seq[:n] = rows
-        seq_off = np.full(n_seqs + 1, n, np.int32)
-        seq_off[:n] = rows
+        # each array from one list (not a dozen numpy calls each): ~35 numpy calls took 0.16 ms of
+        # a 5 ms SmolLM2 step on a Zen 4, the weights just through the caches making each slow
+        pad, rows = n_pad - n, list(range(n))
         block_table = np.full((n_seqs, width), scratch, np.int32)
-        for i, s in enumerate(seqs):
-            b = s.req.blocks[:width]
+        for i, r in enumerate(reqs):
+            b = r.blocks[:width]
             block_table[i, :len(b)] = b
-        slots = scratch * bs + np.arange(n_pad, dtype=np.int32) % bs
-        slots[:n] = block_table[rows, done // bs] * bs + done % bs
-        state_slot = np.zeros(n_seqs, np.int32)
-        state_slot[:n] = [s.req.state_slot or 0 for s in seqs]
-        snap_slot = np.full(n_pad, -1, np.int32)
-        for i, s in enumerate(seqs):
-            if s.req.state_snaps:  # the state after this token, where it is asked for
-                snap_slot[i] = s.req.state_snaps.get(s.req.n_computed + 1, -1)
-        seq_len = np.ones(n_pad, np.int32)
-        seq_len[:n] = done + 1
-        out_rows = np.zeros(shape.n_out, np.int32)
-        out_rows[:n] = rows
-        feed = dict(tokens=tokens, pos=pos, tok_seq=tok_seq, slots=slots, block_table=block_table,
-                    seq_off=seq_off, state_slot=state_slot, snap_slot=snap_slot, seq_len=seq_len, out_rows=out_rows)
+        slots = [r.blocks[c // bs] * bs + c % bs for r, c in zip(reqs, done)]
+        slots += [scratch * bs + t % bs for t in range(n, n_pad)]
+        snaps = [r.state_snaps.get(c + 1, -1) if r.state_snaps else -1 for r, c in zip(reqs, done)]
+        feed = dict(tokens=np.array([r.tokens[c] for r, c in zip(reqs, done)] + [0] * pad, np.int32),
+                    pos=np.array(done + [0] * pad, np.int32),
+                    tok_seq=np.array(rows + [n if n_seqs > n else 0] * pad, np.int32),
+                    slots=np.array(slots, np.int32), block_table=block_table,
+                    seq_off=np.array(rows + [n] * (n_seqs + 1 - n), np.int32),
+                    state_slot=np.array([r.state_slot or 0 for r in reqs] + [0] * (n_seqs - n), np.int32),
+                    snap_slot=np.array(snaps + [-1] * pad, np.int32),
+                    seq_len=np.array([c + 1 for c in done] + [1] * pad, np.int32),
+                    out_rows=np.array(rows + [0] * (shape.n_out - n), np.int32))
         if shape.lora:
             feed["lora_scale"] = self._lora_scales(plan, shape)
         return feed, shape
