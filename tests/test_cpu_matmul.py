@@ -546,6 +546,34 @@ def test_norm_of_zeros_without_epsilon_gives_nan_not_an_exception():
     assert np.isnan(out).all() and np.isnan(want).all()
 
 
+@pytest.mark.parametrize("n_tok", [1, 3, 4, 17])
+@pytest.mark.parametrize("weighted", [True, False])
+def test_head_norms_of_a_strided_slice_are_the_contiguous_rows_norms(n_tok, weighted):
+    """Gemma's q and k norms of several tokens take (tokens, heads, d) as the strided column
+    slice of the fused QKV product it is (ops.rms_norm_heads: no contiguous copy, so replay can
+    record the step): bitwise the 2-D kernels' result on the contiguous rows, the input left as
+    it was. Mutations seen to fail: the sum of squares short of the last column; the weight indexed by head;
+    the parallel variant's rows taken from token 0."""
+    from types import SimpleNamespace
+
+    from hearthlm.backends.cpu import ops
+    from hearthlm.backends.cpu.backend import _bind_rms_norm
+    rng = np.random.default_rng(n_tok)
+    n_head, d = 4, 256
+    fused = (rng.standard_normal((n_tok, 2 * n_head * d + 64)) * 3).astype(np.float32)
+    x = fused[:, 64:64 + n_head * d].reshape(n_tok, n_head, d)  # a view, strided for several tokens
+    assert n_tok == 1 or not x.flags.c_contiguous
+    w = rng.standard_normal(d).astype(np.float32) if weighted else None
+    before = fused.copy()
+    norm = _bind_rms_norm(SimpleNamespace(params={"eps": 1e-6}, shape=x.shape))
+    got = norm(x, w, out=np.empty(x.shape, np.float32))
+    want = np.empty((n_tok * n_head, d), np.float32)
+    for kernel in (ops.rms_norm, ops.rms_norm_1):
+        kernel(np.ascontiguousarray(x).reshape(-1, d), np.zeros(0, np.float32) if w is None else w, 1e-6, want)
+        assert got.tobytes() == want.tobytes()
+    assert fused.tobytes() == before.tobytes()
+
+
 @pytest.mark.parametrize("qtype", [T.Q4_K, T.Q5_0, T.Q8_0], ids=lambda t: t.name)
 @pytest.mark.parametrize("per_slot", [False, True])
 def test_one_token_experts_in_one_call_match_the_grouped_path(qtype, per_slot):

@@ -224,10 +224,14 @@ def _bind_rms_norm(node):
 
     def k(x, w=None, out=None):
         out = _buf(node, out)
+        w = _NO_WEIGHT if w is None else np.ascontiguousarray(w, np.float32).reshape(-1)
+        if x.ndim == 3 and x.dtype == np.float32 and not x.flags.c_contiguous and w.shape[0] in (0, x.shape[-1]):
+            kern = ops.rms_norm_heads if x.shape[0] >= ops.PAR_MIN_ROWS else ops.rms_norm_heads_1
+            call(kern, x, w, eps, out.reshape(x.shape))  # several tokens' q/k norms, read where they lie
+            return out
         x2 = _rows(x)
         kern = ops.rms_norm if x2.shape[0] >= ops.PAR_MIN_ROWS else ops.rms_norm_1
-        call(kern, x2, _NO_WEIGHT if w is None else np.ascontiguousarray(w, np.float32).reshape(-1), eps,
-             out.reshape(x2.shape))
+        call(kern, x2, w, eps, out.reshape(x2.shape))
         return out
     return k
 
