@@ -8,7 +8,7 @@ import weakref
 import numpy as np
 
 from hearthlm.backends.cpu import dot, ops
-from hearthlm.backends.cpu.matmul import BLAS_MIN_TOKENS, ffn_glu1, ffn_glu_n, matmul, quantize_for, start_pool
+from hearthlm.backends.cpu.matmul import BLAS_MIN_TOKENS, ffn_glu_n, matmul, quantize_for, start_pool
 from hearthlm.backends.cpu.qtypes import PackedWeight
 from hearthlm.backends.cpu.replay import call
 
@@ -32,17 +32,13 @@ def ffn_glu(wg: PackedWeight, wu: PackedWeight, x: np.ndarray, gelu: bool, out: 
     """x (n_tokens, n_embd) -> out (n_tokens, n_ff) = act(x Wg^T) * (x Wu^T)."""
     x = np.ascontiguousarray(x, np.float32).reshape(-1, wg.shape[1])
     o = out.reshape(x.shape[0], wg.shape[0])
-    if x.shape[0] == 1 and wg.kind >= 0 and (wg.kind, wg.n_pad, wg.sub) == (wu.kind, wu.n_pad, wu.sub):
-        start_pool()
-        call(ffn_glu1, dot.TAGS[wg.kind], wg.qs, wg.d, wg.m, wg.sup, wg.ms, wg.c32, wu.qs, wu.d, wu.m, wu.sup, wu.ms, wu.c32,
-             wg.sub, x, gelu, o)
+    n, same = x.shape[0], wg.kind >= 0 and (wg.kind, wg.n_pad, wg.sub) == (wu.kind, wu.n_pad, wu.sub)
+    if same and (n == 1 or n * wg.shape[0] <= WHOLE_MAX and n < BLAS_MIN_TOKENS):
+        start_pool()  # decode: gate/up are a few KB, calls are the cost; one recorded call
+        call(ffn_glu_n, dot.TAGS[wg.kind], wg.qs, wg.d, wg.m, wg.sup, wg.ms, wg.c32, wu.qs, wu.d, wu.m, wu.sup,
+             wu.ms, wu.c32, wg.sub, x, gelu, o)
         return out
-    if x.shape[0] * wg.shape[0] <= WHOLE_MAX:  # decode: gate/up are a few KB, calls are the cost
-        if wg.kind >= 0 and (wg.kind, wg.n_pad, wg.sub) == (wu.kind, wu.n_pad, wu.sub) and x.shape[0] < BLAS_MIN_TOKENS:
-            start_pool()  # in one recorded call, as one token's
-            call(ffn_glu_n, dot.TAGS[wg.kind], wg.qs, wg.d, wg.m, wg.sup, wg.ms, wg.c32, wu.qs, wu.d, wu.m, wu.sup,
-                 wu.ms, wu.c32, wg.sub, x, gelu, o)
-            return out
+    if n * wg.shape[0] <= WHOLE_MAX:
         chunk = wg.shape[0]
     r0 = 0
     xq = quantize_for(wg, x)  # once for all slabs of gate and up

@@ -22,7 +22,7 @@ from numba.typed import List
 
 from hearthlm.backends.cpu import dot, ops
 from hearthlm.backends.cpu.halfs import VW, _call, _ptr, _splat, _vec_ptr, f32, widen
-from hearthlm.backends.cpu.matmul import _matvec, _quantize1, matmul, quantize_for, start_pool
+from hearthlm.backends.cpu.matmul import _matmul_n, _quantize1, matmul, quantize_for, start_pool
 from hearthlm.backends.cpu.qtypes import PackedWeight
 from hearthlm.core.graph import Op
 
@@ -339,7 +339,7 @@ def _one(y, x, sc, alpha, a, b):
 
 @numba.njit(cache=True, nogil=True)
 def matvec_lora(tag, qs, d, m, sup, ms, c, sub, x, y, sc, alpha, a, b):
-    _matvec(tag, qs, d, m, sup, ms, c, sub, x, y)
+    _matmul_n(tag, qs, d, m, sup, ms, c, sub, x, y)
     _one(y, x, sc, alpha, a, b)
 
 
@@ -348,14 +348,14 @@ def matvec_lora3(tag, qs, d, m, sup, ms, c, sub, x, y, c0, c1, sc0, alpha0, a0, 
                  c3, sc2, alpha2, a2, b2):
     """Stacked weights (q, k and v) and each one's adapter on its columns [c0, c1), [c1, c2), [c2, c3) (the third
     empty for two)."""
-    _matvec(tag, qs, d, m, sup, ms, c, sub, x, y)
+    _matmul_n(tag, qs, d, m, sup, ms, c, sub, x, y)
     _three(x, y[:, c0:c1], sc0, alpha0, a0, b0, y[:, c1:c2], sc1, alpha1, a1, b1, y[:, c2:c3], sc2, alpha2, a2, b2)
 
 
 @numba.njit(cache=True, nogil=True)
 def matvec_add_lora(tag, qs, d, m, sup, ms, c, sub, x, r, y, sc, alpha, a, b):
     t = np.empty(y.shape, np.float32)  # y may be r's buffer
-    _matvec(tag, qs, d, m, sup, ms, c, sub, x, t)
+    _matmul_n(tag, qs, d, m, sup, ms, c, sub, x, t)
     _one(t, x, sc, alpha, a, b)
     for j in range(y.shape[1]):
         y[0, j] = t[0, j] + r[0, j]

@@ -45,7 +45,7 @@ def matmul(w: PackedWeight, x: np.ndarray, out: np.ndarray | None = None, xq=Non
     if x.shape[0] == 1 and w.kind >= 0:  # decode: quantize and multiply in one compiled call
         start_pool()
         y = np.empty((1, n_rows), dtype=np.float32) if out is None else out
-        call(_matvec, dot.TAGS[w.kind], w.qs, w.d, w.m, w.sup, w.ms, w.c32, w.sub, x, y)
+        call(_matmul_n, dot.TAGS[w.kind], w.qs, w.d, w.m, w.sup, w.ms, w.c32, w.sub, x, y)
         return y
     if w.kind >= 0 and x.shape[0] < BLAS_MIN_TOKENS:
         if xq is None and out is not None:  # into the planned buffer, in one recorded call: replay takes it
@@ -84,7 +84,7 @@ def matmul_add(w: PackedWeight, x: np.ndarray, r: np.ndarray, out: np.ndarray | 
     if x2.shape[0] == 1 and w.kind >= 0 and r.dtype == np.float32 and r.size == w.shape[0]:
         start_pool()
         y = np.empty((1, w.shape[0]), dtype=np.float32) if out is None else out.reshape(1, -1)
-        call(_matvec_add, dot.TAGS[w.kind], w.qs, w.d, w.m, w.sup, w.ms, w.c32, w.sub, x2,
+        call(_matmul_add_n, dot.TAGS[w.kind], w.qs, w.d, w.m, w.sup, w.ms, w.c32, w.sub, x2,
              np.ascontiguousarray(r).reshape(1, -1), y)
         return y.reshape(r.shape) if out is None else out
     if (w.kind >= 0 and x2.shape[0] < BLAS_MIN_TOKENS and out is not None and out.flags.c_contiguous
@@ -111,9 +111,10 @@ def start_pool() -> None:
         _pool.append(True)
 
 
-# One token: quantizing x and the dot products (and what follows them) in one compiled call
-# each, as a decode step makes a few of these per layer and each Python-level call costs
-# microseconds. The arithmetic is the same as the general path's, so results are bitwise equal.
+# Decode (one token, or a few streams' one each): quantizing x and the dot products (and what
+# follows them) in one compiled call each, as a decode step makes a few of these per layer and
+# each Python-level call costs microseconds; one call, too, is what replay.py records. The
+# arithmetic is the general path's (quantize_x, then the same kernels), so results are bitwise equal.
 
 @numba.njit(cache=True, nogil=True)
 def _quantize1(x, n_pad, sub):
@@ -123,23 +124,6 @@ def _quantize1(x, n_pad, sub):
     quantize._quantize_rows(x, xq, xd, xs, sub)
     return xq, xd, xs
 
-
-@numba.njit(cache=True, nogil=True)
-def _matvec(tag, qs, d, m, sup, ms, c, sub, x, y):
-    xq, xd, xs = _quantize1(x, d.shape[1] * sub, sub)
-    dot.dot_any(tag, qs, d, m, sup, ms, c, xq, xd, xs, y)
-
-
-@numba.njit(cache=True, nogil=True)
-def _matvec_add(tag, qs, d, m, sup, ms, c, sub, x, r, y):
-    t = np.empty(y.shape, dtype=np.float32)  # y may be r's buffer (memory.INPLACE)
-    _matvec(tag, qs, d, m, sup, ms, c, sub, x, t)
-    for j in range(y.shape[1]):
-        y[0, j] = t[0, j] + r[0, j]
-
-
-# Several tokens (batched decode): the same in one compiled call each, so that a step's calls
-# can be recorded and replayed (replay.py); x quantized as quantize_x does, the same kernels.
 
 @numba.njit(cache=True, nogil=True)
 def _quantize_n(x, n_pad, sub):
@@ -171,24 +155,16 @@ def _matmul_add_n(tag, qs, d, m, sup, ms, c, sub, x, r, y):
 
 @numba.njit(cache=True, nogil=True)
 def ffn_glu_n(tag, qg, dg, mg, sg, msg, cg, qu, du, mu, su, msu, cu, sub, x, gelu, out):
-    """ffn_glu1 for several tokens: out (n, n_ff) whole, gate and up of one kind."""
+    """act(x Wg^T) * (x Wu^T) of n tokens into out (n, n_ff) whole; gate and up of one kind."""
     xq, xd, xs = _quantize_n(x, dg.shape[1] * sub, sub)
     g = np.empty(out.shape, dtype=np.float32)
     u = np.empty(out.shape, dtype=np.float32)
     dot.dot_any(tag, qg, dg, mg, sg, msg, cg, xq, xd, xs, g)
     dot.dot_any(tag, qu, du, mu, su, msu, cu, xq, xd, xs, u)
-    ops.glu(g, u, gelu, out)
-
-
-@numba.njit(cache=True, nogil=True)
-def ffn_glu1(tag, qg, dg, mg, sg, msg, cg, qu, du, mu, su, msu, cu, sub, x, gelu, out):
-    """act(x Wg^T) * (x Wu^T) of one token into out (1, n_ff); gate and up of one kind."""
-    xq, xd, xs = _quantize1(x, dg.shape[1] * sub, sub)
-    g = np.empty(out.shape, dtype=np.float32)
-    u = np.empty(out.shape, dtype=np.float32)
-    dot.dot_any(tag, qg, dg, mg, sg, msg, cg, xq, xd, xs, g)
-    dot.dot_any(tag, qu, du, mu, su, msu, cu, xq, xd, xs, u)
-    ops.glu_1(g, u, gelu, out)
+    if out.shape[0] < ops.PAR_MIN_ROWS:  # a parallel region costs more than a few rows
+        ops.glu_1(g, u, gelu, out)
+    else:
+        ops.glu(g, u, gelu, out)
 
 
 @numba.njit(cache=True, nogil=True)
@@ -196,7 +172,7 @@ def expert_matvecs(tag, qs, d, m, sup, ms, c, sub, x, ids, out):
     """One token through its k experts in one compiled call (decode: a Python-level call per
     expert cost ~20 us each, 3 x k per layer). x (1, 1 or k, cols) f32, ids (1, k) -> out
     (1, k, rows); qs, d, m, sup: typed lists of the experts' arrays. Each row is what matmul gives
-    (one token: the same quantization and kernel as _matvec)."""
+    (one token: the same quantization and kernel as _matmul_n)."""
     k = ids.shape[1]
     cols = x.shape[2]
     n_pad = d[0].shape[1] * sub

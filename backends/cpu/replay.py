@@ -282,7 +282,7 @@ class Replay:
             return outs
         s["tries"] += 1
         if why != "the calls differ from one step to the next" or s["tries"] >= TRIES:
-            s["failed"] = True
+            s["failed"], s["rec"] = True, None  # a recording's calls hold arrays: none kept for a graph that walks
             self.counters["declined"] += 1
             log.debug("cpu_replay_declined", tokens=len(feed["tokens"]), why=why)
         return outs
