@@ -552,8 +552,8 @@ def test_head_norms_of_a_strided_slice_are_the_contiguous_rows_norms(n_tok, weig
     """Gemma's q and k norms of several tokens take (tokens, heads, d) as the strided column
     slice of the fused QKV product it is (ops.rms_norm_heads: no contiguous copy, so replay can
     record the step): bitwise the 2-D kernels' result on the contiguous rows, the input left as
-    it was. Mutations seen to fail: the sum of squares short of the last column; the weight indexed by head;
-    the parallel variant's rows taken from token 0."""
+    it was. Mutations seen to fail: the serial variant's tokens taken in reverse order; the parallel
+    variant's rows taken from token 0."""
     from types import SimpleNamespace
 
     from hearthlm.backends.cpu import ops

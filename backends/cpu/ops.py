@@ -93,36 +93,21 @@ def rms_norm_1(x, w, eps, out):
         _rms_row(x, w, eps, out, r)
 
 
-@numba.njit(inline="always", **_JIT)
-def _rms_head(x, w, eps, out, t, h):
-    n = x.shape[2]
-    ss = 0.0
-    for j in range(n):
-        ss += np.float64(x[t, h, j]) * x[t, h, j]
-    inv = np.float32(1.0 / math.sqrt(ss / n + eps))
-    if w.shape[0] == 0:
-        for j in range(n):
-            out[t, h, j] = x[t, h, j] * inv
-    else:
-        for j in range(n):
-            out[t, h, j] = x[t, h, j] * inv * w[j]
-
-
 # rms_norm of each head of each token, x (n_tokens, n_head, d) as it lies: several tokens' q or k
 # are a strided slice of the fused QKV product, and a contiguous copy would be a fresh array each
-# step, which replay.py cannot record. _rms_row's arithmetic: bitwise rms_norm of the rows.
+# step, which replay.py cannot record. _rms_row on each token's (n_head, d): bitwise rms_norm of the rows.
 @numba.njit(parallel=True, **_JIT)
 def rms_norm_heads(x, w, eps, out):
     for t in prange(x.shape[0]):
         for h in range(x.shape[1]):
-            _rms_head(x, w, eps, out, t, h)
+            _rms_row(x[t], w, eps, out[t], h)  # token t's heads as rows
 
 
 @numba.njit(**_JIT)
 def rms_norm_heads_1(x, w, eps, out):
     for t in range(x.shape[0]):
         for h in range(x.shape[1]):
-            _rms_head(x, w, eps, out, t, h)
+            _rms_row(x[t], w, eps, out[t], h)  # token t's heads as rows
 
 
 @numba.njit(inline="always", **_JIT_ORDERED)
